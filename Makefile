@@ -1,0 +1,58 @@
+# mxval: `make validate` and `make test` set everything up themselves.
+#
+# When the running Python already imports torch and triton (a ROCm/CUDA image, the GPU
+# machine), that environment is used as it is and nothing is installed over it.
+# Otherwise a venv is created in .venv with the pinned CPU builds (constraints.txt).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+REPORT_DIR ?= reports/validate
+JOBS ?= 2
+
+SYSTEM_STACK := $(shell $(PYTHON) -c 'import torch, triton' >/dev/null 2>&1 && echo yes)
+ifeq ($(SYSTEM_STACK),yes)
+  PY := $(PYTHON)
+  ENV_STAMP := .mxval-env-system
+  export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+else
+  PY := $(VENV)/bin/python
+  ENV_STAMP := $(VENV)/.mxval-installed
+endif
+MXVAL := $(PY) -m harness
+
+.PHONY: env test test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean
+
+env: $(ENV_STAMP)
+
+$(VENV)/.mxval-installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $@
+
+.mxval-env-system: pyproject.toml tools/ensure_env.py
+	$(PY) tools/ensure_env.py
+	touch $@
+
+# CPU suite: unit tests, the Triton backend through the interpreter, the smoke suite and
+# the CI part of the selftest (they are tests under tests/).
+test: $(ENV_STAMP)
+	$(PY) -m pytest -q -m "not gpu and not slow" $(if $(shell $(PY) -c 'import xdist' 2>/dev/null && echo y),-n $(JOBS))
+
+# GPU suite: compiled Triton against the reference (an NVIDIA or AMD GPU).
+test-gpu: $(ENV_STAMP)
+	$(PY) -m pytest -q -m gpu
+
+validate: $(ENV_STAMP)
+	$(MXVAL) validate --suite default --backend auto -j $(JOBS) --report-dir $(REPORT_DIR)
+
+selftest: $(ENV_STAMP)
+	$(MXVAL) selftest --report-dir reports/selftest
+
+bench: $(ENV_STAMP)
+	$(PY) -m harness.bench
+
+study: $(ENV_STAMP)
+	$(MXVAL) study --report-dir reports/study
+
+clean:
+	rm -rf $(VENV) .mxval-env-system build *.egg-info

@@ -1,0 +1,105 @@
+"""The FP8 baseline indexer, the default cache of 132 B per entry (NUMERICS.md §7).
+
+K: one power-of-two scale per entry, pages `[page_size*D fp8][page_size fp32 scales]`,
+token-major. Q: one scale per (token, head), folded into the head weights."""
+from __future__ import annotations
+
+import torch
+
+from . import checks
+from .formats import F32_MANT_BITS, FP8_AMAX_FLOOR, FP8_FLAVOURS, ROUNDING_PATHS
+from .k_writer import check_k_writer_args, group_start, k_values, writer_mask
+from .q_quant import check_q_args, q_values
+from .scoring import check_paged_args, default_width, paged_logits
+
+
+def fp8_flavour(name: str) -> tuple[torch.dtype, float]:
+    checks.choice("fp8_dtype", name, tuple(FP8_FLAVOURS))
+    dtype_name, fmax = FP8_FLAVOURS[name]
+    return getattr(torch, dtype_name), fmax
+
+
+def entry_bytes(head_dim: int) -> int:
+    return head_dim + 4
+
+
+def pow2_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
+    """2**ceil(log2(max(amax, 1e-4) / fp8_max)), exponent taken from the fp32 bits."""
+    ratio = torch.clamp_min(amax.float(), FP8_AMAX_FLOOR) / fp8_max
+    e = (ratio.contiguous().view(torch.int32) + 0x7FFFFF) >> F32_MANT_BITS
+    return (e << F32_MANT_BITS).view(torch.float32)
+
+
+def quantize_fp8(x: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (fp8 bytes u8 [..., D], scale f32 [...]) with one scale per row."""
+    dtype, fmax = fp8_flavour(fp8_dtype)
+    s = pow2_scale(x.abs().amax(dim=-1), fmax)
+    v = torch.clamp(x.float() / s.unsqueeze(-1), -fmax, fmax).to(dtype)
+    return v.view(torch.uint8), s
+
+
+def dequantize_fp8(v: torch.Tensor, fp8_dtype: str, out_dtype=torch.float64) -> torch.Tensor:
+    dtype, _ = fp8_flavour(fp8_dtype)
+    return v.view(dtype).to(out_dtype)
+
+
+def fp8_slot_offsets(slots: torch.Tensor, page_size: int, head_dim: int, page_stride: int):
+    page, t = slots.long() // page_size, slots.long() % page_size
+    start = page * page_stride
+    vals = (start + t * head_dim).unsqueeze(-1) + torch.arange(head_dim, device=slots.device)
+    scales = (start + page_size * head_dim + t * 4).unsqueeze(-1) + torch.arange(4, device=slots.device)
+    return vals, scales
+
+
+def k_norm_rope_fp8_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                          norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
+                          fp8_dtype: str = "e4m3fn", rounding: str = "rocm",
+                          hadamard: bool = False) -> dict:
+    checks.choice("rounding", rounding, ROUNDING_PATHS)
+    fp8_flavour(fp8_dtype)
+    check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps,
+                        compress_ratio, page_size, k_dtypes=checks.FLOAT_DTYPES, entry_bytes=entry_bytes)
+    sel = writer_mask(positions, slot_mapping, compress_ratio)
+    y = k_values(k[sel], group_start(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
+                 norm_eps, rounding=rounding, hadamard=hadamard)
+    v, s = quantize_fp8(y, fp8_dtype)
+    out = kv_cache.clone()
+    if v.shape[0]:
+        vo, so = fp8_slot_offsets(slot_mapping[sel], page_size, k.shape[1], kv_cache.shape[1])
+        flat = out.view(-1)
+        flat[vo.flatten()] = v.reshape(-1)
+        flat[so.flatten()] = s.contiguous().view(torch.uint8).reshape(-1)
+    return {"kv_cache": out}
+
+
+def q_rope_fp8_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
+                     fp8_dtype: str = "e4m3fn", hadamard: bool = False) -> dict:
+    check_q_args(q, positions, cos_sin_cache, weights, weights_scale)
+    v, s = quantize_fp8(q_values(q, positions, cos_sin_cache, hadamard=hadamard), fp8_dtype)
+    w = weights.float() * s * torch.tensor(weights_scale, dtype=torch.float32, device=weights.device)
+    return {"q_fp8": v, "weights": w}
+
+
+def paged_fp8_mqa_logits_fp64(*, q_fp8, weights, kv_cache, query_start_loc, context_lens, block_table,
+                               row_ends, page_size: int = 64, fp8_dtype: str = "e4m3fn",
+                               width: int | None = None, **_unused) -> torch.Tensor:
+    dims = checks.Dims()
+    dims.check("q_fp8", q_fp8, torch.uint8, ("Rw", "H", "D"))
+    fp8_flavour(fp8_dtype)
+    d = q_fp8.shape[2]
+    check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
+                     page_size, entry_bytes(d))
+    q = dequantize_fp8(q_fp8, fp8_dtype)
+
+    def read_keys(slots):
+        vo, so = fp8_slot_offsets(slots, page_size, d, kv_cache.shape[1])
+        flat = kv_cache.reshape(-1)
+        s = flat[so].contiguous().view(torch.float32).double()          # [n, 1]
+        return dequantize_fp8(flat[vo], fp8_dtype) * s
+
+    return paged_logits(q, weights, query_start_loc, block_table, row_ends, page_size, read_keys,
+                        width or default_width(block_table, page_size))
+
+
+def paged_fp8_mqa_logits(*, clean_logits: bool = False, **kwargs) -> dict:
+    return {"logits": paged_fp8_mqa_logits_fp64(**kwargs).float()}

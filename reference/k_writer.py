@@ -1,0 +1,99 @@
+"""The MXFP4 K writer, aiter's `k_norm_rope_mxfp4_cache` (NUMERICS.md §2).
+
+For each boundary token with a slot: RMS-norm -> GPT-J RoPE on the last R dims at the
+group's first position -> MXFP4 -> store at the slot in the page layout. Every byte the
+op does not own keeps its previous value.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import checks, hadamard as _hadamard, layout, mxfp4
+from .formats import ROUNDING_PATHS
+from .rope import bf16_round, cos_sin_at, rope_gptj_tail
+
+
+def writer_mask(positions: torch.Tensor, slot_mapping: torch.Tensor, compress_ratio: int) -> torch.Tensor:
+    """Tokens that write: slot >= 0 and (p + 1) % r == 0."""
+    return (slot_mapping >= 0) & ((positions.long() + 1) % compress_ratio == 0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x * rsqrt(sum(x*x)/D + eps)) * fp32(w), in this order, fp32 (not rounded)."""
+    ms = (x * x).sum(dim=-1, keepdim=True) / x.shape[-1]
+    return (x * torch.rsqrt(ms + eps)) * weight.float()
+
+
+def group_start(positions: torch.Tensor, compress_ratio: int) -> torch.Tensor:
+    """The position RoPE uses for a compressed key: the group's first token."""
+    return (positions.long() // compress_ratio) * compress_ratio
+
+
+def k_values(k: torch.Tensor, rope_pos: torch.Tensor, cos_sin_cache: torch.Tensor,
+             norm_weight: torch.Tensor, norm_eps: float, *, rounding: str = "rocm",
+             hadamard: bool = False) -> torch.Tensor:
+    """Pooled rows [N, D] -> the values the writer quantizes (fp32 holding bf16 values).
+
+    rocm:     bf16 pooled row; bf16 after the norm; bf16 after RoPE; NoPE pairs go
+              through the RoPE formula with cos=1, sin=0 (as aiter's kernel does).
+    cuda:     fp32 through norm and RoPE, one bf16 round at the end.
+    deepseek: bf16 before and after the norm, RoPE rounded, NoPE untouched.
+    """
+    cos, sin = cos_sin_at(cos_sin_cache, rope_pos)
+    x = k.float()
+    if rounding == "cuda":
+        y = bf16_round(rope_gptj_tail(rms_norm(x, norm_weight, norm_eps), cos, sin,
+                                      round_bf16=False, nope_through_formula=False))
+    else:
+        if rounding == "deepseek":
+            x = bf16_round(x)
+        n = bf16_round(rms_norm(x, norm_weight, norm_eps))
+        y = rope_gptj_tail(n, cos, sin, round_bf16=True, nope_through_formula=(rounding == "rocm"))
+    return _hadamard.rotate(y) if hadamard else y
+
+
+def check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                        norm_eps, compress_ratio, page_size, *, k_dtypes, entry_bytes) -> checks.Dims:
+    dims = checks.Dims()
+    dims.check("k", k, k_dtypes, ("T", "D"))
+    dims.check("positions", positions, checks.INT_DTYPES, ("T",))
+    dims.check("slot_mapping", slot_mapping, checks.INT_DTYPES, ("T",))
+    dims.check("cos_sin_cache", cos_sin_cache, torch.float32, ("max_pos", "R"))
+    dims.check("norm_weight", norm_weight, checks.FLOAT_DTYPES, ("D",))
+    dims.check("kv_cache", kv_cache, torch.uint8, ("P", "page_bytes"))
+    d, rdim = k.shape[1], cos_sin_cache.shape[1]
+    if d % 32:
+        raise ValueError(f"k: head dim {d} is not a multiple of 32")
+    if rdim % 2 or rdim > d:
+        raise ValueError(f"cos_sin_cache: rope dim {rdim} must be even and at most D={d}")
+    checks.scalar("norm_eps", norm_eps, (float, int))
+    checks.scalar("compress_ratio", compress_ratio, positive=True)
+    checks.scalar("page_size", page_size, positive=True)
+    need = page_size * entry_bytes(d)
+    if kv_cache.shape[1] < need:
+        raise ValueError(f"kv_cache: page stride {kv_cache.shape[1]} is below the {need} bytes "
+                         f"of {page_size} entries")
+    checks.int_range("slot_mapping", slot_mapping, 0, kv_cache.shape[0] * page_size, allow_negative=True)
+    sel = writer_mask(positions, slot_mapping, compress_ratio)
+    checks.int_range("positions", group_start(positions[sel], compress_ratio), 0, cos_sin_cache.shape[0])
+    checks.finite("k", k[sel])
+    return dims
+
+
+def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                            norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
+                            shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
+                            scale_rule: str = "ceil") -> dict:
+    shuffle = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+    checks.choice("rounding", rounding, ROUNDING_PATHS)
+    check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                        norm_eps, compress_ratio, page_size,
+                        k_dtypes=(torch.bfloat16,) if rounding != "cuda" else checks.FLOAT_DTYPES,
+                        entry_bytes=layout.entry_bytes)
+    layout.check_layout(page_size, k.shape[1], shuffle)
+    sel = writer_mask(positions, slot_mapping, compress_ratio)
+    y = k_values(k[sel], group_start(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
+                 norm_eps, rounding=rounding, hadamard=hadamard)
+    packed, scales = mxfp4.quantize_mxfp4(y, scale_rule)
+    return {"kv_cache": layout.write_entries(kv_cache, slot_mapping[sel], packed, scales,
+                                             page_size=page_size, shuffle=shuffle)}

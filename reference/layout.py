@@ -1,0 +1,155 @@
+"""Page layouts of the MXFP4 K cache (NUMERICS.md §5).
+
+A page holds `page_size` entries: all value bytes (page_size * D/2), then all scale
+bytes (page_size * D/32), then optional padding up to the page stride. Entries are
+either token-major ("natural") or preshuffled in groups of N tokens so that aiter's
+scorer reads them in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .formats import MX_BLOCK
+
+
+@dataclass(frozen=True)
+class Shuffle:
+    """Preshuffle parameters (N tokens per group, Dt value bytes per tile, L scale lanes)."""
+    n: int = 32
+    dt: int = 16
+    l: int = 2
+
+    def as_list(self) -> list[int]:
+        return [self.n, self.dt, self.l]
+
+
+def choose_shuffle(head_dim: int, heads: int) -> Shuffle:
+    """The layout aiter picks: N = 32 if (D <= 64 or H >= 32) else 16, Dt = 16, L = 64 // N."""
+    n = 32 if (head_dim <= 64 or heads >= 32) else 16
+    return Shuffle(n, 16, 64 // n)
+
+
+def as_shuffle(shuffle) -> Optional[Shuffle]:
+    """Accept None, a Shuffle, or the dump's `[N, Dt, L]` list."""
+    if shuffle is None or isinstance(shuffle, Shuffle):
+        return shuffle
+    if isinstance(shuffle, (list, tuple)) and len(shuffle) == 3 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shuffle):
+        return Shuffle(*shuffle)
+    raise ValueError(f"shuffle: expected [N, Dt, L] or null, got {shuffle!r}")
+
+
+def entry_bytes(head_dim: int) -> int:
+    return head_dim // 2 + head_dim // MX_BLOCK
+
+
+def page_bytes(page_size: int, head_dim: int) -> int:
+    """Bytes a page needs (the stride may be larger)."""
+    return page_size * entry_bytes(head_dim)
+
+
+def check_layout(page_size: int, head_dim: int, shuffle: Optional[Shuffle]) -> None:
+    if head_dim % MX_BLOCK:
+        raise ValueError(f"head_dim: {head_dim} is not a multiple of {MX_BLOCK}")
+    if shuffle is None:
+        return
+    tb, nb = head_dim // 2, head_dim // MX_BLOCK
+    if page_size % shuffle.n:
+        raise ValueError(f"page_size: {page_size} is not a multiple of the shuffle group N={shuffle.n}")
+    if tb % shuffle.dt:
+        raise ValueError(f"shuffle: Dt={shuffle.dt} does not divide the {tb} value bytes of an entry")
+    if nb % shuffle.l:
+        raise ValueError(f"shuffle: L={shuffle.l} does not divide the {nb} scale blocks of an entry")
+
+
+def value_offsets(t: torch.Tensor, page_size: int, head_dim: int, shuffle) -> torch.Tensor:
+    """In-page offsets of the value bytes of entries `t` ([...]) -> [..., D/2] int64."""
+    shuffle = as_shuffle(shuffle)
+    check_layout(page_size, head_dim, shuffle)
+    tb = head_dim // 2
+    t = t.long().unsqueeze(-1)
+    b = torch.arange(tb, device=t.device)
+    if shuffle is None:
+        return t * tb + b
+    n, dt = shuffle.n, shuffle.dt
+    g, lane = t // n, t % n
+    return g * n * tb + (b // dt) * n * dt + lane * dt + (b % dt)
+
+
+def scale_offsets(t: torch.Tensor, page_size: int, head_dim: int, shuffle) -> torch.Tensor:
+    """In-page offsets of the scale bytes of entries `t` ([...]) -> [..., D/32] int64."""
+    shuffle = as_shuffle(shuffle)
+    check_layout(page_size, head_dim, shuffle)
+    tb, nb = head_dim // 2, head_dim // MX_BLOCK
+    base = page_size * tb
+    t = t.long().unsqueeze(-1)
+    s = torch.arange(nb, device=t.device)
+    if shuffle is None:
+        return base + t * nb + s
+    n, l = shuffle.n, shuffle.l
+    s_hi = nb // l
+    g, lane = t // n, t % n
+    return base + g * n * nb + (s % l) * n * s_hi + lane * s_hi + (s // l)
+
+
+def slot_byte_offsets(slots: torch.Tensor, page_size: int, head_dim: int, shuffle,
+                      page_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat pool offsets (int64, no 32-bit wrap) of the value and scale bytes of `slots`."""
+    page, t = slots.long() // page_size, slots.long() % page_size
+    start = (page * page_stride).unsqueeze(-1)
+    return (start + value_offsets(t, page_size, head_dim, shuffle),
+            start + scale_offsets(t, page_size, head_dim, shuffle))
+
+
+def write_entries(kv_cache: torch.Tensor, slots: torch.Tensor, packed: torch.Tensor,
+                  scales: torch.Tensor, *, page_size: int, shuffle) -> torch.Tensor:
+    """Return a copy of the pool [P, stride] u8 with entries stored at `slots`; every
+    byte not owned by those entries keeps its value."""
+    out = kv_cache.clone()
+    if slots.numel():
+        head_dim = packed.shape[-1] * 2
+        vo, so = slot_byte_offsets(slots, page_size, head_dim, shuffle, kv_cache.shape[1])
+        flat = out.view(-1)
+        flat[vo.flatten()] = packed.reshape(-1)
+        flat[so.flatten()] = scales.reshape(-1)
+    return out
+
+
+def read_entries(kv_cache: torch.Tensor, slots: torch.Tensor, *, page_size: int, head_dim: int,
+                 shuffle) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather (packed [..., D/2], scales [..., D/32]) of the entries at `slots` ([...])."""
+    vo, so = slot_byte_offsets(slots, page_size, head_dim, shuffle, kv_cache.shape[1])
+    flat = kv_cache.reshape(-1)
+    return flat[vo], flat[so]
+
+
+def owned_mask(num_pages: int, page_stride: int, slots: torch.Tensor, *, page_size: int,
+               head_dim: int, shuffle) -> torch.Tensor:
+    """Bool [P, stride]: the bytes that writing `slots` owns."""
+    mask = torch.zeros(num_pages * page_stride, dtype=torch.bool, device=slots.device)
+    if slots.numel():
+        vo, so = slot_byte_offsets(slots, page_size, head_dim, shuffle, page_stride)
+        mask[vo.flatten()] = True
+        mask[so.flatten()] = True
+    return mask.view(num_pages, page_stride)
+
+
+def locate(offset: int, *, page_stride: int, page_size: int, head_dim: int,
+           shuffle) -> dict:
+    """Inverse map of a flat pool byte offset: page, entry, and value byte or scale block
+    (or 'padding'). Used by the diff engine to say where a byte lies."""
+    shuffle = as_shuffle(shuffle)
+    page, off = divmod(int(offset), page_stride)
+    tb, nb = head_dim // 2, head_dim // MX_BLOCK
+    if off >= page_size * (tb + nb):
+        return {"page": page, "kind": "padding", "offset": off}
+    t_all = torch.arange(page_size)
+    if off < page_size * tb:
+        hit = (value_offsets(t_all, page_size, head_dim, shuffle) == off).nonzero()[0].tolist()
+        return {"page": page, "kind": "value", "entry": hit[0], "byte": hit[1],
+                "elements": [2 * hit[1], 2 * hit[1] + 1], "block": (2 * hit[1]) // MX_BLOCK}
+    hit = (scale_offsets(t_all, page_size, head_dim, shuffle) == off).nonzero()[0].tolist()
+    return {"page": page, "kind": "scale", "entry": hit[0], "block": hit[1]}

@@ -1,0 +1,122 @@
+"""MXFP4 encode/decode (NUMERICS.md §4): e2m1 elements, one e8m0 scale per 32.
+
+The production rule is aiter "scaling mode 1" (`ceil`): the scale is the smallest power
+of two with amax / scale <= 6, computed from the fp32 bits so that it agrees with the
+kernels at every amax (a float ceil(log2()) disagrees just above 6 * 2**k).
+The other rules are offered for studies and named for where they come from.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import checks
+from .formats import E2M1_VALUES, E8M0_BIAS, F32_MANT_BITS, MX_BLOCK
+
+_ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # fp32(1/6), as the kernels hold it
+_TINY_AMAX = 6.0 * 2.0 ** -126
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def _from_bits(b: torch.Tensor) -> torch.Tensor:
+    return b.to(torch.int32).contiguous().view(torch.float32)
+
+
+# --- scale rules: fp32 amax -> biased e8m0 (int32) ----------------------------------
+
+def e8m0_ceil(amax: torch.Tensor) -> torch.Tensor:
+    """aiter scaling mode 1 / vLLM CUDA: biased exponent of 2**ceil(log2(amax/6))."""
+    ratio = torch.clamp_min(amax.float(), _TINY_AMAX) * _ONE_SIXTH.to(amax.device)
+    return (_bits(ratio) + 0x7FFFFF) >> F32_MANT_BITS
+
+
+def e8m0_ocp_floor(amax: torch.Tensor) -> torch.Tensor:
+    """OCP MX v1.0 (torchao FLOOR): floor(log2 amax) - 2, clamped to e8m0's range."""
+    exp = ((_bits(amax.float()) >> F32_MANT_BITS) & 0xFF) - E8M0_BIAS
+    return torch.clamp(exp - 2 + E8M0_BIAS, 0, 254)
+
+
+def e8m0_even(amax: torch.Tensor) -> torch.Tensor:
+    """aiter mode 0 / torchao EVEN: round amax to e2m1's 1 mantissa bit first, then floor."""
+    rounded = (_bits(amax.float()) + (1 << (F32_MANT_BITS - 2))) & 0x7F800000  # exponent only
+    return torch.clamp((rounded >> F32_MANT_BITS) - 2, 0, 254)
+
+
+def e8m0_rceil(amax: torch.Tensor) -> torch.Tensor:
+    """torchao RCEIL in eager mode: ceil(log2(amax / 6)) through float log2.
+    Differs from `ceil` at some amax just above 6 * 2**k."""
+    descale = amax.float() / 6.0
+    exp = torch.clamp(torch.ceil(torch.log2(descale)), -E8M0_BIAS, E8M0_BIAS)
+    return (exp + E8M0_BIAS).to(torch.int32)
+
+
+SCALE_RULES = {
+    "ceil": e8m0_ceil,            # production: aiter mode 1, vLLM
+    "ocp-floor": e8m0_ocp_floor,  # OCP v1.0, torchao FLOOR
+    "even": e8m0_even,            # aiter mode 0, torchao EVEN
+    "rceil": e8m0_rceil,          # torchao RCEIL (float log2)
+}
+
+
+def scale_rule(name: str):
+    return SCALE_RULES[checks.choice("scale_rule", name, tuple(SCALE_RULES))]
+
+
+# --- elements --------------------------------------------------------------------
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even onto {0,.5,1,1.5,2,3,4,6} (saturating), sign in bit 3.
+    Ties go to the even code: .25 -> 0, .75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4."""
+    a = y.abs()
+    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
+            + (a > 2.5) + (a >= 3.5) + (a > 5.0))
+    return code | (torch.signbit(y).to(torch.uint8) << 3)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """byte[b] = code[2b] | code[2b+1] << 4: the even element in the LOW nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def e8m0_to_float(e8m0: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """2**(e - 127) exactly (e = 0 is the fp32 subnormal 2**-127); 255 -> NaN."""
+    e = e8m0.to(torch.int32)
+    out = torch.ldexp(torch.ones_like(e, dtype=torch.float64), e - E8M0_BIAS).to(dtype)
+    return torch.where(e == 255, torch.full_like(out, float("nan")), out)
+
+
+_E2M1_LUT = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float64)
+
+
+def e2m1_to_float(codes: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return _E2M1_LUT.to(device=codes.device, dtype=dtype)[codes.long()]
+
+
+# --- whole blocks ----------------------------------------------------------------
+
+def _blocks(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.shape[-1] % MX_BLOCK:
+        raise ValueError(f"{name}: last dimension {x.shape[-1]} is not a multiple of {MX_BLOCK}")
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
+
+
+def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x"):
+    """x [..., D] (any float dtype, taken as fp32) -> (packed u8 [..., D/2], e8m0 u8 [..., D/32])."""
+    xb = _blocks(x, name)
+    e8m0 = SCALE_RULES[scale_rule](xb.abs().amax(dim=-1))
+    inv = _from_bits((254 - e8m0) << F32_MANT_BITS)       # 2**(127 - e8m0), exact
+    codes = e2m1_codes(xb * inv.unsqueeze(-1)).flatten(-2)
+    return pack_nibbles(codes), e8m0.to(torch.uint8)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """(packed u8 [..., D/2], e8m0 u8 [..., D/32]) -> values [..., D], exact in fp32 and fp64."""
+    vals = e2m1_to_float(unpack_nibbles(packed), dtype)
+    blocks = vals.reshape(*vals.shape[:-1], scales.shape[-1], MX_BLOCK)
+    return (blocks * e8m0_to_float(scales, dtype).unsqueeze(-1)).flatten(-2)

@@ -1,0 +1,105 @@
+"""Softmax-gated overlap pooling, the indexer's compressor (NUMERICS.md §1).
+
+Every boundary token p ((p + 1) % r == 0) produces compressed entry p // r from the 2r
+positions p-2r+1 .. p: the previous group's `_a` halves and its own group's `_b` halves,
+softmax over the window per channel. Rows are found through the request's state block
+table, so chunked prefill and decode pool exactly like one full pass.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import checks
+from .formats import ROUNDING_PATHS
+
+
+# --- building the state cache (what the model's compressor writes per position) ------
+
+def state_rows(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+    """kv, score f32 [T, 2D], ape f32 [r, 2D] -> rows [T, 4D] =
+    [kv_a | kv_b | score_a + ape_a[p % r] | score_b + ape_b[p % r]]."""
+    r = ape.shape[0]
+    return torch.cat((kv.float(), score.float() + ape.float()[positions.long() % r]), dim=-1)
+
+
+def write_state(state_cache: torch.Tensor, block_table: torch.Tensor, req_index: torch.Tensor,
+                positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Return a copy of the state cache with `rows` stored at each token's position."""
+    out = state_cache.clone()
+    bs = state_cache.shape[1]
+    pos = positions.long()
+    blk = block_table[req_index.long(), pos // bs].long()
+    out[blk, pos % bs] = rows.to(out.dtype)
+    return out
+
+
+# --- the pooling itself -----------------------------------------------------------
+
+def boundary_mask(positions: torch.Tensor, compress_ratio: int) -> torch.Tensor:
+    return (positions.long() + 1) % compress_ratio == 0
+
+
+def gather_windows(state_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+                   req_index: torch.Tensor, compress_ratio: int):
+    """For tokens at `positions` -> (kv [N, 2r, D], score [N, 2r, D]); window slots before
+    position 0 hold kv 0 and score -inf. Window i < r reads the `_a` halves, i >= r `_b`."""
+    r = compress_ratio
+    d = state_cache.shape[-1] // 4
+    bs = state_cache.shape[1]
+    i = torch.arange(2 * r, device=positions.device)
+    q = positions.long()[:, None] - (2 * r - 1) + i                     # [N, 2r]
+    valid = q >= 0
+    qc = q.clamp_min(0)
+    blk = block_table[req_index.long()[:, None], qc // bs].long()
+    rows = state_cache[blk, qc % bs]                                    # [N, 2r, 4D]
+    own = (i >= r)[None, :, None]
+    kv = torch.where(own, rows[..., d:2 * d], rows[..., :d])
+    score = torch.where(own, rows[..., 3 * d:], rows[..., 2 * d:3 * d])
+    kv = torch.where(valid[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
+    score = torch.where(valid[..., None], score, torch.full((), float("-inf"), device=kv.device))
+    return kv, score, valid
+
+
+def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """c[d] = sum_i softmax_i(score_i[d]) * kv_i[d], exact (fp64) then rounded to fp32."""
+    w = torch.softmax(score.double(), dim=1)
+    return (w * kv.double()).sum(dim=1).float()
+
+
+def _check(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio):
+    dims = checks.Dims()
+    dims.check("state_cache", state_cache, torch.float32, ("blocks", "block_size", "4D"))
+    if state_cache.shape[-1] % 4:
+        raise ValueError(f"state_cache: last dimension {state_cache.shape[-1]} is not 4*D")
+    dims.check("block_table", block_table, checks.INT_DTYPES, ("reqs", "max_blocks"))
+    for name, t in (("positions", positions), ("req_index", req_index),
+                    ("kv_slot_mapping", kv_slot_mapping)):
+        dims.check(name, t, checks.INT_DTYPES, ("T",))
+    checks.scalar("compress_ratio", compress_ratio, positive=True)
+    checks.int_range("positions", positions, 0, 2 ** 62)
+    checks.int_range("req_index", req_index, 0, block_table.shape[0])
+
+
+def compress_pool(*, state_cache, block_table, positions, req_index, kv_slot_mapping,
+                  compress_ratio: int = 4, rounding: str = "rocm") -> dict:
+    """Pooled row of every boundary token that writes (slot >= 0); other rows are NaN.
+    ROCm split path and DeepSeek: bf16 [T, D]; CUDA fused path: the fp32 rows [T, D]."""
+    _check(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio)
+    checks.choice("rounding", rounding, ROUNDING_PATHS)
+    d = state_cache.shape[-1] // 4
+    sel = boundary_mask(positions, compress_ratio) & (kv_slot_mapping >= 0)
+    out = torch.full((positions.shape[0], d), float("nan"), device=state_cache.device)
+    if bool(sel.any()):
+        pos, req = positions[sel], req_index[sel]
+        bs, r = state_cache.shape[1], compress_ratio
+        first = (pos.long() - (2 * r - 1)).clamp_min(0) // bs
+        checks.int_range("block_table (window blocks)", first, 0, block_table.shape[1])
+        checks.int_range("positions (window blocks)", pos.long() // bs, 0, block_table.shape[1])
+        used = block_table[req.long()[:, None], torch.stack((first, pos.long() // bs), -1)]
+        checks.int_range("block_table", used, 0, state_cache.shape[0])
+        kv, score, valid = gather_windows(state_cache, block_table, pos, req, r)
+        checks.finite("state_cache (window rows)", torch.where(valid[..., None], score, 0.0))
+        checks.finite("state_cache (window rows)", kv)
+        out[sel] = softmax_pool(kv, score)
+    return {"pooled": out if rounding == "cuda" else out.to(torch.bfloat16)}

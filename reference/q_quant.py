@@ -1,0 +1,47 @@
+"""The MXFP4 Q quant, aiter's `q_rope_mxfp4_quant`, and the folded head weights (§3)."""
+from __future__ import annotations
+
+import torch
+
+from . import checks, hadamard as _hadamard, mxfp4
+from .rope import cos_sin_at, rope_gptj_tail
+
+
+def q_values(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *,
+             hadamard: bool = False) -> torch.Tensor:
+    """q [T, H, D] bf16 -> RoPE at each token's own position, rotated values through bf16,
+    NoPE dims untouched (signed zeros kept). fp32 holding bf16 values."""
+    cos, sin = cos_sin_at(cos_sin_cache, positions)
+    y = rope_gptj_tail(q.float(), cos[:, None], sin[:, None], round_bf16=True,
+                       nope_through_formula=False)
+    return _hadamard.rotate(y) if hadamard else y
+
+
+def fold_weights(weights: torch.Tensor, weights_scale: float) -> torch.Tensor:
+    """fp32(weights) * fp32(weights_scale): one multiply; no q scale in the MXFP4 path."""
+    return weights.float() * torch.tensor(weights_scale, dtype=torch.float32, device=weights.device)
+
+
+def check_q_args(q, positions, cos_sin_cache, weights, weights_scale) -> None:
+    dims = checks.Dims()
+    dims.check("q", q, torch.bfloat16, ("T", "H", "D"))
+    dims.check("positions", positions, checks.INT_DTYPES, ("T",))
+    dims.check("cos_sin_cache", cos_sin_cache, torch.float32, ("max_pos", "R"))
+    dims.check("weights", weights, checks.FLOAT_DTYPES, ("T", "H"))
+    d, rdim = q.shape[2], cos_sin_cache.shape[1]
+    if d % 32:
+        raise ValueError(f"q: head dim {d} is not a multiple of 32")
+    if rdim % 2 or rdim > d:
+        raise ValueError(f"cos_sin_cache: rope dim {rdim} must be even and at most D={d}")
+    checks.scalar("weights_scale", weights_scale, (float, int))
+    checks.int_range("positions", positions, 0, cos_sin_cache.shape[0])
+    checks.finite("q", q)
+    checks.finite("weights", weights)
+
+
+def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
+                       hadamard: bool = False, scale_rule: str = "ceil") -> dict:
+    check_q_args(q, positions, cos_sin_cache, weights, weights_scale)
+    packed, scales = mxfp4.quantize_mxfp4(q_values(q, positions, cos_sin_cache, hadamard=hadamard),
+                                          scale_rule)
+    return {"q_fp4": packed, "q_scale": scales, "weights": fold_weights(weights, weights_scale)}

@@ -1,0 +1,73 @@
+"""RoPE as the indexer applies it (NUMERICS.md §2, §3): GPT-J interleaved pairs on the
+LAST `rope_dim` dims, cos/sin from a `[max_pos, R]` cache laid out `[cos R/2 | sin R/2]`."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def bf16_round(x: torch.Tensor) -> torch.Tensor:
+    """bf16(x): round fp32 to bfloat16 nearest-even, back to fp32."""
+    return x.to(torch.bfloat16).float()
+
+
+def inv_freq(rope_dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
+
+
+def yarn_inv_freq(rope_dim: int, base: float, factor: float, original_max_pos: int,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """DeepSeek's YaRN: long wavelengths divided by `factor`, short ones kept, a linear
+    ramp between the correction dims of beta_fast and beta_slow rotations."""
+    freqs = inv_freq(rope_dim, base)
+
+    def corr_dim(rotations: float) -> float:
+        return rope_dim * math.log(original_max_pos / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return freqs / factor * (1 - keep) + freqs * keep
+
+
+def cos_sin_cache(max_pos: int, rope_dim: int, base: float = 10000.0, *,
+                  yarn_factor: float | None = None, yarn_original_max_pos: int = 65536) -> torch.Tensor:
+    """f32 [max_pos, R] = [cos R/2 | sin R/2]; YaRN when `yarn_factor` is given."""
+    f = (yarn_inv_freq(rope_dim, base, yarn_factor, yarn_original_max_pos)
+         if yarn_factor else inv_freq(rope_dim, base))
+    ang = torch.outer(torch.arange(max_pos, dtype=torch.float64), f)
+    return torch.cat((ang.cos(), ang.sin()), dim=-1).float()
+
+
+def cos_sin_at(cache: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = cache.shape[-1] // 2
+    rows = cache[pos.long()]
+    return rows[..., :half], rows[..., half:]
+
+
+def rope_gptj_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                   round_bf16: bool = True, nope_through_formula: bool = True) -> torch.Tensor:
+    """Rotate pairs (x[2m], x[2m+1]) of the last 2*cos.shape[-1] dims of x ([..., D] fp32).
+
+    `cos`/`sin` are [..., R/2] (broadcast over any head dim by the caller).
+    e' = e*cos - o*sin, o' = o*cos + e*sin, each rounded to bf16 when `round_bf16`.
+    With `nope_through_formula` the NoPE pairs go through the same formula with cos = 1,
+    sin = 0 (the aiter K writer does, and that can turn -0.0 into +0.0)."""
+    d, half = x.shape[-1], cos.shape[-1]
+    nope = d - 2 * half
+    pairs = x.reshape(*x.shape[:-1], d // 2, 2)
+    if nope_through_formula:
+        c = torch.cat((torch.ones_like(cos[..., :1]).expand(*cos.shape[:-1], nope // 2), cos), -1)
+        s = torch.cat((torch.zeros_like(sin[..., :1]).expand(*sin.shape[:-1], nope // 2), sin), -1)
+        e, o = pairs[..., 0], pairs[..., 1]
+        out = torch.stack((e * c - o * s, o * c + e * s), -1).flatten(-2)
+        return bf16_round(out) if round_bf16 else out
+    e, o = pairs[..., nope // 2:, 0], pairs[..., nope // 2:, 1]
+    rot = torch.stack((e * cos - o * sin, o * cos + e * sin), -1).flatten(-2)
+    if round_bf16:
+        rot = bf16_round(rot)
+    return torch.cat((x[..., :nope], rot), -1)

@@ -1,0 +1,137 @@
+"""Paged scoring (NUMERICS.md §6): logits[row, j] = sum_h w[row,h] * relu(q[row,h] . k[j]).
+
+The reference scores in fp64 from exactly dequantized operands (MXFP4 and FP8 values are
+exact in fp64 and their products and sums of 128 terms are too, for any realistic scale
+spread), so its logits are the true scores of the quantized operands; the kernels'
+fp32 accumulation lands within ~1e-14 of them in the scale-invariant metric.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import checks, layout, mxfp4
+
+# Work tile of the dense core: rows*H*entries fp64 scores materialized at once.
+_TILE_ELEMS = 1 << 23
+
+
+def weighted_relu_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Dense core. q [Rw, H, D], k [J, D], w [Rw, H] -> fp64 [Rw, J]; never materializes
+    more than a tile of per-head scores."""
+    rw, h, d = q.shape
+    j = k.shape[0]
+    q64, k64, w64 = q.double(), k.double(), w.double()
+    out = torch.empty(rw, j, dtype=torch.float64, device=q.device)
+    if rw == 0 or j == 0:
+        return out
+    jc = max(1, min(j, _TILE_ELEMS // h))
+    rc = max(1, _TILE_ELEMS // (h * jc))
+    for r0 in range(0, rw, rc):
+        qr = q64[r0:r0 + rc]                                   # [rc, H, D]
+        wr = w64[r0:r0 + rc].unsqueeze(1)                      # [rc, 1, H]
+        for j0 in range(0, j, jc):
+            s = torch.matmul(qr, k64[j0:j0 + jc].T).clamp_min_(0)   # [rc, H, jc]
+            out[r0:r0 + rc, j0:j0 + jc] = torch.bmm(wr, s).squeeze(1)
+    return out
+
+
+def check_paged_args(dims: checks.Dims, weights, kv_cache, query_start_loc, context_lens,
+                     block_table, row_ends, page_size, entry_bytes: int) -> None:
+    dims.check("weights", weights, torch.float32, ("Rw", "H"))
+    dims.check("kv_cache", kv_cache, torch.uint8, ("P", "page_bytes"))
+    dims.check("query_start_loc", query_start_loc, checks.INT_DTYPES, ("B+1",))
+    dims.check("context_lens", context_lens, checks.INT_DTYPES, ("B",))
+    dims.check("block_table", block_table, checks.INT_DTYPES, ("B", "max_pages"))
+    dims.check("row_ends", row_ends, checks.INT_DTYPES, ("Rw",))
+    checks.scalar("page_size", page_size, positive=True)
+    if query_start_loc.shape[0] != context_lens.shape[0] + 1:
+        raise ValueError(f"query_start_loc: expected {context_lens.shape[0] + 1} entries (B+1), "
+                         f"got {query_start_loc.shape[0]}")
+    qsl = query_start_loc.long()
+    if int(qsl[0]) != 0 or int(qsl[-1]) != row_ends.shape[0] or bool((qsl[1:] < qsl[:-1]).any()):
+        raise ValueError(f"query_start_loc: must rise from 0 to Rw={row_ends.shape[0]}, got {qsl.tolist()[:8]}")
+    need = page_size * entry_bytes
+    if kv_cache.shape[1] < need:
+        raise ValueError(f"kv_cache: page stride {kv_cache.shape[1]} is below the {need} bytes of "
+                         f"{page_size} entries")
+    checks.int_range("context_lens", context_lens, 0, block_table.shape[1] * page_size + 1)
+    seq = seq_of_rows(query_start_loc, row_ends.shape[0])
+    bad = (row_ends.long() < 0) | (row_ends.long() > context_lens.long()[seq])
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0])
+        raise ValueError(f"row_ends: row {r} ends at {int(row_ends[r])}, outside [0, context_lens="
+                         f"{int(context_lens[seq[r]])}]")
+    for b in range(context_lens.shape[0]):
+        pages = -(-int(context_lens[b]) // page_size)
+        checks.int_range(f"block_table[{b}]", block_table[b, :pages], 0, kv_cache.shape[0])
+    checks.finite("weights", weights)
+
+
+def seq_of_rows(query_start_loc: torch.Tensor, rows: int) -> torch.Tensor:
+    qsl = query_start_loc.long()
+    return torch.searchsorted(qsl[1:], torch.arange(rows, device=qsl.device), right=True)
+
+
+def entry_slots(block_table_row: torch.Tensor, n: int, page_size: int) -> torch.Tensor:
+    """Pool slots of entries 0..n-1 of one sequence: table[j // ps] * ps + j % ps."""
+    j = torch.arange(n, device=block_table_row.device)
+    return block_table_row.long()[j // page_size] * page_size + j % page_size
+
+
+def paged_logits(q: torch.Tensor, weights: torch.Tensor, query_start_loc: torch.Tensor,
+                 block_table: torch.Tensor, row_ends: torch.Tensor, page_size: int,
+                 read_keys: Callable[[torch.Tensor], torch.Tensor], width: int) -> torch.Tensor:
+    """fp64 [Rw, width]; -inf at and past each row's end. `read_keys(slots)` -> [n, D]."""
+    rw = q.shape[0]
+    out = torch.full((rw, width), float("-inf"), dtype=torch.float64, device=q.device)
+    qsl = query_start_loc.long().tolist()
+    for b in range(len(qsl) - 1):
+        r0, r1 = qsl[b], qsl[b + 1]
+        if r1 == r0:
+            continue
+        n = int(row_ends[r0:r1].max())
+        if n == 0:
+            continue
+        keys = read_keys(entry_slots(block_table[b], n, page_size))
+        s = weighted_relu_logits(q[r0:r1], keys, weights[r0:r1])
+        cols = torch.arange(n, device=q.device)
+        s[cols[None, :] >= row_ends[r0:r1].long()[:, None]] = float("-inf")
+        out[r0:r1, :n] = s
+    return out
+
+
+def default_width(block_table: torch.Tensor, page_size: int) -> int:
+    return block_table.shape[1] * page_size
+
+
+def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
+                                 block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
+                                 width: int | None = None, **_unused) -> torch.Tensor:
+    """The scorer's logits in fp64 (what the study and top-k use)."""
+    shuffle = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+    dims = checks.Dims()
+    dims.check("q_fp4", q_fp4, torch.uint8, ("Rw", "H", "D/2"))
+    dims.check("q_scale", q_scale, torch.uint8, ("Rw", "H", "D/32"))
+    d = q_fp4.shape[2] * 2
+    if q_scale.shape[2] * 32 != d:
+        raise ValueError(f"q_scale: {q_scale.shape[2]} scale blocks do not match D={d} from q_fp4")
+    check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
+                     page_size, layout.entry_bytes(d))
+    layout.check_layout(page_size, d, shuffle)
+    q = mxfp4.dequantize_mxfp4(q_fp4, q_scale, torch.float64)
+
+    def read_keys(slots):
+        packed, scales = layout.read_entries(kv_cache, slots, page_size=page_size, head_dim=d,
+                                             shuffle=shuffle)
+        return mxfp4.dequantize_mxfp4(packed, scales, torch.float64)
+
+    return paged_logits(q, weights, query_start_loc, block_table, row_ends, page_size, read_keys,
+                        width or default_width(block_table, page_size))
+
+
+def paged_mxfp4_mqa_logits(*, clean_logits: bool = False, **kwargs) -> dict:
+    """Reference of aiter's scorer. Columns past a row's end are -inf (the clean form);
+    when the kernel runs without `clean_logits` they are unspecified and not compared."""
+    return {"logits": paged_mxfp4_mqa_logits_fp64(**kwargs).float()}

@@ -1,0 +1,37 @@
+"""Top-k over each row's valid logits (NUMERICS.md §6)."""
+from __future__ import annotations
+
+import torch
+
+from . import checks
+
+
+def topk_indices(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 [Rw, k]. Rows with length <= k: 0..len-1 then -1. Longer rows: the k best
+    columns of [0, len), best first (ties broken by torch.topk, which the contract leaves
+    open)."""
+    rw, width = logits.shape
+    lengths = lengths.long()
+    out = torch.full((rw, k), -1, dtype=torch.int64, device=logits.device)
+    cols = torch.arange(k, device=logits.device)
+    short = lengths <= k
+    out[short] = torch.where(cols[None, :] < lengths[short, None], cols[None, :], -1)
+    long_rows = (~short).nonzero().flatten()
+    if long_rows.numel():
+        masked = logits[long_rows].double().clone()
+        masked[torch.arange(width, device=logits.device)[None, :] >= lengths[long_rows, None]] = float("-inf")
+        out[long_rows] = torch.topk(masked, k, dim=1).indices
+    return out.to(torch.int32)
+
+
+def topk(*, logits, lengths, k: int) -> dict:
+    dims = checks.Dims()
+    dims.check("logits", logits, (torch.float32, torch.float64), ("Rw", "W"))
+    dims.check("lengths", lengths, checks.INT_DTYPES, ("Rw",))
+    checks.scalar("k", k, positive=True)
+    checks.int_range("lengths", lengths, 0, logits.shape[1] + 1)
+    valid = torch.arange(logits.shape[1], device=logits.device)[None, :] < lengths.long()[:, None]
+    if bool(torch.isnan(logits[valid]).any()):
+        raise checks.NonFiniteInput("logits", int(torch.isnan(logits[valid]).sum()),
+                                    valid.logical_and(torch.isnan(logits)).nonzero()[0].tolist())
+    return {"indices": topk_indices(logits, lengths, k)}
