@@ -26,7 +26,7 @@ env: $(ENV_STAMP)
 
 $(VENV)/.mxval-installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt torch triton -e '.[test]'
 	touch $@
 
 .mxval-env-system: pyproject.toml tools/ensure_env.py
