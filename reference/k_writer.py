@@ -19,9 +19,17 @@ def writer_mask(positions: torch.Tensor, slot_mapping: torch.Tensor, compress_ra
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x * rsqrt(sum(x*x)/D + eps)) * fp32(w), in this order, fp32 (not rounded)."""
-    ms = (x * x).sum(dim=-1, keepdim=True) / x.shape[-1]
-    return (x * torch.rsqrt(ms + eps)) * weight.float()
+    """(x * rsqrt(sum(x*x)/D + eps)) * fp32(w), in this order, fp32 (not rounded).
+
+    The spec leaves the summation order and the rsqrt's accuracy to the kernel; the
+    reference pins both so that it gives the same bits on every device: the sum of squares
+    is exact (fp64) then rounded to fp32, and rsqrt is correctly rounded (via fp64). A
+    kernel's fp32 tree sum and approximate rsqrt differ from this by an ulp or two in
+    fp32, which the bf16 round after the norm hides almost always."""
+    ms = (x.double() * x.double()).sum(dim=-1, keepdim=True).float() / x.shape[-1]
+    v = ms + torch.tensor(eps, dtype=torch.float32)
+    rstd = torch.rsqrt(v.double()).float()
+    return (x * rstd) * weight.float()
 
 
 def group_start(positions: torch.Tensor, compress_ratio: int) -> torch.Tensor:
