@@ -56,3 +56,7 @@ study: $(ENV_STAMP)
 
 clean:
 	rm -rf $(VENV) .mxval-env-system build *.egg-info
+
+readme-study: $(ENV_STAMP)
+	$(MXVAL) study --report-dir reports/study --readme docs/study-summary.md
+	$(PY) tools/splice_readme.py study docs/study-summary.md
