@@ -1,0 +1,446 @@
+"""Captured dumps (`mxval-dump` version 1, ../shared/spec/DUMPS.md): strict reader and writer.
+
+A dump is one safetensors file: tensors `<op>/in/<arg>` and `<op>/out/<name>`, and one
+metadata key `mxval` holding JSON (format, version, source, model, layer, step, and the
+scalar arguments of each op). `OP_FIELDS` is the one table of what each op carries; the
+reader and the writer both validate against it, so a file that `read_dump` accepts can be
+handed to `reference.OPS[op](**inputs, **scalars)` as it is.
+
+    dump = read_dump("layer12_step300.safetensors")     # DumpError: one line, file + problem
+    rec = dump.ops["k_norm_rope_mxfp4_cache"]           # OpRecord(op, scalars, inputs, outputs)
+    write_dump("out.safetensors", {rec.op: rec}, source="my kernel @abc123")
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+FORMAT = "mxval-dump"
+VERSION = 1
+META_KEY = "mxval"
+
+
+class DumpError(ValueError):
+    """A dump that cannot be used; the message is one line naming the file and the problem."""
+
+
+@dataclass
+class OpRecord:
+    op: str
+    scalars: dict
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+
+
+@dataclass
+class Dump:
+    path: Optional[str]
+    meta: dict                       # the whole `mxval` JSON object
+    ops: dict[str, OpRecord] = field(default_factory=dict)
+
+
+# --- the field table ------------------------------------------------------------------
+
+U8 = (torch.uint8,)
+I32 = (torch.int32,)
+INT = (torch.int32, torch.int64)
+F32 = (torch.float32,)
+BF16 = (torch.bfloat16,)
+FLT = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Field:
+    """dtypes allowed, and the shape as named dims. A dim is an int, a name ("T"), or a
+    linear expression of one name: "D/2", "D/32", "4*D", "B+1"."""
+    dtypes: tuple
+    shape: tuple
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    inputs: dict
+    outputs: dict
+    scalars: dict                    # required: name -> kind (see _SCALAR_KINDS)
+    optional: dict = field(default_factory=dict)   # study switches the reference accepts
+
+
+_K_IN = {
+    "k": Field(BF16, ("T", "D")),
+    "positions": Field(INT, ("T",)),
+    "cos_sin_cache": Field(F32, ("max_pos", "R")),
+    "norm_weight": Field(FLT, ("D",)),
+    "slot_mapping": Field(INT, ("T",)),
+    "kv_cache": Field(U8, ("P", "page_bytes")),
+}
+_Q_IN = {
+    "q": Field(BF16, ("T", "H", "D")),
+    "positions": Field(INT, ("T",)),
+    "cos_sin_cache": Field(F32, ("max_pos", "R")),
+    "weights": Field(FLT, ("T", "H")),
+}
+_PAGED_IN = {
+    "weights": Field(F32, ("Rw", "H")),
+    "kv_cache": Field(U8, ("P", "page_bytes")),
+    "query_start_loc": Field(INT, ("B+1",)),
+    "context_lens": Field(INT, ("B",)),
+    "block_table": Field(INT, ("B", "max_pages")),
+    "row_ends": Field(INT, ("Rw",)),
+}
+_LOGITS_OUT = {"logits": Field(F32, ("Rw", "W"))}
+_K_SCALARS = {"norm_eps": "float", "compress_ratio": "int+", "page_size": "int+"}
+_STUDY_K = {"rounding": "rounding", "hadamard": "bool"}
+
+OP_FIELDS: dict[str, OpSpec] = {
+    "compress_pool": OpSpec(
+        inputs={
+            "state_cache": Field(F32, ("num_blocks", "block_size", "4*D")),
+            "block_table": Field(INT, ("num_reqs", "max_blocks")),
+            "positions": Field(INT, ("T",)),
+            "req_index": Field(INT, ("T",)),
+            "kv_slot_mapping": Field(INT, ("T",)),
+        },
+        outputs={"pooled": Field(BF16, ("T", "D"))},
+        scalars={"compress_ratio": "int+"}),
+    "k_norm_rope_mxfp4_cache": OpSpec(
+        inputs=_K_IN,
+        outputs={"kv_cache": Field(U8, ("P", "page_bytes"))},
+        scalars={**_K_SCALARS, "shuffle": "shuffle"},
+        optional={**_STUDY_K, "scale_rule": "scale_rule"}),
+    "q_rope_mxfp4_quant": OpSpec(
+        inputs=_Q_IN,
+        outputs={"q_fp4": Field(U8, ("T", "H", "D/2")), "q_scale": Field(U8, ("T", "H", "D/32")),
+                 "weights": Field(F32, ("T", "H"))},
+        scalars={"weights_scale": "float"},
+        optional={"hadamard": "bool", "scale_rule": "scale_rule"}),
+    "paged_mxfp4_mqa_logits": OpSpec(
+        inputs={"q_fp4": Field(U8, ("Rw", "H", "D/2")), "q_scale": Field(U8, ("Rw", "H", "D/32")),
+                **_PAGED_IN},
+        outputs=_LOGITS_OUT,
+        scalars={"page_size": "int+", "shuffle": "shuffle", "clean_logits": "bool"}),
+    "topk": OpSpec(
+        inputs={"logits": Field(F32, ("Rw", "W")), "lengths": Field(INT, ("Rw",))},
+        outputs={"indices": Field(I32, ("Rw", "k"))},
+        scalars={"k": "int+"}),
+    "k_norm_rope_fp8_cache": OpSpec(
+        inputs={**_K_IN, "k": Field(FLT, ("T", "D"))},     # f32 for the CUDA fused rounding
+        outputs={"kv_cache": Field(U8, ("P", "page_bytes"))},
+        scalars={**_K_SCALARS, "fp8_dtype": "fp8_dtype"},
+        optional=_STUDY_K),
+    "q_rope_fp8_quant": OpSpec(
+        inputs=_Q_IN,
+        outputs={"q_fp8": Field(U8, ("T", "H", "D")), "weights": Field(F32, ("T", "H"))},
+        scalars={"weights_scale": "float", "fp8_dtype": "fp8_dtype"},
+        optional={"hadamard": "bool"}),
+    "paged_fp8_mqa_logits": OpSpec(
+        inputs={"q_fp8": Field(U8, ("Rw", "H", "D")), **_PAGED_IN},
+        outputs=_LOGITS_OUT,
+        scalars={"page_size": "int+", "fp8_dtype": "fp8_dtype", "clean_logits": "bool"}),
+}
+
+
+# --- scalars --------------------------------------------------------------------------
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_scalar(kind: str, v) -> Optional[str]:
+    """None when `v` is a valid scalar of `kind`, else what is wrong."""
+    from reference.formats import FP8_FLAVOURS, ROUNDING_PATHS
+    from reference.mxfp4 import SCALE_RULES
+    if kind == "float":
+        ok = (_is_int(v) or isinstance(v, float)) and v == v and abs(v) != float("inf")
+        return None if ok else f"expected a finite number, got {v!r}"
+    if kind == "int+":
+        return None if _is_int(v) and v > 0 else f"expected a positive integer, got {v!r}"
+    if kind == "bool":
+        return None if isinstance(v, bool) else f"expected true or false, got {v!r}"
+    if kind == "shuffle":
+        ok = v is None or (isinstance(v, list) and len(v) == 3 and all(_is_int(x) and x > 0 for x in v))
+        return None if ok else f"expected [N, Dt, L] or null, got {v!r}"
+    options = {"fp8_dtype": tuple(FP8_FLAVOURS), "rounding": ROUNDING_PATHS,
+               "scale_rule": tuple(SCALE_RULES)}[kind]
+    return None if v in options else f"expected one of {', '.join(options)}, got {v!r}"
+
+
+def _json_scalar(v):
+    """Python value as JSON keeps it (tuples -> lists, 0-d tensors -> numbers)."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    if isinstance(v, tuple):
+        return [_json_scalar(x) for x in v]
+    if isinstance(v, list):
+        return [_json_scalar(x) for x in v]
+    return v
+
+
+# --- shapes ---------------------------------------------------------------------------
+
+_DIM_RE = re.compile(r"^(?:(\d+)\*)?([A-Za-z_][A-Za-z_0-9]*)(?:/(\d+))?(?:\+(\d+))?$")
+
+
+class _Dims:
+    """Binds the named dims of one op across its fields (solving "D/2", "4*D", "B+1")."""
+
+    def __init__(self):
+        self.values: dict[str, tuple[int, str]] = {}
+
+    def bind(self, expr, value: int, where: str) -> Optional[str]:
+        if isinstance(expr, int):
+            return None if value == expr else f"{where}: dimension must be {expr}, got {value}"
+        m = _DIM_RE.match(expr)
+        mul, name, div, add = int(m[1] or 1), m[2], int(m[3] or 1), int(m[4] or 0)
+        num = (value - add) * div
+        if num < 0 or num % mul:
+            return f"{where}: dimension {expr} cannot be {value}"
+        x = num // mul
+        if (mul * x) % div:
+            return f"{where}: dimension {expr} cannot be {value}"
+        if name in self.values and self.values[name][0] != x:
+            v, first = self.values[name]
+            return f"{where}: dimension {name} is {x} here but {v} in {first}"
+        self.values.setdefault(name, (x, where))
+        return None
+
+    def get(self, name: str) -> Optional[int]:
+        return self.values.get(name, (None,))[0]
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _shape_str(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _op_problem(op: str, spec: OpSpec, dims: _Dims, scalars: dict) -> Optional[str]:
+    """Cross-field rules the table cannot say (head dim, rope dim, page size)."""
+    d, r, pb = dims.get("D"), dims.get("R"), dims.get("page_bytes")
+    if d is not None and d % 32:
+        return f"{op}: head dim D={d} is not a multiple of 32"
+    if r is not None and d is not None and (r % 2 or r > d):
+        return f"{op}/in/cos_sin_cache: rope dim R={r} must be even and at most D={d}"
+    if pb is not None and d is not None and "page_size" in scalars:
+        entry = d + 4 if "fp8" in op else d // 2 + d // 32
+        need = scalars["page_size"] * entry
+        if pb < need:
+            return (f"{op}/in/kv_cache: page stride {pb} is below the {need} bytes of "
+                    f"{scalars['page_size']} entries")
+    if d is not None and scalars.get("shuffle") is not None:
+        from reference import layout
+        try:
+            layout.check_layout(scalars["page_size"], d, layout.as_shuffle(scalars["shuffle"]))
+        except ValueError as e:
+            return f"{op}: {e}"
+    return None
+
+
+def record_problem(rec: OpRecord) -> Optional[str]:
+    """None when the record fits OP_FIELDS, else the first problem (one line, no file name)."""
+    op = rec.op
+    if op not in OP_FIELDS:
+        return f"unknown op {op!r} (known: {', '.join(OP_FIELDS)})"
+    spec = OP_FIELDS[op]
+    if not isinstance(rec.scalars, dict):
+        return f"{META_KEY}.ops.{op}: expected an object of scalars, got {rec.scalars!r}"
+    for name, kind in spec.scalars.items():
+        if name not in rec.scalars:
+            return f"{META_KEY}.ops.{op}: missing scalar {name!r}"
+    for name, v in rec.scalars.items():
+        kind = spec.scalars.get(name) or spec.optional.get(name)
+        if kind is None:
+            return f"{META_KEY}.ops.{op}: unknown scalar {name!r} (expected {', '.join(spec.scalars)})"
+        bad = _check_scalar(kind, v)
+        if bad:
+            return f"{META_KEY}.ops.{op}.{name}: {bad}"
+    dims = _Dims()
+    for name, v in rec.scalars.items():          # a dim named like an int scalar (topk's k)
+        if _is_int(v):
+            dims.values[name] = (v, f"{META_KEY}.ops.{op}.{name}")
+    for io, table, given in (("in", spec.inputs, rec.inputs), ("out", spec.outputs, rec.outputs)):
+        for name in given:
+            if name not in table:
+                return (f"unexpected tensor {op}/{io}/{name} (op {op} has {io}/"
+                        f"{', {io}/'.join(table)})".replace("{io}", io))
+        for name, f in table.items():
+            where = f"{op}/{io}/{name}"
+            if name not in given:
+                return f"missing tensor {where}"
+            t = given[name]
+            if not isinstance(t, torch.Tensor):
+                return f"{where}: expected a tensor, got {type(t).__name__}"
+            if t.dtype not in f.dtypes:
+                return (f"{where}: dtype {_dtype_name(t.dtype)}, expected "
+                        f"{' or '.join(_dtype_name(d) for d in f.dtypes)}")
+            if t.dim() != len(f.shape):
+                return f"{where}: shape {list(t.shape)}, expected {_shape_str(f.shape)}"
+            for expr, n in zip(f.shape, t.shape):
+                bad = dims.bind(expr, int(n), where)
+                if bad:
+                    return f"{bad} (expected shape {_shape_str(f.shape)}, got {list(t.shape)})"
+    return _op_problem(op, spec, dims, rec.scalars)
+
+
+# --- reading --------------------------------------------------------------------------
+
+def _fail(path, problem: str):
+    raise DumpError(f"{path}: {problem}")
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0] if s else type(e).__name__
+
+
+def _check_container(path: str) -> dict:
+    """Parse the safetensors header ourselves so that a truncated or foreign file gets a
+    precise line (the library's own errors are terse and vary by version)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                _fail(path, f"not a safetensors file ({size} bytes, too short for a header)")
+            n = int.from_bytes(head, "little")
+            if n == 0 or n > size - 8:
+                _fail(path, f"truncated or not a safetensors file (header length {n}, file size {size})")
+            raw = f.read(n)
+    except OSError as e:
+        _fail(path, f"cannot read: {e.strerror or _first_line(e)}")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("not an object")
+    except (ValueError, UnicodeDecodeError):
+        _fail(path, "not a safetensors file (its header is not a JSON object)")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            end = max(end, int(info["data_offsets"][1]))
+        except (TypeError, KeyError, IndexError, ValueError):
+            _fail(path, f"corrupt safetensors header (tensor {name!r} has no data_offsets)")
+    if 8 + n + end > size:
+        _fail(path, f"truncated: tensor data needs {8 + n + end} bytes, the file has {size}")
+    return header
+
+
+def _parse_meta(path, header: dict) -> dict:
+    meta = header.get("__metadata__") or {}
+    if META_KEY not in meta:
+        _fail(path, f"no {META_KEY!r} metadata key (not an mxval dump)")
+    try:
+        m = json.loads(meta[META_KEY])
+    except (TypeError, ValueError) as e:
+        _fail(path, f"metadata key {META_KEY!r} is not valid JSON ({_first_line(e)})")
+    if not isinstance(m, dict):
+        _fail(path, f"metadata key {META_KEY!r} is not a JSON object")
+    if m.get("format") != FORMAT:
+        _fail(path, f"{META_KEY}.format is {m.get('format')!r}, expected {FORMAT!r}")
+    if "version" not in m:
+        _fail(path, f"{META_KEY}.version is missing")
+    if m["version"] != VERSION or not _is_int(m["version"]):
+        _fail(path, f"unknown version {m['version']!r} (this reader knows version {VERSION})")
+    for key, kinds in (("source", (str,)), ("model", (str,))):
+        if not isinstance(m.get(key), kinds):
+            _fail(path, f"{META_KEY}.{key}: expected a string, got {m.get(key)!r}")
+    for key in ("layer", "step"):
+        if m.get(key) is not None and not (_is_int(m[key]) and m[key] >= 0):
+            _fail(path, f"{META_KEY}.{key}: expected a non-negative integer or null, got {m[key]!r}")
+    ops = m.get("ops")
+    if not isinstance(ops, dict) or not ops:
+        _fail(path, f"{META_KEY}.ops: expected a non-empty object of op scalars, got {ops!r}")
+    for op in ops:
+        if op not in OP_FIELDS:
+            _fail(path, f"unknown op {op!r} (known: {', '.join(OP_FIELDS)})")
+    return m
+
+
+def read_dump(path) -> Dump:
+    """Read and validate a dump. Raises DumpError (one line: file and problem) on any
+    malformed, truncated, foreign or inconsistent file. Never writes to the file."""
+    path = os.fspath(path)
+    header = _check_container(path)
+    meta = _parse_meta(path, header)
+    records = {op: OpRecord(op, dict(sc) if isinstance(sc, dict) else sc, {}, {})
+               for op, sc in meta["ops"].items()}
+    try:
+        from safetensors import safe_open
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+            for name in names:
+                parts = name.split("/")
+                if len(parts) != 3 or parts[1] not in ("in", "out") or not parts[2]:
+                    _fail(path, f"unexpected tensor name {name!r} (expected <op>/in/<arg> or <op>/out/<name>)")
+                op, io, arg = parts
+                if op not in records:
+                    if op in OP_FIELDS:
+                        _fail(path, f"tensor {name} belongs to op {op}, which {META_KEY}.ops does not list")
+                    _fail(path, f"unknown op {op!r} in tensor {name}")
+                (records[op].inputs if io == "in" else records[op].outputs)[arg] = f.get_tensor(name)
+    except DumpError:
+        raise
+    except Exception as e:  # the library's own complaint about a damaged file
+        _fail(path, f"not a readable safetensors file ({_first_line(e)})")
+    for rec in records.values():
+        problem = record_problem(rec)
+        if problem:
+            _fail(path, problem)
+    return Dump(path, meta, records)
+
+
+# --- writing --------------------------------------------------------------------------
+
+def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "deepseek-v4-pro",
+               layer: Optional[int] = None, step: Optional[int] = None) -> str:
+    """Validate `ops` against OP_FIELDS and write them as one dump (atomically: a reader
+    never sees half a file). Returns the path."""
+    from safetensors.torch import save_file
+    path = os.fspath(path)
+    if not ops:
+        _fail(path, "nothing to write (no ops)")
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    meta_ops = {}
+    for key, rec in ops.items():
+        rec = OpRecord(rec.op, {k: _json_scalar(v) for k, v in rec.scalars.items()},
+                       rec.inputs, rec.outputs)
+        if key != rec.op:
+            _fail(path, f"ops key {key!r} differs from its record's op {rec.op!r}")
+        problem = record_problem(rec)
+        if problem:
+            _fail(path, problem)
+        meta_ops[rec.op] = rec.scalars
+        for io, group in (("in", rec.inputs), ("out", rec.outputs)):
+            for name, t in group.items():
+                t = t.detach().to("cpu").contiguous()
+                if t.untyped_storage().data_ptr() in seen:      # safetensors refuses shared storage
+                    t = t.clone()
+                seen.add(t.untyped_storage().data_ptr())
+                tensors[f"{rec.op}/{io}/{name}"] = t
+    meta = {"format": FORMAT, "version": VERSION, "source": str(source), "model": str(model),
+            "layer": layer, "step": step, "ops": meta_ops}
+    for key in ("layer", "step"):
+        if meta[key] is not None and not (_is_int(meta[key]) and meta[key] >= 0):
+            _fail(path, f"{key}: expected a non-negative integer or None, got {meta[key]!r}")
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".mxval-", suffix=".safetensors", dir=directory)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta)})
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
