@@ -1,0 +1,1 @@
+"""mxval harness: cases, runner, diffs, budgets, reports, captured dumps and the CLI."""
