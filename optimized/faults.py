@@ -1,0 +1,410 @@
+"""The fault catalogue: deliberately broken backends, one bug class of NUMERICS.md §10 each.
+
+Every fault is the reference path with ONE stage replaced, built by composing the
+reference's public stage functions (no switch inside `reference/` or a kernel), so that
+the bug is the only difference from a correct backend. `mxval selftest` runs each fault
+on the cases that expose it and checks that at least one budget catches it.
+
+    from optimized import get_backend
+    be = get_backend("fault:window-shift")        # a Backend like any other
+    from optimized.faults import FAULTS           # name -> Fault (bug class, ops, cases)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+import reference
+from reference import checks, fp8 as ref_fp8, hadamard as ref_hadamard, layout, mxfp4, scoring
+from reference.formats import ROUNDING_PATHS
+from reference.k_writer import (check_k_writer_args, group_start, k_values, rms_norm,
+                                writer_mask)
+from reference.pooling import boundary_mask, gather_windows, softmax_pool
+from reference.q_quant import fold_weights
+from reference.rope import bf16_round, cos_sin_at, rope_gptj_tail
+
+from . import Backend, register
+
+# Signed width of the emulated offset arithmetic. The production bug wraps at 32 bits
+# (pools past 2 GiB); CI cannot hold such a pool, so a second fault wraps at 20 bits
+# (pools past 512 KiB) to exercise the same mechanism on a small case.
+INT32_BITS = 32
+SIM_WRAP_BITS = 20
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    bug_class: str                 # the §10 wording
+    ops: tuple[str, ...]           # ops whose output it changes
+    cases: tuple[str, ...]         # cases (cases/selftest.toml) that expose it
+    description: str               # exactly what is broken
+    make_ops: Callable[[], dict]   # op name -> the faulty op
+    large: bool = False            # needs a pool past 2 GiB: full selftest only, not --quick
+
+    @property
+    def backend_name(self) -> str:
+        return f"fault:{self.name}"
+
+    def backend(self) -> Backend:
+        ops = dict(reference.OPS)
+        ops.update(self.make_ops())
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return Backend(self.backend_name, f"FAULT ({self.bug_class}): {self.description}", ops,
+                       device=dev)
+
+
+# --- the correct path, as composable stages ----------------------------------------
+
+def pool_op(windows: Callable = gather_windows) -> Callable:
+    """compress_pool whose windows come from `windows(state, table, pos, req, r) ->
+    (kv, score, valid)`; the reference op checks the arguments and lays out the result."""
+    def compress_pool(*, state_cache, block_table, positions, req_index, kv_slot_mapping,
+                      compress_ratio: int = 4, rounding: str = "rocm") -> dict:
+        out = reference.compress_pool(state_cache=state_cache, block_table=block_table,
+                                      positions=positions, req_index=req_index,
+                                      kv_slot_mapping=kv_slot_mapping, compress_ratio=compress_ratio,
+                                      rounding=rounding)
+        sel = boundary_mask(positions, compress_ratio) & (kv_slot_mapping >= 0)
+        if bool(sel.any()):
+            kv, score, _ = windows(state_cache, block_table, positions[sel], req_index[sel],
+                                   compress_ratio)
+            pooled = out["pooled"].clone()
+            pooled[sel] = softmax_pool(kv, score).to(pooled.dtype)
+            out["pooled"] = pooled
+        return out
+    return compress_pool
+
+
+def default_values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard):
+    return k_values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding=rounding,
+                    hadamard=hadamard)
+
+
+def default_write(kv_cache, slots, packed, scales, page_size, shuffle):
+    return layout.write_entries(kv_cache, slots, packed, scales, page_size=page_size, shuffle=shuffle)
+
+
+def k_writer_op(*, mask: Callable = writer_mask, rope_pos: Callable = group_start,
+                values: Callable = default_values, quantize: Callable = mxfp4.quantize_mxfp4,
+                write: Callable = default_write) -> Callable:
+    """k_norm_rope_mxfp4_cache as the reference's stages: mask -> RoPE position ->
+    norm+RoPE values -> MXFP4 -> page write. Each keyword replaces one stage; with none
+    replaced it gives the reference's bytes (tests/test_faults.py holds it to that)."""
+    def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                                norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
+                                shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
+                                scale_rule: str = "ceil") -> dict:
+        shuffle = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+        checks.choice("rounding", rounding, ROUNDING_PATHS)
+        check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                            norm_eps, compress_ratio, page_size,
+                            k_dtypes=(torch.bfloat16,) if rounding != "cuda" else checks.FLOAT_DTYPES,
+                            entry_bytes=layout.entry_bytes)
+        layout.check_layout(page_size, k.shape[1], shuffle)
+        sel = mask(positions, slot_mapping, compress_ratio)
+        y = values(k[sel], rope_pos(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
+                   norm_eps, rounding, hadamard)
+        packed, scales = quantize(y, scale_rule)
+        return {"kv_cache": write(kv_cache, slot_mapping[sel], packed, scales, page_size, shuffle)}
+    return k_norm_rope_mxfp4_cache
+
+
+def q_quant_op(*, force_hadamard: Optional[bool] = None, fold: Callable = fold_weights) -> Callable:
+    """q_rope_mxfp4_quant with the Hadamard switch forced and/or the weight fold replaced."""
+    def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
+                           hadamard: bool = False, scale_rule: str = "ceil") -> dict:
+        out = reference.q_rope_mxfp4_quant(
+            q=q, positions=positions, cos_sin_cache=cos_sin_cache, weights=weights,
+            weights_scale=weights_scale, scale_rule=scale_rule,
+            hadamard=hadamard if force_hadamard is None else force_hadamard)
+        out["weights"] = fold(weights, weights_scale)
+        return out
+    return q_rope_mxfp4_quant
+
+
+def scorer_op(*, row_ends_fn: Optional[Callable] = None,
+              scale_offsets: Callable = layout.scale_offsets) -> Callable:
+    """paged_mxfp4_mqa_logits whose mask bound is `row_ends_fn(row_ends, context_lens, qsl)`
+    and whose key scales are read at `scale_offsets(t, page_size, D, shuffle)`."""
+    def paged_mxfp4_mqa_logits(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
+                               block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
+                               width: Optional[int] = None, clean_logits: bool = False) -> dict:
+        args = dict(q_fp4=q_fp4, q_scale=q_scale, weights=weights, kv_cache=kv_cache,
+                    query_start_loc=query_start_loc, context_lens=context_lens,
+                    block_table=block_table, row_ends=row_ends, page_size=page_size,
+                    shuffle=shuffle, width=width)
+        reference.paged_mxfp4_mqa_logits(**args)          # the reference's argument checks
+        ends = row_ends if row_ends_fn is None else row_ends_fn(row_ends, context_lens, query_start_loc)
+        sh = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+        d = q_fp4.shape[2] * 2
+        q = mxfp4.dequantize_mxfp4(q_fp4, q_scale, torch.float64)
+
+        def read_keys(slots):
+            page, t = slots.long() // page_size, slots.long() % page_size
+            start = (page * kv_cache.shape[1]).unsqueeze(-1)
+            flat = kv_cache.reshape(-1)
+            vals = flat[start + layout.value_offsets(t, page_size, d, sh)]
+            scales = flat[start + scale_offsets(t, page_size, d, sh)]
+            return mxfp4.dequantize_mxfp4(vals, scales, torch.float64)
+
+        logits = scoring.paged_logits(q, weights, query_start_loc, block_table, ends, page_size,
+                                      read_keys, width or scoring.default_width(block_table, page_size))
+        return {"logits": logits.float()}
+    return paged_mxfp4_mqa_logits
+
+
+def topk_op(post: Callable) -> Callable:
+    """topk whose indices go through `post(indices, lengths, k)` after the reference."""
+    def topk(*, logits, lengths, k: int) -> dict:
+        out = reference.topk(logits=logits, lengths=lengths, k=k)
+        return {"indices": post(out["indices"].clone(), lengths.long(), k)}
+    return topk
+
+
+# --- the replaced stages --------------------------------------------------------------
+
+def _shifted_windows(state_cache, block_table, positions, req_index, r):
+    return gather_windows(state_cache, block_table, positions - 1, req_index, r)
+
+
+def _swapped_halves_windows(state_cache, block_table, positions, req_index, r):
+    d = state_cache.shape[-1] // 4
+    kv_a, kv_b, s_a, s_b = state_cache.split(d, dim=-1)
+    swapped = torch.cat((kv_b, kv_a, s_b, s_a), dim=-1)
+    return gather_windows(swapped, block_table, positions, req_index, r)
+
+
+def _permuted_values(perm_fn: Callable) -> Callable:
+    """RoPE on other dims/pairs, built from the reference: permute the channels so that
+    the wrongly rotated dims land where the reference rotates, run the reference stages
+    (the norm is order-free: its fp64 sum of bf16 squares is exact), permute back."""
+    def values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard):
+        perm = perm_fn(k.shape[-1], cos_sin_cache.shape[-1]).to(k.device)
+        inv = torch.argsort(perm)
+        y = k_values(k[:, perm], rope_pos, cos_sin_cache, norm_weight[perm], norm_eps,
+                     rounding=rounding, hadamard=False)[:, inv]
+        return ref_hadamard.rotate(y) if hadamard else y
+    return values
+
+
+def _neox_perm(d: int, rdim: int) -> torch.Tensor:
+    """NeoX pairs (t[i], t[i + R/2]) of the rope dims t become GPT-J's (u[2i], u[2i+1])."""
+    half = rdim // 2
+    tail = torch.stack((torch.arange(half), torch.arange(half) + half), -1).flatten() + (d - rdim)
+    return torch.cat((torch.arange(d - rdim), tail))
+
+
+def _first_dims_perm(d: int, rdim: int) -> torch.Tensor:
+    """The first R dims moved to where the reference rotates (the last R)."""
+    return torch.cat((torch.arange(rdim, d), torch.arange(rdim)))
+
+
+def _values_norm_unrounded(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard):
+    """The ROCm path without its bf16 round between the norm and RoPE."""
+    cos, sin = cos_sin_at(cos_sin_cache, rope_pos)
+    y = rope_gptj_tail(rms_norm(k.float(), norm_weight, norm_eps), cos, sin, round_bf16=True,
+                       nope_through_formula=(rounding == "rocm"))
+    return ref_hadamard.rotate(y) if hadamard else y
+
+
+def _boundary_first_token(positions, slot_mapping, r):
+    return (slot_mapping >= 0) & (positions.long() % r == 0)
+
+
+def _swap_nibbles(x, scale_rule):
+    packed, scales = mxfp4.quantize_mxfp4(x, scale_rule)
+    return (packed >> 4) | (packed << 4), scales
+
+
+def _ocp_floor(x, scale_rule):
+    return mxfp4.quantize_mxfp4(x, "ocp-floor")
+
+
+def wrong_scale_offsets(t, page_size, head_dim, shuffle):
+    """A scale order that disagrees with §5: in a preshuffled page the blocks of a lane
+    are stored together (no `s % L` interleave; for L = 1 the interleave of L = D/32 is
+    used instead); in a natural page, block-major instead of token-major."""
+    nb = head_dim // 32
+    if shuffle is None:
+        return page_size * (head_dim // 2) + torch.arange(nb, device=t.device) * page_size + t.long().unsqueeze(-1)
+    wrong = layout.Shuffle(shuffle.n, shuffle.dt, 1 if shuffle.l != 1 else nb)
+    return layout.scale_offsets(t, page_size, head_dim, wrong)
+
+
+def _write_flat(kv_cache, vo, so, packed, scales):
+    out = kv_cache.clone()
+    flat = out.view(-1)
+    flat[vo.flatten()] = packed.reshape(-1)
+    flat[so.flatten()] = scales.reshape(-1)
+    return out
+
+
+def _write_wrong_scale_order(kv_cache, slots, packed, scales, page_size, shuffle):
+    d = packed.shape[-1] * 2
+    page, t = slots.long() // page_size, slots.long() % page_size
+    start = (page * kv_cache.shape[1]).unsqueeze(-1)
+    return _write_flat(kv_cache, start + layout.value_offsets(t, page_size, d, shuffle),
+                       start + wrong_scale_offsets(t, page_size, d, shuffle), packed, scales)
+
+
+def wrapping_write(bits: int) -> Callable:
+    """Page write whose flat byte offsets are computed in a signed `bits`-wide integer.
+    Offsets that wrap negative point before the pool; a kernel would scribble over other
+    memory there, the emulation drops those bytes (the owned bytes stay stale either way)."""
+    def write(kv_cache, slots, packed, scales, page_size, shuffle):
+        d = packed.shape[-1] * 2
+        vo, so = layout.slot_byte_offsets(slots, page_size, d, shuffle, kv_cache.shape[1])
+        half = 1 << (bits - 1)
+        out = kv_cache.clone()
+        flat = out.view(-1)
+        for off, src in ((vo, packed), (so, scales)):
+            wrapped = ((off + half) % (2 * half) - half).flatten()
+            keep = (wrapped >= 0) & (wrapped < flat.numel())
+            flat[wrapped[keep]] = src.reshape(-1)[keep]
+        return out
+    return write
+
+
+def _write_clobbering(kv_cache, slots, packed, scales, page_size, shuffle):
+    """Each entry's scales go out as part of a wider store that also zeroes the 4 bytes
+    after its last scale byte; the entries' own bytes are written after, so only bytes
+    the call does not own are damaged."""
+    d = packed.shape[-1] * 2
+    vo, so = layout.slot_byte_offsets(slots, page_size, d, shuffle, kv_cache.shape[1])
+    out = kv_cache.clone()
+    flat = out.view(-1)
+    if slots.numel():
+        spill = so.max(dim=-1, keepdim=True).values + 1 + torch.arange(4, device=so.device)
+        spill = spill.flatten()
+        flat[spill[spill < flat.numel()]] = 0
+    flat[vo.flatten()] = packed.reshape(-1)
+    flat[so.flatten()] = scales.reshape(-1)
+    return out
+
+
+def _row_ends_minus_one(row_ends, context_lens, qsl):
+    return (row_ends.long() - 1).clamp_min(0).to(row_ends.dtype)
+
+
+def _row_ends_unmasked(row_ends, context_lens, qsl):
+    return context_lens.long()[scoring.seq_of_rows(qsl, row_ends.shape[0])].to(row_ends.dtype)
+
+
+def _fold_none(weights, weights_scale):
+    return weights.float()
+
+
+def _fold_twice(weights, weights_scale):
+    return fold_weights(fold_weights(weights, weights_scale), weights_scale)
+
+
+def _pad_one_late(idx, lengths, k):
+    """Short rows: the padding starts one column late, at index `len` instead of -1."""
+    rows = (lengths < k).nonzero().flatten()
+    idx[rows, lengths[rows]] = lengths[rows].to(idx.dtype)
+    return idx
+
+
+def _duplicate_last(idx, lengths, k):
+    """Long rows: the last selected index repeats the first."""
+    rows = (lengths > k).nonzero().flatten()
+    idx[rows, k - 1] = idx[rows, 0]
+    return idx
+
+
+def _fp8_read_fnuz(**kw):
+    return reference.paged_fp8_mqa_logits(**{**kw, "fp8_dtype": "e4m3fnuz"})
+
+
+# --- the catalogue ----------------------------------------------------------------------
+
+K = "k_norm_rope_mxfp4_cache"
+Q = "q_rope_mxfp4_quant"
+POOL = "compress_pool"
+SCORE = "paged_mxfp4_mqa_logits"
+TOPK = "topk"
+
+_CATALOGUE = (
+    Fault("window-shift", "one-position shift of the pooling window", (POOL,), ("chain",),
+          "pools positions p-2r .. p-1 instead of p-2r+1 .. p",
+          lambda: {POOL: pool_op(_shifted_windows)}),
+    Fault("halves-swapped", "`_a`/`_b` halves swapped", (POOL,), ("chain",),
+          "the previous group reads the `_b` halves and its own group the `_a` halves",
+          lambda: {POOL: pool_op(_swapped_halves_windows)}),
+    Fault("rope-neox", "NeoX instead of GPT-J RoPE", (K,), ("chain",),
+          "the K writer rotates pairs (t[i], t[i+R/2]) of the rope dims instead of (t[2i], t[2i+1])",
+          lambda: {K: k_writer_op(values=_permuted_values(_neox_perm))}),
+    Fault("rope-first-dims", "RoPE on the first instead of the last 64 dims", (K,), ("chain",),
+          "the K writer rotates dims 0..R-1 and leaves the last R unrotated",
+          lambda: {K: k_writer_op(values=_permuted_values(_first_dims_perm))}),
+    Fault("rope-at-p", "RoPE at p instead of the group start", (K,), ("chain",),
+          "the K writer rotates at the boundary token's own position p, not (p // r) * r",
+          lambda: {K: k_writer_op(rope_pos=lambda p, r: p.long())}),
+    Fault("rope-at-p-div-r", "RoPE at p // r instead of the group start", (K,), ("chain",),
+          "the K writer rotates at the entry index p // r, not (p // r) * r",
+          lambda: {K: k_writer_op(rope_pos=lambda p, r: p.long() // r)}),
+    Fault("boundary-off-by-one", "boundary rule off by one (`p % r == 0`)", (K,), ("chain",),
+          "the K writer writes the tokens with p % r == 0 instead of (p + 1) % r == 0",
+          lambda: {K: k_writer_op(mask=_boundary_first_token)}),
+    Fault("nibbles-swapped", "nibbles swapped", (K,), ("chain",),
+          "the K writer puts the even element in the HIGH nibble",
+          lambda: {K: k_writer_op(quantize=_swap_nibbles)}),
+    Fault("scale-ocp-floor", "OCP floor scale instead of ceil", (K,), ("chain",),
+          "the K writer picks the e8m0 scale floor(log2 amax) - 2 (OCP v1.0) instead of the ceil rule",
+          lambda: {K: k_writer_op(quantize=_ocp_floor)}),
+    Fault("scale-interleave-writer", "scale interleave mismatch between writer and reader", (K,),
+          ("chain", "chain-natural"),
+          "the K writer stores scale bytes in an order other than §5's (the scorer reads §5's)",
+          lambda: {K: k_writer_op(write=_write_wrong_scale_order)}),
+    Fault("scale-interleave-reader", "scale interleave mismatch between writer and reader", (SCORE,),
+          ("chain", "chain-natural"),
+          "the scorer reads scale bytes in an order other than §5's (the writer stores §5's)",
+          lambda: {SCORE: scorer_op(scale_offsets=wrong_scale_offsets)}),
+    Fault("missing-bf16-round", "a missing bf16 rounding point", (K,), ("chain",),
+          "the ROCm K writer feeds the fp32 norm output to RoPE without its bf16 round",
+          lambda: {K: k_writer_op(values=_values_norm_unrounded)}),
+    Fault("fp8-ocp-read-fnuz", "fp8 written OCP and read FNUZ", ("paged_fp8_mqa_logits",),
+          ("chain-fp8",),
+          "the fp8 scorer reads e4m3fn (OCP) bytes as e4m3fnuz",
+          lambda: {"paged_fp8_mqa_logits": _fp8_read_fnuz}),
+    Fault("hadamard-q-only", "Hadamard on q only", (Q,), ("chain",),
+          "the Q quant applies the Hadamard rotation, the K writer does not",
+          lambda: {Q: q_quant_op(force_hadamard=True)}),
+    Fault("mask-off-by-one", "`p // r` instead of `(p + 1) // r`", (SCORE,), ("chain",),
+          "the scorer masks at row_end - 1: a boundary query loses its own entry",
+          lambda: {SCORE: scorer_op(row_ends_fn=_row_ends_minus_one)}),
+    Fault("mask-missing", "missing causal mask", (SCORE,), ("chain-clean",),
+          "the scorer scores every entry of the sequence (exposed where logits are clean)",
+          lambda: {SCORE: scorer_op(row_ends_fn=_row_ends_unmasked)}),
+    Fault("offset-int32-wrap", "32-bit offset overflow past 2 GiB pools", (K,), ("k-pool-2gib",),
+          "the K writer computes flat pool offsets in int32; entries past 2 GiB are lost",
+          lambda: {K: k_writer_op(write=wrapping_write(INT32_BITS))}, large=True),
+    Fault("offset-wrap-sim", "32-bit offset overflow past 2 GiB pools (simulated at 20 bits)", (K,),
+          ("k-pool-wrap",),
+          f"as offset-int32-wrap but wrapping at {SIM_WRAP_BITS} bits (pools past "
+          f"{(1 << (SIM_WRAP_BITS - 1)) // 1024} KiB) so that CI can hold the pool",
+          lambda: {K: k_writer_op(write=wrapping_write(SIM_WRAP_BITS))}),
+    Fault("weights-scale-missing", "weights missing a scale", (Q,), ("chain",),
+          "the Q quant returns the head weights without softmax_scale * head_scale",
+          lambda: {Q: q_quant_op(fold=_fold_none)}),
+    Fault("weights-scale-twice", "weights folding the scale twice", (Q,), ("chain",),
+          "the Q quant multiplies the head weights by the scale twice",
+          lambda: {Q: q_quant_op(fold=_fold_twice)}),
+    Fault("topk-padding", "wrong `-1` padding in top-k", (TOPK,), ("chain",),
+          "rows shorter than k: the -1 padding starts one column late (index len appears)",
+          lambda: {TOPK: topk_op(_pad_one_late)}),
+    Fault("topk-duplicates", "top-k duplicates", (TOPK,), ("chain",),
+          "rows longer than k: the last index repeats the first",
+          lambda: {TOPK: topk_op(_duplicate_last)}),
+    Fault("writer-unowned-bytes", "a writer touching bytes it does not own", (K,), ("chain",),
+          "the K writer zeroes the 4 bytes after each entry's last scale byte",
+          lambda: {K: k_writer_op(write=_write_clobbering)}),
+)
+
+FAULTS: dict[str, Fault] = {f.name: f for f in _CATALOGUE}
+
+for _f in _CATALOGUE:
+    register(_f.backend_name, _f.backend)

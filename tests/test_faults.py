@@ -1,0 +1,190 @@
+"""The fault catalogue: each fault changes exactly the ops it declares, and only them.
+
+The composed stages with nothing replaced must give the reference's bytes, otherwise a
+fault would differ from the reference for a reason other than its bug."""
+import pytest
+import torch
+
+import reference
+from optimized import OP_NAMES, get_backend
+from optimized import faults as F
+from reference import layout, pooling, rope, scoring
+
+D, H, R, RATIO, PS = 128, 8, 64, 4, 32
+SHUFFLE = [32, 16, 2]
+
+
+def make_case(seed=0, tokens=96, pages=6, shuffle=SHUFFLE, k=8, pool_pages=None, clean=False,
+              fp8_dtype="e4m3fn"):
+    """One sequence at positions 0..tokens-1 through the whole indexer chain, every stage
+    fed the reference's upstream output. Returns {op: kwargs}."""
+    g = torch.Generator().manual_seed(seed)
+    T, bs = tokens, 16
+    pos = torch.arange(T)
+    blocks = -(-T // bs)
+    state_table = torch.randperm(blocks + 2, generator=g)[:blocks].view(1, -1)
+    kv = torch.randn(T, 2 * D, generator=g)
+    score = torch.randn(T, 2 * D, generator=g)
+    ape = torch.randn(RATIO, 2 * D, generator=g) * 0.1
+    state = torch.full((blocks + 2, bs, 4 * D), float("nan"))
+    state = pooling.write_state(state, state_table, torch.zeros(T, dtype=torch.long), pos,
+                                pooling.state_rows(kv, score, ape, pos))
+    entries = T // RATIO
+    pool_pages = pool_pages or pages
+    page_table = torch.randperm(pages, generator=g) + (pool_pages - pages)   # the top of the pool
+    slot = page_table[(pos // RATIO) // PS] * PS + (pos // RATIO) % PS
+    stride = PS * layout.entry_bytes(D) + 32           # padded pages
+    kv_cache = torch.randint(0, 256, (pool_pages, stride), dtype=torch.uint8, generator=g)
+    cs = rope.cos_sin_cache(T + 8, R, 160000.0, yarn_factor=16.0)
+    ops = {"compress_pool": dict(state_cache=state, block_table=state_table, positions=pos,
+                                 req_index=torch.zeros(T, dtype=torch.long), kv_slot_mapping=slot,
+                                 compress_ratio=RATIO)}
+    pooled = reference.compress_pool(**ops["compress_pool"])["pooled"]
+    k_in = torch.where(torch.isnan(pooled), torch.randn(T, D, generator=g).bfloat16(), pooled)
+    norm_w = (1 + 0.1 * torch.randn(D, generator=g)).bfloat16()
+    ops["k_norm_rope_mxfp4_cache"] = dict(k=k_in, positions=pos, cos_sin_cache=cs, norm_weight=norm_w,
+                                          slot_mapping=slot, kv_cache=kv_cache, norm_eps=1e-6,
+                                          compress_ratio=RATIO, page_size=PS, shuffle=shuffle)
+    kv_after = reference.k_norm_rope_mxfp4_cache(**ops["k_norm_rope_mxfp4_cache"])["kv_cache"]
+    q = torch.randn(T, H, D, generator=g).bfloat16()
+    w = torch.randn(T, H, generator=g)
+    ops["q_rope_mxfp4_quant"] = dict(q=q, positions=pos, cos_sin_cache=cs, weights=w,
+                                     weights_scale=D ** -0.5 * H ** -0.5)
+    qo = reference.q_rope_mxfp4_quant(**ops["q_rope_mxfp4_quant"])
+    row_ends = (pos + 1) // RATIO
+    sc = dict(q_fp4=qo["q_fp4"], q_scale=qo["q_scale"], weights=qo["weights"], kv_cache=kv_after,
+              query_start_loc=torch.tensor([0, T]), context_lens=torch.tensor([entries]),
+              block_table=page_table.view(1, -1), row_ends=row_ends, page_size=PS, shuffle=shuffle,
+              clean_logits=clean)
+    ops["paged_mxfp4_mqa_logits"] = sc
+    logits = reference.paged_mxfp4_mqa_logits(**sc)["logits"]
+    ops["topk"] = dict(logits=logits, lengths=row_ends, k=k)
+    fk = dict(ops["k_norm_rope_mxfp4_cache"], fp8_dtype=fp8_dtype)
+    fk.pop("shuffle")
+    fk["kv_cache"] = torch.randint(0, 256, (pages, PS * (D + 4)), dtype=torch.uint8, generator=g)
+    fk["slot_mapping"] = (pos // RATIO // PS) * PS + (pos // RATIO) % PS
+    kv8 = reference.k_norm_rope_fp8_cache(**fk)["kv_cache"]
+    q8 = reference.q_rope_fp8_quant(**ops["q_rope_mxfp4_quant"], fp8_dtype=fp8_dtype)
+    ops["paged_fp8_mqa_logits"] = dict(q_fp8=q8["q_fp8"], weights=q8["weights"], kv_cache=kv8,
+                                       query_start_loc=sc["query_start_loc"],
+                                       context_lens=sc["context_lens"],
+                                       block_table=torch.arange(pages).view(1, -1), row_ends=row_ends,
+                                       page_size=PS, fp8_dtype=fp8_dtype, clean_logits=clean)
+    return ops
+
+
+@pytest.fixture(scope="module")
+def case():
+    return make_case()
+
+
+# Per fault, the case that exposes it (mirrors the `cases` each fault declares).
+EXPOSING = {
+    "scale-interleave-writer": dict(),
+    "mask-missing": dict(clean=True),
+    "offset-wrap-sim": dict(pages=6, pool_pages=300),
+}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype and a[n].shape == b[n].shape
+        and bool(torch.equal(a[n].view(torch.uint8) if a[n].dtype == torch.bfloat16 else a[n],
+                             b[n].view(torch.uint8) if b[n].dtype == torch.bfloat16 else b[n])
+                 or torch.equal(torch.nan_to_num(a[n].float(), 7.0), torch.nan_to_num(b[n].float(), 7.0)))
+        for n in a)
+
+
+def test_catalogue_declares_every_fault():
+    assert len(F.FAULTS) >= 16
+    for f in F.FAULTS.values():
+        assert f.bug_class and f.description and f.cases, f.name
+        assert set(f.ops) <= set(OP_NAMES), f.name
+        be = get_backend(f.backend_name)
+        assert be.name == f.backend_name
+        for op in OP_NAMES:
+            # every op the fault does not declare is the reference's own function
+            assert (be.ops[op] is reference.OPS[op]) == (op not in f.ops), (f.name, op)
+
+
+@pytest.mark.parametrize("shuffle", [SHUFFLE, None])
+def test_composed_stages_give_the_reference(shuffle):
+    c = make_case(seed=3, shuffle=shuffle, clean=True)
+    assert same(F.pool_op()(**c["compress_pool"]), reference.compress_pool(**c["compress_pool"]))
+    kw = c["k_norm_rope_mxfp4_cache"]
+    assert same(F.k_writer_op()(**kw), reference.k_norm_rope_mxfp4_cache(**kw))
+    for rounding in ("cuda", "deepseek"):
+        kw2 = dict(kw, rounding=rounding, hadamard=True)
+        assert same(F.k_writer_op()(**kw2), reference.k_norm_rope_mxfp4_cache(**kw2))
+    qw = c["q_rope_mxfp4_quant"]
+    assert same(F.q_quant_op()(**qw), reference.q_rope_mxfp4_quant(**qw))
+    sc = c["paged_mxfp4_mqa_logits"]
+    assert same(F.scorer_op()(**sc), reference.paged_mxfp4_mqa_logits(**sc))
+    tk = c["topk"]
+    assert same(F.topk_op(lambda i, n, k: i)(**tk), reference.topk(**tk))
+    # the identity and wrap-free permutations/writes are exact too
+    assert same(F.k_writer_op(values=F._permuted_values(lambda d, r: torch.arange(d)))(**kw),
+                reference.k_norm_rope_mxfp4_cache(**kw))
+    assert same(F.k_writer_op(write=F.wrapping_write(F.INT32_BITS))(**kw),
+                reference.k_norm_rope_mxfp4_cache(**kw))
+
+
+@pytest.mark.parametrize("name", sorted(F.FAULTS))
+def test_fault_changes_its_ops_output(name, case):
+    f = F.FAULTS[name]
+    if f.large:
+        pytest.skip("needs a pool past 2 GiB (tests/test_faults.py::test_int32_wrap_on_a_2gib_pool)")
+    c = make_case(**EXPOSING[name]) if name in EXPOSING else case
+    be = get_backend(f.backend_name)
+    for op in f.ops:
+        assert not same(be.ops[op](**c[op]), reference.OPS[op](**c[op])), (name, op)
+
+
+def test_faults_are_inert_where_they_cannot_show(case):
+    """The case restrictions are real: off their cases these faults are invisible, which
+    is why each declares where it can be exposed."""
+    sc = case["paged_mxfp4_mqa_logits"]
+    got = F.FAULTS["mask-missing"].backend().paged_mxfp4_mqa_logits(**sc)["logits"]
+    want = reference.paged_mxfp4_mqa_logits(**sc)["logits"]
+    valid = torch.arange(got.shape[1])[None, :] < sc["row_ends"][:, None]
+    assert torch.equal(got[valid], want[valid])                  # only past-the-end columns move
+    kw = case["k_norm_rope_mxfp4_cache"]
+    assert same(F.FAULTS["offset-wrap-sim"].backend().k_norm_rope_mxfp4_cache(**kw),
+                reference.k_norm_rope_mxfp4_cache(**kw))          # pool under 512 KiB
+
+
+def test_writer_unowned_fault_leaves_owned_bytes_right(case):
+    kw = case["k_norm_rope_mxfp4_cache"]
+    got = F.FAULTS["writer-unowned-bytes"].backend().k_norm_rope_mxfp4_cache(**kw)["kv_cache"]
+    want = reference.k_norm_rope_mxfp4_cache(**kw)["kv_cache"]
+    sel = reference.k_writer.writer_mask(kw["positions"], kw["slot_mapping"], RATIO)
+    owned = layout.owned_mask(*want.shape, kw["slot_mapping"][sel], page_size=PS, head_dim=D,
+                              shuffle=SHUFFLE)
+    assert torch.equal(got[owned], want[owned]) and not torch.equal(got[~owned], want[~owned])
+
+
+def test_int32_wrap_emulation_wraps_at_the_width():
+    """The width-parametrised write drops exactly the bytes whose offset passes 2**(bits-1)."""
+    c = make_case(pages=6, pool_pages=300)
+    kw = c["k_norm_rope_mxfp4_cache"]
+    want = reference.k_norm_rope_mxfp4_cache(**kw)["kv_cache"].view(-1)
+    got = F.k_writer_op(write=F.wrapping_write(F.SIM_WRAP_BITS))(**kw)["kv_cache"].view(-1)
+    before = kw["kv_cache"].view(-1)
+    lim = 1 << (F.SIM_WRAP_BITS - 1)
+    assert torch.equal(got[:lim][want[:lim] == before[:lim]], before[:lim][want[:lim] == before[:lim]])
+    changed_high = (want[lim:] != before[lim:]).nonzero().flatten()
+    assert changed_high.numel() > 0 and torch.equal(got[lim:][changed_high], before[lim:][changed_high])
+
+
+@pytest.mark.slow
+def test_int32_wrap_on_a_2gib_pool():
+    """The real fault on a real pool past 2 GiB (about 7 GB of RAM; run with -m slow)."""
+    stride = PS * layout.entry_bytes(D)
+    pages = (1 << 31) // stride + 2
+    kv_cache = torch.zeros(pages, stride, dtype=torch.uint8)
+    c = make_case(pages=6)
+    kw = dict(c["k_norm_rope_mxfp4_cache"], kv_cache=kv_cache)
+    kw["slot_mapping"] = kw["slot_mapping"] % PS + (pages - 1) * PS        # the last page
+    got = F.FAULTS["offset-int32-wrap"].backend().k_norm_rope_mxfp4_cache(**kw)["kv_cache"]
+    want = reference.k_norm_rope_mxfp4_cache(**kw)["kv_cache"]
+    assert not torch.equal(got[-1], want[-1])
