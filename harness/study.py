@@ -197,6 +197,22 @@ def needle_key(q: torch.Tensor, w: torch.Tensor, k_typical: torch.Tensor, streng
     return (key / key.norm() * norm).to(torch.bfloat16).float()
 
 
+def place_needles(q, k, w, weights_scale, exact_logits, trial_rows, cfg, gen, topk) -> torch.Tensor:
+    """One needle per trial row. With `needle_margin` set, each needle is scaled so that its
+    exact score is (1 + margin) times the row's exact k-th score: the exact indexer keeps
+    it, and whether a quantized one does measures how much margin quantization eats."""
+    needles = []
+    for r in trial_rows:
+        key = needle_key(q[r].cpu(), w[r].cpu(), k.cpu(), cfg.needle_strength, gen)
+        if cfg.needle_margin is not None and exact_logits.shape[1] > topk:
+            kth = exact_logits[r].topk(topk).values[-1]
+            s0 = weighted_relu_logits(q[r:r + 1].cpu(), key[None], fold_weights(w[r:r + 1].cpu(), weights_scale))[0, 0]
+            if s0 > 0 and kth > 0:
+                key = (key * float((1 + cfg.needle_margin) * kth / s0)).to(torch.bfloat16).float()
+        needles.append(key)
+    return torch.stack(needles).to(q.device)
+
+
 # --- the study ------------------------------------------------------------------------
 
 
@@ -210,6 +226,7 @@ class StudyConfig:
     rows: int = 8
     needle_depths: list = field(default_factory=lambda: [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0])
     needle_strength: float = 0.25
+    needle_margin: float | None = None   # exact needle score = (1 + margin) * k-th score
     needle_trials: int = 8
     heads: int | None = None
     seed: int = 0
@@ -230,15 +247,12 @@ def run_study(cfg: StudyConfig, *, device: str = "cpu", progress=None) -> dict:
             q, k, w = (inp[n].to(device) for n in ("q", "k", "w"))
             gen = torch.Generator().manual_seed(seed + 7)
             trial_rows = list(range(cfg.needle_trials))
-            needles = torch.stack([needle_key(q[r].cpu(), w[r].cpu(), k.cpu(), cfg.needle_strength, gen)
-                                   for r in trial_rows]).to(device)
-            exact_logits = None
+            exact_logits = weighted_relu_logits(q, k, fold_weights(w, inp["weights_scale"])).cpu()
+            needles = place_needles(q, k, w, inp["weights_scale"], exact_logits, trial_rows, cfg, gen, p.topk)
             for vname in ["exact"] + [v for v in cfg.variants if v != "exact"]:
                 v = VARIANTS[vname]
                 qv, kv, wv = variant_operands(v, q, k, w, inp["weights_scale"])
-                logits = weighted_relu_logits(qv, kv, wv).cpu()
-                if exact_logits is None:
-                    exact_logits = logits
+                logits = exact_logits if vname == "exact" else weighted_relu_logits(qv, kv, wv).cpu()
                 m = row_metrics(exact_logits[:cfg.rows], logits[:cfg.rows], p.topk)
                 rows_out.append({"distribution": dist.name, "variant": vname, "context_tokens": tokens,
                                  "entries": entries, **{f"{n}_mean": float(t.mean()) for n, t in m.items()},
@@ -363,7 +377,10 @@ def summary_markdown(rows, needles, meta: dict) -> str:
                      + f" | {at.loc[v, 'mass']:.5f} | {at.loc[v, 'worst']:.4f} | {at.loc[v, 'rank']:.0f} |")
     if not needles.empty:
         nk = needles.groupby("variant")["kept_frac"].mean()
-        lines += ["", "Needles kept (mean over depths, lengths and distributions): "
+        margin = meta.get("needle_margin")
+        lines += ["", "Needles kept (mean over depths, lengths and distributions"
+                  + (f"; each needle's exact score {margin:.0%} above the row's exact k-th" if margin else "")
+                  + "): "
                   + ", ".join(f"{v} {nk[v]:.3f}" for v in order if v in nk.index)]
     return "\n".join(lines)
 
@@ -462,7 +479,7 @@ def run(args) -> int:
     meta = {"study": cfg.name, "machine": machine_name(device), "seconds": time.time() - t0,
             "when": datetime.date.today().isoformat(), "topk": p.topk, "rows": cfg.rows,
             "distributions": [d.name for d in cfg.distributions] + list(args.dump),
-            "needle_strength": cfg.needle_strength}
+            "needle_strength": cfg.needle_strength, "needle_margin": cfg.needle_margin}
     paths = render(result, out, title=f"mxval study: {cfg.name}", meta=meta)
     import pandas as pd
     md = summary_markdown(pd.DataFrame(result["rows"]), pd.DataFrame(result["needles"]), meta)
