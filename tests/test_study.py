@@ -91,3 +91,10 @@ def test_quick_study_writes_every_format(tmp_path):
         assert (tmp_path / name).stat().st_size > 100
     assert "data:image/png;base64," in (tmp_path / "study.html").read_text()
     assert "| mxfp4 |" in (tmp_path / "study.md").read_text()
+
+
+@pytest.mark.parametrize("margin, kept", [(0.05, 1.0), (-0.05, 0.0)])
+def test_needle_margin_places_needles_around_the_kth_score(margin, kept):
+    res = study.run_study(_cfg(study.Distribution(), ["exact"], needle_margin=margin,
+                               context_tokens=[16384]))
+    assert {n["kept_frac"] for n in res["needles"]} == {kept}
