@@ -1,0 +1,89 @@
+"""mxval's own Triton implementation of the indexer ops (issue 3), written from NUMERICS.md.
+
+Two backends share these kernels:
+* `triton`: compiled, on a CUDA or ROCm GPU (inputs may arrive on the CPU; outputs go
+  back to the input's device);
+* `triton-interpret`: the same kernels through the Triton interpreter on the CPU (CI, and
+  machines without a GPU). TRITON_INTERPRET must be set before any kernel is decorated,
+  so the kernel modules are imported only after the mode is fixed; one process runs one
+  mode. Interpreter workarounds live in interp.py and nowhere else.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from optimized import Backend
+
+_STAGES = ("pooling", "k_writer", "q_quant", "scoring", "topk", "fp8")
+_DESC = "mxval Triton kernels (optimized/triton_kernels)"
+
+
+def _kernels_mode() -> str | None:
+    """'interpret' / 'compiled' when the kernel modules are already imported, else None."""
+    mod = sys.modules.get(__name__ + ".interp")
+    if mod is None:
+        return None
+    return "interpret" if bool(mod.INTERPRETED) else "compiled"
+
+
+def _ops(device: str) -> dict:
+    from . import fp8, k_writer, pooling, q_quant, scoring, topk
+    ops: dict = {}
+    for mod in (pooling, k_writer, q_quant, scoring, topk, fp8):
+        ops.update(mod.make_op(device))
+    return ops
+
+
+def _compiled_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton is not importable ({e})"
+    import torch
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or _kernels_mode() == "interpret":
+        return "TRITON_INTERPRET=1 in this process: use the triton-interpret backend"
+    if not torch.cuda.is_available():
+        return "no CUDA or ROCm GPU visible to torch (use triton-interpret on the CPU)"
+    return None
+
+
+def make_backend() -> Backend:
+    reason = _compiled_reason()
+    if reason:
+        return Backend("triton", _DESC, reason=reason)
+    import torch
+    name = torch.cuda.get_device_name(0)
+    return Backend("triton", f"{_DESC}, compiled on {name}", _ops("cuda"), device="cuda")
+
+
+def _triton_for_interpreter() -> None:
+    """Interpreter workaround (listed in interp.py): triton's own library functions
+    (tl.sum, tl.cdiv, ...) are decorated when triton is imported; imported before
+    TRITON_INTERPRET=1 they are compiled-mode functions that the interpreter cannot call.
+    Set the variable, and re-import triton when it was imported without it (our kernels
+    are not loaded yet, so nothing of ours holds the old modules)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" not in sys.modules:
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+    import triton.language as tl
+    if isinstance(tl.standard.sum, InterpretedFunction):
+        return
+    for name in [m for m in sys.modules if (m == "triton" or m.startswith("triton."))
+                 and not m.startswith("triton._C")]:   # the native extension stays
+        del sys.modules[name]
+    import triton.language  # noqa: F401  (re-decorated in interpreter mode)
+
+
+def make_interpreter_backend() -> Backend:
+    desc = _DESC + ", Triton interpreter on the CPU"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return Backend("triton-interpret", desc, reason=f"triton is not importable ({e})")
+    if _kernels_mode() == "compiled":
+        return Backend("triton-interpret", desc, reason="the kernels are already compiled in this "
+                       "process; start a new one with TRITON_INTERPRET=1")
+    _triton_for_interpreter()
+    return Backend("triton-interpret", desc, _ops("cpu"), device="cpu")

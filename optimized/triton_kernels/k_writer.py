@@ -1,0 +1,149 @@
+"""Fused K writer: norm -> RoPE -> MXFP4 (or FP8) -> paged store (NUMERICS.md §2, §5, §7).
+
+One program handles BT tokens; tokens that do not write (slot < 0 or not a boundary)
+are masked, so no host-side compaction or sync is needed. Only the bytes of the written
+entries are stored: the pool is cloned first, so every other byte keeps its value.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import layout
+from reference.formats import FP8_FLAVOURS, ROUNDING_PATHS
+from reference.k_writer import check_k_writer_args
+from reference import checks
+
+from .interp import LAUNCH, bf16_round, widen_bf16
+from .numerics import (ROUNDING_CODES, SCALE_RULE_CODES, fp8_encode,
+                       mxfp4_encode_pairs, pow2_scale, rms_norm_pairs, rope_pairs)
+from ..common import on_device, reject_hadamard, scale_rule_code
+
+BT = 16
+
+
+@triton.jit
+def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
+                     T, page_stride, cs_stride, eps,
+                     D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, PAGE: tl.constexpr,
+                     SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
+                     K_BF16: tl.constexpr, ROUNDING: tl.constexpr, QUANT_FP8: tl.constexpr,
+                     FNUZ: tl.constexpr, FMAX: tl.constexpr, RULE: tl.constexpr,
+                     BT: tl.constexpr):
+    TB: tl.constexpr = D // 2
+    NB: tl.constexpr = D // 32
+    NOPE2: tl.constexpr = (D - R) // 2
+    pid = tl.program_id(0)
+    rows = pid * BT + tl.arange(0, BT)
+    in_range = rows < T
+    pos = tl.load(pos_ptr + rows, mask=in_range, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+    active = in_range & (slot >= 0) & ((pos + 1) % RATIO == 0)
+    m = tl.arange(0, TB)
+    base = rows.to(tl.int64)[:, None] * D + 2 * m[None, :]
+    amask = active[:, None]
+    if K_BF16:
+        e = widen_bf16(tl.load(k_ptr + base, mask=amask, other=0))
+        o = widen_bf16(tl.load(k_ptr + base + 1, mask=amask, other=0))
+    else:
+        e = tl.load(k_ptr + base, mask=amask, other=0.0)
+        o = tl.load(k_ptr + base + 1, mask=amask, other=0.0)
+        if ROUNDING == 2:  # deepseek rounds the pooled row to bf16 before the norm
+            e = bf16_round(e)
+            o = bf16_round(o)
+    w_e = tl.load(w_ptr + 2 * m)[None, :]
+    w_o = tl.load(w_ptr + 2 * m + 1)[None, :]
+    ne, no = rms_norm_pairs(e, o, w_e, w_o, eps, D)
+
+    g = (pos // RATIO) * RATIO                          # RoPE at the group's first position
+    is_rope = m[None, :] >= NOPE2
+    mr = tl.where(m >= NOPE2, m - NOPE2, 0)
+    cs_off = g[:, None] * cs_stride + mr[None, :]
+    cmask = amask & is_rope
+    cos = tl.load(cs_ptr + cs_off, mask=cmask, other=1.0)
+    sin = tl.load(cs_ptr + cs_off + R // 2, mask=cmask, other=0.0)
+    if ROUNDING == 1:      # cuda fused: fp32 through norm and RoPE, one bf16 round at the end
+        ye, yo = rope_pairs(ne, no, cos, sin, is_rope, False, False)
+        ye = bf16_round(ye)
+        yo = bf16_round(yo)
+    else:                  # rocm / deepseek: bf16 after the norm and after RoPE
+        ye, yo = rope_pairs(bf16_round(ne), bf16_round(no), cos, sin, is_rope, True, ROUNDING == 0)
+
+    page = slot // PAGE
+    t = slot % PAGE
+    start = page * page_stride
+    if QUANT_FP8:
+        amax = tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=1)
+        s = pow2_scale(amax, FMAX)
+        ve = tl.minimum(tl.maximum(tl.div_rn(ye, s[:, None]), -FMAX), FMAX)
+        vo = tl.minimum(tl.maximum(tl.div_rn(yo, s[:, None]), -FMAX), FMAX)
+        voff = start[:, None] + t[:, None] * D + 2 * m[None, :]
+        tl.store(cache_ptr + voff, fp8_encode(ve, FNUZ).to(tl.uint8), mask=amask)
+        tl.store(cache_ptr + voff + 1, fp8_encode(vo, FNUZ).to(tl.uint8), mask=amask)
+        sb = s.to(tl.int32, bitcast=True)
+        k4 = tl.arange(0, 4)
+        soff = start[:, None] + PAGE * D + t[:, None] * 4 + k4[None, :]
+        sbytes = (sb[:, None] >> (8 * k4[None, :])) & 0xFF     # little-endian fp32
+        tl.store(cache_ptr + soff, sbytes.to(tl.uint8), mask=amask)
+    else:
+        packed, e8 = mxfp4_encode_pairs(ye, yo, BT, TB, RULE)
+        sidx = tl.arange(0, NB)
+        if SHUF_N == 0:
+            voff = t[:, None] * TB + m[None, :]
+            soff = PAGE * TB + t[:, None] * NB + sidx[None, :]
+        else:
+            grp = t // SHUF_N
+            lane = t % SHUF_N
+            voff = (grp[:, None] * (SHUF_N * TB) + (m[None, :] // SHUF_DT) * (SHUF_N * SHUF_DT)
+                    + lane[:, None] * SHUF_DT + (m[None, :] % SHUF_DT))
+            S_HI: tl.constexpr = NB // SHUF_L
+            soff = (PAGE * TB + grp[:, None] * (SHUF_N * NB) + (sidx[None, :] % SHUF_L) * (SHUF_N * S_HI)
+                    + lane[:, None] * S_HI + sidx[None, :] // SHUF_L)
+        tl.store(cache_ptr + start[:, None] + voff, packed.to(tl.uint8), mask=amask)
+        tl.store(cache_ptr + start[:, None] + soff, e8.to(tl.uint8), mask=amask)
+
+
+def launch(k, positions, cos_sin_cache, norm_weight, slot_mapping, out_cache, *, norm_eps,
+           compress_ratio, page_size, shuffle, rounding="rocm", fp8_dtype=None, scale_rule="ceil"):
+    """Write into `out_cache` in place (all tensors on the kernel's device, checked)."""
+    t, d = k.shape
+    r = cos_sin_cache.shape[1]
+    shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+    fmax = FP8_FLAVOURS[fp8_dtype][1] if fp8_dtype else 448.0
+    k_arg = k.contiguous().view(torch.int16) if k.dtype == torch.bfloat16 else k.contiguous()
+    grid = (triton.cdiv(t, BT),)
+    if t == 0:
+        return out_cache
+    _k_writer_kernel[grid](
+        k_arg, positions.contiguous(), cos_sin_cache.contiguous(), norm_weight.float().contiguous(),
+        slot_mapping.contiguous(), out_cache, t, out_cache.shape[1], cos_sin_cache.stride(0),
+        float(norm_eps), D=d, R=r, RATIO=compress_ratio, PAGE=page_size,
+        SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1, SHUF_L=shuf.l if shuf else 1,
+        K_BF16=k.dtype == torch.bfloat16, ROUNDING=ROUNDING_CODES[rounding],
+        QUANT_FP8=fp8_dtype is not None, FNUZ=fp8_dtype == "e4m3fnuz", FMAX=fmax,
+        RULE=SCALE_RULE_CODES.get(scale_rule, 0), BT=BT, **LAUNCH)
+    return out_cache
+
+
+def make_op(device: str):
+    def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                                norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
+                                shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
+                                scale_rule: str = "ceil") -> dict:
+        shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+        checks.choice("rounding", rounding, ROUNDING_PATHS)
+        reject_hadamard(hadamard)
+        scale_rule_code(scale_rule)
+        check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                            norm_eps, compress_ratio, page_size,
+                            k_dtypes=(torch.bfloat16,) if rounding != "cuda" else checks.FLOAT_DTYPES,
+                            entry_bytes=layout.entry_bytes)
+        layout.check_layout(page_size, k.shape[1], shuf)
+        args, back = on_device(device, k, positions, cos_sin_cache, norm_weight, slot_mapping)
+        out = kv_cache.to(device, copy=True)
+        launch(*args, out, norm_eps=norm_eps, compress_ratio=compress_ratio, page_size=page_size,
+               shuffle=shuf, rounding=rounding, scale_rule=scale_rule)
+        return {"kv_cache": back(out, kv_cache)}
+
+    return {"k_norm_rope_mxfp4_cache": k_norm_rope_mxfp4_cache}

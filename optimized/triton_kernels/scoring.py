@@ -1,0 +1,161 @@
+"""Paged MXFP4 (and FP8) MQA logits (NUMERICS.md §6):
+logits[row, j] = sum_h w[row, h] * relu(q[row, h] . k[j]) for j < row_ends[row].
+
+One program per (query row, split); it decodes its row's q once ([H, D] in registers)
+and walks the entry blocks j = split, split + NSPLIT, ... up to the row's end. Each block
+is gathered through the block table straight from the pages (natural or preshuffled),
+decoded to values that are exact in bf16 (e2m1 * 2**e and e4m3 fit in 8 mantissa bits),
+multiplied on the tensor cores with fp32 accumulation, and reduced over heads in
+registers: per-head scores never reach memory. The dot is split into the even and odd
+elements of each pair so that a packed byte decodes into two operands without shuffles.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import layout
+from reference.scoring import check_paged_args, default_width
+
+from ..common import on_device, row_sequences
+from .interp import LAUNCH, mma_operand
+from .numerics import e2m1_value, e8m0_value, fp8_value
+
+BN = 64          # entries per block
+TARGET_PROGRAMS = 2048
+
+
+@triton.jit
+def _decode_q(qv_ptr, qs_ptr, row, H, HP: tl.constexpr, TB: tl.constexpr, QFP8: tl.constexpr,
+              FNUZ: tl.constexpr):
+    h = tl.arange(0, HP)
+    mm = tl.arange(0, TB)
+    hm = (h < H)[:, None]
+    if QFP8:
+        base = qv_ptr + row.to(tl.int64) * H * (2 * TB) + h[:, None] * (2 * TB) + 2 * mm[None, :]
+        qe = fp8_value(tl.load(base, mask=hm, other=0).to(tl.int32), FNUZ)
+        qo = fp8_value(tl.load(base + 1, mask=hm, other=0).to(tl.int32), FNUZ)
+    else:
+        NB: tl.constexpr = TB // 16
+        qb = tl.load(qv_ptr + row.to(tl.int64) * H * TB + h[:, None] * TB + mm[None, :],
+                     mask=hm, other=0).to(tl.int32)
+        e8 = tl.load(qs_ptr + row.to(tl.int64) * H * NB + h[:, None] * NB + mm[None, :] // 16,
+                     mask=hm, other=127).to(tl.int32)
+        sc = e8m0_value(e8)
+        qe = e2m1_value(qb & 15) * sc
+        qo = e2m1_value(qb >> 4) * sc
+    return qe, qo
+
+
+@triton.jit
+def _logits_kernel(qv_ptr, qs_ptr, w_ptr, cache_ptr, table_ptr, seq_ptr, end_ptr, out_ptr,
+                   H, W, page_stride, table_stride, out_stride,
+                   HP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                   SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
+                   FP8: tl.constexpr, FNUZ: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr):
+    TB: tl.constexpr = D // 2
+    NB: tl.constexpr = D // 32
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    end = tl.load(end_ptr + row).to(tl.int64)
+    nblocks = tl.cdiv(end, BN)
+    if split < nblocks:
+        seq = tl.load(seq_ptr + row).to(tl.int64)
+        qe, qo = _decode_q(qv_ptr, qs_ptr, row, H, HP, TB, FP8, FNUZ)
+        qe = mma_operand(qe)
+        qo = mma_operand(qo)
+        h = tl.arange(0, HP)
+        w = tl.load(w_ptr + row.to(tl.int64) * H + h, mask=h < H, other=0.0)
+        mm = tl.arange(0, TB)
+        for jb in range(split, nblocks, NSPLIT):
+            j = jb * BN + tl.arange(0, BN)
+            jm = j < end
+            page = tl.load(table_ptr + seq * table_stride + j // PAGE, mask=jm, other=0).to(tl.int64)
+            t = j % PAGE
+            start = (page * page_stride)[:, None]
+            if FP8:
+                voff = t[:, None] * D + 2 * mm[None, :]
+                ke = fp8_value(tl.load(cache_ptr + start + voff, mask=jm[:, None], other=0).to(tl.int32), FNUZ)
+                ko = fp8_value(tl.load(cache_ptr + start + voff + 1, mask=jm[:, None], other=0).to(tl.int32), FNUZ)
+                k4 = tl.arange(0, 4)
+                sb = tl.load(cache_ptr + start + PAGE * D + t[:, None] * 4 + k4[None, :],
+                             mask=jm[:, None], other=0).to(tl.int32)
+                s_k = tl.sum(sb << (8 * k4[None, :]), axis=1).to(tl.float32, bitcast=True)
+            else:
+                sblk = mm[None, :] // 16
+                if SHUF_N == 0:
+                    voff = t[:, None] * TB + mm[None, :]
+                    soff = PAGE * TB + t[:, None] * NB + sblk
+                else:
+                    S_HI: tl.constexpr = NB // SHUF_L
+                    grp = (t // SHUF_N)[:, None]
+                    lane = (t % SHUF_N)[:, None]
+                    voff = (grp * (SHUF_N * TB) + (mm[None, :] // SHUF_DT) * (SHUF_N * SHUF_DT)
+                            + lane * SHUF_DT + mm[None, :] % SHUF_DT)
+                    soff = (PAGE * TB + grp * (SHUF_N * NB) + (sblk % SHUF_L) * (SHUF_N * S_HI)
+                            + lane * S_HI + sblk // SHUF_L)
+                kb = tl.load(cache_ptr + start + voff, mask=jm[:, None], other=0).to(tl.int32)
+                ks = e8m0_value(tl.load(cache_ptr + start + soff, mask=jm[:, None], other=127).to(tl.int32))
+                ke = e2m1_value(kb & 15) * ks
+                ko = e2m1_value(kb >> 4) * ks
+            s = tl.dot(qe, tl.trans(mma_operand(ke)), out_dtype=tl.float32)
+            s = tl.dot(qo, tl.trans(mma_operand(ko)), acc=s, out_dtype=tl.float32)
+            if FP8:
+                s = s * s_k[None, :]
+            logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+            tl.store(out_ptr + row.to(tl.int64) * out_stride + j, logit, mask=jm & (j < W))
+
+
+def launch(q_vals, q_scales, weights, kv_cache, block_table, row_seq, row_ends, *, width, page_size,
+           shuffle, clean_logits, fp8_dtype=None, nsplit=None):
+    """fp32 logits [Rw, width]; past each row's end -inf when clean_logits, else unwritten."""
+    rw, h = weights.shape
+    d = q_vals.shape[2] if fp8_dtype else q_vals.shape[2] * 2
+    dev = weights.device
+    fill = torch.full if clean_logits else (lambda shape, v, **kw: torch.empty(shape, **kw))
+    out = fill((rw, width), float("-inf"), dtype=torch.float32, device=dev)
+    if rw == 0 or width == 0:
+        return out
+    shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+    if nsplit is None:
+        nsplit = max(1, min(triton.cdiv(width, BN), triton.cdiv(TARGET_PROGRAMS, rw)))
+    hp = max(16, triton.next_power_of_2(h))
+    _logits_kernel[(rw, nsplit)](
+        q_vals, q_scales if q_scales is not None else q_vals, weights, kv_cache, block_table, row_seq,
+        row_ends, out, h, width, kv_cache.stride(0), block_table.stride(0), out.stride(0),
+        HP=hp, D=d, PAGE=page_size, SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1,
+        SHUF_L=shuf.l if shuf else 1, FP8=fp8_dtype is not None, FNUZ=fp8_dtype == "e4m3fnuz",
+        BN=BN, NSPLIT=nsplit, num_warps=4, **LAUNCH)
+    return out
+
+
+def prepare(device, query_start_loc, row_ends, *tensors):
+    """Move everything to the device and add each row's sequence index."""
+    moved, back = on_device(device, *(t.contiguous() for t in tensors), row_ends.contiguous())
+    seq = row_sequences(query_start_loc.to(device), row_ends.shape[0])
+    return moved, seq, back
+
+
+def make_op(device: str):
+    def paged_mxfp4_mqa_logits(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
+                               block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
+                               clean_logits: bool = False, width: int | None = None) -> dict:
+        from reference import checks
+        shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+        dims = checks.Dims()
+        dims.check("q_fp4", q_fp4, torch.uint8, ("Rw", "H", "D/2"))
+        dims.check("q_scale", q_scale, torch.uint8, ("Rw", "H", "D/32"))
+        d = q_fp4.shape[2] * 2
+        if q_scale.shape[2] * 32 != d:
+            raise ValueError(f"q_scale: {q_scale.shape[2]} scale blocks do not match D={d} from q_fp4")
+        check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
+                         page_size, layout.entry_bytes(d))
+        layout.check_layout(page_size, d, shuf)
+        (qv, qs, w, kc, bt, ends), seq, back = prepare(device, query_start_loc, row_ends, q_fp4, q_scale,
+                                                       weights, kv_cache, block_table)
+        out = launch(qv, qs, w, kc, bt, seq, ends, width=width or default_width(block_table, page_size),
+                     page_size=page_size, shuffle=shuf, clean_logits=clean_logits)
+        return {"logits": back(out, weights)}
+
+    return {"paged_mxfp4_mqa_logits": paged_mxfp4_mqa_logits}
