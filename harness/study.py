@@ -335,7 +335,8 @@ def study_dump(path: str, cfg: StudyConfig) -> dict:
         m = row_metrics(exact, logits, topk)
         rows.append({"distribution": f"dump:{Path(path).name}", "variant": vname,
                      "context_tokens": k.shape[0] * s["compress_ratio"], "entries": k.shape[0],
-                     "topk": topk, **{f"{n}_mean": float(t.mean()) for n, t in m.items()},
+                     "topk": topk, "queries": "captured" if qop is not None else "generated (no Q op in the dump)",
+                     **{f"{n}_mean": float(t.mean()) for n, t in m.items()},
                      "recall_min": float(m["recall"].min()), "mass_recall_min": float(m["mass_recall"].min())})
     return {"rows": rows, "needles": []}
 
