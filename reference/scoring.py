@@ -7,11 +7,13 @@ fp32 accumulation lands within ~1e-14 of them in the scale-invariant metric.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
 from . import checks, layout, mxfp4
+from .formats import E2M1_VALUES, MX_BLOCK
 
 # Work tile of the dense core: rows*H*entries fp64 scores materialized at once.
 _TILE_ELEMS = 1 << 23
@@ -34,6 +36,100 @@ def weighted_relu_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> t
         for j0 in range(0, j, jc):
             s = torch.matmul(qr, k64[j0:j0 + jc].T).clamp_min_(0)   # [rc, H, jc]
             out[r0:r0 + rc, j0:j0 + jc] = torch.bmm(wr, s).squeeze(1)
+    return out
+
+
+# --- MXFP4 fast exact core -----------------------------------------------------------
+#
+# q = a * 2**(eq-128), k = c * 2**(ek-128) with a, c small integers (twice an e2m1 value,
+# |.| <= 12), so every product is an integer times 2**(eq_b + ek_b - 256) and a block's
+# 32-term dot is an integer below 4608 in those units. Any partial sum of the D terms, in
+# any order, is then an integer multiple of 2**Emin below nb*4608 * 2**Emax, which fp32
+# holds exactly when the block exponents of the pair span few enough binades and stay in
+# fp32's normal range. Those columns come from a plain fp32 matmul and are bit-identical
+# to the fp64 dot; the others (rare on real data) are recomputed in fp64.
+
+@functools.lru_cache(maxsize=4)
+def _pair_lut(device: torch.device) -> torch.Tensor:
+    """[65536, 4] f32: the e2m1 values of the two packed bytes behind each int16 value
+    (byte order taken from the machine, so any endianness works)."""
+    e2m1 = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
+    byte_lut = torch.stack((e2m1[torch.arange(256) & 15], e2m1[torch.arange(256) >> 4]), -1)
+    words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    mem = words.view(torch.uint8).view(-1, 2).long()
+    lut = torch.empty(65536, 4, dtype=torch.float32)
+    lut[words.int() & 0xFFFF] = torch.cat((byte_lut[mem[:, 0]], byte_lut[mem[:, 1]]), -1)
+    return lut.to(device)
+
+
+def dequantize_mxfp4_f32(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 dequantization for scale bytes in [2, 252] (others give subnormals, inf or
+    NaN; the exact core sends those entries to fp64)."""
+    nb = scales.shape[-1]
+    words = packed.contiguous().view(torch.int16).reshape(-1).int() & 0xFFFF
+    vals = _pair_lut(packed.device).index_select(0, words).view(*scales.shape, MX_BLOCK)
+    pow2 = (scales.int().clamp(1, 254) << 23).view(torch.float32)        # 2**(e - 127)
+    return vals.mul_(pow2.unsqueeze(-1)).view(*scales.shape[:-1], nb * MX_BLOCK)
+
+
+def _block_exponents(packed: torch.Tensor, scales: torch.Tensor):
+    """Per vector: (lo, hi, ok, any_live) of the scale bytes of its live blocks (a block is
+    live when a code is non-zero). ok: no NaN scale, live scales within [2, 252]."""
+    per_block = packed.shape[-1] // scales.shape[-1]
+    if per_block % 8 == 0:   # 8 code pairs per int64 word: 8x fewer elements to test
+        words = packed.contiguous().view(torch.int64).reshape(*scales.shape, per_block // 8)
+        live = (words & 0x7777777777777777).ne(0).any(-1)
+    else:
+        live = (packed.reshape(*scales.shape, per_block) & 0x77).ne(0).any(-1)
+    e = scales.int()
+    lo = torch.where(live, e, 1 << 20).amin(-1)
+    hi = torch.where(live, e, -(1 << 20)).amax(-1)
+    ok = ~(e == 255).any(-1) & (~live | ((e >= 2) & (e <= 252))).all(-1)
+    return lo, hi, ok, live.any(-1)
+
+
+def exact_f32_columns(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
+    """Bool [J]: key columns whose dots with every query head are exact in fp32."""
+    nb = q_scale.shape[-1]
+    max_spread = 24 - (nb * 4608 - 1).bit_length()
+    qlo, qhi, qok, qlive = (t.reshape(-1) for t in _block_exponents(q_packed, q_scale))
+    klo, khi, kok, klive = _block_exponents(k_packed, k_scale)
+    if not bool(qok.all()):
+        return torch.zeros_like(kok)
+    if not bool(qlive.any()):
+        return kok
+    q_spread = int((qhi - qlo)[qlive].max())
+    q_lo, q_hi = int(qlo[qlive].min()), int(qhi[qlive].max())
+    fits = ((khi - klo) + q_spread <= max_spread) & (klo + q_lo >= 130) & (khi + q_hi <= 368)
+    return kok & (fits | ~klive)
+
+
+def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
+    """Same values as `weighted_relu_logits` on the dequantized operands (fp64 [Rw, J]),
+    from fp32 matmuls wherever `exact_f32_columns` proves the dots exact."""
+    rw, h = q_scale.shape[:2]
+    j = k_scale.shape[0]
+    out = torch.empty(rw, j, dtype=torch.float64, device=q_packed.device)
+    if rw == 0 or j == 0:
+        return out
+    fast = exact_f32_columns(q_packed, q_scale, k_packed, k_scale)
+    if bool(fast.any()):
+        q32 = dequantize_mxfp4_f32(q_packed, q_scale)
+        k32 = dequantize_mxfp4_f32(k_packed, k_scale)
+        w64 = w.double()
+        jc = max(1, min(j, _TILE_ELEMS // h))
+        rc = max(1, _TILE_ELEMS // (h * jc))
+        for r0 in range(0, rw, rc):
+            qr = q32[r0:r0 + rc]
+            wr = w64[r0:r0 + rc].unsqueeze(1)
+            for j0 in range(0, j, jc):
+                s = torch.matmul(qr, k32[j0:j0 + jc].T).clamp_min_(0).double()
+                out[r0:r0 + rc, j0:j0 + jc] = torch.bmm(wr, s).squeeze(1)
+    slow = (~fast).nonzero().flatten()
+    if slow.numel():
+        out[:, slow] = weighted_relu_logits(mxfp4.dequantize_mxfp4(q_packed, q_scale, torch.float64),
+                                            mxfp4.dequantize_mxfp4(k_packed[slow], k_scale[slow],
+                                                                   torch.float64), w)
     return out
 
 
@@ -120,15 +216,21 @@ def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_star
     check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
                      page_size, layout.entry_bytes(d))
     layout.check_layout(page_size, d, shuffle)
-    q = mxfp4.dequantize_mxfp4(q_fp4, q_scale, torch.float64)
-
-    def read_keys(slots):
-        packed, scales = layout.read_entries(kv_cache, slots, page_size=page_size, head_dim=d,
-                                             shuffle=shuffle)
-        return mxfp4.dequantize_mxfp4(packed, scales, torch.float64)
-
-    return paged_logits(q, weights, query_start_loc, block_table, row_ends, page_size, read_keys,
-                        width or default_width(block_table, page_size))
+    rw = q_fp4.shape[0]
+    out = torch.full((rw, width or default_width(block_table, page_size)), float("-inf"),
+                     dtype=torch.float64, device=q_fp4.device)
+    qsl = query_start_loc.long().tolist()
+    for b in range(len(qsl) - 1):
+        r0, r1 = qsl[b], qsl[b + 1]
+        n = int(row_ends[r0:r1].max()) if r1 > r0 else 0
+        if n == 0:
+            continue
+        packed, scales = layout.read_pages(kv_cache, block_table[b, :-(-n // page_size)],
+                                           page_size=page_size, head_dim=d, shuffle=shuffle)
+        s = mxfp4_relu_logits(q_fp4[r0:r1], q_scale[r0:r1], packed[:n], scales[:n], weights[r0:r1])
+        s[torch.arange(n, device=s.device)[None, :] >= row_ends[r0:r1].long()[:, None]] = float("-inf")
+        out[r0:r1, :n] = s
+    return out
 
 
 def paged_mxfp4_mqa_logits(*, clean_logits: bool = False, **kwargs) -> dict:
