@@ -1,0 +1,106 @@
+"""Replaying captured dumps: re-run each recorded op and diff.
+
+Two questions, one function:
+* `replay_dump(dump)`: is the recorded output what the contract says? Runs the reference
+  (reference.OPS) on the recorded inputs; `expected` = reference, `actual` = recorded.
+* `replay_dump(dump, backend="triton")`: does my kernel reproduce this capture? Runs the
+  backend on the recorded inputs; `expected` = recorded, `actual` = the backend's.
+
+The scorer is compared on each row's valid region (the -inf pattern too when the dump says
+`clean_logits`), at the recorded width, against the reference's fp64 logits. For top-k the
+recorded logits are the reference scores. Non-finite inputs are their own result
+(`nonfinite_inputs` > 0, class `nonfinite_input`), never a pass. A recorded input the
+reference rejects (a slot past the pool, a bad shuffle...) is a broken dump: DumpError.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+import reference
+from reference.checks import NonFiniteInput
+from reference.fp8 import paged_fp8_mqa_logits_fp64
+from reference.scoring import paged_mxfp4_mqa_logits_fp64
+
+from .diff import DiffReport, diff_op
+from .dumps import Dump, DumpError, OpRecord, _json_scalar, read_dump, record_problem
+
+# The scorer's reference in fp64: logits_diff is measured against the true scores.
+FP64_SCORERS = {
+    "paged_mxfp4_mqa_logits": paged_mxfp4_mqa_logits_fp64,
+    "paged_fp8_mqa_logits": paged_fp8_mqa_logits_fp64,
+}
+_SCORERS = tuple(FP64_SCORERS)
+
+
+def record_op(op: str, inputs: dict, scalars: dict, outputs: dict) -> OpRecord:
+    """An OpRecord of one op call, detached to the CPU and validated against OP_FIELDS
+    (ValueError naming the problem). Pass the pool as it was BEFORE the call in `inputs`."""
+    rec = OpRecord(op, {k: _json_scalar(v) for k, v in scalars.items()},
+                   {k: v.detach().to("cpu").clone() for k, v in inputs.items()},
+                   {k: v.detach().to("cpu").clone() for k, v in outputs.items()})
+    problem = record_problem(rec)
+    if problem:
+        raise ValueError(problem)
+    return rec
+
+
+def _nonfinite_report(op: str, e: NonFiniteInput) -> DiffReport:
+    return DiffReport(op, {"nonfinite_inputs": float(e.count), "class_nonfinite_input": 1.0},
+                      [{"class": "nonfinite_input", "arg": e.arg, "first": e.first, "where": str(e)}],
+                      ["non-finite inputs are outside the contract: not compared"])
+
+
+def _call(fn, rec: OpRecord, device, extra: dict) -> dict:
+    # clones: a kernel that writes its pool in place must not change the recorded `before`
+    ins = {k: v.to(device).clone() for k, v in rec.inputs.items()}
+    out = fn(**ins, **rec.scalars, **extra)
+    if isinstance(out, torch.Tensor):        # the fp64 scorer returns the logits alone
+        out = {"logits": out}
+    return {k: v.detach().cpu() for k, v in out.items()}
+
+
+def replay_op(rec: OpRecord, backend=None, *, path: Optional[str] = None) -> DiffReport:
+    """Replay one record; see the module docstring. `backend`: None (the reference), a
+    backend name, or an optimized.Backend."""
+    op = rec.op
+    extra = {"width": rec.outputs["logits"].shape[1]} if op in _SCORERS else {}
+    where = f"{path or '<dump>'}: {op}"
+    try:
+        if backend is None:
+            fn = FP64_SCORERS.get(op, reference.OPS[op])
+            expected = _call(fn, rec, "cpu", extra)
+            actual, label = rec.outputs, "recorded output vs the reference"
+        else:
+            be = backend
+            if isinstance(backend, str):
+                from optimized import get_backend
+                be = get_backend(backend)
+            if not be.supports(op):
+                return DiffReport(op, {"op_unsupported": 1.0},
+                                  [{"class": "op_unsupported", "where": f"backend {be.name!r} does not implement {op}"}],
+                                  [f"backend {be.name!r} does not implement {op}: not compared"])
+            actual = _call(getattr(be, op), rec, be.device, extra)
+            expected, label = rec.outputs, f"backend {be.name!r} vs the recorded output"
+    except NonFiniteInput as e:
+        return _nonfinite_report(op, e)
+    except TypeError as e:
+        raise DumpError(f"{where}: the op rejects the recorded arguments ({e})") from None
+    except ValueError as e:
+        raise DumpError(f"{where}: {e}") from None
+    rep = diff_op(op, rec.inputs, rec.scalars, actual, expected)
+    rep.notes.append(label)
+    return rep
+
+
+def replay_dump(dump: Dump, backend: Union[None, str, object] = None) -> list[DiffReport]:
+    """One DiffReport per op of the dump, in the dump's op order."""
+    if isinstance(backend, str):
+        from optimized import get_backend
+        backend = get_backend(backend)       # BackendUnavailable: one line, before any work
+    return [replay_op(rec, backend, path=dump.path) for rec in dump.ops.values()]
+
+
+def replay_file(path, backend=None) -> list[DiffReport]:
+    return replay_dump(read_dump(path), backend)
