@@ -30,7 +30,7 @@ def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
                      SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
                      K_BF16: tl.constexpr, ROUNDING: tl.constexpr, QUANT_FP8: tl.constexpr,
                      FNUZ: tl.constexpr, FMAX: tl.constexpr, RULE: tl.constexpr,
-                     BT: tl.constexpr):
+                     BT: tl.constexpr, FAST_NORM: tl.constexpr):
     TB: tl.constexpr = D // 2
     NB: tl.constexpr = D // 32
     NOPE2: tl.constexpr = (D - R) // 2
@@ -54,7 +54,7 @@ def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
             o = bf16_round(o)
     w_e = tl.load(w_ptr + 2 * m)[None, :]
     w_o = tl.load(w_ptr + 2 * m + 1)[None, :]
-    ne, no = rms_norm_pairs(e, o, w_e, w_o, eps, D)
+    ne, no = rms_norm_pairs(e, o, w_e, w_o, eps, D, FAST_NORM)
 
     g = (pos // RATIO) * RATIO                          # RoPE at the group's first position
     is_rope = m[None, :] >= NOPE2
@@ -105,8 +105,11 @@ def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
 
 
 def launch(k, positions, cos_sin_cache, norm_weight, slot_mapping, out_cache, *, norm_eps,
-           compress_ratio, page_size, shuffle, rounding="rocm", fp8_dtype=None, scale_rule="ceil"):
-    """Write into `out_cache` in place (all tensors on the kernel's device, checked)."""
+           compress_ratio, page_size, shuffle, rounding="rocm", fp8_dtype=None, scale_rule="ceil",
+           variant=None):
+    """Write into `out_cache` in place (all tensors on the kernel's device, checked).
+    `variant` (measurement only): "fast-norm" (fp32 sum, approximate rsqrt), "fma" (fp
+    contraction left on), or "fast-norm+fma": what upstream kernels likely do."""
     t, d = k.shape
     r = cos_sin_cache.shape[1]
     shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
@@ -122,7 +125,9 @@ def launch(k, positions, cos_sin_cache, norm_weight, slot_mapping, out_cache, *,
         SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1, SHUF_L=shuf.l if shuf else 1,
         K_BF16=k.dtype == torch.bfloat16, ROUNDING=ROUNDING_CODES[rounding],
         QUANT_FP8=fp8_dtype is not None, FNUZ=fp8_dtype == "e4m3fnuz", FMAX=fmax,
-        RULE=SCALE_RULE_CODES.get(scale_rule, 0), BT=BT, **LAUNCH)
+        RULE=SCALE_RULE_CODES.get(scale_rule, 0), BT=BT,
+        FAST_NORM=bool(variant and "fast-norm" in variant),
+        **({} if variant and "fma" in variant else LAUNCH))
     return out_cache
 
 

@@ -23,9 +23,19 @@ BD = 64   # channels per program
 
 
 @triton.jit
+def _exp(x, FAST: tl.constexpr):
+    # FAST (measurement only): fp32 fast exp, as upstream kernels do (the rest stays fp64)
+    if FAST:
+        return tl.exp(x.to(tl.float32)).to(tl.float64)
+    else:
+        return exp_f64(x)
+
+
+@triton.jit
 def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr, out_bf16_ptr,
                  T, block_size, table_stride, row_stride, block_stride,
-                 D: tl.constexpr, RATIO: tl.constexpr, OUT_BF16: tl.constexpr, BD: tl.constexpr):
+                 D: tl.constexpr, RATIO: tl.constexpr, OUT_BF16: tl.constexpr, BD: tl.constexpr,
+                 FAST_EXP: tl.constexpr):
     tok = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -51,7 +61,7 @@ def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr, out_
                 row = state_ptr + blk * block_stride + (qp % block_size) * row_stride
                 half = D if i >= RATIO else 0
                 s = tl.load(row + 2 * D + half + d).to(tl.float64)
-                den += exp_f64(s - mx)
+                den += _exp(s - mx, FAST_EXP)
         acc = tl.zeros((BD,), tl.float64)
         for i in tl.static_range(2 * RATIO):
             qp = pos - (2 * RATIO - 1) + i
@@ -61,7 +71,7 @@ def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr, out_
                 half = D if i >= RATIO else 0
                 s = tl.load(row + 2 * D + half + d).to(tl.float64)
                 kv = tl.load(row + half + d).to(tl.float64)
-                acc += (exp_f64(s - mx) / den) * kv
+                acc += (_exp(s - mx, FAST_EXP) / den) * kv
         c = acc.to(tl.float32)
         if OUT_BF16:
             tl.store(out_bf16_ptr + tok * D + d, bf16_bits(c))
@@ -70,7 +80,7 @@ def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr, out_
 
 
 def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, *, compress_ratio,
-           out_bf16=True):
+           out_bf16=True, fast_exp=False):
     t = positions.shape[0]
     d = state_cache.shape[-1] // 4
     dev = state_cache.device
@@ -82,7 +92,8 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, *, c
         _pool_kernel[(t, triton.cdiv(d, BD))](
             sc, block_table, positions, req_index, kv_slot_mapping, out,
             outb.view(torch.int16) if out_bf16 else out, t, sc.shape[1], block_table.stride(0),
-            sc.stride(1), sc.stride(0), D=d, RATIO=compress_ratio, OUT_BF16=out_bf16, BD=BD, **LAUNCH)
+            sc.stride(1), sc.stride(0), D=d, RATIO=compress_ratio, OUT_BF16=out_bf16, BD=BD,
+            FAST_EXP=fast_exp, **LAUNCH)
     return outb
 
 

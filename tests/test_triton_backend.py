@@ -1,0 +1,68 @@
+"""The Triton backend through the Triton interpreter (CPU, CI) against the reference, on
+small cases that hold the spec's edge cases (tests/test_triton_cases.py)."""
+import pytest
+import torch
+
+from optimized import OP_NAMES, get_backend
+from test_triton_cases import cases, compare
+
+CASES = cases()
+
+
+@pytest.fixture(scope="module")
+def be():
+    return get_backend("triton-interpret")
+
+
+def test_every_op_is_implemented(be):
+    assert be.available() is None
+    assert all(be.supports(op) for op in OP_NAMES)
+    assert {op for _, op, _ in CASES} == set(OP_NAMES)
+
+
+@pytest.mark.parametrize("op,kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_matches_reference(be, op, kw):
+    before = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    got = getattr(be, op)(**kw)
+    assert compare(op, got, kw) == []
+    assert all(torch.equal(before[k], kw[k]) or (before[k].isnan() == kw[k].isnan()).all()
+               for k in before), "an input was modified"
+
+
+def test_rejects_what_it_does_not_implement(be):
+    from test_triton_cases import k_writer_case, q_case
+    with pytest.raises(ValueError, match="hadamard"):
+        be.k_norm_rope_mxfp4_cache(**k_writer_case(), hadamard=True)
+    with pytest.raises(ValueError, match="scale_rule"):
+        be.q_rope_mxfp4_quant(**q_case(), scale_rule="rceil")
+    with pytest.raises(ValueError, match="kv_cache"):
+        kw = k_writer_case()
+        be.k_norm_rope_mxfp4_cache(**dict(kw, kv_cache=kw["kv_cache"][:, :100]))
+
+
+def test_interpreter_bf16_round_is_nearest_even(be):
+    """interp.bf16_round must round ties to even where the interpreter's cast truncates."""
+    import triton
+    import triton.language as tl
+    from optimized.triton_kernels import interp
+    globals()["bf16_bits"] = interp.bf16_bits     # the kernel below resolves it as a global
+
+    @triton.jit
+    def k(x_ptr, o_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(o_ptr + i, bf16_bits(tl.load(x_ptr + i)))
+
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x3F807FFF, 0xBF818000, 0x00008000,
+                         0x7F7FFFFF, 0x3F800001], dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    out = torch.empty(8, dtype=torch.int16)
+    k[(1,)](x, out, N=8)
+    assert torch.equal(out, x.to(torch.bfloat16).view(torch.int16))
+    # the fault it works around: the interpreter's own cast truncates the first tie
+    @triton.jit
+    def raw(x_ptr, o_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(o_ptr + i, tl.load(x_ptr + i).to(tl.bfloat16).to(tl.int16, bitcast=True))
+
+    raw[(1,)](x, out, N=8)
+    assert not torch.equal(out, x.to(torch.bfloat16).view(torch.int16))
