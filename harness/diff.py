@@ -600,13 +600,16 @@ def diff_q(actual: dict, expected: dict, *, op: Optional[str] = None) -> DiffRep
 # --- logits --------------------------------------------------------------------------------
 
 def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, clean: bool,
-                op: str = "paged_mxfp4_mqa_logits", worst_rows: int = 10) -> DiffReport:
+                op: str = "paged_mxfp4_mqa_logits", worst_rows: int = 10,
+                row_threshold: float = 1e-12) -> DiffReport:
     """Scorer logits [Rw, W] against the reference (fp64 preferred) on the valid region
     (column < row_ends[r]). logits_diff = 1 - 2*sum(xy)/sum(x^2+y^2) in fp64, computed as
     sum((x-y)^2)/sum(x^2+y^2), the same quantity without the cancellation; 0 when both are
     all zero. logits_max_rel_err is over entries whose expected value is not 0.
     logits_nonfinite: NaN/inf in the valid region (never a pass). When `clean`,
-    logits_inf_pattern_mismatch counts columns >= row_end that are not -inf."""
+    logits_inf_pattern_mismatch counts columns >= row_end that are not -inf.
+    logits_rows_differing: rows whose own difference exceeds `row_threshold` (fp32 rounding
+    of fp64 scores stays far below the default 1e-12); findings list the worst of them."""
     if actual.dim() != 2 or actual.shape != expected_fp64.shape:
         raise ValueError(f"actual: shape {list(actual.shape)} differs from expected "
                          f"{list(expected_fp64.shape)}")
@@ -629,8 +632,7 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
     metrics = {"logits_diff": num / den if den > 0 else 0.0,
                "logits_max_abs_err": float(err.max()) if err.numel() else 0.0,
                "logits_max_rel_err": float(rel.max()) if rel.numel() else 0.0,
-               "logits_nonfinite": int(nonfinite.sum()),
-               "logits_rows_differing": int(((xv != yv) & good).any(1).sum())}
+               "logits_nonfinite": int(nonfinite.sum())}
     col = _Collector()
     if clean:
         bad_inf = ~valid & ~(torch.isinf(x) & (x < 0))
@@ -649,13 +651,15 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
         col.keep({"class": "nonfinite", "row": r, "row_end": int(ends[r]), "col": c,
                   "actual": float(x[r, c]), "expected": float(y[r, c]),
                   "where": f"row {r} column {c}: {float(x[r, c])!r}, expected {float(y[r, c])!r}"})
-    row_err = err.amax(1) if w else torch.zeros(rw, dtype=torch.float64)
-    bad_rows = (row_err > 0).nonzero().flatten()
+    row_num = ((xv - yv) ** 2).sum(1)
+    row_den = (xv * xv + yv * yv).sum(1)
+    row_diff = torch.where(row_den > 0, row_num / row_den.clamp_min(1e-300), 0.0)
+    bad_rows = (row_diff > row_threshold).nonzero().flatten()
+    metrics["logits_rows_differing"] = bad_rows.numel()
     col.count("row_differs", bad_rows.numel())
-    for r in bad_rows[row_err[bad_rows].argsort(descending=True)][:worst_rows].tolist():
+    for r in bad_rows[row_diff[bad_rows].argsort(descending=True)][:worst_rows].tolist():
         c = int(err[r].argmax())
-        rn = float(((xv[r] - yv[r]) ** 2).sum())
-        rd = float((xv[r] ** 2 + yv[r] ** 2).sum())
+        rn, rd = float(row_num[r]), float(row_den[r])
         col.keep({"class": "row_differs", "row": r, "row_end": int(ends[r]), "col": c,
                   "actual": float(x[r, c]), "expected": float(y[r, c]), "abs_err": float(err[r, c]),
                   "row_diff": rn / rd if rd > 0 else 0.0,
