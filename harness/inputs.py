@@ -1,0 +1,334 @@
+"""Every input tensor of a case, generated from its seed (deterministic on any machine:
+all random draws happen on the CPU with one torch.Generator; only pools too large for
+the CPU are filled on the device).
+
+The state cache goes through `reference.pooling.state_rows`/`write_state` with a
+permuted state block table; cos/sin come from `reference.rope.cos_sin_cache` with the
+preset's YaRN values; K pools start as random bytes so that a writer touching bytes it
+does not own is caught; slot mappings give -1 to non-boundary tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from reference import layout
+from reference.formats import ModelPreset, preset as get_preset
+from reference.pooling import state_rows, write_state
+from reference.rope import cos_sin_cache
+
+from .cases import PLANT_VALUES, Case, CaseError
+
+# Pools above this many bytes are filled on the device (the GPU suite's > 2 GiB pools).
+_CPU_POOL_LIMIT = 1 << 28
+_GARBAGE = 1000.0       # never-read state rows: a kernel reading a wrong row shows up large
+
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# 6 * 2**k in bf16 and its bf16 neighbours: the amax values where the e8m0 scale steps.
+POW2_EDGES = (6.0, 6.03125, 5.96875)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    preset: ModelPreset
+    heads: int
+    head_dim: int
+    rope_dim: int
+    ratio: int
+    page_size: int
+    shuffle: Optional[list]
+    page_stride: int
+    topk: int
+    fmt: str
+
+    @property
+    def weights_scale(self) -> float:
+        return self.head_dim ** -0.5 * self.heads ** -0.5
+
+
+def geometry(case: Case) -> Geometry:
+    """Shapes of a case, checked before anything runs (errors are case errors)."""
+    p = get_preset(case.preset)
+    heads = case.heads or p.index_heads
+    ps = case.page_size or p.page_size
+    d = p.head_dim
+    shuffle = None
+    if case.fmt == "mxfp4":
+        if case.layout == "shuffled":
+            shuffle = layout.choose_shuffle(d, heads).as_list()
+        elif case.layout != "natural":
+            shuffle = list(case.layout)
+        try:
+            layout.check_layout(ps, d, layout.as_shuffle(shuffle))
+        except ValueError as e:
+            raise CaseError(f"{case.file}: case {case.name!r}: {e}") from None
+        need = layout.page_bytes(ps, d)
+    else:
+        need = ps * (d + 4)
+    return Geometry(p, heads, d, p.rope_dim, p.compress_ratio, ps, shuffle,
+                    need + case.page_stride_pad, case.topk or p.topk, case.fmt)
+
+
+@dataclass
+class Tokens:
+    """One batch of tokens (a step, or the history written before the first step)."""
+    positions: torch.Tensor          # int64 [T]
+    req_index: torch.Tensor          # int64 [T]: row of the block tables
+    slot_mapping: torch.Tensor       # int64 [T]: K slot, -1 for non-boundary tokens
+    seqs: list[int]                  # sequences present, in token order
+    query_start_loc: torch.Tensor    # int32 [B'+1] over `seqs`
+    context_lens: torch.Tensor       # int32 [B']: entries after this batch
+    block_table: torch.Tensor        # int32 [B', max_pages]: the K pages of `seqs`
+    row_ends: torch.Tensor           # int32 [T]: (p + 1) // r
+    q: Optional[torch.Tensor] = None         # bf16 [T, H, D]
+    weights: Optional[torch.Tensor] = None   # [T, H]
+    k: Optional[torch.Tensor] = None         # bf16 [T, D]: K writer input when pooling is not run
+
+    @property
+    def n(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass
+class CaseInputs:
+    case: Case
+    geo: Geometry
+    state_cache: torch.Tensor        # f32 [blocks, state_block, 4D]
+    state_block_table: torch.Tensor  # int32 [B, max_blocks]
+    cos_sin_cache: torch.Tensor      # f32 [max_pos, R]
+    norm_weight: torch.Tensor        # bf16 [D]
+    kv_cache: torch.Tensor           # u8 [P, stride]: random bytes
+    k_block_table: torch.Tensor      # int32 [B, max_pages]
+    history: Optional[Tokens]
+    steps: list[Tokens]
+    planted: list[str] = field(default_factory=list)
+
+    def scalars(self, op: str) -> dict:
+        g, c = self.geo, self.case
+        table = {
+            "compress_pool": {"compress_ratio": g.ratio},
+            "k_norm_rope_mxfp4_cache": {"norm_eps": g.preset.rms_eps, "compress_ratio": g.ratio,
+                                        "page_size": g.page_size, "shuffle": g.shuffle},
+            "k_norm_rope_fp8_cache": {"norm_eps": g.preset.rms_eps, "compress_ratio": g.ratio,
+                                      "page_size": g.page_size, "fp8_dtype": c.fp8_dtype},
+            "q_rope_mxfp4_quant": {"weights_scale": g.weights_scale},
+            "q_rope_fp8_quant": {"weights_scale": g.weights_scale, "fp8_dtype": c.fp8_dtype},
+            "paged_mxfp4_mqa_logits": {"page_size": g.page_size, "shuffle": g.shuffle,
+                                       "clean_logits": c.clean_logits},
+            "paged_fp8_mqa_logits": {"page_size": g.page_size, "fp8_dtype": c.fp8_dtype,
+                                     "clean_logits": c.clean_logits},
+            "topk": {"k": g.topk},
+        }
+        return dict(table[op])
+
+    def to(self, device) -> "CaseInputs":
+        def mv(x):
+            return x.to(device) if isinstance(x, torch.Tensor) else x
+
+        def mv_tokens(t: Optional[Tokens]):
+            if t is None:
+                return None
+            return Tokens(**{k: mv(v) for k, v in t.__dict__.items()})
+
+        return CaseInputs(self.case, self.geo, mv(self.state_cache), mv(self.state_block_table),
+                          mv(self.cos_sin_cache), mv(self.norm_weight), mv(self.kv_cache),
+                          mv(self.k_block_table), mv_tokens(self.history),
+                          [mv_tokens(s) for s in self.steps], list(self.planted))
+
+
+# --- value distributions -------------------------------------------------------------
+
+def _rows_mask(n: int, frac: float, gen: torch.Generator) -> torch.Tensor:
+    return torch.rand(n, generator=gen) < frac
+
+
+def shape_values(x: torch.Tensor, dist: tuple[str, ...], gen: torch.Generator, *,
+                 kind: str, group: int = 1) -> torch.Tensor:
+    """Apply the case's distribution modifiers to fp32 `x` [..., C] (rows = leading dims).
+    `kind` "q" also gets the MXFP4 edge values in its NoPE blocks (they reach the
+    quantizer unchanged); "kv" zeroes whole pooling windows (`group` rows) so that pooled
+    rows are exactly zero."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).clone()
+    n, c = x.shape
+    for d in dist:
+        if d == "outlier_channels":
+            ch = torch.randperm(c, generator=gen)[:max(1, c // 32)]
+            x[:, ch] *= 64.0
+        elif d == "heavy_tails":
+            x *= torch.exp(1.5 * torch.randn(n, c, generator=gen))
+        elif d in ("zero_rows", "neg_zero"):
+            fill = 0.0 if d == "zero_rows" else -0.0
+            if kind == "kv":
+                starts = torch.nonzero(_rows_mask(max(1, n // group), 0.15, gen)).flatten() * group
+                for s in starts.tolist():
+                    x[s:s + 2 * group] = fill
+            else:
+                x[_rows_mask(n, 0.12, gen)] = fill
+            if d == "neg_zero":
+                x[torch.rand(n, c, generator=gen) < 0.05] = -0.0
+        elif d == "tiny":
+            rows = _rows_mask(n, 0.25, gen)
+            exps = torch.tensor([-120.0, -128.0, -135.0])[torch.randint(0, 3, (n,), generator=gen)]
+            x[rows] *= torch.exp2(exps[rows])[:, None]
+        elif d == "e2m1_midpoints" and kind == "q":
+            x = _edge_blocks(x, gen, 0, E2M1_MIDPOINTS + E2M1_GRID, (6.0,))
+        elif d == "pow2_boundary" and kind == "q":
+            x = _edge_blocks(x, gen, 32, (0.5, 1.0, 2.0, 3.0, 4.0), POW2_EDGES)
+    return x.reshape(shape)
+
+
+def _edge_blocks(x: torch.Tensor, gen: torch.Generator, start: int, values, amax_values) -> torch.Tensor:
+    """Replace the 32-element block at `start` of a third of the rows with values * 2**k
+    (exact in bf16) and one element at an amax of `amax_values` * 2**k."""
+    n = x.shape[0]
+    rows = torch.nonzero(_rows_mask(n, 0.35, gen)).flatten()
+    if rows.numel() == 0 or x.shape[1] < start + 32:
+        return x
+    m = rows.numel()
+    vals = torch.tensor(values)[torch.randint(0, len(values), (m, 32), generator=gen)]
+    sign = torch.where(torch.rand(m, 32, generator=gen) < 0.5, -1.0, 1.0)
+    amax = torch.tensor(amax_values)[torch.randint(0, len(amax_values), (m,), generator=gen)]
+    where = torch.randint(0, 32, (m,), generator=gen)
+    vals[torch.arange(m), where] = amax
+    scale = torch.exp2(torch.randint(-6, 7, (m, 1), generator=gen).float())
+    x[rows, start:start + 32] = vals * sign * scale
+    return x
+
+
+# --- building the case ---------------------------------------------------------------
+
+def _tokens(case: Case, geo: Geometry, ranges: dict[int, tuple[int, int]],
+            k_bt: torch.Tensor) -> Tokens:
+    r, ps = geo.ratio, geo.page_size
+    pos, req, seqs, qsl, ctx = [], [], [], [0], []
+    for b, (s, e) in sorted(ranges.items()):
+        if e <= s:
+            continue
+        pos.append(torch.arange(s, e))
+        req.append(torch.full((e - s,), b))
+        seqs.append(b)
+        qsl.append(qsl[-1] + e - s)
+        ctx.append(e // r)
+    positions = torch.cat(pos).long() if pos else torch.zeros(0, dtype=torch.long)
+    req_index = torch.cat(req).long() if req else torch.zeros(0, dtype=torch.long)
+    j = positions // r
+    slot = k_bt[req_index, j // ps].long() * ps + j % ps
+    slot = torch.where((positions + 1) % r == 0, slot, torch.full_like(slot, -1))
+    return Tokens(positions, req_index, slot, seqs, torch.tensor(qsl, dtype=torch.int32),
+                  torch.tensor(ctx, dtype=torch.int32), k_bt[seqs].clone(),
+                  ((positions + 1) // r).to(torch.int32))
+
+
+def _pages(case: Case, needs: list[int], gen: torch.Generator) -> tuple[int, torch.Tensor]:
+    total = sum(needs)
+    pool = case.pool_pages or total + case.spare_pages
+    if pool < total:
+        raise CaseError(f"{case.file}: case {case.name!r}: pool_pages {pool} < the {total} pages needed")
+    if case.page_order == "permuted":
+        phys = torch.randperm(pool, generator=gen)[:total]
+    elif case.page_order == "top":
+        phys = torch.arange(pool - total, pool)
+    else:
+        phys = torch.arange(total)
+    table = torch.zeros(len(needs), max(needs), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(needs):
+        table[b, :n] = phys[at:at + n].to(torch.int32)
+        at += n
+    return pool, table
+
+
+def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
+    """All inputs of `case`; tensors on `device`."""
+    geo = geometry(case)
+    gen = torch.Generator().manual_seed(case.seed)
+    r, d, ps, h = geo.ratio, geo.head_dim, geo.page_size, geo.heads
+    seqs = case.seqs
+    max_len = max(s.len for s in seqs)
+
+    # State cache: every position of every sequence, through permuted state blocks.
+    sb = case.state_block
+    blocks = [-(-s.len // sb) for s in seqs]
+    n_blocks = sum(blocks) + 1
+    perm = torch.randperm(n_blocks, generator=gen)
+    state_bt = torch.zeros(len(seqs), max(blocks), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(blocks):
+        state_bt[b, :n] = perm[at:at + n].to(torch.int32)
+        at += n
+    state = torch.randn(n_blocks, sb, 4 * d, generator=gen) * _GARBAGE
+    all_pos = torch.cat([torch.arange(s.len) for s in seqs])
+    all_req = torch.cat([torch.full((s.len,), b) for b, s in enumerate(seqs)])
+    kv = shape_values(torch.randn(len(all_pos), 2 * d, generator=gen) * case.scale, case.dist,
+                      gen, kind="kv", group=r)
+    score = torch.randn(len(all_pos), 2 * d, generator=gen) * 2.0
+    ape = torch.randn(r, 2 * d, generator=gen) * 0.5
+    planted: list[str] = []
+    first = [(b, s.steps()[0][0]) for b, s in enumerate(seqs)]
+
+    def boundary_row():
+        """Row (in all_pos order) of the first boundary token of the first step."""
+        for b, s0 in first:
+            e0 = seqs[b].steps()[0][1]
+            for p in range(s0, e0):
+                if (p + 1) % r == 0:
+                    return sum(x.len for x in seqs[:b]) + p, p
+        return None, None
+
+    for pl in case.plant:
+        if pl.tensor in ("state_kv", "state_score"):
+            row, p = boundary_row()
+            if row is None:
+                raise CaseError(f"{case.file}: case {case.name!r}: no boundary token to plant {pl.tensor} in")
+            target = kv if pl.tensor == "state_kv" else score
+            chans = d + torch.randperm(d, generator=gen)[:pl.count]     # the token's own `_b` half
+            target[row, chans] = PLANT_VALUES[pl.value]
+            planted.append(f"{pl.tensor}[pos {p}, ch {chans.tolist()}] = {pl.value}")
+    rows = state_rows(kv, score, ape, all_pos)
+    state = write_state(state, state_bt, all_req, all_pos, rows)
+
+    cs = cos_sin_cache(max_len + 1, geo.rope_dim, geo.preset.rope_base, yarn_factor=geo.preset.yarn_factor,
+                       yarn_original_max_pos=geo.preset.yarn_original_max_pos)
+    norm_weight = (1.0 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16)
+
+    needs = [max(1, -(-(s.len // r) // ps)) for s in seqs]
+    pool_pages, k_bt = _pages(case, needs, gen)
+    pool_bytes = pool_pages * geo.page_stride
+    if pool_bytes > _CPU_POOL_LIMIT:
+        dgen = torch.Generator(device=device).manual_seed(case.seed)
+        kv_cache = torch.randint(0, 256, (pool_pages, geo.page_stride), generator=dgen,
+                                 dtype=torch.uint8, device=device)
+    else:
+        kv_cache = torch.randint(0, 256, (pool_pages, geo.page_stride), generator=gen, dtype=torch.uint8)
+
+    hist = {b: (0, s.history) for b, s in enumerate(seqs)}
+    history = _tokens(case, geo, hist, k_bt) if any(e > 0 for _, e in hist.values()) else None
+    n_steps = max(len(s.steps()) for s in seqs)
+    steps = []
+    wdt = torch.bfloat16 if case.weights_dtype == "bfloat16" else torch.float32
+    for i in range(n_steps):
+        rng = {b: s.steps()[i] for b, s in enumerate(seqs) if i < len(s.steps())}
+        t = _tokens(case, geo, rng, k_bt)
+        q = shape_values(torch.randn(t.n, h, d, generator=gen) * case.scale, case.dist, gen, kind="q")
+        t.weights = torch.randn(t.n, h, generator=gen)
+        t.k = shape_values(torch.randn(t.n, d, generator=gen) * case.scale, case.dist, gen,
+                           kind="k").to(torch.bfloat16)
+        if i == 0:
+            for pl in case.plant:
+                if pl.tensor == "q":
+                    idx = torch.randperm(h * d, generator=gen)[:pl.count]
+                    q[0].view(-1)[idx] = PLANT_VALUES[pl.value]
+                    planted.append(f"q[token 0, flat {idx.tolist()}] = {pl.value}")
+                elif pl.tensor == "weights":
+                    idx = torch.randperm(h, generator=gen)[:pl.count]
+                    t.weights[0, idx] = PLANT_VALUES[pl.value]
+                    planted.append(f"weights[token 0, heads {idx.tolist()}] = {pl.value}")
+        t.q = q.to(torch.bfloat16)
+        t.weights = t.weights.to(wdt)
+        steps.append(t)
+    out = CaseInputs(case, geo, state, state_bt, cs, norm_weight, kv_cache, k_bt, history, steps, planted)
+    return out.to(device)

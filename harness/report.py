@@ -1,0 +1,356 @@
+"""Reports: one pandas DataFrame of per-case results, rendered as a rich console table,
+report.json (the persisted source; `mxval report DIR` re-renders everything from it),
+report.md for pull requests, a self-contained report.html with figures, junit.xml and
+metrics.csv.
+
+DataFrame columns: the fixed ones in `COLUMNS`, one column per metric named
+`<stage>.<metric>` (stage = an op, or `chain`), and the object columns in `OBJECT_COLUMNS`.
+"""
+from __future__ import annotations
+
+import base64
+import html as _html
+import io
+import json
+import math
+from pathlib import Path
+from typing import Optional
+from xml.etree import ElementTree as ET
+
+import pandas as pd
+
+SCHEMA = "mxval-report"
+SCHEMA_VERSION = 1
+COLUMNS = ["case", "suite", "backend", "status", "ok", "reason", "seconds", "context", "shape",
+           "description", "expect_nonfinite"]
+OBJECT_COLUMNS = ["violations", "findings", "summaries", "details", "planted"]
+STATUS_STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "nonfinite_input": "magenta",
+                "skipped": "yellow"}
+# (heading, metric suffix, how to combine the op stages) for the overview tables
+HEADLINE = [("pages≠", "page_bytes_mismatched", "sum"), ("outside", "page_bytes_outside_owned_changed", "sum"),
+            ("pool ulp", "pooled_max_ulp", "max"), ("q≠", "q_bytes_mismatched", "sum"),
+            ("logits diff", "logits_diff", "max"), ("top-k recall", "topk_recall_min", "min")]
+
+
+def is_metric(col: str) -> bool:
+    return "." in col
+
+
+def frame(rows: list[dict]) -> pd.DataFrame:
+    """Rows (runner rows after `budgets.verdict`) -> the DataFrame."""
+    flat = []
+    for r in rows:
+        d = {c: r.get(c) for c in COLUMNS}
+        for c in OBJECT_COLUMNS:
+            d[c] = r.get(c) or ({} if c in ("summaries", "details") else [])
+        for k, v in (r.get("metrics") or {}).items():
+            d[k] = v
+        flat.append(d)
+    df = pd.DataFrame(flat, columns=None)
+    for c in COLUMNS + OBJECT_COLUMNS:
+        if c not in df.columns:
+            df[c] = None
+    return df
+
+
+def metric_columns(df: pd.DataFrame) -> list[str]:
+    return sorted(c for c in df.columns if is_metric(c))
+
+
+def _num(v) -> Optional[float]:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def headline(row, suffix: str, how: str) -> Optional[float]:
+    vals = [_num(row[c]) for c in row.index if is_metric(c) and not c.startswith("chain.")
+            and c.endswith("." + suffix)]
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return None
+    return {"sum": sum, "max": max, "min": min}[how](vals)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float) and not v.is_integer():
+        return f"{v:.3g}"
+    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
+
+def summary(df: pd.DataFrame) -> dict:
+    counts = df["status"].value_counts().to_dict() if len(df) else {}
+    out = {s: int(counts.get(s, 0)) for s in ("pass", "fail", "error", "nonfinite_input", "skipped")}
+    out["cases"] = int(len(df))
+    out["ok"] = bool(df["ok"].all()) if len(df) else True
+    return out
+
+
+# --- JSON (the persisted form) --------------------------------------------------------------
+
+def _clean(v):
+    if isinstance(v, float):
+        return None if math.isnan(v) else (v if math.isfinite(v) else str(v))
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_clean(x) for x in v]
+    if hasattr(v, "item"):
+        return _clean(v.item())
+    return v
+
+
+def to_json(df: pd.DataFrame, meta: dict) -> dict:
+    cases = []
+    for _, r in df.iterrows():
+        d = {c: _clean(r[c]) for c in COLUMNS + OBJECT_COLUMNS}
+        d["metrics"] = {c: _clean(r[c]) for c in metric_columns(df) if _num(r[c]) is not None}
+        cases.append(d)
+    return {"schema": SCHEMA, "version": SCHEMA_VERSION, "run": meta, "summary": summary(df),
+            "cases": cases}
+
+
+def load(report_dir) -> tuple[pd.DataFrame, dict]:
+    """(DataFrame, run meta) from DIR/report.json. ValueError (one line) on a bad file."""
+    path = Path(report_dir) / "report.json"
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: not an mxval report (schema {data.get('schema') if isinstance(data, dict) else None!r})")
+    if data.get("version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: unknown report version {data.get('version')!r}")
+    if not isinstance(data.get("cases"), list):
+        raise ValueError(f"{path}: 'cases' must be a list")
+    return frame(data["cases"]), data.get("run", {})
+
+
+# --- console ---------------------------------------------------------------------------------
+
+def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    if console is None:    # logs and CI get a wide table instead of 80 folded columns
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=170)
+    t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}",
+              show_lines=False)
+    for col in ("case", "status", *[h for h, _, _ in HEADLINE], "chain≠", "s", "reason"):
+        t.add_column(col, overflow="fold", max_width=60 if col == "reason" else None)
+    for _, r in df.iterrows():
+        st = r["status"]
+        chain = _num(r.get("chain.page_bytes_mismatched_frac")) if "chain.page_bytes_mismatched_frac" in r else None
+        t.add_row(str(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{st}[/]",
+                  *[_fmt(headline(r, m, how)) for _, m, how in HEADLINE], _fmt(chain),
+                  f"{_num(r['seconds']) or 0:.1f}", str(r["reason"] or ""))
+    console.print(t)
+    s = summary(df)
+    verdict = "[green]OK[/]" if s["ok"] else "[bold red]FAILED[/]"
+    console.print(f"{verdict}: {s['pass']} pass, {s['fail']} fail, {s['error']} error, "
+                  f"{s['nonfinite_input']} non-finite input, {s['skipped']} skipped")
+    for w in meta.get("budget_warnings") or []:
+        console.print(f"[yellow]warning:[/] {w}")
+
+
+# --- markdown --------------------------------------------------------------------------------
+
+def _where_lines(r, n: int = 6) -> list[str]:
+    out = []
+    for f in (r["findings"] or [])[:n]:
+        out.append(f"[{f.get('stage')}, step {f.get('step')}] {f.get('class', '')}: {f.get('where', f.get('text', ''))}")
+    return out
+
+
+def markdown(df: pd.DataFrame, meta: dict) -> str:
+    s = summary(df)
+    lines = [f"### mxval {meta.get('command', '')}: `{meta.get('suite', '')}` on `{meta.get('backend', '')}` "
+             f"— {'✅ OK' if s['ok'] else '❌ FAILED'}", "",
+             f"{s['pass']} pass · {s['fail']} fail · {s['error']} error · {s['nonfinite_input']} non-finite input "
+             f"· {s['skipped']} skipped · {meta.get('machine', '')} · {meta.get('seconds', 0):.1f} s · "
+             f"budgets `{(meta.get('budgets') or {}).get('path', '')}`", "",
+             "| case | status | " + " | ".join(h for h, _, _ in HEADLINE) + " | chain≠ frac | reason |",
+             "|---|---|" + "---|" * len(HEADLINE) + "---|---|"]
+    for _, r in df.iterrows():
+        chain = _num(r["chain.page_bytes_mismatched_frac"]) if "chain.page_bytes_mismatched_frac" in r else None
+        reason = str(r["reason"] or "").replace("|", "\\|")
+        lines.append(f"| {r['case']} | {r['status']} | "
+                     + " | ".join(_fmt(headline(r, m, how)) for _, m, how in HEADLINE)
+                     + f" | {_fmt(chain)} | {reason} |")
+    bad = df[~df["ok"].astype(bool)]
+    if len(bad):
+        lines += ["", "#### Failures", ""]
+        for _, r in bad.iterrows():
+            lines.append(f"**{r['case']}** ({r['status']}): {r['reason']}")
+            for v in r["violations"] or []:
+                lines.append(f"- `{v['metric']}` = {_fmt(v['value'])} (budget {v['limit']})")
+            for w in _where_lines(r):
+                lines.append(f"  - {w}")
+            lines.append("")
+    for w in meta.get("budget_warnings") or []:
+        lines.append(f"> warning: {w}")
+    return "\n".join(lines) + "\n"
+
+
+# --- HTML with figures ---------------------------------------------------------------------
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def figures(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """(caption, data URI) of every figure the data supports."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    out = []
+    for _, r in df.iterrows():
+        pts = (r["details"] or {}).get("mismatch_map") or []
+        if not pts or len(out) >= 6:
+            continue
+        arr = np.array(pts)
+        pages = sorted(set(arr[:, 0].tolist()))
+        ent = int(max(arr[:, 1].max(), 0)) + 1
+        img = np.zeros((len(pages), max(ent, 1)))
+        pad = np.zeros(len(pages))
+        row_of = {p: i for i, p in enumerate(pages)}
+        for p, e, c in pts:
+            if e >= 0:
+                img[row_of[p], e] += c
+            else:
+                pad[row_of[p]] += c
+        fig, ax = plt.subplots(figsize=(8, 0.6 + 0.35 * len(pages)))
+        im = ax.imshow(np.ma.masked_equal(img, 0), aspect="auto", interpolation="nearest", cmap="Reds")
+        ax.set_yticks(range(len(pages)), [f"page {p}" + (f" (+{int(pad[i])} pad)" if pad[i] else "")
+                                           for i, p in enumerate(pages)])
+        ax.set_xlabel("entry in page")
+        fig.colorbar(im, ax=ax, label="mismatched bytes")
+        ax.set_title(f"{r['case']}: mismatched K-cache bytes by page and entry")
+        out.append((f"Mismatch map of {r['case']} (pages with a mismatch, bytes per entry)", _png(fig)))
+    ulp: dict[str, int] = {}
+    errs = []
+    for _, r in df.iterrows():
+        d = r["details"] or {}
+        for k, v in (d.get("pooled_ulp") or {}).items():
+            ulp[k] = ulp.get(k, 0) + int(v)
+        errs += d.get("logit_log10_err") or []
+    if ulp or errs:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
+        if ulp:
+            keys = list(ulp)
+            axes[0].bar(keys, [ulp[k] for k in keys], color="tab:blue")
+            axes[0].set_yscale("log")
+            axes[0].set_xlabel("bf16 ulps from the reference")
+            axes[0].set_ylabel("pooled values")
+            axes[0].set_title("pooled rows: ulp distance")
+        if errs:
+            axes[1].hist(errs, bins=40, color="tab:orange")
+            axes[1].set_xlabel("log10(|logit - reference| / max|reference|)")
+            axes[1].set_ylabel("logits")
+            axes[1].set_title("scorer: relative error")
+        out.append(("Error histograms over all cases", _png(fig)))
+    rec = []
+    for _, r in df.iterrows():
+        rec += (r["details"] or {}).get("recall_rows") or []
+    if rec:
+        arr = np.array(rec, dtype=float)
+        fig, ax = plt.subplots(figsize=(8, 3.2))
+        ax.scatter(np.maximum(arr[:, 0], 1), arr[:, 1], s=6, alpha=0.5)
+        ax.set_xscale("log")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("row length (compressed entries visible)")
+        ax.set_ylabel("top-k recall")
+        ax.set_title("backend chain top-k against the reference chain")
+        out.append(("Top-k recall against context length (per query row)", _png(fig)))
+    return out
+
+
+def html(df: pd.DataFrame, meta: dict) -> str:
+    s = summary(df)
+    e = _html.escape
+    cols = ["case", "status", *[h for h, _, _ in HEADLINE], "seconds", "reason"]
+    rows = []
+    for _, r in df.iterrows():
+        cells = [e(str(r["case"])), f"<span class='{e(str(r['status']))}'>{e(str(r['status']))}</span>",
+                 *[_fmt(headline(r, m, how)) for _, m, how in HEADLINE], f"{_num(r['seconds']) or 0:.1f}",
+                 e(str(r["reason"] or ""))]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    figs = "".join(f"<figure><img src='{uri}'><figcaption>{e(cap)}</figcaption></figure>"
+                   for cap, uri in figures(df))
+    details = []
+    for _, r in df.iterrows():
+        if r["ok"] and r["status"] != "nonfinite_input":
+            continue
+        viol = "".join(f"<li><code>{e(v['metric'])}</code> = {e(_fmt(v['value']))} (budget {e(v['limit'])})</li>"
+                       for v in r["violations"] or [])
+        summ = "\n".join("\n".join(v) for v in (r["summaries"] or {}).values())
+        details.append(f"<h3>{e(str(r['case']))} — {e(str(r['status']))}</h3><p>{e(str(r['reason'] or ''))}</p>"
+                       f"<ul>{viol}</ul><pre>{e(summ)}</pre>")
+    metrics = df[["case", *metric_columns(df)]].to_html(index=False, na_rep="", float_format=lambda v: f"{v:.4g}")
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>mxval report</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1400px}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:left}}.pass{{color:green}}.fail,.error{{color:#c00;font-weight:bold}}
+.nonfinite_input{{color:#a0a}}.skipped{{color:#b80}}pre{{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:12px}}
+figure{{margin:1em 0}}details{{margin-top:2em}}</style></head><body>
+<h1>mxval {e(str(meta.get('command', '')))}: {e(str(meta.get('suite', '')))} on {e(str(meta.get('backend', '')))}
+— {'OK' if s['ok'] else 'FAILED'}</h1>
+<p>{s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['nonfinite_input']} non-finite input, {s['skipped']} skipped ·
+{e(str(meta.get('machine', '')))} · {e(str(meta.get('started', '')))} · budgets {e(str((meta.get('budgets') or {}).get('path', '')))}</p>
+<table><tr>{''.join(f'<th>{e(c)}</th>' for c in cols)}</tr>{''.join(rows)}</table>
+{figs}
+{''.join(details)}
+<details><summary>all metrics</summary>{metrics}</details>
+</body></html>
+"""
+
+
+# --- JUnit -------------------------------------------------------------------------------------
+
+def junit(df: pd.DataFrame, meta: dict) -> str:
+    s = summary(df)
+    suite = ET.Element("testsuite", name=f"mxval.{meta.get('suite', '')}", tests=str(s["cases"]),
+                       failures=str(s["fail"] + sum(1 for _, r in df.iterrows()
+                                                     if r["status"] == "nonfinite_input" and not r["ok"])),
+                       errors=str(s["error"]), skipped=str(s["skipped"]),
+                       time=f"{float(meta.get('seconds', 0)):.3f}")
+    for _, r in df.iterrows():
+        tc = ET.SubElement(suite, "testcase", classname=f"mxval.{r['suite']}.{r['backend']}", name=str(r["case"]),
+                           time=f"{_num(r['seconds']) or 0:.3f}")
+        st = r["status"]
+        if st == "skipped":
+            ET.SubElement(tc, "skipped", message=str(r["reason"] or ""))
+        elif st == "error":
+            ET.SubElement(tc, "error", message=str(r["reason"] or "")).text = "\n".join(_where_lines(r))
+        elif not r["ok"]:
+            body = [f"{v['metric']} = {_fmt(v['value'])} (budget {v['limit']})" for v in r["violations"] or []]
+            ET.SubElement(tc, "failure", message=f"{st}: {r['reason']}").text = "\n".join(body + _where_lines(r))
+        elif st == "nonfinite_input":
+            ET.SubElement(tc, "system-out").text = f"expected non-finite input: {r['reason']}"
+    return ET.tostring(suite, encoding="unicode")
+
+
+# --- all of them -------------------------------------------------------------------------------
+
+def write_all(df: pd.DataFrame, meta: dict, out_dir) -> dict[str, str]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html",
+             "junit": out / "junit.xml", "csv": out / "metrics.csv"}
+    paths["json"].write_text(json.dumps(to_json(df, meta), indent=1, default=str))
+    paths["md"].write_text(markdown(df, meta))
+    paths["html"].write_text(html(df, meta))
+    paths["junit"].write_text(junit(df, meta))
+    df[[c for c in COLUMNS if c in df.columns] + metric_columns(df)].to_csv(paths["csv"], index=False)
+    return {k: str(v) for k, v in paths.items()}

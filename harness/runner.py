@@ -1,0 +1,482 @@
+"""Run cases: build the inputs, run each stage of the chain through the backend and the
+reference on the same inputs, diff every stage, and compare the whole chain.
+
+Each later stage is fed the BACKEND's upstream output, both on the backend and on the
+reference side (NUMERICS.md §1), so a 1-ulp pooling difference shows up as a pooling
+difference and not as K-writer bytes. The whole-chain comparison (reference pooling ->
+reference writer -> ... against the backend's chain) is reported under `chain.*` with
+its own budget. The runner never looks at which backend it drives.
+
+A case yields one row (a dict) of raw metrics; `budgets` turn rows into pass/fail.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+
+import reference
+from optimized import Backend, BackendUnavailable, get_backend
+from reference import fp8 as ref_fp8, layout, scoring
+from reference.checks import NonFiniteInput
+
+from .cases import Case
+from .inputs import CaseInputs, build
+
+CHAIN = "chain"
+# The scorer's reference in fp64: the diff compares the backend's fp32 logits to the true
+# scores of the quantized operands, not to another fp32 rounding of them.
+FP64_LOGITS = {"paged_mxfp4_mqa_logits": scoring.paged_mxfp4_mqa_logits_fp64,
+               "paged_fp8_mqa_logits": ref_fp8.paged_fp8_mqa_logits_fp64}
+MAX_FINDINGS = 12        # per stage and case, in the report; the counts are in the metrics
+MAX_MAP_POINTS = 4000
+MAX_RECALL_POINTS = 1500
+
+
+class StageError(Exception):
+    def __init__(self, stage: str, step: int, message: str):
+        self.stage, self.step = stage, step
+        super().__init__(f"{stage} (step {step}): {message}")
+
+
+class NonFiniteStage(Exception):
+    def __init__(self, stage: str, step: int, err: NonFiniteInput):
+        self.stage, self.step, self.err = stage, step, err
+        super().__init__(f"{stage} (step {step}): {err}")
+
+
+def aggregate(name: str, values: list[float]) -> float:
+    """One case value from the per-step values of a metric: minima of `*_min` metrics,
+    maxima of fractions, distances and flags, sums of counts."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return float("nan")
+    if any(math.isnan(v) for v in vals):
+        return float("nan")
+    if "min" in name or "recall" in name or "jaccard" in name:
+        return min(vals)
+    if any(s in name for s in ("frac", "max", "ulp", "diff", "err", "rel", "abs")):
+        return max(vals)
+    return sum(vals)
+
+
+def _jsonable(x):
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(dataclasses.asdict(x))
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return _jsonable(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+class _Collector:
+    """Per-stage reports of one case, across steps."""
+
+    def __init__(self):
+        self.metrics: dict[str, list] = {}
+        self.findings: list[dict] = []
+        self.summaries: dict[str, list[str]] = {}
+        self.per_stage_findings: dict[str, int] = {}
+
+    def add(self, stage: str, step: int, report) -> None:
+        for k, v in report.metrics.items():
+            if isinstance(v, bool):
+                v = int(v)
+            if isinstance(v, (int, float)):
+                self.metrics.setdefault(f"{stage}.{k}", []).append(v)
+        try:
+            text = report.summary()
+        except Exception as e:  # a summary must never lose the metrics
+            text = f"(no summary: {e})"
+        self.summaries.setdefault(stage, []).append(f"step {step}: {text}")
+        for f in list(report.findings):
+            n = self.per_stage_findings.get(stage, 0)
+            self.per_stage_findings[stage] = n + 1
+            if n < MAX_FINDINGS:
+                d = _jsonable(f)
+                d = d if isinstance(d, dict) else {"text": d}
+                self.findings.append({"stage": stage, "step": step, **d})
+
+    def case_metrics(self) -> dict[str, float]:
+        return {k: aggregate(k.partition(".")[2], v) for k, v in self.metrics.items()}
+
+
+# --- plot details: small, JSON-able summaries the HTML report draws ---------------------
+
+def _mismatch_map(before: torch.Tensor, actual: torch.Tensor, expected: torch.Tensor,
+                  geo, stage: str) -> list[list[int]]:
+    """[[page, entry, mismatched bytes], ...]; entry -1 for padding bytes."""
+    if actual.shape != expected.shape:
+        return []
+    diff = (actual.cpu() != expected.cpu())
+    if not bool(diff.any()):
+        return []
+    page, off = diff.nonzero(as_tuple=True)
+    ps, d = geo.page_size, geo.head_dim
+    inv = torch.full((actual.shape[1],), -1, dtype=torch.long)
+    t = torch.arange(ps)
+    if geo.fmt == "mxfp4":
+        inv[layout.value_offsets(t, ps, d, geo.shuffle).flatten()] = t.repeat_interleave(d // 2)
+        inv[layout.scale_offsets(t, ps, d, geo.shuffle).flatten()] = t.repeat_interleave(d // 32)
+    else:
+        inv[:ps * d] = t.repeat_interleave(d)
+        inv[ps * d:ps * (d + 4)] = t.repeat_interleave(4)
+    entry = inv[off]
+    pairs, counts = torch.stack((page, entry), 1).unique(dim=0, return_counts=True)
+    out = torch.cat((pairs, counts[:, None]), 1)[:MAX_MAP_POINTS]
+    return out.tolist()
+
+
+def _ulp_hist(actual: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor) -> dict:
+    """bf16 ulp distances of the compared pooled values: {"0": n, "1": n, ...}."""
+    if actual.shape != expected.shape or actual.dtype != torch.bfloat16:
+        return {}
+    a = actual[rows].float().cpu()
+    e = expected[rows].float().cpu()
+
+    def ordered(x):
+        b = x.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+        return torch.where(b < 0, -(b & 0x7FFF), b)
+
+    fin = torch.isfinite(a) & torch.isfinite(e)
+    dist = (ordered(a) - ordered(e)).abs()[fin]
+    out = {str(k): int((dist == k).sum()) for k in range(4)}
+    out[">3"] = int((dist > 3).sum())
+    out["nonfinite"] = int((~fin).sum())
+    return out
+
+
+def _logit_errors(actual: torch.Tensor, expected: torch.Tensor, row_ends: torch.Tensor) -> list[float]:
+    """log10 of |actual - expected| / max|expected| over each row's valid region (a
+    histogram's worth, subsampled)."""
+    if actual.dim() != 2 or actual.shape[0] != expected.shape[0]:
+        return []
+    w = min(actual.shape[1], expected.shape[1])
+    a, e = actual[:, :w].double().cpu(), expected[:, :w].double().cpu()
+    valid = torch.arange(w)[None, :] < row_ends.long().cpu()[:, None]
+    if not bool(valid.any()):
+        return []
+    ev = e[valid]
+    scale = ev[torch.isfinite(ev)].abs().max().clamp_min(1e-300) if bool(torch.isfinite(ev).any()) else 1.0
+    err = ((a[valid] - ev).abs() / scale)
+    err = err[torch.isfinite(err)]
+    err = torch.log10(err.clamp_min(1e-20))
+    if err.numel() > 4000:
+        err = err[torch.linspace(0, err.numel() - 1, 4000).long()]
+    return [round(float(x), 3) for x in err]
+
+
+def _recall_rows(actual: torch.Tensor, expected: torch.Tensor, lengths: torch.Tensor, k: int) -> list[list]:
+    """[[row_end, recall], ...] of the backend's top-k against the reference chain's."""
+    a, e = actual.long().cpu(), expected.long().cpu()
+    if a.shape != e.shape:
+        return []
+    out = []
+    for r in range(a.shape[0]):
+        n = int(lengths[r])
+        want = set(e[r][e[r] >= 0].tolist())
+        got = set(a[r][a[r] >= 0].tolist())
+        if want:
+            out.append([n, len(want & got) / len(want)])
+    if len(out) > MAX_RECALL_POINTS:
+        step = len(out) / MAX_RECALL_POINTS
+        out = [out[int(i * step)] for i in range(MAX_RECALL_POINTS)]
+    return out
+
+
+# --- the chain --------------------------------------------------------------------------
+
+def _diff_op():
+    from .diff import diff_op
+    return diff_op
+
+
+def _ops(inp: CaseInputs):
+    fp8 = inp.geo.fmt == "fp8"
+    kw = "k_norm_rope_fp8_cache" if fp8 else "k_norm_rope_mxfp4_cache"
+    qq = "q_rope_fp8_quant" if fp8 else "q_rope_mxfp4_quant"
+    sc = "paged_fp8_mqa_logits" if fp8 else "paged_mxfp4_mqa_logits"
+    return kw, qq, sc
+
+
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(xs) if xs else torch.zeros(0)
+
+
+class ChainRun:
+    """Runs one case's chain; `recorder(step, op, inputs, scalars, outputs)` sees every
+    stage the backend ran (for `mxval dump`)."""
+
+    def __init__(self, case: Case, backend: Backend, inputs: CaseInputs,
+                 recorder: Optional[Callable] = None):
+        self.case, self.be, self.inp = case, backend, inputs
+        self.recorder = recorder
+        self.col = _Collector()
+        self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
+                              "recall_rows": []}
+        self.diff_op = _diff_op()
+
+    def _stage(self, op: str, step: int, ins: dict, *, diff_as: Optional[str] = None) -> dict:
+        """Reference and backend on `ins`; diff; the backend's outputs. Ops outside the
+        case's chain run through the reference only (they feed the ops under test)."""
+        scalars = self.inp.scalars(op)
+        try:
+            expected = reference.OPS[op](**ins, **scalars)
+            if op in FP64_LOGITS and op in self.case.ops:
+                expected = {"logits": FP64_LOGITS[op](**ins, **scalars)}
+        except NonFiniteInput as e:
+            if self.inp.planted:
+                raise NonFiniteStage(op, step, e) from None
+            raise StageError(op, step, f"the reference rejects the backend's upstream output: {e}") from None
+        except ValueError as e:
+            raise StageError(op, step, f"the reference rejects the inputs: {e}") from None
+        if op not in self.case.ops:
+            return expected
+        try:
+            # clones: a kernel that writes its pool in place must not change `before`
+            actual = getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars)
+        except BackendUnavailable:
+            raise
+        except Exception as e:
+            raise StageError(op, step, f"backend {self.be.name} raised {type(e).__name__}: "
+                                       f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+        if not isinstance(actual, dict) or set(expected) - set(actual):
+            raise StageError(op, step, f"backend {self.be.name} returned {type(actual).__name__} "
+                                       f"without {sorted(set(expected) - set(actual or {}))}")
+        try:
+            report = self.diff_op(op, ins, scalars, actual, expected)
+        except ValueError as e:
+            raise StageError(op, step, f"cannot compare the backend's output: {e}") from None
+        self.col.add(op, step, report)
+        if report.metrics.get("nonfinite_inputs") and self.inp.planted:
+            raise NonFiniteStage(op, step, NonFiniteInput(op, int(report.metrics["nonfinite_inputs"]), []))
+        if self.recorder:
+            self.recorder(step, op, ins, scalars, actual)
+        self._details(op, ins, actual, expected)
+        return actual
+
+    def _details(self, op, ins, actual, expected):
+        geo = self.inp.geo
+        try:
+            if op.startswith("k_norm_rope"):
+                self.details["mismatch_map"] += _mismatch_map(ins["kv_cache"], actual["kv_cache"],
+                                                              expected["kv_cache"], geo, op)
+            elif op == "compress_pool":
+                rows = ((ins["positions"] + 1) % geo.ratio == 0) & (ins["kv_slot_mapping"] >= 0)
+                h = _ulp_hist(actual["pooled"], expected["pooled"], rows)
+                for k, v in h.items():
+                    self.details["pooled_ulp"][k] = self.details["pooled_ulp"].get(k, 0) + v
+            elif op.startswith("paged_"):
+                self.details["logit_log10_err"] += _logit_errors(actual["logits"], expected["logits"],
+                                                                 ins["row_ends"])
+        except Exception:   # plots are a convenience; the metrics are the verdict
+            pass
+
+    def run(self) -> None:
+        inp, ops = self.inp, self.case.ops
+        kw, qq, sc = _ops(inp)
+        need_k = kw in ops or sc in ops or "topk" in ops
+        need_q = qq in ops or sc in ops or "topk" in ops
+        need_logits = sc in ops or "topk" in ops
+        pool_b = inp.kv_cache
+        if inp.history is not None and need_k:
+            h = inp.history
+            pooled = reference.compress_pool(state_cache=inp.state_cache, block_table=inp.state_block_table,
+                                             positions=h.positions, req_index=h.req_index,
+                                             kv_slot_mapping=h.slot_mapping,
+                                             **inp.scalars("compress_pool"))["pooled"]
+            pool_b = reference.OPS[kw](k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
+                                       norm_weight=inp.norm_weight, slot_mapping=h.slot_mapping,
+                                       kv_cache=pool_b, **inp.scalars(kw))["kv_cache"]
+        pool_start = pool_b
+        chain_pool = pool_b
+        chain_k, chain_pos, chain_slot = [], [], []
+        for i, st in enumerate(inp.steps):
+            # 1. pooling (its inputs do not depend on the backend)
+            if "compress_pool" in ops:
+                ins = dict(state_cache=inp.state_cache, block_table=inp.state_block_table,
+                           positions=st.positions, req_index=st.req_index, kv_slot_mapping=st.slot_mapping)
+                pooled_b = self._stage("compress_pool", i, ins)["pooled"]
+                pooled_ref = reference.compress_pool(**ins, **inp.scalars("compress_pool"))["pooled"]
+            else:
+                pooled_b = pooled_ref = st.k
+            # 2. K writer on the backend's pooled rows and the backend's pool
+            if need_k:
+                ins = dict(k=pooled_b, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
+                           norm_weight=inp.norm_weight, slot_mapping=st.slot_mapping, kv_cache=pool_b)
+                pool_b = self._stage(kw, i, ins)["kv_cache"]
+                chain_pool = reference.OPS[kw](**{**ins, "k": pooled_ref, "kv_cache": chain_pool},
+                                               **inp.scalars(kw))["kv_cache"]
+                chain_k.append(pooled_ref)
+                chain_pos.append(st.positions)
+                chain_slot.append(st.slot_mapping)
+            # 3. Q quant
+            if need_q:
+                qins = dict(q=st.q, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
+                            weights=st.weights)
+                q_b = self._stage(qq, i, qins)
+            if not need_logits:
+                continue
+            # 4. scoring on the backend's q and pool; the chain scores the reference's
+            geo_ins = dict(query_start_loc=st.query_start_loc, context_lens=st.context_lens,
+                           block_table=st.block_table, row_ends=st.row_ends)
+            qk = ("q_fp8",) if inp.geo.fmt == "fp8" else ("q_fp4", "q_scale")
+            sins = dict({n: q_b[n] for n in qk}, weights=q_b["weights"], kv_cache=pool_b, **geo_ins)
+            logits_b = self._stage(sc, i, sins)["logits"]
+            q_ref = reference.OPS[qq](**qins, **inp.scalars(qq))
+            chain_logits = FP64_LOGITS[sc](**dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"],
+                                                  kv_cache=chain_pool, **geo_ins), **inp.scalars(sc))
+            # 5. top-k of the backend's logits
+            tins = dict(logits=logits_b, lengths=st.row_ends)
+            idx_b = self._stage("topk", i, tins)["indices"]
+            if sc in ops:
+                self.col.add(CHAIN, i, self.diff_op(sc, sins, inp.scalars(sc), {"logits": logits_b},
+                                                    {"logits": chain_logits}))
+            if "topk" in ops:
+                chain_idx = reference.topk(logits=chain_logits, lengths=st.row_ends, k=inp.geo.topk)["indices"]
+                self.col.add(CHAIN, i, self.diff_op("topk", dict(logits=chain_logits, lengths=st.row_ends),
+                                                    inp.scalars("topk"), {"indices": idx_b},
+                                                    {"indices": chain_idx}))
+                self.details["recall_rows"] += _recall_rows(idx_b, chain_idx, st.row_ends, inp.geo.topk)
+        # the whole chain's pool against the reference chain's
+        if kw in ops and chain_k:
+            ins = dict(k=_cat(chain_k), positions=_cat(chain_pos), cos_sin_cache=inp.cos_sin_cache,
+                       norm_weight=inp.norm_weight, slot_mapping=_cat(chain_slot), kv_cache=pool_start)
+            rep = self.diff_op(kw, ins, inp.scalars(kw), {"kv_cache": pool_b}, {"kv_cache": chain_pool})
+            self.col.add(CHAIN, len(inp.steps) - 1, rep)
+            written = ins["slot_mapping"][((ins["positions"] + 1) % inp.geo.ratio == 0)
+                                          & (ins["slot_mapping"] >= 0)]
+            d = inp.geo.head_dim
+            owned = int(written.unique().numel()) * (layout.entry_bytes(d) if inp.geo.fmt == "mxfp4"
+                                                     else ref_fp8.entry_bytes(d))
+            mism = rep.metrics.get("page_bytes_mismatched")
+            if mism is not None and owned:
+                self.col.metrics.setdefault(f"{CHAIN}.page_bytes_mismatched_frac", []).append(
+                    float(mism) / owned)
+
+
+def context_of(case: Case) -> int:
+    return max(s.len for s in case.seqs)
+
+
+def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = None,
+             inputs: Optional[CaseInputs] = None) -> dict:
+    """One row of raw results: outcome in ok | error | nonfinite_input | skipped."""
+    t0 = time.time()
+    row = {"case": case.name, "suite": case.suite, "backend": backend_name, "outcome": "ok",
+           "reason": "", "description": case.description, "shape": case.summary(),
+           "context": context_of(case), "expect_nonfinite": case.expect_nonfinite, "planted": [],
+           "metrics": {}, "findings": [], "summaries": {}, "details": {}, "seconds": 0.0}
+    try:
+        be = get_backend(backend_name)
+    except BackendUnavailable as e:
+        row.update(outcome="error", reason=str(e))
+        return row
+    row["backend"] = be.name
+    if case.requires == "gpu" and (str(be.device) == "cpu" or not torch.cuda.is_available()):
+        row.update(outcome="skipped", reason=f"needs a GPU (backend {be.name} runs on {be.device})")
+        return row
+    missing = [op for op in case.ops if not be.supports(op)]
+    if missing:
+        row.update(outcome="skipped", reason=f"backend {be.name} does not implement {', '.join(missing)}")
+        return row
+    run = None
+    try:
+        inp = inputs if inputs is not None else build(case, be.device)
+        row["planted"] = list(inp.planted)
+        run = ChainRun(case, be, inp, recorder)
+        run.run()
+    except NonFiniteStage as e:
+        row.update(outcome="nonfinite_input", reason=str(e))
+    except StageError as e:
+        row.update(outcome="error", reason=str(e))
+    except (BackendUnavailable, ValueError) as e:
+        row.update(outcome="error", reason=str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except Exception as e:  # a harness bug must still give a row, with where it happened
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        row.update(outcome="error", reason=f"internal error {type(e).__name__}: {e} "
+                                           f"({os.path.basename(tb.filename)}:{tb.lineno})")
+    if run is not None:
+        row["metrics"] = run.col.case_metrics()
+        row["findings"] = run.col.findings
+        row["summaries"] = {k: v for k, v in run.col.summaries.items()}
+        row["details"] = run.details
+    row["seconds"] = round(time.time() - t0, 3)
+    return row
+
+
+# --- many cases ----------------------------------------------------------------------------
+
+_WORKER_DEVICE: Optional[str] = None
+
+
+def _init_worker(devices: list[str], counter, threads: int) -> None:
+    """Runs first in each worker: pin it to one GPU (before CUDA initializes) or to its
+    share of the CPU threads."""
+    global _WORKER_DEVICE
+    with counter.get_lock():
+        idx = counter.value
+        counter.value += 1
+    if devices:
+        _WORKER_DEVICE = devices[idx % len(devices)]
+        os.environ["CUDA_VISIBLE_DEVICES"] = _WORKER_DEVICE
+    torch.set_num_threads(max(1, threads))
+
+
+def _visible_gpus() -> list[str]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("HIP_VISIBLE_DEVICES")
+    if env:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
+              progress: Optional[Callable[[dict], None]] = None) -> list[dict]:
+    """Rows of every case, in case order. `jobs > 1` runs cases in worker processes: forked
+    on the CPU (so backends registered at run time are inherited), spawned on GPUs with
+    each worker pinned to one visible device."""
+    be = get_backend(backend_name)
+    if jobs <= 1 or len(cases) <= 1:
+        rows = []
+        for c in cases:
+            rows.append(run_case(c, backend_name))
+            if progress:
+                progress(rows[-1])
+        return rows
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    gpu = str(be.device) != "cpu" and torch.cuda.is_available()
+    ctx = mp.get_context("spawn" if gpu else "fork")
+    devices = _visible_gpus() if gpu else []
+    threads = 1 if gpu else max(1, (os.cpu_count() or 1) // jobs)
+    counter = ctx.Value("i", 0)
+    out: dict[int, dict] = {}
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
+                             initargs=(devices, counter, threads)) as pool:
+        futs = {pool.submit(run_case, c, backend_name): i for i, c in enumerate(cases)}
+        from concurrent.futures import as_completed
+        for f in as_completed(futs):
+            i = futs[f]
+            try:
+                out[i] = f.result()
+            except Exception as e:   # a worker died (out of memory, a kernel crash)
+                c = cases[i]
+                out[i] = {"case": c.name, "suite": c.suite, "backend": backend_name, "outcome": "error",
+                          "reason": f"worker failed: {type(e).__name__}: {e}", "metrics": {},
+                          "expect_nonfinite": c.expect_nonfinite, "context": context_of(c),
+                          "shape": c.summary(), "description": c.description}
+            if progress:
+                progress(out[i])
+    return [out[i] for i in range(len(cases))]
