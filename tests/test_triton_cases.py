@@ -230,7 +230,7 @@ def cases(scale: int = 1) -> list[tuple[str, str, dict]]:
             out.append((f"k-{shuffle and shuffle[0]}-{rounding}", "k_norm_rope_mxfp4_cache",
                         dict(kw, rounding=rounding)))
     out.append(("k-f32w-unpadded", "k_norm_rope_mxfp4_cache",
-                k_writer_case(seed=1, tokens=40 * s, pad=0, weight_dtype=torch.float32)))
+                k_writer_case(seed=1, tokens=40 * s, pages=4 * s, pad=0, weight_dtype=torch.float32)))
     for rule in ("ocp-floor", "even"):
         out.append((f"k-{rule}", "k_norm_rope_mxfp4_cache", dict(k_writer_case(seed=2), scale_rule=rule)))
         out.append((f"q-{rule}", "q_rope_mxfp4_quant", dict(q_case(seed=2), scale_rule=rule)))
@@ -244,7 +244,7 @@ def cases(scale: int = 1) -> list[tuple[str, str, dict]]:
                              clean_logits=clean)))
     out.append(("logits-h8", "paged_mxfp4_mqa_logits", dict(logits_case(heads=8, seqs=((2, 40),)), clean_logits=True)))
     for fl in ("e4m3fn", "e4m3fnuz"):
-        kw = k_writer_case(seed=3, tokens=40 * s, fp8=True)
+        kw = k_writer_case(seed=3, tokens=40 * s, pages=4 * s, fp8=True)
         out.append((f"k-fp8-{fl}", "k_norm_rope_fp8_cache", dict(kw, fp8_dtype=fl)))
         out.append((f"q-fp8-{fl}", "q_rope_fp8_quant", dict(q_case(seed=3), fp8_dtype=fl)))
         out.append((f"logits-fp8-{fl}", "paged_fp8_mqa_logits",

@@ -42,11 +42,11 @@ def _topk_kernel(x_ptr, len_ptr, out_ptr, stride, K: tl.constexpr, BLOCK: tl.con
             idx = c0 + offs
             tl.store(obase + idx, tl.where(idx < n, idx, -1).to(tl.int32), mask=idx < K)
     else:
-        lo = tl.zeros((), tl.int64)               # count(key >= lo) >= K holds
-        hi = tl.full((), 0xFFFFFFFF, tl.int64)
+        lo = tl.full([], 0, tl.int64)               # count(key >= lo) >= K holds
+        hi = tl.full([], 0xFFFFFFFF, tl.int64)
         for _ in range(32):
             mid = (lo + hi + 1) >> 1
-            cnt = tl.zeros((), tl.int64)
+            cnt = tl.full([], 0, tl.int64)
             for c0 in range(0, n, BLOCK):
                 idx = c0 + offs
                 valid = idx < n
@@ -56,15 +56,15 @@ def _topk_kernel(x_ptr, len_ptr, out_ptr, stride, K: tl.constexpr, BLOCK: tl.con
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid - 1)
         thr = lo
-        n_gt = tl.zeros((), tl.int64)
+        n_gt = tl.full([], 0, tl.int64)
         for c0 in range(0, n, BLOCK):
             idx = c0 + offs
             valid = idx < n
             key = _keys(tl.load(base + idx, mask=valid, other=0.0))
             n_gt += tl.sum((valid & (key > thr)).to(tl.int64), axis=0)
         need_eq = K - n_gt
-        gt_off = tl.zeros((), tl.int64)
-        eq_off = tl.zeros((), tl.int64)
+        gt_off = tl.full([], 0, tl.int64)
+        eq_off = tl.full([], 0, tl.int64)
         for c0 in range(0, n, BLOCK):
             idx = c0 + offs
             valid = idx < n

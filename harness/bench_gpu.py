@@ -1,0 +1,293 @@
+"""GPU benchmark of the Triton backend at DeepSeek-V4-Pro shapes (`make bench-gpu`).
+
+For each kernel: its time (triton.testing.do_bench, median), the bytes-moved floor from
+the measured device copy bandwidth (and the bf16 tensor-core floor for the scorer), the
+reference (pure torch, fp64 scores) on the same GPU, and for the scorer a plain torch
+dequantize-then-matmul path. Kernels are timed through their launchers (the op wrappers
+add argument checks with host syncs and, for the K writer, a copy of the pool that the
+in-place production kernel does not make). Also measures, for docs/triton-notes.md, how
+often the upstream-style shortcuts (fp32 norm sum + approximate rsqrt + FMA; fp32 exp in
+the pooling) change bytes. Writes a markdown table (default reports/bench-gpu.md).
+
+    python -m harness.bench_gpu [--out reports/bench-gpu.md] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+
+import torch
+
+BF16_TFLOPS = 790e12      # dense bf16 tensor-core rate measured on this H200 kind (KINDS.md)
+
+
+def _bench(fn, reps_ms=200, max_reps=None):
+    import triton.testing
+    if max_reps == 1:          # slow torch paths: one timed run (no compilation to warm up)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e3
+    return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a device-to-device copy of 2 GiB."""
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = _bench(lambda: b.copy_(a))
+    del a, b
+    return 2 * (1 << 31) / (ms * 1e-3)
+
+
+# --- inputs ---------------------------------------------------------------------------
+
+def k_path_inputs(tokens=16384, seed=0):
+    from reference import pooling, rope
+    from reference.formats import preset
+    p = preset()
+    g = torch.Generator().manual_seed(seed)
+    d, r, bs = p.head_dim, p.compress_ratio, 256
+    pos = torch.arange(tokens)
+    nblk = tokens // bs
+    table = torch.arange(nblk).view(1, -1)
+    rows = pooling.state_rows(torch.randn(tokens, 2 * d, generator=g), torch.randn(tokens, 2 * d, generator=g) * 2,
+                              torch.randn(r, 2 * d, generator=g) * 0.1, pos)
+    state = rows.view(nblk, bs, 4 * d)
+    boundary = (pos + 1) % r == 0
+    slots = torch.where(boundary, pos // r, -1)
+    entries = tokens // r
+    pool = torch.randint(0, 256, (entries // p.page_size, p.page_size * 68), generator=g, dtype=torch.uint8)
+    cs = rope.cos_sin_cache(tokens, p.rope_dim, p.rope_base, yarn_factor=p.yarn_factor,
+                            yarn_original_max_pos=p.yarn_original_max_pos)
+    cuda = lambda t: t.cuda()
+    pool_kw = dict(state_cache=cuda(state), block_table=cuda(table), positions=cuda(pos),
+                   req_index=cuda(torch.zeros(tokens, dtype=torch.long)), kv_slot_mapping=cuda(slots),
+                   compress_ratio=r)
+    k_kw = dict(positions=cuda(pos), cos_sin_cache=cuda(cs),
+                norm_weight=cuda((1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16)),
+                slot_mapping=cuda(slots), kv_cache=cuda(pool), norm_eps=p.rms_eps, compress_ratio=r,
+                page_size=p.page_size, shuffle=[32, 16, 2])
+    return pool_kw, k_kw
+
+
+def scorer_inputs(seqs: int, rows_per_seq: int, context_tokens: int, causal: bool, seed=0):
+    """Pages of valid random MXFP4 entries (scale bytes in a sane range) on the GPU."""
+    from reference.formats import preset
+    p = preset()
+    ps, h, d = p.page_size, p.index_heads, p.head_dim
+    entries = context_tokens // p.compress_ratio
+    pages_per = entries // ps
+    torch.manual_seed(seed)
+    pool = torch.randint(0, 256, (seqs * pages_per, ps * 68), dtype=torch.uint8, device="cuda")
+    pool[:, ps * 64:] = torch.randint(118, 130, (seqs * pages_per, ps * 4), dtype=torch.uint8, device="cuda")
+    table = torch.randperm(seqs * pages_per, device="cuda").view(seqs, pages_per).to(torch.int32)
+    rw = seqs * rows_per_seq
+    if causal:
+        posn = context_tokens - rows_per_seq + torch.arange(rows_per_seq, device="cuda")
+        ends = ((posn + 1) // p.compress_ratio).repeat(seqs)
+    else:
+        ends = torch.full((rw,), entries, device="cuda")
+    return dict(q_fp4=torch.randint(0, 256, (rw, h, d // 2), dtype=torch.uint8, device="cuda"),
+                q_scale=torch.randint(120, 130, (rw, h, d // 32), dtype=torch.uint8, device="cuda"),
+                weights=torch.randn(rw, h, device="cuda"), kv_cache=pool,
+                query_start_loc=torch.arange(0, rw + 1, rows_per_seq, device="cuda"),
+                context_lens=torch.full((seqs,), entries, device="cuda"), block_table=table,
+                row_ends=ends.to(torch.int32), page_size=ps, shuffle=[32, 16, 2])
+
+
+# --- the plain torch scorer: dequantize every key, then matmul ------------------------------
+
+def torch_dequant_matmul(kw, row_chunk=512):
+    """What a straightforward torch implementation does: gather and dequantize the keys to
+    bf16, dequantize q, bf16 matmul with fp32 output, relu, weight, sum over heads."""
+    from reference import layout
+    lut = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
+                       device="cuda", dtype=torch.bfloat16)
+    ps, shuf = kw["page_size"], kw["shuffle"]
+    vo = layout.value_offsets(torch.arange(ps, device="cuda"), ps, 128, shuf)      # [ps, 64]
+    so = layout.scale_offsets(torch.arange(ps, device="cuda"), ps, 128, shuf)      # [ps, 4]
+
+    def deq(packed, scales):
+        v = torch.stack((lut[(packed & 15).long()], lut[(packed >> 4).long()]), -1).flatten(-2)
+        s = torch.exp2(scales.float() - 127).to(torch.bfloat16)
+        return (v.unflatten(-1, (-1, 32)) * s.unsqueeze(-1)).flatten(-2)
+
+    q = deq(kw["q_fp4"], kw["q_scale"])                                           # [Rw, H, D]
+    qsl = kw["query_start_loc"].tolist()
+    out = torch.full((q.shape[0], kw["block_table"].shape[1] * ps), float("-inf"), device="cuda")
+    for b in range(len(qsl) - 1):
+        pages = kw["kv_cache"][kw["block_table"][b].long()]                       # [np, stride]
+        k = deq(pages[:, vo], pages[:, so]).flatten(0, 1)                         # [J, D]
+        for r0 in range(qsl[b], qsl[b + 1], row_chunk):
+            r1 = min(r0 + row_chunk, qsl[b + 1])
+            s = torch.matmul(q[r0:r1], k.T.unsqueeze(0)).float().relu_()          # [rc, H, J]
+            out[r0:r1] = torch.einsum("rhj,rh->rj", s, kw["weights"][r0:r1])
+    return out
+
+
+# --- measurements -------------------------------------------------------------------------
+
+def measure_variants(n=1 << 20, seed=1):
+    """Bytes per million entries where the upstream-style K writer differs from the exact one."""
+    from optimized.triton_kernels import k_writer
+    from reference import rope
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(n, 128, generator=g) * torch.exp2(torch.randn(n, 1, generator=g) * 2)).to(torch.bfloat16).cuda()
+    pos = ((torch.arange(n) % 32768) * 4 + 3).cuda()
+    cs = rope.cos_sin_cache(32768 * 4, 64, 160000.0, yarn_factor=16.0).cuda()
+    w = (1 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16).cuda()
+    slots = torch.arange(n, device="cuda")
+    base = torch.zeros(n // 64, 64 * 68, dtype=torch.uint8, device="cuda")
+    args = (k, pos, cs, w, slots)
+    common = dict(norm_eps=1e-6, compress_ratio=4, page_size=64, shuffle=[32, 16, 2])
+    exact = k_writer.launch(*args, base.clone(), **common)
+    out = {}
+    for v in ("fast-norm", "fma", "fast-norm+fma"):
+        o = k_writer.launch(*args, base.clone(), **common, variant=v)
+        diff = (o != exact)
+        out[v] = (int(diff.sum()), n)
+    return out
+
+
+def measure_pool_fast_exp(tokens=16384, seeds=4):
+    from optimized.triton_kernels import pooling
+    diff = total = worst = 0
+    for s in range(seeds):
+        kw, _ = k_path_inputs(tokens, seed=100 + s)
+        kw = dict(kw)
+        r = kw.pop("compress_ratio")
+        a = pooling.launch(*kw.values(), compress_ratio=r)
+        b = pooling.launch(*kw.values(), compress_ratio=r, fast_exp=True)
+        ok = ~a.isnan()
+        ai, bi = a[ok].view(torch.int16).int(), b[ok].view(torch.int16).int()
+        diff += int((ai != bi).sum())
+        total += int(ok.sum())
+        worst = max(worst, int((ai - bi).abs().max()))
+    return diff, total, worst
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="reports/bench-gpu.md")
+    ap.add_argument("--quick", action="store_true", help="skip the slow reference timings at prefill")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench-gpu: no CUDA/ROCm GPU visible to torch", file=sys.stderr)
+        return 2
+    import triton
+    import reference
+    from optimized import get_backend
+    from optimized.common import row_sequences
+    from optimized.triton_kernels import k_writer, pooling, scoring, topk
+
+    be = get_backend("triton")
+    dev = torch.cuda.get_device_name(0)
+    bw = copy_bandwidth()
+    lines = [f"# GPU benchmark: Triton backend at DeepSeek-V4-Pro shapes", "",
+             f"Machine: {dev}; torch {torch.__version__}, triton {triton.__version__}; "
+             f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC. Measured copy bandwidth "
+             f"{bw / 1e12:.2f} TB/s (read + written). Times are medians of triton.testing.do_bench "
+             "(reference at prefill: one run after a warm-up).", "",
+             "| kernel | shape | triton | floor | reference (same GPU) | torch dequant+matmul | "
+             "vs reference | vs torch |", "|---|---|---|---|---|---|---|---|"]
+    results = {}
+
+    def row(name, shape, t, floor, ref=None, tor=None):
+        results[name] = (t, floor, ref, tor)
+        f = lambda v: "-" if v is None else (f"{v * 1e3:.1f} us" if v < 1 else f"{v:.2f} ms")
+        sp = lambda v: "-" if v is None else f"{v / t:.1f}x"
+        lines.append(f"| {name} | {shape} | {f(t)} | {f(floor)} | {f(ref)} | {f(tor)} | {sp(ref)} | {sp(tor)} |")
+        print(lines[-1], flush=True)
+
+    # K path: a 16384-token prefill chunk -> 4096 entries
+    pool_kw, k_kw = k_path_inputs()
+    pk = dict(pool_kw)
+    r = pk.pop("compress_ratio")
+    t_pool = _bench(lambda: pooling.launch(*pk.values(), compress_ratio=r))
+    pooled = pooling.launch(*pk.values(), compress_ratio=r).nan_to_num()
+    kargs = (pooled, k_kw["positions"], k_kw["cos_sin_cache"], k_kw["norm_weight"], k_kw["slot_mapping"])
+    kc = k_kw["kv_cache"].clone()
+    kopts = dict(norm_eps=k_kw["norm_eps"], compress_ratio=4, page_size=64, shuffle=[32, 16, 2])
+    t_kw = _bench(lambda: k_writer.launch(*kargs, kc, **kopts))
+    ref_pool = _bench(lambda: reference.compress_pool(**pool_kw), max_reps=1)
+    ref_k = _bench(lambda: reference.k_norm_rope_mxfp4_cache(k=pooled, **k_kw), max_reps=1)
+    state_bytes = pool_kw["state_cache"].numel() * 4
+    ent = 4096
+    row("pooling", "16384 tokens, D=128, r=4", t_pool, (state_bytes + 16384 * 256) / bw * 1e3, ref_pool)
+    row("K writer", "4096 entries of 16384 tokens", t_kw, (ent * 256 + ent * 68) / bw * 1e3, ref_k)
+    row("K path (pool + writer)", "16384-token prefill chunk", t_pool + t_kw,
+        (state_bytes + 16384 * 256 + ent * 68) / bw * 1e3, ref_pool + ref_k)
+
+    # scorer, decode: 64 rows at 128k context (64 sequences of 32768 entries; 143 MB of pages)
+    for name, (seqs, rows, ctx, causal) in {"scorer decode": (64, 1, 131072, False),
+                                             "scorer prefill": (1, 4096, 32768, True)}.items():
+        kw = scorer_inputs(seqs, rows, ctx, causal)
+        seq = row_sequences(kw["query_start_loc"], kw["row_ends"].shape[0])
+        width = kw["block_table"].shape[1] * 64
+        call = lambda: scoring.launch(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"], kw["block_table"],
+                                      seq, kw["row_ends"], width=width, page_size=64, shuffle=[32, 16, 2],
+                                      clean_logits=False)
+        t = _bench(call)
+        got = call()
+        tor = _bench(lambda: torch_dequant_matmul(kw))
+        ref = None
+        if not (a.quick and causal):
+            ref = _bench(lambda: reference.paged_mxfp4_mqa_logits(**kw), max_reps=1)
+        # agreement on this data, for the record
+        ref64 = reference.scoring.paged_mxfp4_mqa_logits_fp64(**kw) if not causal else None
+        if ref64 is not None:
+            valid = torch.arange(width, device="cuda")[None] < kw["row_ends"].long()[:, None]
+            x, y = got[valid].double(), ref64[valid]
+            results[name + " metric"] = float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+        nbytes = kw["kv_cache"].numel() + kw["q_fp4"].numel() * 1.0625 + rows * seqs * width * 4
+        flops = 2 * 64 * 128 * float(kw["row_ends"].double().sum())
+        floor = max(nbytes / bw, flops / BF16_TFLOPS) * 1e3
+        row(name, f"{seqs * rows} rows x {ctx // 1024}k context, H=64", t, floor, ref, tor)
+        del kw
+
+    # top-k at the decode shape
+    logits = torch.randn(64, 32768, device="cuda")
+    lens = torch.full((64,), 32768, device="cuda")
+    t = _bench(lambda: topk.launch(logits, lens, 1024))
+    tt = _bench(lambda: torch.topk(logits, 1024, dim=1))
+    ref = _bench(lambda: reference.topk(logits=logits, lengths=lens, k=1024), max_reps=1)
+    row("top-k (k=1024)", "64 rows x 32768", t, logits.numel() * 4 / bw * 1e3, ref)
+    lines[-1] += f" torch.topk alone: {tt * 1e3:.1f} us"
+
+    # measurements for the notes
+    var = measure_variants()
+    pd, ptot, pworst = measure_pool_fast_exp()
+    lines += ["", "## Targets", ""]
+    kp, dec, pre = results["K path (pool + writer)"], results["scorer decode"], results["scorer prefill"]
+    for label, res, target_ref, target_torch in (("K path", kp, 10, None), ("scorer decode", dec, 10, 10),
+                                                  ("scorer prefill", pre, 10, 10)):
+        t, _, ref, tor = res
+        parts = []
+        if ref is not None:
+            parts.append(f"{ref / t:.1f}x vs reference (target {target_ref}x: {'met' if ref / t >= target_ref else 'NOT met'})")
+        if target_torch and tor is not None:
+            parts.append(f"{tor / t:.1f}x vs torch dequant+matmul (target {target_torch}x: "
+                         f"{'met' if tor / t >= target_torch else 'NOT met'})")
+        lines.append(f"* {label}: " + "; ".join(parts))
+    if "scorer decode metric" in results:
+        lines.append(f"* scorer decode agreement with the reference: metric {results['scorer decode metric']:.2e} (<= 1e-12)")
+    lines += ["", "## Upstream-style shortcuts (measured on this GPU)", "",
+              "| variant of the exact K writer | bytes differing | per million entries |", "|---|---|---|"]
+    for v, (nd, n) in var.items():
+        lines.append(f"| {v} | {nd} of {n * 68} | {nd / n * 1e6:.0f} |")
+    lines += ["", f"Pooling with fp32 exp instead of fp64: {pd} of {ptot} pooled bf16 values differ "
+              f"(max {pworst} ulp)."]
+    text = "\n".join(lines) + "\n"
+    import pathlib
+    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(a.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
