@@ -75,12 +75,7 @@ def dequantize_mxfp4_f32(packed: torch.Tensor, scales: torch.Tensor) -> torch.Te
 def _block_exponents(packed: torch.Tensor, scales: torch.Tensor):
     """Per vector: (lo, hi, ok, any_live) of the scale bytes of its live blocks (a block is
     live when a code is non-zero). ok: no NaN scale, live scales within [2, 252]."""
-    per_block = packed.shape[-1] // scales.shape[-1]
-    if per_block % 8 == 0:   # 8 code pairs per int64 word: 8x fewer elements to test
-        words = packed.contiguous().view(torch.int64).reshape(*scales.shape, per_block // 8)
-        live = (words & 0x7777777777777777).ne(0).any(-1)
-    else:
-        live = (packed.reshape(*scales.shape, per_block) & 0x77).ne(0).any(-1)
+    live = _live_blocks(packed, scales)
     e = scales.int()
     lo = torch.where(live, e, 1 << 20).amin(-1)
     hi = torch.where(live, e, -(1 << 20)).amax(-1)
@@ -88,20 +83,42 @@ def _block_exponents(packed: torch.Tensor, scales: torch.Tensor):
     return lo, hi, ok, live.any(-1)
 
 
+def _live_blocks(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    per_block = packed.shape[-1] // scales.shape[-1]
+    if per_block % 8 == 0:   # 8 code pairs per int64 word: 8x fewer elements to test
+        words = packed.contiguous().view(torch.int64).reshape(*scales.shape, per_block // 8)
+        live = (words & 0x7777777777777777).ne(0).any(-1)
+    else:
+        live = (packed.reshape(*scales.shape, per_block) & 0x77).ne(0).any(-1)
+    return live
+
+
 def exact_f32_columns(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
     """Bool [J]: key columns whose dots with every query head are exact in fp32."""
     nb = q_scale.shape[-1]
     max_spread = 24 - (nb * 4608 - 1).bit_length()
     qlo, qhi, qok, qlive = (t.reshape(-1) for t in _block_exponents(q_packed, q_scale))
-    klo, khi, kok, klive = _block_exponents(k_packed, k_scale)
+    j = k_scale.shape[0]
     if not bool(qok.all()):
-        return torch.zeros_like(kok)
-    if not bool(qlive.any()):
-        return kok
-    q_spread = int((qhi - qlo)[qlive].max())
-    q_lo, q_hi = int(qlo[qlive].min()), int(qhi[qlive].max())
-    fits = ((khi - klo) + q_spread <= max_spread) & (klo + q_lo >= 130) & (khi + q_hi <= 368)
-    return kok & (fits | ~klive)
+        return torch.zeros(j, dtype=torch.bool, device=k_scale.device)
+    if bool(qlive.any()):
+        q_spread = int((qhi - qlo)[qlive].max())
+        q_lo, q_hi = int(qlo[qlive].min()), int(qhi[qlive].max())
+    else:                     # all-zero queries: every product is 0, no range to respect
+        q_spread, q_lo, q_hi = 0, 1 << 20, -(1 << 20)
+
+    def fits(lo, hi):
+        return ((hi - lo) + q_spread <= max_spread) & (lo + q_lo >= 130) & (hi + q_hi <= 368)
+
+    # Counting every block as live is conservative and skips the code scan; only the
+    # columns that fail it (zero blocks, wide spreads) are looked at closely.
+    e = k_scale.int()
+    exact = fits(e.amin(-1), e.amax(-1)) & (e >= 2).all(-1) & (e <= 252).all(-1)
+    rest = (~exact).nonzero().flatten()
+    if rest.numel():
+        klo, khi, kok, klive = _block_exponents(k_packed[rest], k_scale[rest])
+        exact[rest] = kok & (fits(klo, khi) | ~klive)
+    return exact
 
 
 def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:

@@ -1,0 +1,303 @@
+"""Benchmark of the reference at V4-Pro shapes (`make bench`, `python -m harness.bench`).
+
+Two workloads, each run in its own subprocess so that its peak RSS is its own:
+* k_path: pool -> norm -> RoPE -> MXFP4 -> preshuffled store for one 16384-token prefill
+  chunk (4096 compressed entries), i.e. compress_pool + k_norm_rope_mxfp4_cache;
+* scoring: paged_mxfp4_mqa_logits + topk(1024) for 64 decode rows at 128k context
+  (64 sequences x 32768 entries, block tables permuted over one shared pool, preshuffled
+  pages), next to a plain fp32 matmul of the same FLOPs timed in the same process, and
+  an accuracy check of the scores against a dense fp64 loop on a few sequences.
+
+Times are the best of several repeats (other work on the machine only ever adds time).
+Writes reports/bench-reference.md (machine named) and prints it. Runs on CUDA as well
+when present, and then calls harness/bench_gpu.py when that file exists.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REPORT = REPO / "reports" / "bench-reference.md"
+
+TARGETS = {"k_path_s": 0.5, "score_ratio": 4.0, "peak_gib": 4.0}
+
+
+# --- workloads (run inside a worker process) -------------------------------------------
+
+def _sync(dev):
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _best(fn, repeats, dev):
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        _sync(dev)
+        t = time.perf_counter()
+        out = fn()
+        _sync(dev)
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def _k_path(dev, repeats):
+    import torch
+    import reference
+    from reference import preset, rope
+    p = preset("deepseek-v4-pro")
+    g = torch.Generator().manual_seed(0)
+    tokens, d, r, bs = 16384, p.head_dim, p.compress_ratio, 64
+    blocks = tokens // bs
+    state = (torch.randn(blocks, bs, 4 * d, generator=g)).to(dev)
+    block_table = torch.randperm(blocks, generator=g)[None].int().to(dev)
+    pos = torch.arange(tokens, device=dev)
+    req = torch.zeros(tokens, dtype=torch.int32, device=dev)
+    slots = torch.where((pos + 1) % r == 0, pos // r, -1)
+    pages = tokens // r // p.page_size
+    pool = torch.randint(0, 256, (pages, 4352), dtype=torch.uint8, generator=g).to(dev)
+    cs = rope.cos_sin_cache(tokens, p.rope_dim, p.rope_base, yarn_factor=p.yarn_factor,
+                            yarn_original_max_pos=p.yarn_original_max_pos).to(dev)
+    w = (torch.rand(d, generator=g) + 0.5).bfloat16().to(dev)
+
+    def run():
+        pooled = reference.compress_pool(state_cache=state, block_table=block_table, positions=pos,
+                                         req_index=req, kv_slot_mapping=slots, compress_ratio=r)["pooled"]
+        return reference.k_norm_rope_mxfp4_cache(
+            k=pooled, positions=pos, cos_sin_cache=cs, norm_weight=w, slot_mapping=slots, kv_cache=pool,
+            norm_eps=p.rms_eps, compress_ratio=r, page_size=p.page_size, shuffle=[32, 16, 2])["kv_cache"]
+
+    t, out = _best(run, repeats, dev)
+    written = int((out != pool).any(1).sum())
+    return {"k_path_s": t, "entries": tokens // r, "pages_changed": written, "pages": pages}
+
+
+def _scoring_inputs(dev, seqs=64, entries=32768, heads=64, d=128, page_size=64):
+    """A shared pool of random codes with realistic scale bytes (a per-vector level in
+    118..123 and a 0/1 step per block, as normed activations give), block tables a random
+    permutation of the pool's pages, one decode row per sequence at the full context."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    pages = seqs * entries // page_size
+    pool = torch.randint(0, 256, (pages, page_size * (d // 2 + d // 32)), dtype=torch.uint8, generator=g)
+    e = (torch.randint(118, 124, (pages, 2, 32, 1), generator=g)
+         + torch.randint(0, 2, (pages, 2, 32, 4), generator=g)).to(torch.uint8)
+    # V4-Pro preshuffle (32, 16, 2): scale byte of (group, lane, s) sits at [group, s%2, lane, s//2]
+    pool[:, page_size * d // 2:] = e.view(pages, 2, 32, 2, 2).permute(0, 1, 4, 2, 3).reshape(pages, -1)
+    q_fp4 = torch.randint(0, 256, (seqs, heads, d // 2), dtype=torch.uint8, generator=g)
+    q_scale = (torch.randint(118, 124, (seqs, heads, 1), generator=g)
+               + torch.randint(0, 2, (seqs, heads, 4), generator=g)).to(torch.uint8)
+    w = torch.randn(seqs, heads, generator=g) * 0.01
+    bt = torch.randperm(pages, generator=g).view(seqs, -1).int()
+    kw = dict(q_fp4=q_fp4, q_scale=q_scale, weights=w, kv_cache=pool,
+              query_start_loc=torch.arange(seqs + 1).int(), context_lens=torch.full((seqs,), entries).int(),
+              block_table=bt, row_ends=torch.full((seqs,), entries).int(), page_size=page_size,
+              shuffle=[32, 16, 2])
+    return {k: v.to(dev) if hasattr(v, "to") else v for k, v in kw.items()}
+
+
+def _fp64_dense(kw, b):
+    """Sequence b scored the plain way: gather bytes per slot, dequantize to fp64, matmul."""
+    from reference import layout, mxfp4, scoring
+    n = int(kw["row_ends"][b])
+    slots = scoring.entry_slots(kw["block_table"][b], n, kw["page_size"])
+    packed, scales = layout.read_entries(kw["kv_cache"], slots, page_size=kw["page_size"],
+                                         head_dim=kw["q_fp4"].shape[2] * 2, shuffle=kw["shuffle"])
+    import torch
+    return scoring.weighted_relu_logits(mxfp4.dequantize_mxfp4(kw["q_fp4"][b:b + 1], kw["q_scale"][b:b + 1], torch.float64),
+                                        mxfp4.dequantize_mxfp4(packed, scales, torch.float64),
+                                        kw["weights"][b:b + 1])
+
+
+def _scoring(dev, repeats):
+    import torch
+    import reference
+    from reference import scoring
+    kw = _scoring_inputs(dev)
+    seqs, heads, d = kw["q_fp4"].shape[0], kw["q_fp4"].shape[1], kw["q_fp4"].shape[2] * 2
+    entries = int(kw["row_ends"][0])
+
+    def score_topk():
+        logits = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+        idx = reference.topk(logits=logits, lengths=kw["row_ends"], k=1024)["indices"]
+        return logits, idx
+
+    t_score, (logits, idx) = _best(score_topk, repeats, dev)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # before the baselines
+    fast = sum(int(scoring.exact_f32_columns(kw["q_fp4"][b:b + 1], kw["q_scale"][b:b + 1],
+                                             *_seq_entries(kw, b)).sum()) for b in range(4))
+    worst = 0.0
+    for b in range(2):
+        ref = _fp64_dense(kw, b)[0]
+        worst = max(worst, float(((logits[b] - ref).abs() / ref.abs().clamp_min(1e-300)).max()))
+    ok_idx = bool(((idx >= 0) & (idx < entries)).all()) and all(
+        idx[r].unique().numel() == idx.shape[1] for r in range(idx.shape[0]))
+    del logits, idx
+
+    # The same FLOPs as plain fp32 matmuls: 64 x [H, D] x [D, J] over 64 distinct key
+    # matrices (the scorer's shape and data volume), as one bmm, and over one key matrix
+    # reused (cache-resident: the most flattering baseline).
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(seqs, heads, d, generator=g).to(dev)
+    keys = torch.randn(seqs, d, entries, generator=g).to(dev)
+
+    def loop_distinct():
+        for b in range(seqs):
+            c = a[b] @ keys[b]
+        return c
+
+    def bmm_distinct():
+        return torch.bmm(a, keys)
+
+    def loop_same():
+        for b in range(seqs):
+            c = a[b] @ keys[0]
+        return c
+
+    t_loop, t_bmm, t_same = (float("inf"),) * 3
+    for _ in range(repeats):          # interleaved with the scorer, so load changes hit both
+        t_loop = min(t_loop, _best(loop_distinct, 1, dev)[0])
+        t_bmm = min(t_bmm, _best(bmm_distinct, 1, dev)[0])
+        t_same = min(t_same, _best(loop_same, 1, dev)[0])
+        t_score = min(t_score, _best(score_topk, 1, dev)[0])
+    base = min(t_loop, t_bmm)
+    return {"score_s": t_score, "mm_loop_s": t_loop, "mm_bmm_s": t_bmm, "mm_same_s": t_same,
+            "baseline_s": base, "ratio": t_score / base, "ratio_same": t_score / t_same,
+            "max_rel_err_vs_fp64": worst, "fast_fraction": fast / (4 * entries), "topk_valid": ok_idx,
+            "gflop": 2 * seqs * heads * entries * d / 1e9, "peak_score_gib": peak}
+
+
+def _seq_entries(kw, b):
+    from reference import layout
+    n = int(kw["row_ends"][b])
+    packed, scales = layout.read_pages(kw["kv_cache"], kw["block_table"][b, :-(-n // kw["page_size"])],
+                                       page_size=kw["page_size"], head_dim=kw["q_fp4"].shape[2] * 2,
+                                       shuffle=kw["shuffle"])
+    return packed[:n], scales[:n]
+
+
+def worker(name: str, device: str, repeats: int) -> dict:
+    import torch
+    dev = torch.device(device)
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    res = {"k_path": _k_path, "scoring": _scoring}[name](dev, repeats)
+    res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    res["import_rss_gib"] = base_rss / 2 ** 20
+    if dev.type == "cuda":
+        res["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    return res
+
+
+# --- driver ---------------------------------------------------------------------------
+
+def machine() -> dict:
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info = {"cpu": cpu, "cores": cores, "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _run_worker(name, device, repeats):
+    cmd = [sys.executable, "-m", "harness.bench", "--worker", name, "--device", device,
+           "--repeats", str(repeats)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if p.returncode:
+        tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"{name} on {device} failed: {tail}"}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def table(info: dict, results: dict) -> str:
+    lines = ["# Reference benchmark (V4-Pro shapes)", "",
+             f"Machine: {info['cpu']}, {info['cores']} cores (torch threads {info['torch_threads']}), "
+             f"torch {info['torch']}, Python {info['python']}"
+             + (f", GPU {info['gpu']}" if "gpu" in info else "") + ".",
+             f"Generated by `make bench` (`python -m harness.bench`) on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+             "Times are the best of the repeats; each workload runs in its own process (peak RSS "
+             "includes the interpreter and torch).", "",
+             "| device | workload | measured | target | peak RSS | met |",
+             "|---|---|---|---|---|---|"]
+    for dev, res in results.items():
+        k = res.get("k_path", {})
+        if "error" in k:
+            lines.append(f"| {dev} | K path | {k['error']} | | | no |")
+        elif k:
+            lines.append(f"| {dev} | K path: pool, norm, RoPE, MXFP4, preshuffled store; 16384 tokens, "
+                         f"{k['entries']} entries | {k['k_path_s']:.3f} s | < {TARGETS['k_path_s']} s | "
+                         f"{k['peak_rss_gib']:.2f} GiB | {'yes' if k['k_path_s'] < TARGETS['k_path_s'] else 'no'} |")
+        s = res.get("scoring", {})
+        if "error" in s:
+            lines.append(f"| {dev} | scoring | {s['error']} | | | no |")
+        elif s:
+            met = s["ratio"] <= TARGETS["score_ratio"] and s["peak_score_gib"] < TARGETS["peak_gib"] \
+                and s["max_rel_err_vs_fp64"] < 1e-15 and s["topk_valid"]
+            lines.append(f"| {dev} | scoring + top-1024: 64 rows x 32768 entries, H=64, preshuffled, "
+                         f"permuted block tables | {s['score_s']:.3f} s = {s['ratio']:.2f}x the fp32 matmul "
+                         f"| <= {TARGETS['score_ratio']:.0f}x, < {TARGETS['peak_gib']:.0f} GiB | "
+                         f"{s['peak_score_gib']:.2f} GiB | {'yes' if met else 'no'} |")
+    lines.append("")
+    for dev, res in results.items():
+        s = res.get("scoring", {})
+        if s and "error" not in s:
+            lines += [f"Scoring on {dev}: plain fp32 matmul of the same {s['gflop']:.1f} GFLOP over 64 "
+                      f"distinct [128, 32768] key matrices: {s['mm_loop_s']:.3f} s as 64 matmuls, "
+                      f"{s['mm_bmm_s']:.3f} s as one bmm; the ratio uses the faster. Against 64 matmuls "
+                      f"on one cache-resident key matrix ({s['mm_same_s']:.3f} s) the scorer takes "
+                      f"{s['ratio_same']:.1f}x. "
+                      f"Scores vs a dense fp64 loop (2 sequences): max relative error "
+                      f"{s['max_rel_err_vs_fp64']:.1e}; columns proven exact in fp32: "
+                      f"{100 * s['fast_fraction']:.1f} % (the rest recomputed in fp64); top-k indices "
+                      f"valid and unique: {s['topk_valid']}. Interpreter + torch alone: "
+                      f"{s['import_rss_gib']:.2f} GiB RSS."
+                      + (f" Peak GPU memory {s['peak_gpu_gib']:.2f} GiB." if "peak_gpu_gib" in s else ""), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", choices=("k_path", "scoring"), help=argparse.SUPPRESS)
+    ap.add_argument("--device", default=None, help="cpu, cuda, or all present (default)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=REPORT)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.device or "cpu", args.repeats)))
+        return 0
+    import torch
+    devices = [args.device] if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    results = {d: {w: _run_worker(w, d, args.repeats) for w in ("k_path", "scoring")} for d in devices}
+    text = table(machine(), results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
+    print(text)
+    print(f"written: {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}")
+    gpu = Path(__file__).with_name("bench_gpu.py")
+    rc = 0
+    if gpu.exists():
+        p = subprocess.run([sys.executable, "-m", "harness.bench_gpu"], cwd=REPO)
+        rc = p.returncode
+    failed = any("error" in r for res in results.values() for r in res.values())
+    return 1 if failed else rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
