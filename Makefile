@@ -51,6 +51,11 @@ selftest: $(ENV_STAMP)
 bench: $(ENV_STAMP)
 	$(PY) -m harness.bench
 
+# GPU benchmark of the Triton kernels at V4-Pro shapes -> reports/bench-gpu.md
+BENCH_GPU_OUT ?= reports/bench-gpu.md
+bench-gpu: $(ENV_STAMP)
+	$(PY) -m harness.bench_gpu --out $(BENCH_GPU_OUT)
+
 study: $(ENV_STAMP)
 	$(MXVAL) study --report-dir reports/study
 
