@@ -128,3 +128,13 @@ def test_record_op(layer):
     assert got.scalars == {"k": 8} and got.inputs["logits"] is not rec.inputs["logits"]
     with pytest.raises(ValueError, match="missing tensor topk/in/lengths"):
         record_op("topk", {"logits": rec.inputs["logits"]}, {"k": 8}, rec.outputs)
+
+
+def test_scorer_replayed_at_the_recorded_width(layer):
+    """Kernels size logits by max_model_len, not by the block table: the reference must
+    be run at the recorded width (clean_logits: -inf past every row end)."""
+    rec = layer["paged_mxfp4_mqa_logits"]
+    lo = rec.outputs["logits"]
+    wide = torch.cat((lo, torch.full((lo.shape[0], 32), float("-inf"))), 1)
+    rep = replay_op(OpRecord(rec.op, rec.scalars, rec.inputs, {"logits": wide}))
+    assert rep.ok(EXACT), rep.summary(EXACT)
