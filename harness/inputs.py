@@ -216,7 +216,8 @@ def _tokens(case: Case, geo: Geometry, ranges: dict[int, tuple[int, int]],
     positions = torch.cat(pos).long() if pos else torch.zeros(0, dtype=torch.long)
     req_index = torch.cat(req).long() if req else torch.zeros(0, dtype=torch.long)
     j = positions // r
-    slot = k_bt[req_index, j // ps].long() * ps + j % ps
+    page = (j // ps).clamp(max=k_bt.shape[1] - 1)     # tokens past the last entry write nothing
+    slot = k_bt[req_index, page].long() * ps + j % ps
     slot = torch.where((positions + 1) % r == 0, slot, torch.full_like(slot, -1))
     return Tokens(positions, req_index, slot, seqs, torch.tensor(qsl, dtype=torch.int32),
                   torch.tensor(ctx, dtype=torch.int32), k_bt[seqs].clone(),
