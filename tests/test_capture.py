@@ -198,6 +198,7 @@ def test_auto_layer_counting(fakes, monkeypatch):
     layer = make_layer(7)
     for _ in range(5):                                # anchor calls 0..4: (0,0) (1,0) (0,1) (1,1) (0,2)
         _run_step(aiter, vllm, layer)
+    assert capture.context() == (0, 2)
     capture.flush()
     assert [p.rsplit("/", 1)[1] for p in capture.written()] == ["layer1_step1.safetensors"]
 
