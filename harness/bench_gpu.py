@@ -20,7 +20,10 @@ import time
 
 import torch
 
-BF16_TFLOPS = 790e12      # dense bf16 tensor-core rate measured on this H200 kind (KINDS.md)
+BF16_TFLOPS = 790e12
+# scorer tilings (BM rows, BN entries, warps) timed beside the default pick_config choice
+CONFIGS = {"scorer decode": [(1, 64, 4), (1, 128, 4), (1, 128, 8), (1, 32, 4)],
+           "scorer prefill": [(1, 64, 4), (2, 64, 4), (2, 64, 8), (4, 64, 8), (2, 128, 8), (4, 32, 8)]}      # dense bf16 tensor-core rate measured on this H200 kind (KINDS.md)
 
 
 def _bench(fn, reps_ms=200, max_reps=None):
@@ -118,6 +121,11 @@ def torch_dequant_matmul(kw, row_chunk=512):
 
     q = deq(kw["q_fp4"], kw["q_scale"])                                           # [Rw, H, D]
     qsl = kw["query_start_loc"].tolist()
+    if len(qsl) - 1 == q.shape[0]:        # decode: one row per sequence, all in one batched matmul
+        pages = kw["kv_cache"][kw["block_table"].long()]                          # [B, np, stride]
+        k = deq(pages[:, :, vo], pages[:, :, so]).flatten(1, 2)                   # [B, J, D]
+        s = torch.bmm(q, k.transpose(1, 2)).float().relu_()                       # [B, H, J]
+        return torch.einsum("bhj,bh->bj", s, kw["weights"])
     out = torch.full((q.shape[0], kw["block_table"].shape[1] * ps), float("-inf"), device="cuda")
     for b in range(len(qsl) - 1):
         pages = kw["kv_cache"][kw["block_table"][b].long()]                       # [np, stride]
@@ -181,7 +189,6 @@ def main(argv=None) -> int:
     import triton
     import reference
     from optimized import get_backend
-    from optimized.common import row_sequences
     from optimized.triton_kernels import k_writer, pooling, scoring, topk
 
     be = get_backend("triton")
@@ -195,6 +202,7 @@ def main(argv=None) -> int:
              "| kernel | shape | triton | floor | reference (same GPU) | torch dequant+matmul | "
              "vs reference | vs torch |", "|---|---|---|---|---|---|---|---|"]
     results = {}
+    sweeps = {}
 
     def row(name, shape, t, floor, ref=None, tor=None):
         results[name] = (t, floor, ref, tor)
@@ -226,13 +234,19 @@ def main(argv=None) -> int:
     for name, (seqs, rows, ctx, causal) in {"scorer decode": (64, 1, 131072, False),
                                              "scorer prefill": (1, 4096, 32768, True)}.items():
         kw = scorer_inputs(seqs, rows, ctx, causal)
-        seq = row_sequences(kw["query_start_loc"], kw["row_ends"].shape[0])
         width = kw["block_table"].shape[1] * 64
-        call = lambda: scoring.launch(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"], kw["block_table"],
-                                      seq, kw["row_ends"], width=width, page_size=64, shuffle=[32, 16, 2],
-                                      clean_logits=False)
-        t = _bench(call)
-        got = call()
+
+        def call(cfg):
+            tiles = tile_cache.setdefault(cfg[0], scoring.row_tiles(kw["query_start_loc"].cpu(), cfg[0]).cuda())
+            return scoring.launch(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"], kw["block_table"],
+                                  tiles, kw["row_ends"], width=width, page_size=64, shuffle=[32, 16, 2],
+                                  clean_logits=False, config=cfg)
+        tile_cache = {}
+        default = scoring.pick_config(rows, 64)
+        sweep = {cfg: _bench(lambda: call(cfg)) for cfg in dict.fromkeys([default, *CONFIGS[name]])}
+        sweeps[name] = (default, sweep)
+        t = sweep[default]
+        got = call(default)
         tor = _bench(lambda: torch_dequant_matmul(kw))
         ref = None
         if not (a.quick and causal):
@@ -279,6 +293,10 @@ def main(argv=None) -> int:
               "| variant of the exact K writer | bytes differing | per million entries |", "|---|---|---|"]
     for v, (nd, n) in var.items():
         lines.append(f"| {v} | {nd} of {n * 68} | {nd / n * 1e6:.0f} |")
+    lines += ["", "## Scorer tilings (BM rows x BN entries, warps); the default is the op's choice", ""]
+    for name, (default, sweep) in sweeps.items():
+        lines.append(f"* {name}: " + ", ".join(
+            f"{c}{' (default)' if c == default else ''} {v * 1e3:.0f} us" for c, v in sweep.items()))
     lines += ["", f"Pooling with fp32 exp instead of fp64: {pd} of {ptot} pooled bf16 values differ "
               f"(max {pworst} ulp)."]
     text = "\n".join(lines) + "\n"

@@ -242,6 +242,8 @@ def cases(scale: int = 1) -> list[tuple[str, str, dict]]:
             out.append((f"logits-{shuffle and shuffle[0]}-{clean}", "paged_mxfp4_mqa_logits",
                         dict(logits_case(shuffle=shuffle, seqs=((3 * s, 70 * s), (4, 100 * s), (1, 0))),
                              clean_logits=clean)))
+    out.append(("logits-decode", "paged_mxfp4_mqa_logits",
+                dict(logits_case(seed=5, seqs=((1, 50 * s), (1, 33), (1, 64))), clean_logits=True)))
     out.append(("logits-h8", "paged_mxfp4_mqa_logits", dict(logits_case(heads=8, seqs=((2, 40),)), clean_logits=True)))
     for fl in ("e4m3fn", "e4m3fnuz"):
         kw = k_writer_case(seed=3, tokens=40 * s, pages=4 * s, fp8=True)

@@ -57,11 +57,11 @@ def make_op(device: str):
         dims.check("q_fp8", q_fp8, torch.uint8, ("Rw", "H", "D"))
         check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
                          page_size, entry_bytes(q_fp8.shape[2]))
-        (qv, w, kc, bt, ends), seq, back = scoring.prepare(device, query_start_loc, row_ends, q_fp8,
-                                                           weights, kv_cache, block_table)
-        out = scoring.launch(qv, None, w, kc, bt, seq, ends, width=width or default_width(block_table, page_size),
+        (qv, w, kc, bt, ends), tiles, config, back = scoring.prepare(
+            device, query_start_loc, row_ends, weights.shape[1], q_fp8, weights, kv_cache, block_table)
+        out = scoring.launch(qv, None, w, kc, bt, tiles, ends, width=width or default_width(block_table, page_size),
                              page_size=page_size, shuffle=None, clean_logits=clean_logits,
-                             fp8_dtype=fp8_dtype)
+                             fp8_dtype=fp8_dtype, config=config)
         return {"logits": back(out, weights)}
 
     return {"k_norm_rope_fp8_cache": k_norm_rope_fp8_cache, "q_rope_fp8_quant": q_rope_fp8_quant,

@@ -1,8 +1,8 @@
 """Softmax-gated overlap pooling (NUMERICS.md §1), vLLM's `_compress_pool_kernel` contract.
 
-One program per (token, channel block). The softmax over the 2r window is computed in
-fp64 (exp via interp.exp_f64) with the reference's order (max, exp, sum, divide, weighted
-sum), then rounded to fp32 and to bf16: pooled rows are byte-exact, so the whole chain
+One program per (token, channel block), the 2r window rows loaded as one [2r, BD] tile.
+The softmax is computed in fp64 (exp via interp.exp_f64) in the reference's order (max,
+exp, sum, divide, weighted sum; fp64 makes the summation order immaterial), then rounded to fp32 and to bf16: pooled rows are byte-exact, so the whole chain
 pool -> pages is too. (Upstream kernels use fp32 fast exp: <= 1 bf16 ulp, see §1.)
 """
 from __future__ import annotations
@@ -34,45 +34,28 @@ def _exp(x, FAST: tl.constexpr):
 @triton.jit
 def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr, out_bf16_ptr,
                  T, block_size, table_stride, row_stride, block_stride,
-                 D: tl.constexpr, RATIO: tl.constexpr, OUT_BF16: tl.constexpr, BD: tl.constexpr,
-                 FAST_EXP: tl.constexpr):
+                 D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr, OUT_BF16: tl.constexpr,
+                 BD: tl.constexpr, FAST_EXP: tl.constexpr):
     tok = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     slot = tl.load(slot_ptr + tok)
     if (slot >= 0) & ((pos + 1) % RATIO == 0):
         req = tl.load(req_ptr + tok).to(tl.int64)
-        mx = tl.full((BD,), float("-inf"), tl.float64)
-        # pass 1: the window's max score per channel
-        for i in tl.static_range(2 * RATIO):
-            qp = pos - (2 * RATIO - 1) + i
-            if qp >= 0:
-                blk = tl.load(table_ptr + req * table_stride + qp // block_size).to(tl.int64)
-                row = state_ptr + blk * block_stride + (qp % block_size) * row_stride
-                half = D if i >= RATIO else 0
-                s = tl.load(row + 2 * D + half + d).to(tl.float64)
-                mx = tl.maximum(mx, s)
-        # pass 2: exp and sum; pass 3: normalized weights times kv (reference order)
-        den = tl.zeros((BD,), tl.float64)
-        for i in tl.static_range(2 * RATIO):
-            qp = pos - (2 * RATIO - 1) + i
-            if qp >= 0:
-                blk = tl.load(table_ptr + req * table_stride + qp // block_size).to(tl.int64)
-                row = state_ptr + blk * block_stride + (qp % block_size) * row_stride
-                half = D if i >= RATIO else 0
-                s = tl.load(row + 2 * D + half + d).to(tl.float64)
-                den += _exp(s - mx, FAST_EXP)
-        acc = tl.zeros((BD,), tl.float64)
-        for i in tl.static_range(2 * RATIO):
-            qp = pos - (2 * RATIO - 1) + i
-            if qp >= 0:
-                blk = tl.load(table_ptr + req * table_stride + qp // block_size).to(tl.int64)
-                row = state_ptr + blk * block_stride + (qp % block_size) * row_stride
-                half = D if i >= RATIO else 0
-                s = tl.load(row + 2 * D + half + d).to(tl.float64)
-                kv = tl.load(row + half + d).to(tl.float64)
-                acc += (_exp(s - mx, FAST_EXP) / den) * kv
-        c = acc.to(tl.float32)
+        i = tl.arange(0, WP)                               # window slot; WP = 2r rounded up
+        qp = pos - (2 * RATIO - 1) + i
+        valid = (qp >= 0) & (i < 2 * RATIO)
+        blk = tl.load(table_ptr + req * table_stride + qp // block_size, mask=valid, other=0).to(tl.int64)
+        row = blk * block_stride + (qp % block_size) * row_stride
+        half = tl.where(i >= RATIO, D, 0)                  # i < r: the `_a` halves, else `_b`
+        off = (row + half)[:, None] + d[None, :]
+        m2 = valid[:, None]
+        s = tl.load(state_ptr + off + 2 * D, mask=m2, other=float("-inf")).to(tl.float64)
+        kv = tl.load(state_ptr + off, mask=m2, other=0.0).to(tl.float64)
+        mx = tl.max(s, axis=0)
+        e = _exp(s - mx[None, :], FAST_EXP)
+        den = tl.sum(e, axis=0)
+        c = tl.sum((e / den[None, :]) * kv, axis=0).to(tl.float32)
         if OUT_BF16:
             tl.store(out_bf16_ptr + tok * D + d, bf16_bits(c))
         else:
@@ -92,7 +75,8 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, *, c
         _pool_kernel[(t, triton.cdiv(d, BD))](
             sc, block_table, positions, req_index, kv_slot_mapping, out,
             outb.view(torch.int16) if out_bf16 else out, t, sc.shape[1], block_table.stride(0),
-            sc.stride(1), sc.stride(0), D=d, RATIO=compress_ratio, OUT_BF16=out_bf16, BD=BD,
+            sc.stride(1), sc.stride(0), D=d, RATIO=compress_ratio,
+            WP=triton.next_power_of_2(2 * compress_ratio), OUT_BF16=out_bf16, BD=BD,
             FAST_EXP=fast_exp, **LAUNCH)
     return outb
 

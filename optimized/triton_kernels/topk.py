@@ -38,9 +38,9 @@ def _topk_kernel(x_ptr, len_ptr, out_ptr, stride, K: tl.constexpr, BLOCK: tl.con
     obase = out_ptr + row.to(tl.int64) * K
     offs = tl.arange(0, BLOCK)
     if n <= K:
-        for c0 in range(0, K, BLOCK):
-            idx = c0 + offs
-            tl.store(obase + idx, tl.where(idx < n, idx, -1).to(tl.int32), mask=idx < K)
+        for s0 in range(0, K, BLOCK):
+            sidx = s0 + offs
+            tl.store(obase + sidx, tl.where(sidx < n, sidx, -1).to(tl.int32), mask=sidx < K)
     else:
         lo = tl.full([], 0, tl.int64)               # count(key >= lo) >= K holds
         hi = tl.full([], 0xFFFFFFFF, tl.int64)
