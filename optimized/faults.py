@@ -363,7 +363,7 @@ _CATALOGUE = (
           ("chain", "chain-natural"),
           "the scorer reads scale bytes in an order other than §5's (the writer stores §5's)",
           lambda: {SCORE: scorer_op(scale_offsets=wrong_scale_offsets)}),
-    Fault("missing-bf16-round", "a missing bf16 rounding point", (K,), ("chain",),
+    Fault("missing-bf16-round", "a missing bf16 rounding point", (K,), ("k-writer",),
           "the ROCm K writer feeds the fp32 norm output to RoPE without its bf16 round",
           lambda: {K: k_writer_op(values=_values_norm_unrounded)}),
     Fault("fp8-ocp-read-fnuz", "fp8 written OCP and read FNUZ", ("paged_fp8_mqa_logits",),

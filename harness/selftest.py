@@ -1,0 +1,478 @@
+"""`mxval selftest`: prove that every check has teeth.
+
+1. Every fault of the catalogue (optimized/faults.py: one §10 bug class each) runs through
+   the ordinary runner on the cases that can expose it; each run must break at least one
+   budget. The fault x metric matrix shows the measured values against the budgets.
+2. The correct backends (the reference, and compiled Triton or the Triton interpreter
+   when they run here) run every selftest case on many seeds and must break none.
+
+Exit 0 only when both hold. `--quick` (CI) runs every fault that fits in memory, the
+reference on a few seeds and the interpreter on two; the > 2 GiB pool case runs in the
+full selftest on a GPU or with `--large`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+SUITE = "selftest"
+DEFAULT_SEEDS = 20
+QUICK_SEEDS = 4
+QUICK_INTERPRET_SEEDS = 2
+QUICK_INTERPRET_CASES = ("chain",)
+FULL_FAULT_SEEDS = 3           # each fault must be caught on every one of these seeds
+SEED_STRIDE = 1000             # seed i of a case is its own seed + i * SEED_STRIDE
+# Column order of the matrix: the metrics as the diff engine names them.
+METRIC_ORDER = (
+    "pooled_max_ulp", "page_bytes_mismatched", "page_bytes_outside_owned_changed",
+    "q_bytes_mismatched", "q_scale_bytes_mismatched", "weights_max_ulp", "logits_diff",
+    "logits_nonfinite", "logits_inf_pattern_mismatch", "topk_rows_not_exact_frac",
+    "topk_recall_min", "topk_padding_errors", "topk_duplicates", "topk_below_threshold",
+    "topk_out_of_range",
+)
+CHAIN = "chain."
+
+
+# --- what runs -----------------------------------------------------------------------------
+
+def with_seed(case, i: int):
+    return case if i == 0 else dataclasses.replace(case, seed=case.seed + i * SEED_STRIDE)
+
+
+def correct_backends(requested: Optional[list[str]]) -> tuple[list[str], list[str]]:
+    """(backends to run, notes on those left out). Default: the reference, plus compiled
+    Triton when it runs here, else the Triton interpreter when it does."""
+    from optimized import BackendUnavailable, get_backend
+    if requested:
+        for name in requested:
+            if name.startswith("fault:"):
+                raise ValueError(f"--backend: {name} is a fault, not a correct backend")
+            get_backend(name)                      # one line naming what is missing
+        return list(dict.fromkeys(requested)), []
+    names, notes = ["reference"], []
+    for name in ("triton", "triton-interpret"):
+        try:
+            why = get_backend(name, require=False).available()
+        except BackendUnavailable as e:
+            why = str(e)
+        if why is None:
+            names.append(name)
+            break
+        notes.append(f"{name}: {why}")
+    return names, notes
+
+
+def _violations(budgets, metrics: dict, case: str) -> list[dict]:
+    return budgets.check(metrics or {}, SUITE, case)
+
+
+def _metric_name(key: str) -> str:
+    """`<op>.<metric>` -> metric; the whole-chain comparison keeps its `chain.` prefix."""
+    return key if key.startswith(CHAIN) else key.partition(".")[2]
+
+
+@dataclasses.dataclass
+class FaultResult:
+    fault: object                                  # optimized.faults.Fault
+    rows: list = dataclasses.field(default_factory=list)
+    skipped: str = ""
+
+    @property
+    def runs_caught(self) -> list[bool]:
+        return [bool(r["violations"]) for r in self.rows]
+
+    @property
+    def caught(self) -> Optional[bool]:
+        """Every run of the fault broke a budget; None when it did not run."""
+        if self.skipped or not self.rows:
+            return None
+        return all(self.runs_caught)
+
+    @property
+    def caught_by(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for r in self.rows:
+            for v in r["violations"]:
+                seen.setdefault(_metric_name(v["metric"]), None)
+        return _ordered(seen)
+
+    def worst(self) -> dict[str, dict]:
+        """metric -> {value, limit, key, case} of the largest violation (by how far past
+        its limit) over the fault's runs."""
+        out: dict[str, dict] = {}
+        for r in self.rows:
+            for v in r["violations"]:
+                name = _metric_name(v["metric"])
+                if name not in out or _excess(v) > _excess(out[name]):
+                    out[name] = {**v, "case": r["selftest_case"]}
+        return out
+
+
+def _excess(v: dict) -> float:
+    try:
+        val = float(v["value"]) if v["value"] is not None else float("inf")
+    except (TypeError, ValueError):
+        return float("inf")
+    lim = v.get("limit", "")
+    try:
+        bound = float(lim.split()[-1])
+    except (ValueError, IndexError):
+        return abs(val)
+    return abs(val - bound)
+
+
+def _ordered(names) -> list[str]:
+    rank = {m: i for i, m in enumerate(METRIC_ORDER)}
+    return sorted(names, key=lambda m: (m.startswith(CHAIN), rank.get(m.removeprefix(CHAIN), 99), m))
+
+
+# --- the command ---------------------------------------------------------------------------
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("selftest", help="run the fault catalogue (each must be caught) and the "
+                                        "correct backends on many seeds (none may be flagged)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"CI size: reference on {QUICK_SEEDS} seeds, the interpreter on "
+                        f"{QUICK_INTERPRET_SEEDS}, no > 2 GiB pool")
+    p.add_argument("--seeds", type=int, default=None,
+                   help=f"seeds per case for the correct backends (default {DEFAULT_SEEDS}; "
+                        f"--quick {QUICK_SEEDS})")
+    p.add_argument("--fault", action="append", default=None, metavar="NAME",
+                   help="run only this fault (repeatable; see `mxval backends --faults`)")
+    p.add_argument("--backend", action="append", default=None, metavar="NAME",
+                   help="correct backend for the false-alarm runs (repeatable; default: reference "
+                        "and triton, or triton-interpret, when available)")
+    p.add_argument("--large", action="store_true",
+                   help="run the > 2 GiB pool case even without a GPU (about 15 GB of memory)")
+    p.add_argument("-j", "--jobs", type=int, default=1, help="runs in parallel (processes)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the verdict as JSON")
+    p.add_argument("--markdown", default=None, metavar="FILE",
+                   help="write the matrix as Markdown (`make readme-matrix`)")
+    p.add_argument("--cases-dir", default=None, help="directory of suite TOML files (default: cases/)")
+    p.add_argument("--budgets", default=None, help="budgets TOML (default: cases/budgets.toml)")
+    p.add_argument("--report-dir", default=None, help="where reports go (default: reports/selftest-<time>/)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or console tables")
+
+
+def run(args) -> int:
+    import torch
+
+    from optimized import faults as F
+    from . import budgets as B
+    from .cases import Catalog
+    from .cli import EXIT_FAIL, EXIT_OK, UsageError, _stderr_console
+    from .inputs import geometry
+    from .runner import run_cases
+
+    t0 = time.time()
+    quick = args.quick
+    seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
+    if seeds < 1:
+        raise UsageError(f"--seeds: expected a positive number, got {seeds}")
+    if args.jobs < 1:
+        raise UsageError(f"-j: expected a positive number of jobs, got {args.jobs}")
+    catalog = Catalog(args.cases_dir)
+    cases = {c.name: c for c in catalog.suite_cases(SUITE)}
+    for c in cases.values():
+        geometry(c)
+    budgets = B.load(args.budgets)
+    faults = list(F.FAULTS.values())
+    if args.fault:
+        unknown = [n for n in args.fault if n not in F.FAULTS]
+        if unknown:
+            raise UsageError(f"--fault: unknown fault(s) {', '.join(unknown)} (known: {', '.join(F.FAULTS)})")
+        faults = [F.FAULTS[n] for n in args.fault]
+    for f in faults:
+        missing = [c for c in f.cases if c not in cases]
+        if missing:
+            raise UsageError(f"fault {f.name}: case(s) {', '.join(missing)} not in the {SUITE} suite")
+    try:
+        backends, notes = correct_backends(args.backend)
+    except Exception as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    large_ok = not quick and (args.large or torch.cuda.is_available())
+    large_cases = {c for f in F.FAULTS.values() if f.large for c in f.cases}
+    fault_seeds = 1 if quick else FULL_FAULT_SEEDS
+
+    # the plan: (kind, fault or backend, case)
+    plan: list[tuple[str, object, object]] = []
+    results = {f.name: FaultResult(f) for f in faults}
+    for f in faults:
+        if f.large and not large_ok:
+            results[f.name].skipped = ("needs a pool past 2 GiB: runs in the full selftest on a GPU, "
+                                       "or with --large" + (" (not with --quick)" if quick else ""))
+            continue
+        for name in f.cases:
+            for i in range(1 if name in large_cases else fault_seeds):
+                plan.append(("fault", f, with_seed(cases[name], i)))
+    correct_plan = []
+    for be in backends:
+        interp = be == "triton-interpret" and quick
+        n = min(seeds, QUICK_INTERPRET_SEEDS) if interp else seeds
+        for name, c in cases.items():
+            if name in large_cases:
+                if large_ok:
+                    correct_plan.append(("correct", be, c))       # one seed: 2 GiB per run
+                continue
+            if interp and name not in QUICK_INTERPRET_CASES:
+                continue
+            for i in range(n):
+                correct_plan.append(("correct", be, with_seed(c, i)))
+    plan += correct_plan
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    correct_rows: list[dict] = []
+    groups: dict[str, list] = {}          # backend name -> [(kind, who, case)], run together
+    for item in plan:
+        kind, who, _ = item
+        groups.setdefault(who.backend_name if kind == "fault" else who, []).append(item)
+    with Progress(TextColumn("[bold]selftest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[last]}"), console=_stderr_console(), transient=True,
+                  disable=args.quiet) as bar:
+        task = bar.add_task("selftest", total=len(plan), last="")
+        for name, items in groups.items():
+            bar.update(task, last=name)
+            rows = run_cases([c for _, _, c in items], name, jobs=args.jobs,
+                             progress=lambda r: bar.update(task, advance=1))
+            for (kind, who, case), row in zip(items, rows):
+                row["selftest_case"] = case.name
+                row["seed"] = case.seed
+                row["violations"] = _violations(budgets, row.get("metrics"), case.name)
+                (results[who.name].rows if kind == "fault" else correct_rows).append(row)
+
+    false_alarms = [r for r in correct_rows if _alarm(r)]
+    skipped_correct = [r for r in correct_rows if r["outcome"] == "skipped"]
+    verdict = {
+        "faults": [_fault_json(res) for res in results.values()],
+        "seeds": seeds,
+        "false_alarms": len(false_alarms),
+        "correct_runs": {be: sum(1 for r in correct_rows if r["backend"] == be and r["outcome"] != "skipped")
+                         for be in backends},
+        "false_alarm_runs": [{"backend": r["backend"], "case": r["selftest_case"], "seed": r["seed"],
+                              "outcome": r["outcome"], "reason": r.get("reason", ""),
+                              "violations": r["violations"]} for r in false_alarms],
+        "left_out": notes + [f"{r['backend']} on {r['selftest_case']}: {r['reason']}" for r in skipped_correct],
+        "quick": quick,
+    }
+    uncaught = [res.fault.name for res in results.values() if res.caught is False]
+    verdict["ok"] = not uncaught and not false_alarms and bool(correct_rows)
+    meta = _meta(args, backends, t0, seeds, quick)
+    verdict["machine"] = meta["machine"]
+
+    if not args.quiet:
+        print_matrix(results, budgets, verdict, backends, correct_rows)
+    md = markdown(results, budgets, verdict, meta)
+    out = Path(args.report_dir or Path("reports") / f"selftest-{time.strftime('%Y%m%d-%H%M%S')}")
+    write_report(out, results, correct_rows, verdict, meta, md, budgets)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(verdict, indent=1, default=str) + "\n")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(md)
+    print(f"selftest: {sum(1 for r in results.values() if r.caught)}/{len(results)} faults caught"
+          + (f", {sum(1 for r in results.values() if r.caught is None)} not run" if any(
+              r.caught is None for r in results.values()) else "")
+          + (f" (NOT caught: {', '.join(uncaught)})" if uncaught else "")
+          + f"; {len(false_alarms)} false alarm(s) in {len(correct_rows) - len(skipped_correct)} correct runs "
+          f"({', '.join(backends)}; {seeds} seeds); reports: {out}/")
+    return EXIT_OK if verdict["ok"] else EXIT_FAIL
+
+
+def _alarm(row: dict) -> bool:
+    """A correct run that breaks a budget or does not finish (skips are listed, not alarms)."""
+    return row["outcome"] != "skipped" and (row["outcome"] != "ok" or bool(row["violations"]))
+
+
+def _fault_json(res: FaultResult) -> dict:
+    f = res.fault
+    worst = res.worst()
+    return {"name": f.name, "bug_class": f.bug_class, "caught": res.caught, "caught_by": res.caught_by,
+            "ops": list(f.ops), "cases": list(f.cases), "description": f.description,
+            "runs": len(res.rows), "runs_caught": sum(res.runs_caught),
+            "values": {m: {"value": w["value"], "limit": w["limit"], "metric": w["metric"], "case": w["case"]}
+                       for m, w in worst.items()},
+            "outcomes": sorted({r["outcome"] for r in res.rows}),
+            **({"skipped": res.skipped} if res.skipped else {})}
+
+
+def _meta(args, backends, t0, seeds, quick) -> dict:
+    import platform
+    import sys
+
+    import torch
+
+    from .cli import machine
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        import triton
+        tv = triton.__version__
+    except Exception:
+        tv = None
+    return {"command": "selftest", "suite": SUITE, "backend": "faults + " + ", ".join(backends),
+            "backend_description": "fault catalogue (a run passes when a budget catches it) and the "
+                                   "correct backends (a run passes when no budget breaks)",
+            "device": dev, "machine": machine(dev), "seeds": seeds, "quick": quick,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0)),
+            "seconds": round(time.time() - t0, 3), "argv": sys.argv[1:],
+            "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": tv}}
+
+
+# --- the matrix ------------------------------------------------------------------------------
+
+def matrix_columns(results: dict[str, FaultResult]) -> list[str]:
+    """Metrics that caught a fault. A whole-chain metric gets a column only where it caught
+    a fault that its per-stage twin did not (it mostly repeats the stage's verdict)."""
+    cols: dict[str, None] = {}
+    for res in results.values():
+        by = set(res.caught_by)
+        for m in res.caught_by:
+            if not m.startswith(CHAIN) or m.removeprefix(CHAIN) not in by:
+                cols.setdefault(m, None)
+    return _ordered(cols)
+
+
+OP_LABELS = {"compress_pool": "pooling", "k_norm_rope_mxfp4_cache": "K writer",
+             "k_norm_rope_fp8_cache": "K writer (fp8)", "q_rope_mxfp4_quant": "Q quant",
+             "q_rope_fp8_quant": "Q quant (fp8)", "paged_mxfp4_mqa_logits": "scorer",
+             "paged_fp8_mqa_logits": "scorer (fp8)", "topk": "top-k"}
+
+
+def _limit_text(budgets, metric: str, case: str = "") -> str:
+    key = metric if metric.startswith(CHAIN) else f"x.{metric}"
+    lim = budgets.limit(key, SUITE, case)
+    return lim.text() if lim else "none"
+
+
+def _short(metric: str) -> str:
+    """Console column heads: narrow enough for one screen."""
+    return (metric.replace("page_bytes_", "page ").replace("outside_owned_changed", "outside")
+            .replace("_bytes_mismatched", "≠").replace("_mismatched", "≠").replace("_", " ")
+            .replace("chain.", "chain "))
+
+
+def _val(v) -> str:
+    if v is None:
+        return "nan"
+    if isinstance(v, (int, float)) and (abs(v) >= 1e6 or not float(v).is_integer()):
+        return f"{v:.3g}"
+    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
+
+def _status(res: FaultResult) -> str:
+    if res.caught is None:
+        return "not run"
+    return "caught" if res.caught else f"NOT caught ({sum(res.runs_caught)}/{len(res.rows)} runs)"
+
+
+def print_matrix(results, budgets, verdict, backends, correct_rows, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    con = console or Console()
+    if not con.is_terminal:
+        con = Console(width=max(con.width, 200))        # CI logs: keep the matrix on one line per fault
+    cols = matrix_columns(results)
+    t = Table(title="mxval selftest: fault x metric (worst value over the fault's runs; "
+                    "red = past its budget)", show_lines=False)
+    t.add_column("fault", no_wrap=True)
+    t.add_column("verdict", no_wrap=True)
+    for m in cols:
+        t.add_column(f"{_short(m)}\n{_limit_text(budgets, m)}", justify="right", overflow="fold")
+    t.add_column("op", no_wrap=True)
+    for res in results.values():
+        worst = res.worst()
+        style = {"caught": "green", "not run": "yellow"}.get(_status(res), "bold red")
+        cells = [f"[bold red]{_val(worst[m]['value'])}[/]" if m in worst else "[dim]·[/]" for m in cols]
+        t.add_row(res.fault.name, f"[{style}]{_status(res)}[/]", *cells,
+                  ", ".join(OP_LABELS.get(o, o) for o in res.fault.ops))
+    con.print(t)
+    for res in results.values():
+        if res.skipped:
+            con.print(f"[yellow]not run:[/] {res.fault.name}: {res.skipped}")
+        for r in res.rows:
+            if r["outcome"] != "ok":
+                con.print(f"[dim]{res.fault.name} on {r['selftest_case']}: {r['outcome']}: {r['reason']}[/]")
+    c = Table(title=f"correct backends: {verdict['seeds']} seeds per case")
+    for col in ("backend", "runs", "false alarms", "seconds", "first alarm"):
+        c.add_column(col, overflow="fold")
+    for be in backends:
+        rows = [r for r in correct_rows if r["backend"] == be and r["outcome"] != "skipped"]
+        bad = [r for r in rows if _alarm(r)]
+        first = ""
+        if bad:
+            b = bad[0]
+            first = f"{b['selftest_case']} seed {b['seed']}: " + (b["reason"] or "; ".join(
+                f"{v['metric']} {v['why']}" for v in b["violations"][:3]))
+        c.add_row(be, str(len(rows)), f"[{'bold red' if bad else 'green'}]{len(bad)}[/]",
+                  f"{sum(r.get('seconds', 0) for r in rows):.1f}", first)
+    con.print(c)
+    for n in verdict["left_out"]:
+        con.print(f"[yellow]left out:[/] {n}")
+
+
+def markdown(results, budgets, verdict, meta) -> str:
+    """The matrix for README.md (`make readme-matrix`) and the report directory."""
+    cols = matrix_columns(results)
+    n_faults = len(results)
+    n_caught = sum(1 for r in results.values() if r.caught)
+    lines = [f"Every fault below is a backend built from the reference with one stage broken "
+             f"(`optimized/faults.py`); `mxval selftest` runs each on the cases that can expose it "
+             f"and reports the worst value of every metric that broke its budget "
+             f"(`cases/budgets.toml`; `·` = within budget).",
+             "",
+             f"**{n_caught}/{n_faults} faults caught; {verdict['false_alarms']} false alarms** in "
+             + ", ".join(f"{n} runs of `{be}`" for be, n in verdict["correct_runs"].items())
+             + f" ({verdict['seeds']} seeds per case{', --quick' if verdict['quick'] else ''}) "
+             f"on {meta['machine']}.",
+             "",
+             "| fault | bug class (NUMERICS.md §10) | op | verdict | " + " | ".join(
+                 f"`{m}` ({_limit_text(budgets, m)})" for m in cols) + " |",
+             "|---|---|---|---|" + "---:|" * len(cols)]
+    for res in results.values():
+        worst = res.worst()
+        ops = ", ".join(OP_LABELS.get(o, o) for o in res.fault.ops)
+        lines.append(f"| `{res.fault.name}` | {res.fault.bug_class} | {ops} | {_status(res)} | "
+                     + " | ".join(f"**{_val(worst[m]['value'])}**" if m in worst else "·" for m in cols)
+                     + " |")
+    skipped = [r for r in results.values() if r.skipped]
+    if skipped:
+        lines.append("")
+        lines += [f"- `{r.fault.name}` not run here: {r.skipped}." for r in skipped]
+    lines += ["", "Regenerate with `make readme-matrix`."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, results, correct_rows, verdict, meta, md, budgets) -> None:
+    """The usual report files (report.json/.md/.html, junit.xml, metrics.csv) over every run,
+    plus selftest.md and selftest.json. A fault run passes when a budget catches it."""
+    from . import report
+    rows = []
+    for res in results.values():
+        for r in res.rows:
+            rr = dict(r)
+            rr["case"] = f"{r['selftest_case']} [seed {r['seed']}] x {res.fault.name}"
+            rr["description"] = f"fault {res.fault.name}: {res.fault.description}"
+            caught = bool(r["violations"])
+            rr["ok"] = caught
+            rr["status"] = "pass" if caught else "fail"
+            rr["reason"] = ("caught by " + ", ".join(sorted({v['metric'] for v in r["violations"]}))
+                            if caught else "NOT caught: no budget broke")
+            rows.append(rr)
+    for r in correct_rows:
+        rr = dict(r)
+        rr["case"] = f"{r['selftest_case']} [seed {r['seed']}] on {r['backend']}"
+        alarm = _alarm(r)
+        rr["ok"] = not alarm
+        rr["status"] = "skipped" if r["outcome"] == "skipped" else (
+            ("error" if r["outcome"] == "error" else "fail") if alarm else "pass")
+        if r["violations"] and not rr.get("reason"):
+            rr["reason"] = "; ".join(f"{v['metric']} {v['why']}" for v in r["violations"][:3])
+        rows.append(rr)
+    df = report.frame(rows)
+    meta = dict(meta, budgets=budgets.as_dict(), selftest=verdict)
+    report.write_all(df, meta, out)
+    (out / "selftest.md").write_text(md)
+    (out / "selftest.json").write_text(json.dumps(verdict, indent=1, default=str) + "\n")
