@@ -62,6 +62,11 @@ study: $(ENV_STAMP)
 clean:
 	rm -rf $(VENV) .mxval-env-system build *.egg-info
 
+# The fault x metric matrix of the selftest, spliced into README.md.
+readme-matrix: $(ENV_STAMP)
+	$(MXVAL) selftest --report-dir reports/selftest --markdown docs/selftest-matrix.md
+	$(PY) tools/splice_readme.py matrix docs/selftest-matrix.md
+
 readme-study: $(ENV_STAMP)
 	$(MXVAL) study --report-dir reports/study --readme docs/study-summary.md
 	$(PY) tools/splice_readme.py study docs/study-summary.md
