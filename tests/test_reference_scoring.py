@@ -1,0 +1,171 @@
+"""Paged scoring (NUMERICS.md §6) against dense and exact oracles, the exact-fp32 fast
+core's proof conditions, block tables, row ends, and top-k rules."""
+from fractions import Fraction
+
+import pytest
+import torch
+
+import reference
+from reference import layout, mxfp4, scoring
+
+H, D, PS = 4, 128, 64
+SHUF = [32, 16, 2]
+
+
+def rand_entries(gen, n, lo=118, hi=124, h=None):
+    shape = (n,) if h is None else (n, h)
+    packed = torch.randint(0, 256, (*shape, D // 2), dtype=torch.uint8, generator=gen)
+    scales = (torch.randint(lo, hi, (*shape, 1), generator=gen)
+              + torch.randint(0, 2, (*shape, D // 32), generator=gen)).to(torch.uint8)
+    return packed, scales
+
+
+def paged_case(gen, lens=(150, 64, 3), rows=(2, 1, 3), pages=12, shuffle=SHUF, stride=4352):
+    """Sequences with permuted block tables over a shared pool; row ends inside each context."""
+    pool = torch.randint(0, 256, (pages, stride), dtype=torch.uint8, generator=gen)
+    perm = torch.randperm(pages, generator=gen)
+    max_pages = max(-(-n // PS) for n in lens)
+    table = torch.zeros(len(lens), max_pages, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        np_ = -(-n // PS)
+        table[b, :np_] = perm[used:used + np_]
+        used += np_
+        packed, scales = rand_entries(gen, n)
+        slots = scoring.entry_slots(table[b], n, PS)
+        pool = layout.write_entries(pool, slots, packed, scales, page_size=PS, shuffle=shuffle)
+    q_fp4, q_scale = rand_entries(gen, sum(rows), h=H)
+    qsl = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+    row_ends = torch.cat([torch.randint(1, n + 1, (r,), generator=gen) for n, r in zip(lens, rows)]).int()
+    row_ends[0] = lens[0]
+    return dict(q_fp4=q_fp4, q_scale=q_scale, weights=torch.randn(sum(rows), H, generator=gen), kv_cache=pool,
+                query_start_loc=qsl, context_lens=torch.tensor(lens, dtype=torch.int32), block_table=table,
+                row_ends=row_ends, page_size=PS, shuffle=shuffle)
+
+
+def dense_loop(kw):
+    """fp64, one row and one entry at a time, keys found by the slot formula."""
+    q = mxfp4.dequantize_mxfp4(kw["q_fp4"], kw["q_scale"], torch.float64)
+    width = kw["block_table"].shape[1] * PS
+    out = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float64)
+    qsl = kw["query_start_loc"].tolist()
+    for b in range(len(qsl) - 1):
+        for r in range(qsl[b], qsl[b + 1]):
+            for j in range(int(kw["row_ends"][r])):
+                slot = int(kw["block_table"][b, j // PS]) * PS + j % PS
+                p, s = layout.read_entries(kw["kv_cache"], torch.tensor([slot]), page_size=PS, head_dim=D,
+                                           shuffle=kw["shuffle"])
+                k = mxfp4.dequantize_mxfp4(p, s, torch.float64)[0]
+                out[r, j] = float((kw["weights"][r].double() * (q[r] @ k).clamp_min(0)).sum())
+    return out
+
+
+@pytest.mark.parametrize("shuffle", [SHUF, None])
+def test_paged_logits_match_dense_loop(gen, shuffle):
+    kw = paged_case(gen, shuffle=shuffle)
+    got = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    want = dense_loop(kw)
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), fin)                 # row_ends mask, -inf past it
+    assert torch.allclose(got[fin], want[fin], rtol=1e-14, atol=0)
+    f32 = reference.paged_mxfp4_mqa_logits(**kw)["logits"]
+    assert f32.dtype == torch.float32 and torch.equal(f32, got.float())
+
+
+def test_block_table_permutation_and_pool_placement_do_not_matter(gen):
+    kw = paged_case(gen)
+    base = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    perm = torch.randperm(kw["kv_cache"].shape[0], generator=gen)       # page p moves to perm[p]
+    pool = torch.empty_like(kw["kv_cache"])
+    pool[perm] = kw["kv_cache"]
+    moved = dict(kw, kv_cache=pool, block_table=perm[kw["block_table"].long()].int())
+    assert torch.equal(scoring.paged_mxfp4_mqa_logits_fp64(**moved), base)
+    # teeth: the same pool read through a table with two pages swapped gives other scores
+    swapped = kw["block_table"].clone()
+    swapped[0, :2] = swapped[0, :2].flip(0)
+    assert not torch.equal(scoring.paged_mxfp4_mqa_logits_fp64(**dict(kw, block_table=swapped)), base)
+
+
+def exact_logit(q64, k64, w):
+    """Exact rational value of sum_h w_h relu(q_h . k)."""
+    total = Fraction(0)
+    for h in range(q64.shape[0]):
+        dot = sum((Fraction(a) * Fraction(b) for a, b in zip(q64[h].tolist(), k64.tolist())), Fraction(0))
+        total += Fraction(float(w[h])) * max(dot, Fraction(0))
+    return total
+
+
+def test_fp64_accuracy_claim_and_exact_fp32_columns(gen):
+    kq, sq = rand_entries(gen, 3, h=H)
+    kk, sk = rand_entries(gen, 24)
+    sk[8:16, 0] = 100                     # a wide block-exponent spread: not provably exact in fp32
+    sk[16:20] = 1                         # tiny blocks, subnormal fp32 products
+    kk[20:24, :16] = 0                    # dead first block with an extreme scale byte
+    sk[20:24, 0] = 254
+    w = torch.randn(3, H, generator=gen)
+    fast = scoring.exact_f32_columns(kq, sq, kk, sk)
+    assert fast[:8].all() and not fast[8:20].any() and fast[20:].all()
+    got = scoring.mxfp4_relu_logits(kq, sq, kk, sk, w)
+    q64 = mxfp4.dequantize_mxfp4(kq, sq, torch.float64)
+    k64 = mxfp4.dequantize_mxfp4(kk, sk, torch.float64)
+    for r in range(3):
+        for j in range(24):
+            ex = exact_logit(q64[r], k64[j], w[r])
+            bound = sum(abs(float(w[r, h])) * max(float(q64[r, h] @ k64[j]), 0.0) for h in range(H)) * 2.0 ** -50
+            assert abs(Fraction(float(got[r, j])) - ex) <= Fraction(bound) + Fraction(2) ** -1074, (r, j)
+    # the fp32 dots of the flagged columns are exact; a flagged-wide column is not (teeth)
+    q32 = scoring.dequantize_mxfp4_f32(kq, sq).double()
+    k32 = scoring.dequantize_mxfp4_f32(kk, sk).double()
+    f32_dots = (scoring.dequantize_mxfp4_f32(kq, sq) @ scoring.dequantize_mxfp4_f32(kk, sk).T).double()
+    exact_dots = q64 @ k64.T
+    assert torch.equal(f32_dots[..., fast], exact_dots[..., fast])
+    assert not torch.equal(f32_dots[..., 8:16], exact_dots[..., 8:16])
+    assert torch.equal(q32, q64) and torch.equal(k32[:16], k64[:16])
+
+
+def test_fast_core_equals_plain_fp64_core(gen):
+    kq, sq = rand_entries(gen, 5, h=H)
+    kk, sk = rand_entries(gen, 3000, lo=110, hi=126)
+    sk[::7, 2] = 90
+    kk[::11] = 0
+    w = torch.randn(5, H, generator=gen)
+    fast = scoring.mxfp4_relu_logits(kq, sq, kk, sk, w)
+    plain = scoring.weighted_relu_logits(mxfp4.dequantize_mxfp4(kq, sq, torch.float64),
+                                         mxfp4.dequantize_mxfp4(kk, sk, torch.float64), w)
+    assert torch.allclose(fast, plain, rtol=1e-15, atol=1e-300)
+    # NaN scale bytes give NaN scores on both paths, never a number
+    sk[5, 1] = 255
+    assert torch.isnan(scoring.mxfp4_relu_logits(kq, sq, kk, sk, w)[:, 5]).all()
+    sq[0, 0, 0] = 255
+    assert torch.isnan(scoring.mxfp4_relu_logits(kq, sq, kk, sk, w)[0]).all()
+
+
+# --- top-k -----------------------------------------------------------------------------
+
+def test_topk_short_rows_in_order_then_minus_one():
+    logits = torch.randn(3, 10)
+    out = reference.topk(logits=logits, lengths=torch.tensor([0, 3, 4]), k=4)["indices"]
+    assert out.dtype == torch.int32
+    assert out.tolist() == [[-1, -1, -1, -1], [0, 1, 2, -1], [0, 1, 2, 3]]
+
+
+def test_topk_long_rows_are_the_best_set_within_length(gen):
+    logits = torch.randn(4, 300, generator=gen)
+    logits[:, 250:] = 100.0                       # past each row's length: must never be chosen
+    lengths = torch.tensor([250, 120, 9, 250])
+    out = reference.topk(logits=logits, lengths=lengths, k=8)["indices"]
+    for r in range(4):
+        n = int(lengths[r])
+        want = set(logits[r, :n].topk(8).indices.tolist())
+        assert set(out[r].tolist()) == want and len(set(out[r].tolist())) == 8
+    # width < k: every row is short
+    out = reference.topk(logits=torch.randn(2, 5), lengths=torch.tensor([5, 2]), k=16)["indices"]
+    assert out.tolist() == [[0, 1, 2, 3, 4] + [-1] * 11, [0, 1] + [-1] * 14]
+
+
+def test_topk_rejects_nan_in_valid_region():
+    logits = torch.randn(2, 6)
+    logits[1, 5] = float("nan")
+    reference.topk(logits=logits, lengths=torch.tensor([6, 5]), k=2)          # NaN past the end: fine
+    with pytest.raises(reference.NonFiniteInput, match="logits"):
+        reference.topk(logits=logits, lengths=torch.tensor([6, 6]), k=2)
