@@ -198,7 +198,7 @@ def _compare_mxfp4(av, ev, asc, esc, bv=None, bsc=None) -> _EntryDiff:
     if bv is not None:
         nw = em & (av == bv).all(1) & (asc == bsc).all(1)
     else:
-        nw = torch.zeros(n, dtype=torch.bool)
+        nw = torch.zeros(n, dtype=torch.bool, device=av.device)
     il = sm.any(1) & (asc.sort(1).values == esc.sort(1).values).all(1) & ~nw
     k = asc.long() - esc.long()
     # per block: are the codes equal, or consistent with the actual scale?
@@ -329,11 +329,11 @@ def diff_pages(actual: torch.Tensor, expected: torch.Tensor, before: Optional[to
     if before is not None:
         _check_pool("before", before, expected)
     op = op or ("k_norm_rope_mxfp4_cache" if fmt == "mxfp4" else "k_norm_rope_fp8_cache")
-    cpu = torch.device("cpu")
-    actual, expected = actual.to(cpu), expected.to(cpu)
-    before = before.to(cpu) if before is not None else None
+    dev = expected.device            # a pool of GiBs is compared where it lives
+    actual = actual.to(dev)
+    before = before.to(dev) if before is not None else None
     stride = expected.shape[1]
-    slots = torch.unique(written_slots.to(cpu).long())
+    slots = torch.unique(written_slots.to(dev).long())
     slots = slots[slots >= 0]
     shuffle = layout.as_shuffle(shuffle) if fmt == "mxfp4" else None
     if fmt == "mxfp4":
@@ -342,7 +342,7 @@ def diff_pages(actual: torch.Tensor, expected: torch.Tensor, before: Optional[to
         vo, so = _fp8_offsets(slots, page_size, head_dim, stride)
     fa, fe = actual.reshape(-1), expected.reshape(-1)
     fb = before.reshape(-1) if before is not None else None
-    owned = torch.zeros(fa.numel(), dtype=torch.bool)
+    owned = torch.zeros(fa.numel(), dtype=torch.bool, device=dev)
     owned[vo.flatten()] = True
     owned[so.flatten()] = True
     av, ev, asc, esc = fa[vo], fe[vo], fa[so], fe[so]
@@ -372,7 +372,7 @@ def diff_pages(actual: torch.Tensor, expected: torch.Tensor, before: Optional[to
                                torch.where(k_ == 1, so[i_, p_.clamp(max=so.shape[1] - 1)], vo[i_, 0]))
         keys = torch.cat((unit_off * 4 + k_, outside * 4 + 3))
     else:
-        unit_off = torch.zeros(0, dtype=torch.long)
+        unit_off = torch.zeros(0, dtype=torch.long, device=dev)
         keys = outside * 4 + 3
     for j in keys.argsort()[:MAX_FINDINGS].tolist():
         if j < n_units:
@@ -421,7 +421,8 @@ def _compare_fp8(av, ev, asc, esc, bv, bsc, fp8_dtype):
     n = av.shape[0]
     vm, sm = av != ev, asc != esc
     em = vm.any(1) | sm.any(1)
-    nw = em & (av == bv).all(1) & (asc == bsc).all(1) if bv is not None else torch.zeros(n, dtype=torch.bool)
+    nw = em & (av == bv).all(1) & (asc == bsc).all(1) if bv is not None else \
+        torch.zeros(n, dtype=torch.bool, device=av.device)
     sa = asc.contiguous().view(torch.float32).reshape(n).double()
     se = esc.contiguous().view(torch.float32).reshape(n).double()
     ratio = sa / se
@@ -786,8 +787,9 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
 
 def _writer_slots(inputs: dict, scalars: dict) -> torch.Tensor:
     from reference.k_writer import writer_mask
-    sel = writer_mask(inputs["positions"].cpu(), inputs["slot_mapping"].cpu(), scalars["compress_ratio"])
-    return inputs["slot_mapping"].cpu()[sel]
+    sel = writer_mask(inputs["positions"], inputs["slot_mapping"].to(inputs["positions"].device),
+                      scalars["compress_ratio"])
+    return inputs["slot_mapping"].to(sel.device)[sel]
 
 
 def _shape_report(op: str, actual: dict, expected: dict) -> Optional[DiffReport]:
