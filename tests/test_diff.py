@@ -428,3 +428,47 @@ def test_diff_op_missing_or_misshapen_output(layer):
     act = {"q_fp4": rec.outputs["q_fp4"], "q_scale": rec.outputs["q_scale"][:1]}
     rep = diff_op(rec.op, rec.inputs, rec.scalars, act, rec.outputs)
     assert rep.metrics["outputs_missing"] == 1 and rep.metrics["outputs_bad_shape"] == 1 and not rep.ok({})
+
+
+# --- on a GPU: the same findings where the pool lives, and offsets past 2 GiB ------------------
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA/ROCm device")
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+def test_pages_on_gpu_match_cpu(kw):
+    dev = _cuda()
+    r, slots, vo, so = kw
+    act = r.outputs["kv_cache"].clone()
+    act.view(-1)[vo[50, 37]] ^= 0x77
+    act.view(-1)[so[20, 3]] += 1
+    act.view(-1)[5] ^= 1
+    cpu = _pages(r, act, slots)
+    gpu = diff_pages(act.to(dev), r.outputs["kv_cache"].to(dev), r.inputs["kv_cache"].to(dev), page_size=PS,
+                     head_dim=D, shuffle=SHUF, written_slots=slots.to(dev))
+    assert gpu.metrics == cpu.metrics and gpu.findings == cpu.findings
+
+
+@pytest.mark.gpu
+def test_pages_past_2gib_localized():
+    """A pool over 2 GiB: a byte past offset 2**31 is found at the right page and entry."""
+    dev = _cuda()
+    stride = PS * 68
+    pages = (2 ** 31) // stride + 8
+    before = torch.zeros(pages, stride, dtype=torch.uint8, device=dev)
+    slots = torch.arange((pages - 2) * PS, pages * PS, device=dev)       # the last two pages
+    packed = torch.randint(0, 256, (slots.numel(), 64), dtype=torch.uint8, device=dev)
+    scales = torch.randint(120, 130, (slots.numel(), 4), dtype=torch.uint8, device=dev)
+    expected = layout.write_entries(before, slots, packed, scales, page_size=PS, shuffle=SHUF)
+    actual = expected.clone()
+    vo, _ = layout.slot_byte_offsets(slots[70:71], PS, D, SHUF, stride)
+    off = int(vo[0, 11])
+    assert off > 2 ** 31
+    actual.view(-1)[off] ^= 0xFF
+    rep = diff_pages(actual, expected, before, page_size=PS, head_dim=D, shuffle=SHUF, written_slots=slots)
+    f = rep.findings[0]
+    assert rep.metrics["page_bytes_mismatched"] == 1 and f["offset"] == off
+    assert (f["page"], f["entry"], f["byte"]) == (pages - 1, 70 - PS, 11)
