@@ -335,6 +335,9 @@ def diff_pages(actual: torch.Tensor, expected: torch.Tensor, before: Optional[to
     stride = expected.shape[1]
     slots = torch.unique(written_slots.to(dev).long())
     slots = slots[slots >= 0]
+    if slots.numel() and int(slots[-1]) >= expected.shape[0] * page_size:
+        raise ValueError(f"written_slots: slot {int(slots[-1])} is past the pool's "
+                         f"{expected.shape[0] * page_size} slots")
     shuffle = layout.as_shuffle(shuffle) if fmt == "mxfp4" else None
     if fmt == "mxfp4":
         vo, so = layout.slot_byte_offsets(slots, page_size, head_dim, shuffle, stride)
