@@ -109,7 +109,7 @@ class Budgets:
         """Every exceeded limit: {metric, value, limit, why}."""
         from .diff import ALWAYS_FAIL
         out = []
-        for key, value in sorted(metrics.items()):
+        for key, value in sorted(metrics.items(), key=lambda kv: (kv[0].startswith(CHAIN_PREFIX + "."), kv[0])):
             lim = self.limit(key, suite, case)
             if lim is None and key.partition(".")[2] in ALWAYS_FAIL:
                 lim = Limit(max=0.0)     # non-finite or missing outputs: never a silent pass

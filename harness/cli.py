@@ -191,11 +191,11 @@ def cmd_dump(args) -> int:
 # --- cases, backends, report -------------------------------------------------------------------
 
 def cmd_cases(args) -> int:
-    from rich.console import Console
     from rich.table import Table
     from .cases import Catalog
+    from .report import wide_console
     catalog = Catalog(args.cases_dir)
-    con = Console()
+    con = wide_console()
     for name, s in catalog.suites.items():
         if args.suite and name != args.suite:
             continue
@@ -215,7 +215,6 @@ def cmd_cases(args) -> int:
 
 
 def cmd_backends(args) -> int:
-    from rich.console import Console
     from rich.table import Table
     import optimized
     if args.faults:
@@ -235,7 +234,8 @@ def cmd_backends(args) -> int:
         why = be.available()
         t.add_row(name, "[red]unavailable[/]" if why else "[green]available[/]", str(be.device),
                   why or be.description)
-    Console().print(t)
+    from .report import wide_console
+    wide_console().print(t)
     return EXIT_OK
 
 

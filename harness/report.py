@@ -134,13 +134,17 @@ def load(report_dir) -> tuple[pd.DataFrame, dict]:
 
 # --- console ---------------------------------------------------------------------------------
 
+def wide_console():
+    """A terminal's own width; logs and CI get 170 columns instead of 80 folded ones."""
+    from rich.console import Console
+    c = Console()
+    return c if c.is_terminal else Console(width=170)
+
+
 def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
-    if console is None:    # logs and CI get a wide table instead of 80 folded columns
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=170)
+    console = console or wide_console()
     t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}",
               show_lines=False)
     for col in ("case", "status", *[h for h, _, _ in HEADLINE], "chain≠", "s", "reason"):

@@ -1,0 +1,93 @@
+"""Budgets: directions, scopes, the chain's own budget, strict files, and verdicts."""
+import math
+
+import pytest
+
+from harness import budgets as B
+from harness.cases import Catalog
+from harness.diff import ALWAYS_FAIL
+from harness.runner import run_case
+
+
+def write(tmp_path, text):
+    p = tmp_path / "b.toml"
+    p.write_text(text)
+    return B.load(p)
+
+
+def test_default_file_is_the_exact_contract_and_names_real_metrics():
+    b = B.load()
+    lim = lambda k: b.limit(k, "default", "x")  # noqa: E731
+    assert lim("k_norm_rope_mxfp4_cache.page_bytes_mismatched").max == 0
+    assert lim("compress_pool.pooled_max_ulp").max == 1
+    assert lim("paged_mxfp4_mqa_logits.logits_diff").max == 1e-12
+    assert lim("topk.topk_below_threshold").max == 0
+    # every [default] key is a metric some stage really emits (a typo would check nothing)
+    row = run_case(Catalog().case("smoke-clean-logits"), "reference")
+    emitted = {k.partition(".")[2] for k in row["metrics"]} | {k for k in row["metrics"] if k.startswith("chain.")}
+    rare = set(ALWAYS_FAIL) | {"op_unsupported"}
+    assert set(b.default) - emitted - rare == set()
+
+
+def test_directions_off_and_nan(tmp_path):
+    b = write(tmp_path, '[default]\nlogits_diff = 1e-12\ntopk_recall_min = 0.9\n'
+                        'page_dequant_max_rel_err = {max = 0.5, min = 0.1}\n[case.c]\nlogits_diff = "off"\n')
+    assert b.check({"s.logits_diff": 2e-12}, "s", "x")[0]["metric"] == "s.logits_diff"
+    assert b.check({"s.logits_diff": 1e-12}, "s", "x") == []
+    assert b.check({"s.logits_diff": 1.0}, "s", "c") == []                  # off in case c
+    assert b.check({"topk.topk_recall_min": 0.8}, "s", "x")[0]["why"] == "0.8 < 0.9"
+    assert b.check({"topk.topk_recall_min": 1.0}, "s", "x") == []
+    assert len(b.check({"k.page_dequant_max_rel_err": 0.05}, "s", "x")) == 1
+    assert b.check({"s.logits_diff": math.nan}, "s", "x")[0]["why"] == "is NaN"
+
+
+def test_scopes_and_chain_keys(tmp_path):
+    b = write(tmp_path, '[default]\npage_bytes_mismatched = 0\n"chain.page_bytes_mismatched_frac" = 1e-3\n'
+                        '[suite.full]\npage_bytes_mismatched = 5\n[case.c]\n"k_norm_rope_mxfp4_cache.page_bytes_mismatched" = 7\n')
+    k = "k_norm_rope_mxfp4_cache.page_bytes_mismatched"
+    assert b.limit(k, "default", "x").max == 0
+    assert b.limit(k, "full", "x").max == 5
+    assert b.limit(k, "full", "c").max == 7
+    assert b.limit("chain.page_bytes_mismatched", "default", "x") is None     # bare names skip the chain
+    assert b.limit("chain.page_bytes_mismatched_frac", "default", "x").max == 1e-3
+    assert b.unused([k], "full", ["c"]) == []
+    assert b.unused(["q.page_bytes_mismatched"], "full", ["c"]) == [k]
+    b2 = write(tmp_path, '[suite.s]\npage_bytes_mismatchd = 0\n')
+    assert b2.unused(["k.page_bytes_mismatched"], "s", []) == ["page_bytes_mismatchd"]
+
+
+def test_always_fail_metrics_need_no_budget(tmp_path):
+    b = write(tmp_path, "[default]\n")
+    assert b.check({"compress_pool.pooled_nonfinite": 1}, "s", "x")
+    assert b.check({"compress_pool.pooled_nonfinite": 0}, "s", "x") == []
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[default]\nx = true\n", "x"), ("[default]\nx = {maximum = 1}\n", "x"),
+    ("[suite]\nx = 1\n", "suite"), ("oops = 1\n", "unknown top-level"), ("[default\n", "malformed"),
+])
+def test_malformed_files(tmp_path, text, needle):
+    with pytest.raises(B.BudgetError) as e:
+        write(tmp_path, text)
+    assert "b.toml" in str(e.value) and needle in str(e.value)
+
+
+def _row(**kw):
+    return {"case": "c", "outcome": "ok", "reason": "", "metrics": {}, "expect_nonfinite": False, **kw}
+
+
+def test_verdicts():
+    b = B.load()
+    assert B.verdict(_row(), b, "s")["status"] == "pass"
+    v = B.verdict(_row(metrics={"k_norm_rope_mxfp4_cache.page_bytes_mismatched": 3}), b, "s")
+    assert (v["status"], v["ok"]) == ("fail", False) and "page_bytes_mismatched 3 > 0" in v["reason"]
+    assert B.verdict(_row(outcome="error", reason="boom"), b, "s")["ok"] is False
+    assert B.verdict(_row(outcome="skipped"), b, "s")["ok"] is True
+    # non-finite inputs: their own class; ok only when the case declares it
+    v = B.verdict(_row(outcome="nonfinite_input", reason="q: 1 non-finite"), b, "s")
+    assert (v["status"], v["ok"]) == ("nonfinite_input", False)
+    v = B.verdict(_row(outcome="nonfinite_input", expect_nonfinite=True), b, "s")
+    assert (v["status"], v["ok"]) == ("nonfinite_input", True)
+    # a case that planted non-finites but saw none fails: the harness missed them
+    v = B.verdict(_row(expect_nonfinite=True, planted=["q[0] = nan"]), b, "s")
+    assert (v["status"], v["ok"]) == ("fail", False)

@@ -1,0 +1,138 @@
+"""Case files and generated inputs: strict parsing, the spec's edge cases present in the
+suites, and inputs that exercise what they claim to."""
+import pytest
+import torch
+
+import reference
+from harness.cases import Catalog, CaseError, SeqSpec
+from harness.inputs import build, geometry
+from reference import layout
+from reference.checks import NonFiniteInput
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return Catalog()
+
+
+def test_repo_suites_load_and_every_case_has_a_valid_geometry(catalog):
+    assert {"smoke", "default", "full"} <= set(catalog.suites)
+    default = {c.name for c in catalog.suite_cases("default")}
+    assert {c.name for c in catalog.suite_cases("smoke")} <= default
+    assert default <= {c.name for c in catalog.suite_cases("full")}
+    for c in catalog.by_name.values():
+        geometry(c)
+    assert all(c.requires == "gpu" for c in catalog.suites["full"].cases)
+
+
+def test_seq_steps_and_history():
+    s = SeqSpec(40, (8, 12), 3)
+    assert s.history == 17
+    assert s.steps() == [(17, 25), (25, 37), (37, 38), (38, 39), (39, 40)]
+
+
+@pytest.mark.parametrize("body, needle", [
+    ('name = "c"\nheds = 4', "heds"),
+    ('name = "c"\nseqs = [{len = 4, chunks = [5]}]', "exceed len"),
+    ('name = "c"\ndist = ["gaussian"]', "gaussian"),
+    ('name = "c"\nops = ["k_norm_rope_mxfp4_cache", "q_rope_fp8_quant"]', "mix"),
+    ('name = "c"\nplant = [{tensor = "q", value = "nan"}]\nexpect_nonfinite = "yes"', "expect_nonfinite"),
+    ('name = "c"\nexpect_nonfinite = true', "plant"),
+    ('name = "c"\nlayout = "zigzag"', "layout"),
+])
+def test_bad_case_is_one_error_naming_file_and_case(tmp_path, body, needle):
+    (tmp_path / "s.toml").write_text(f'[suite]\nname = "s"\n[[case]]\n{body}\n')
+    with pytest.raises(CaseError) as e:
+        Catalog(tmp_path)
+    assert "s.toml" in str(e.value) and needle in str(e.value)
+
+
+def test_layout_must_fit_page_size(tmp_path):
+    (tmp_path / "s.toml").write_text('[[case]]\nname = "c"\npage_size = 40\nlayout = [32, 16, 2]\n')
+    with pytest.raises(CaseError, match="multiple of the shuffle group"):
+        geometry(Catalog(tmp_path).case("c"))
+
+
+def _writers(t, r):
+    return t.slot_mapping[((t.positions + 1) % r == 0) & (t.slot_mapping >= 0)]
+
+
+def test_inputs_are_deterministic_and_consistent(catalog):
+    c = catalog.case("smoke-chunks-shuffled")
+    a, b = build(c), build(c)
+    assert torch.equal(a.state_cache, b.state_cache) and torch.equal(a.kv_cache, b.kv_cache)
+    assert torch.equal(a.steps[0].q.view(torch.int16), b.steps[0].q.view(torch.int16))
+    g = a.geo
+    for t in [a.history, *a.steps]:
+        boundary = (t.positions + 1) % g.ratio == 0
+        assert bool((t.slot_mapping[~boundary] == -1).all())
+        assert bool((t.slot_mapping[boundary] >= 0).all())
+        assert torch.equal(t.row_ends.long(), (t.positions + 1) // g.ratio)
+        # slots follow the block table: entry j of sequence b lives in table[b, j // ps]
+        j = t.positions[boundary] // g.ratio
+        pages = a.k_block_table[t.req_index[boundary], j // g.page_size]
+        assert torch.equal(t.slot_mapping[boundary], pages.long() * g.page_size + j % g.page_size)
+    # the block table is permuted, pool bytes are random (so untouched-byte checks bite)
+    perm = build(catalog.case("batch-mixed")).k_block_table
+    used = torch.cat([perm[0, :2], perm[1:, 0]])
+    assert not torch.equal(used.sort().values, used)
+    assert a.kv_cache.float().std() > 50
+    assert a.kv_cache.shape[1] == layout.page_bytes(g.page_size, 128) + 64
+
+
+def test_the_suites_hold_the_spec_edge_cases(catalog):
+    """Boundary tokens at chunk edges, j = 0, row ends of exactly k and k+1, entries
+    straddling a 32-entry shuffle group, padded strides: each in some smoke case."""
+    seen = set()
+    for c in catalog.suite_cases("smoke"):
+        inp = build(c)
+        g = inp.geo
+        if c.page_stride_pad:
+            seen.add("padded stride")
+        for t in inp.steps:
+            ends = t.row_ends.long()
+            if bool((ends == g.topk).any()) and bool((ends == g.topk + 1).any()):
+                seen.add("row ends k and k+1")
+            if bool((t.positions[_writers_mask(t, g)] == g.ratio - 1).any()):
+                seen.add("j = 0")
+            qsl = t.query_start_loc.long()
+            for b in range(len(t.seqs)):
+                first, last = t.positions[qsl[b]], t.positions[qsl[b + 1] - 1]
+                if (last + 1) % g.ratio == 0 and first > 0 and first % g.ratio == 0:
+                    seen.add("boundary tokens at chunk edges")
+            if g.shuffle and g.shuffle[0] == 32:
+                e = _writers(t, g.ratio) % g.page_size
+                if bool((e == 31).any()) and bool((e == 32).any()):
+                    seen.add("straddles a 32-entry group")
+    assert seen == {"padded stride", "row ends k and k+1", "j = 0", "boundary tokens at chunk edges",
+                    "straddles a 32-entry group"}
+
+
+def _writers_mask(t, g):
+    return ((t.positions + 1) % g.ratio == 0) & (t.slot_mapping >= 0)
+
+
+def test_edge_value_distribution_reaches_the_quantizer(catalog):
+    inp = build(catalog.case("smoke-edge-values"))
+    q = inp.steps[0].q.float()
+    assert bool((torch.signbit(q) & (q == 0)).any()), "-0.0 planted"
+    assert bool(((q.abs() > 0) & (q.abs() < 2.0 ** -126)).any()), "subnormals planted"
+    blocks = q[..., :32].reshape(-1, 32)
+    amax = blocks.abs().amax(-1)
+    mant = amax / torch.exp2(torch.floor(torch.log2(amax.clamp_min(1e-30))) - 2)
+    assert bool((mant == 6.0).any()), "block amax at 6 * 2**k"
+    y = blocks / (amax / 6.0)[:, None]
+    assert bool(((y.abs() == 2.5) | (y.abs() == 0.25)).any()), "e2m1 midpoints"
+
+
+def test_planted_nonfinite_lands_where_the_first_step_reads(catalog):
+    for name, op in (("smoke-nan-state", "compress_pool"), ("smoke-inf-q", "q_rope_mxfp4_quant")):
+        inp = build(catalog.case(name))
+        assert inp.planted
+        t = inp.steps[0]
+        args = (dict(state_cache=inp.state_cache, block_table=inp.state_block_table, positions=t.positions,
+                     req_index=t.req_index, kv_slot_mapping=t.slot_mapping)
+                if op == "compress_pool" else
+                dict(q=t.q, positions=t.positions, cos_sin_cache=inp.cos_sin_cache, weights=t.weights))
+        with pytest.raises(NonFiniteInput):
+            reference.OPS[op](**args, **inp.scalars(op))

@@ -1,0 +1,232 @@
+"""`mxval` end to end: dumps written by `mxval dump`, replayed by `mxval diff`, with one
+flipped byte, a truncated file and a wrong dtype; budgets that pass and fail; usage errors;
+a broken backend through `validate`; report re-rendering."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import reference
+from harness.cli import main
+from optimized import Backend, register
+from reference import layout
+from reference.k_writer import writer_mask
+
+ROOT = Path(__file__).resolve().parent.parent
+CASE = "smoke-rowend-k"
+KW = "k_norm_rope_mxfp4_cache"
+
+
+def mxval(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(err: str, *needles):
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("mxval: ") and "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def dump_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dump")
+    path = d / "step.safetensors"
+    assert main(["dump", "--case", CASE, "--backend", "reference", "-o", str(path)]) == 0
+    return path
+
+
+def load(path):
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def cases_of(report_dir):
+    return {c["case"]: c for c in json.loads((Path(report_dir) / "report.json").read_text())["cases"]}
+
+
+def flip_one_byte(src, dst, byte=5):
+    """Flip the high nibble of value byte `byte` of the first written entry of the K
+    writer's recorded output; return (page, entry)."""
+    t, meta = load(src)
+    sc = json.loads(meta["mxval"])["ops"][KW]
+    pos, slots = t[f"{KW}/in/positions"], t[f"{KW}/in/slot_mapping"]
+    slot = int(slots[writer_mask(pos, slots, sc["compress_ratio"])][0])
+    page, entry = divmod(slot, sc["page_size"])
+    off = layout.value_offsets(torch.tensor(entry), sc["page_size"], 128, sc["shuffle"])[byte]
+    pool = t[f"{KW}/out/kv_cache"].clone()
+    pool[page, off] ^= 0x10
+    t[f"{KW}/out/kv_cache"] = pool
+    save_file(t, str(dst), metadata=meta)
+    return page, entry
+
+
+def test_dump_then_diff_is_exact(dump_file, tmp_path, capsys):
+    t, meta = load(dump_file)
+    ops = set(json.loads(meta["mxval"])["ops"])
+    assert ops == {"compress_pool", KW, "q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"}
+    rc, out, err = mxval(capsys, "diff", dump_file, "--report-dir", tmp_path / "r", "-q")
+    assert rc == 0, out + err
+    row = cases_of(tmp_path / "r")[dump_file.name]
+    assert row["status"] == "pass" and row["metrics"][f"{KW}.page_bytes_mismatched"] == 0
+
+
+def test_flipped_byte_found_and_localized(dump_file, tmp_path, capsys):
+    bad = tmp_path / "flipped.safetensors"
+    page, entry = flip_one_byte(dump_file, bad)
+    rc, out, err = mxval(capsys, "diff", bad, "--report-dir", tmp_path / "r", "-q")
+    assert rc == 1
+    row = cases_of(tmp_path / "r")[bad.name]
+    assert row["status"] == "fail"
+    assert row["metrics"][f"{KW}.page_bytes_mismatched"] == 1
+    assert [v["metric"] for v in row["violations"]] == [f"{KW}.page_bytes_mismatched"]
+    f = [x for x in row["findings"] if x["stage"] == KW]
+    assert len(f) == 1 and (f[0]["page"], f[0]["entry"], f[0]["byte"]) == (page, entry, 5)
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert f"page {page} entry {entry}" in md
+    junit = (tmp_path / "r" / "junit.xml").read_text()
+    assert "<failure" in junit
+
+
+def test_budgets_that_pass_and_fail(dump_file, tmp_path, capsys):
+    bad = tmp_path / "flipped.safetensors"
+    flip_one_byte(dump_file, bad)
+    loose = tmp_path / "loose.toml"
+    loose.write_text("[default]\npage_bytes_mismatched = 4\n")
+    rc, *_ = mxval(capsys, "diff", bad, "--budgets", loose, "--report-dir", tmp_path / "a", "-q")
+    assert rc == 0
+    strict_case = tmp_path / "case.toml"
+    strict_case.write_text(f'[default]\npage_bytes_mismatched = 4\n[case."{bad.name}"]\npage_bytes_mismatched = 0\n')
+    rc, *_ = mxval(capsys, "diff", bad, "--budgets", strict_case, "--report-dir", tmp_path / "b", "-q")
+    assert rc == 1
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("[default]\npage_bytes_mismatched = \"lots\"\n", "page_bytes_mismatched"),
+    ("[default\n", "malformed TOML"),
+    ("[defaults]\nx = 1\n", "unknown top-level"),
+])
+def test_malformed_budgets_file(dump_file, tmp_path, capsys, content, needle):
+    b = tmp_path / "b.toml"
+    b.write_text(content)
+    rc, out, err = mxval(capsys, "diff", dump_file, "--budgets", b, "--report-dir", tmp_path / "r")
+    assert rc == 2
+    one_line_error(err, str(b), needle)
+    rc, out, err = mxval(capsys, "diff", dump_file, "--budgets", tmp_path / "missing.toml")
+    assert rc == 2
+    one_line_error(err, "missing.toml", "cannot read")
+
+
+def test_truncated_dump_exits_2_without_traceback(dump_file, tmp_path):
+    cut = tmp_path / "cut.safetensors"
+    data = dump_file.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    p = subprocess.run([sys.executable, "-m", "harness", "diff", str(cut), "--report-dir", str(tmp_path / "r")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2
+    one_line_error(p.stderr, str(cut), "truncated")
+    assert not (tmp_path / "r").exists()
+
+
+def test_wrong_dtype_exits_2(dump_file, tmp_path, capsys):
+    t, meta = load(dump_file)
+    t[f"{KW}/in/positions"] = t[f"{KW}/in/positions"].float()
+    bad = tmp_path / "dtype.safetensors"
+    save_file(t, str(bad), metadata=meta)
+    rc, out, err = mxval(capsys, "diff", dump_file, bad)
+    assert rc == 2
+    one_line_error(err, str(bad), f"{KW}/in/positions", "dtype float32")
+
+
+def test_diff_through_a_backend(dump_file, tmp_path, capsys):
+    rc, out, err = mxval(capsys, "diff", dump_file, "--backend", "reference", "--report-dir", tmp_path / "r", "-q")
+    assert rc == 0, err
+    assert cases_of(tmp_path / "r")[dump_file.name]["backend"] == "reference"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["validate", "--case", "no-such-case", "--backend", "reference"], "no-such-case"),
+    (["validate", "--suite", "no-such-suite", "--backend", "reference"], "no-such-suite"),
+    (["validate", "--case", CASE, "--backend", "no-such-backend"], "no-such-backend"),
+    (["dump", "--case", CASE, "--backend", "no-such-backend"], "no-such-backend"),
+    (["dump", "--case", CASE, "--backend", "reference", "--step", "9"], "--step"),
+    (["validate", "--frobnicate"], "unrecognized"),
+    (["diff", "/no/such/file.safetensors"], "/no/such/file.safetensors"),
+    (["report", "/no/such/dir"], "/no/such/dir"),
+])
+def test_usage_errors_exit_2(capsys, argv, needle):
+    rc, out, err = mxval(capsys, *argv)
+    assert rc == 2
+    one_line_error(err, needle)
+
+
+def test_malformed_case_file_exits_2(tmp_path, capsys):
+    (tmp_path / "s.toml").write_text('[suite]\nname = "s"\n[[case]]\nname = "c"\nheds = 4\n')
+    rc, out, err = mxval(capsys, "validate", "--suite", "s", "--cases-dir", tmp_path, "--backend", "reference")
+    assert rc == 2
+    one_line_error(err, "s.toml", "'c'", "heds")
+
+
+def _register_flipper(name: str, hits: list):
+    def kw(**a):
+        out = reference.k_norm_rope_mxfp4_cache(**a)
+        slots = a["slot_mapping"][writer_mask(a["positions"], a["slot_mapping"], a["compress_ratio"])]
+        pool = out["kv_cache"].clone()
+        if slots.numel():
+            page, entry = divmod(int(slots[-1]), a["page_size"])
+            so = layout.scale_offsets(torch.tensor(entry), a["page_size"], a["k"].shape[1], a["shuffle"])
+            pool[page, so[1]] += 1
+            hits.append((page, entry))
+        return {"kv_cache": pool}
+    ops = dict(reference.OPS, k_norm_rope_mxfp4_cache=kw)
+    register(name, lambda: Backend(name, "test: bumps one scale byte per call", ops))
+
+
+def test_validate_reference_passes_and_broken_backend_fails(tmp_path, capsys):
+    rc, out, err = mxval(capsys, "validate", "--case", CASE, "--case", "smoke-nan-state", "--backend", "reference",
+                         "--report-dir", tmp_path / "ok")
+    assert rc == 0, out + err
+    assert "smoke-nan-state" in out and "nonfinite_input" in out
+    hits = []
+    _register_flipper("test-bump-scale", hits)
+    rc, out, err = mxval(capsys, "validate", "--case", CASE, "--backend", "test-bump-scale",
+                         "--report-dir", tmp_path / "bad", "-q")
+    assert rc == 1
+    row = cases_of(tmp_path / "bad")[CASE]
+    assert row["metrics"][f"{KW}.page_scale_bytes_mismatched"] == 1
+    f = [x for x in row["findings"] if x["stage"] == KW]
+    assert (f[0]["page"], f[0]["entry"], f[0]["class"]) == (*hits[0], "scale_off_by_k")
+    # downstream stages compare on the backend's own pool: the scorer is not blamed
+    assert row["metrics"]["paged_mxfp4_mqa_logits.logits_diff"] <= 1e-12
+    assert row["metrics"]["chain.page_bytes_mismatched_frac"] > 0
+
+
+def test_report_rerenders(tmp_path, capsys):
+    d = tmp_path / "r"
+    assert mxval(capsys, "validate", "--case", CASE, "--backend", "reference", "--report-dir", d, "-q")[0] == 0
+    md = (d / "report.md").read_text()
+    for name in ("report.md", "report.html", "junit.xml", "metrics.csv"):
+        (d / name).unlink()
+    rc, out, err = mxval(capsys, "report", d, "-q")
+    assert rc == 0, err
+    assert (d / "report.md").read_text() == md
+    assert all((d / n).exists() for n in ("report.html", "junit.xml", "metrics.csv"))
+    (d / "report.json").write_text("{not json")
+    rc, out, err = mxval(capsys, "report", d)
+    assert rc == 2
+    one_line_error(err, "report.json")
+
+
+def test_listing_commands(capsys):
+    rc, out, err = mxval(capsys, "cases")
+    assert rc == 0 and "smoke-rowend-k" in out and "full-pool-2gib" in out
+    rc, out, err = mxval(capsys, "backends")
+    assert rc == 0 and "reference" in out and "auto" in out

@@ -1,0 +1,24 @@
+"""The smoke suite through the best backend this machine has (the Triton interpreter on
+a CPU): CI's end-to-end check that `mxval validate` passes and writes every report."""
+import json
+
+import pytest
+
+from harness.cli import main
+from optimized import auto_backend_name, get_backend
+
+
+def test_smoke_suite_passes_on_the_auto_backend(tmp_path, capsys):
+    name = auto_backend_name()
+    why = get_backend(name, require=False).available()
+    if why:
+        pytest.skip(f"backend {name} unavailable: {why}")
+    rc = main(["validate", "--suite", "smoke", "--backend", "auto", "-j", "2", "--report-dir", str(tmp_path), "-q"])
+    out, err = capsys.readouterr()
+    data = json.loads((tmp_path / "report.json").read_text())
+    bad = [(c["case"], c["status"], c["reason"]) for c in data["cases"] if not c["ok"]]
+    assert rc == 0 and not bad, bad
+    s = data["summary"]
+    assert (s["pass"], s["nonfinite_input"], s["skipped"]) == (8, 2, 0)
+    for f in ("report.md", "report.html", "junit.xml", "metrics.csv"):
+        assert (tmp_path / f).stat().st_size > 0
