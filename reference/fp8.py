@@ -10,7 +10,7 @@ from . import checks
 from .formats import F32_MANT_BITS, FP8_AMAX_FLOOR, FP8_FLAVOURS, ROUNDING_PATHS
 from .k_writer import check_k_writer_args, group_start, k_values, writer_mask
 from .q_quant import check_q_args, q_values
-from .scoring import check_paged_args, default_width, paged_logits
+from .scoring import check_paged_args, check_width, paged_logits
 
 
 def fp8_flavour(name: str) -> tuple[torch.dtype, float]:
@@ -89,16 +89,19 @@ def paged_fp8_mqa_logits_fp64(*, q_fp8, weights, kv_cache, query_start_loc, cont
     d = q_fp8.shape[2]
     check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
                      page_size, entry_bytes(d))
+    width = check_width(width, block_table, page_size, row_ends)
     q = dequantize_fp8(q_fp8, fp8_dtype)
+    checks.finite("q_fp8 (decoded)", q)
 
     def read_keys(slots):
         vo, so = fp8_slot_offsets(slots, page_size, d, kv_cache.shape[1])
         flat = kv_cache.reshape(-1)
         s = flat[so].contiguous().view(torch.float32).double()          # [n, 1]
-        return dequantize_fp8(flat[vo], fp8_dtype) * s
+        k = dequantize_fp8(flat[vo], fp8_dtype) * s
+        checks.finite("kv_cache (entries read, decoded)", k)
+        return k
 
-    return paged_logits(q, weights, query_start_loc, block_table, row_ends, page_size, read_keys,
-                        width or default_width(block_table, page_size))
+    return paged_logits(q, weights, query_start_loc, block_table, row_ends, page_size, read_keys, width)
 
 
 def paged_fp8_mqa_logits(*, clean_logits: bool = False, **kwargs) -> dict:

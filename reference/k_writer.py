@@ -83,8 +83,11 @@ def check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, 
                          f"of {page_size} entries")
     checks.int_range("slot_mapping", slot_mapping, 0, kv_cache.shape[0] * page_size, allow_negative=True)
     sel = writer_mask(positions, slot_mapping, compress_ratio)
-    checks.int_range("positions", group_start(positions[sel], compress_ratio), 0, cos_sin_cache.shape[0])
+    rope_pos = group_start(positions[sel], compress_ratio)
+    checks.int_range("positions", rope_pos, 0, cos_sin_cache.shape[0])
     checks.finite("k", k[sel])
+    checks.finite("norm_weight", norm_weight)
+    checks.finite("cos_sin_cache (rows used)", cos_sin_cache[rope_pos])
     return dims
 
 

@@ -64,6 +64,9 @@ def scale_rule(name: str):
     return SCALE_RULES[checks.choice("scale_rule", name, tuple(SCALE_RULES))]
 
 
+_rule = scale_rule   # quantize_mxfp4's keyword shadows the name
+
+
 # --- elements --------------------------------------------------------------------
 
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
@@ -109,7 +112,7 @@ def _blocks(x: torch.Tensor, name: str) -> torch.Tensor:
 def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x"):
     """x [..., D] (any float dtype, taken as fp32) -> (packed u8 [..., D/2], e8m0 u8 [..., D/32])."""
     xb = _blocks(x, name)
-    e8m0 = SCALE_RULES[scale_rule](xb.abs().amax(dim=-1))
+    e8m0 = _rule(scale_rule)(xb.abs().amax(dim=-1))
     inv = _from_bits((254 - e8m0) << F32_MANT_BITS)       # 2**(127 - e8m0), exact
     codes = e2m1_codes(xb * inv.unsqueeze(-1)).flatten(-2)
     return pack_nibbles(codes), e8m0.to(torch.uint8)

@@ -72,6 +72,9 @@ def _check(state_cache, block_table, positions, req_index, kv_slot_mapping, comp
     dims.check("state_cache", state_cache, torch.float32, ("blocks", "block_size", "4D"))
     if state_cache.shape[-1] % 4:
         raise ValueError(f"state_cache: last dimension {state_cache.shape[-1]} is not 4*D")
+    if (state_cache.shape[-1] // 4) % 32:
+        raise ValueError(f"state_cache: head dim D={state_cache.shape[-1] // 4} (last dimension / 4) "
+                         "is not a multiple of 32")
     dims.check("block_table", block_table, checks.INT_DTYPES, ("reqs", "max_blocks"))
     for name, t in (("positions", positions), ("req_index", req_index),
                     ("kv_slot_mapping", kv_slot_mapping)):

@@ -219,6 +219,24 @@ def default_width(block_table: torch.Tensor, page_size: int) -> int:
     return block_table.shape[1] * page_size
 
 
+def check_width(width, block_table: torch.Tensor, page_size: int, row_ends: torch.Tensor) -> int:
+    """The logits width: given, or the block table's span; never below a row's end."""
+    if width is None:
+        return default_width(block_table, page_size)
+    checks.scalar("width", width, positive=True)
+    need = int(row_ends.max()) if row_ends.numel() else 0
+    if width < need:
+        raise ValueError(f"width: {width} is below the largest row end {need}")
+    return width
+
+
+def nan_scale(name: str, scales: torch.Tensor) -> None:
+    """e8m0 byte 255 encodes NaN: a non-finite input, reported, never scored."""
+    bad = scales == 255
+    if bool(bad.any()):
+        raise checks.NonFiniteInput(name, int(bad.sum()), bad.nonzero()[0].tolist())
+
+
 def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
                                  block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
                                  width: int | None = None, **_unused) -> torch.Tensor:
@@ -228,14 +246,17 @@ def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_star
     dims.check("q_fp4", q_fp4, torch.uint8, ("Rw", "H", "D/2"))
     dims.check("q_scale", q_scale, torch.uint8, ("Rw", "H", "D/32"))
     d = q_fp4.shape[2] * 2
+    if d % 32:
+        raise ValueError(f"q_fp4: head dim {d} (twice the last dimension) is not a multiple of 32")
     if q_scale.shape[2] * 32 != d:
         raise ValueError(f"q_scale: {q_scale.shape[2]} scale blocks do not match D={d} from q_fp4")
     check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
                      page_size, layout.entry_bytes(d))
     layout.check_layout(page_size, d, shuffle)
+    width = check_width(width, block_table, page_size, row_ends)
+    nan_scale("q_scale", q_scale)
     rw = q_fp4.shape[0]
-    out = torch.full((rw, width or default_width(block_table, page_size)), float("-inf"),
-                     dtype=torch.float64, device=q_fp4.device)
+    out = torch.full((rw, width), float("-inf"), dtype=torch.float64, device=q_fp4.device)
     qsl = query_start_loc.long().tolist()
     for b in range(len(qsl) - 1):
         r0, r1 = qsl[b], qsl[b + 1]
@@ -244,6 +265,7 @@ def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_star
             continue
         packed, scales = layout.read_pages(kv_cache, block_table[b, :-(-n // page_size)],
                                            page_size=page_size, head_dim=d, shuffle=shuffle)
+        nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", scales[:n])
         s = mxfp4_relu_logits(q_fp4[r0:r1], q_scale[r0:r1], packed[:n], scales[:n], weights[r0:r1])
         s[torch.arange(n, device=s.device)[None, :] >= row_ends[r0:r1].long()[:, None]] = float("-inf")
         out[r0:r1, :n] = s

@@ -31,7 +31,7 @@ def topk(*, logits, lengths, k: int) -> dict:
     checks.scalar("k", k, positive=True)
     checks.int_range("lengths", lengths, 0, logits.shape[1] + 1)
     valid = torch.arange(logits.shape[1], device=logits.device)[None, :] < lengths.long()[:, None]
-    if bool(torch.isnan(logits[valid]).any()):
-        raise checks.NonFiniteInput("logits", int(torch.isnan(logits[valid]).sum()),
-                                    valid.logical_and(torch.isnan(logits)).nonzero()[0].tolist())
+    bad = valid & ~torch.isfinite(logits)
+    if bool(bad.any()):
+        raise checks.NonFiniteInput("logits", int(bad.sum()), bad.nonzero()[0].tolist())
     return {"indices": topk_indices(logits, lengths, k)}
