@@ -315,8 +315,31 @@ def _duplicate_last(idx, lengths, k):
     return idx
 
 
-def _fp8_read_fnuz(**kw):
-    return reference.paged_fp8_mqa_logits(**{**kw, "fp8_dtype": "e4m3fnuz"})
+def fp8_scorer_op(read_as: Optional[str] = None) -> Callable:
+    """paged_fp8_mqa_logits decoding every fp8 byte as `read_as` (None: the flavour the
+    call names). The reference checks the arguments in the flavour they were written in;
+    the decode does not stop at NaNs a misread makes (0x80 is NaN in FNUZ), as a kernel
+    would not."""
+    def paged_fp8_mqa_logits(*, q_fp8, weights, kv_cache, query_start_loc, context_lens, block_table,
+                             row_ends, page_size: int = 64, fp8_dtype: str = "e4m3fn",
+                             width: Optional[int] = None, clean_logits: bool = False) -> dict:
+        reference.paged_fp8_mqa_logits(q_fp8=q_fp8, weights=weights, kv_cache=kv_cache,
+                                       query_start_loc=query_start_loc, context_lens=context_lens,
+                                       block_table=block_table, row_ends=row_ends, page_size=page_size,
+                                       fp8_dtype=fp8_dtype, width=width)
+        flavour = read_as or fp8_dtype
+        d = q_fp8.shape[2]
+
+        def read_keys(slots):
+            vo, so = ref_fp8.fp8_slot_offsets(slots, page_size, d, kv_cache.shape[1])
+            flat = kv_cache.reshape(-1)
+            return ref_fp8.dequantize_fp8(flat[vo], flavour) * flat[so].contiguous().view(torch.float32).double()
+
+        logits = scoring.paged_logits(ref_fp8.dequantize_fp8(q_fp8, flavour), weights, query_start_loc,
+                                      block_table, row_ends, page_size, read_keys,
+                                      width or scoring.default_width(block_table, page_size))
+        return {"logits": logits.float()}
+    return paged_fp8_mqa_logits
 
 
 # --- the catalogue ----------------------------------------------------------------------
@@ -369,7 +392,7 @@ _CATALOGUE = (
     Fault("fp8-ocp-read-fnuz", "fp8 written OCP and read FNUZ", ("paged_fp8_mqa_logits",),
           ("chain-fp8",),
           "the fp8 scorer reads e4m3fn (OCP) bytes as e4m3fnuz",
-          lambda: {"paged_fp8_mqa_logits": _fp8_read_fnuz}),
+          lambda: {"paged_fp8_mqa_logits": fp8_scorer_op("e4m3fnuz")}),
     Fault("hadamard-q-only", "Hadamard on q only", (Q,), ("chain",),
           "the Q quant applies the Hadamard rotation, the K writer does not",
           lambda: {Q: q_quant_op(force_hadamard=True)}),

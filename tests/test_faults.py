@@ -120,6 +120,8 @@ def test_composed_stages_give_the_reference(shuffle):
     assert same(F.q_quant_op()(**qw), reference.q_rope_mxfp4_quant(**qw))
     sc = c["paged_mxfp4_mqa_logits"]
     assert same(F.scorer_op()(**sc), reference.paged_mxfp4_mqa_logits(**sc))
+    f8 = c["paged_fp8_mqa_logits"]
+    assert same(F.fp8_scorer_op()(**f8), reference.paged_fp8_mqa_logits(**f8))
     tk = c["topk"]
     assert same(F.topk_op(lambda i, n, k: i)(**tk), reference.topk(**tk))
     # the identity and wrap-free permutations/writes are exact too
