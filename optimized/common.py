@@ -38,3 +38,65 @@ def row_sequences(query_start_loc: torch.Tensor, rows: int) -> torch.Tensor:
     """int32 [rows]: the sequence each query row belongs to."""
     qsl = query_start_loc.long()
     return torch.searchsorted(qsl[1:], torch.arange(rows, device=qsl.device), right=True).to(torch.int32)
+
+
+# --- the ROCm adapters (aiter, vLLM) -----------------------------------------------------
+
+def import_reason(modules: dict[str, str]) -> tuple[dict, list[str]]:
+    """Import `{label: "module:attr"}`; -> (found functions, one line per missing one)."""
+    import importlib
+    found, missing = {}, []
+    for label, spec in modules.items():
+        mod, attr = spec.split(":")
+        try:
+            found[label] = getattr(importlib.import_module(mod), attr)
+        except ModuleNotFoundError as e:   # name the package that is missing, once
+            missing.append(f"{e.name or mod} is not importable (ModuleNotFoundError: {e})")
+        except ImportError as e:
+            missing.append(f"{mod} is not importable (ImportError: {e})")
+        except AttributeError:
+            missing.append(f"{mod} has no {attr}")
+    return found, list(dict.fromkeys(missing))
+
+
+def rocm_gfx950_reason() -> str | None:
+    """None on a ROCm GPU of the gfx950 family (MI350/MI355), else what is missing."""
+    if getattr(torch.version, "hip", None) is None:
+        return f"no ROCm GPU: torch {torch.__version__} is not a ROCm build"
+    if not torch.cuda.is_available():
+        return "no ROCm GPU visible to torch"
+    arch = getattr(torch.cuda.get_device_properties(0), "gcnArchName", "unknown")
+    if not arch.startswith("gfx950"):
+        return f"the GPU is {arch}, not gfx950 (aiter's MXFP4 kernels are gfx950-only)"
+    return None
+
+
+def require_production(*, rounding: str = "rocm", scale_rule: str = "ceil", hadamard: bool = False,
+                       who: str) -> None:
+    """The real kernels implement one point of each study axis; say so instead of ignoring it."""
+    if rounding != "rocm":
+        raise ValueError(f"rounding: {who} implements the ROCm split path ('rocm'), got {rounding!r}")
+    if scale_rule != "ceil":
+        raise ValueError(f"scale_rule: {who} implements 'ceil' (aiter scaling mode 1), got {scale_rule!r}")
+    reject_hadamard(hadamard)
+
+
+def paged_view(pool: torch.Tensor, page_size: int, entry_bytes: int) -> torch.Tensor:
+    """[P, page_size, 1, entry_bytes] view of the owned part of each page of a [P, stride]
+    pool (the ROCm ops derive page_size from the page's bytes; padding stays outside)."""
+    return pool[:, :page_size * entry_bytes].view(pool.shape[0], page_size, 1, entry_bytes)
+
+
+def equal_row_groups(query_start_loc: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Runs of consecutive sequences with the same number of query rows (aiter's scorer
+    takes q as [B, next_n, H, D/2]): (first seq, last seq + 1, first row, rows per seq)."""
+    qsl = query_start_loc.long().tolist()
+    groups: list[tuple[int, int, int, int]] = []
+    for b in range(len(qsl) - 1):
+        n = qsl[b + 1] - qsl[b]
+        if groups and groups[-1][3] == n and groups[-1][1] == b:
+            s0, _, r0, _ = groups[-1]
+            groups[-1] = (s0, b + 1, r0, n)
+        else:
+            groups.append((b, b + 1, qsl[b], n))
+    return [g for g in groups if g[3] > 0]

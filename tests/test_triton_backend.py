@@ -35,6 +35,12 @@ def test_rejects_what_it_does_not_implement(be):
         be.k_norm_rope_mxfp4_cache(**k_writer_case(), hadamard=True)
     with pytest.raises(ValueError, match="scale_rule"):
         be.q_rope_mxfp4_quant(**q_case(), scale_rule="rceil")
+    from reference.checks import NonFiniteInput
+    from test_triton_cases import topk_case
+    kw = topk_case()
+    kw["logits"][0, 5] = float("-inf")
+    with pytest.raises(NonFiniteInput, match="logits"):
+        be.topk(**kw)
     with pytest.raises(ValueError, match="kv_cache"):
         kw = k_writer_case()
         be.k_norm_rope_mxfp4_cache(**dict(kw, kv_cache=kw["kv_cache"][:, :100]))

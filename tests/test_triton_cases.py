@@ -143,7 +143,8 @@ def topk_case(seed=0, rows=5, width=3000, k=64):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, width, generator=g)
     x[1, :200] = 1.0                                 # ties across the k-th value
-    x[2, 10] = float("-inf")
+    x[2, 10] = -3e38                                 # the most negative finite logits
+    x[2, 12] = -3.4e38
     x[2, 11] = -0.0
     lens = torch.tensor([width, 2000, 1500, k, 0][:rows])
     return dict(logits=x, lengths=lens, k=k)

@@ -96,10 +96,11 @@ def make_op(device: str):
         dims.check("lengths", lengths, checks.INT_DTYPES, ("Rw",))
         checks.scalar("k", k, positive=True)
         checks.int_range("lengths", lengths, 0, logits.shape[1] + 1)
+        # the reference's rule: non-finite logits inside a row's length are reported, not ranked
         valid = torch.arange(logits.shape[1], device=logits.device)[None, :] < lengths.long()[:, None]
-        if bool(torch.isnan(logits[valid]).any()):
-            raise checks.NonFiniteInput("logits", int(torch.isnan(logits[valid]).sum()),
-                                        valid.logical_and(torch.isnan(logits)).nonzero()[0].tolist())
+        bad = valid & ~torch.isfinite(logits)
+        if bool(bad.any()):
+            raise checks.NonFiniteInput("logits", int(bad.sum()), bad.nonzero()[0].tolist())
         (x, ln), back = on_device(device, logits.contiguous(), lengths.contiguous())
         return {"indices": back(launch(x, ln, k), logits)}
 
