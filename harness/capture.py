@@ -345,7 +345,8 @@ def _write(key: tuple, calls: dict) -> None:
         return
     cfg = _S.config
     tag = lambda v: "x" if v is None else str(v)
-    base = os.path.join(cfg.directory, f"layer{tag(layer)}_step{tag(step)}")
+    rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK")   # one file per rank under TP/DP
+    base = os.path.join(cfg.directory, f"layer{tag(layer)}_step{tag(step)}" + (f"_rank{rank}" if rank else ""))
     path, n = base + ".safetensors", 1
     while os.path.exists(path) or path in _S.written:
         path, n = f"{base}_{n}.safetensors", n + 1

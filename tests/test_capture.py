@@ -67,6 +67,8 @@ def fakes(monkeypatch, tmp_path):
     monkeypatch.setenv("MXVAL_CAPTURE_DIR", str(tmp_path / "dumps"))
     monkeypatch.setenv("MXVAL_CAPTURE_LAYERS", "12,20")
     monkeypatch.setenv("MXVAL_CAPTURE_STEPS", "0-1,300")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     targets = [Target("fake_aiter_ops", "k_norm_rope_mxfp4_cache", "k_norm_rope_mxfp4_cache", AITER_K_WRITER),
                Target("fake_aiter_ops", "q_rope_mxfp4_quant", "q_rope_mxfp4_quant", AITER_Q_QUANT),
                Target("fake_vllm_indexer", "_compress_pool_kernel", "compress_pool", VLLM_COMPRESS_POOL,
