@@ -29,7 +29,8 @@ Layer and step. The model integration says where it is:
 Without that, `MXVAL_CAPTURE_AUTO_LAYERS=N` (N indexer layers per forward: 30 in V4-Pro)
 counts calls of the anchor op (`MXVAL_CAPTURE_ANCHOR`, default compress_pool): call c is
 indexer layer c % N of forward step c // N (layer = the indexer layer's ordinal, not the
-model layer number). Dumps are written when the context moves on, by flush(), and at exit.
+model layer number). Dumps are written when the context moves on, by flush(), and at exit,
+as `layer<L>_step<S>[_rank<R>].safetensors` (R from RANK or LOCAL_RANK under TP/DP).
 
 Targets. TARGETS lists (module, attribute, dump op, argument map); install() replaces each
 attribute with `wrap(fn, op, arg_map)` and rebinds every loaded module that imported the
