@@ -261,7 +261,7 @@ def figures(df: pd.DataFrame) -> list[tuple[str, str]]:
             axes[0].set_title("pooled rows: ulp distance")
         if errs:
             axes[1].hist(errs, bins=40, color="tab:orange")
-            axes[1].set_xlabel("log10(|logit - reference| / max|reference|)")
+            axes[1].set_xlabel("log10(|logit - reference| / max|reference|); -20 = exact")
             axes[1].set_ylabel("logits")
             axes[1].set_title("scorer: relative error")
         out.append(("Error histograms over all cases", _png(fig)))
