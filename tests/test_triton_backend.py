@@ -72,3 +72,23 @@ def test_interpreter_bf16_round_is_nearest_even(be):
 
     raw[(1,)](x, out, N=8)
     assert not torch.equal(out, x.to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CPU-only machine")
+def test_compiled_backend_says_why_it_cannot_run():
+    reason = get_backend("triton", require=False).available()
+    assert reason and ("no CUDA or ROCm GPU" in reason or "TRITON_INTERPRET" in reason)
+
+
+def test_interpreter_works_after_triton_was_imported_compiled():
+    """triton imported first (tl.sum decorated for compiling) must not break the interpreter."""
+    import subprocess
+    import sys
+    code = ("import os; os.environ.pop('TRITON_INTERPRET', None); import triton, triton.language\n"
+            "import sys; sys.path.insert(0, 'tests')\n"
+            "from optimized import get_backend\n"
+            "from test_triton_cases import q_case, compare\n"
+            "be = get_backend('triton-interpret'); kw = q_case(tokens=2, heads=2)\n"
+            "assert compare('q_rope_mxfp4_quant', be.q_rope_mxfp4_quant(**kw), kw) == []\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
