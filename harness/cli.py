@@ -176,8 +176,9 @@ def cmd_dump(args) -> int:
             records[op] = OpRecord(op, dict(scalars), dict(ins), dict(outputs))
 
     row = run_case(case, be.name, recorder=recorder, inputs=inputs)
-    if row["outcome"] in ("error", "skipped") and not records:
-        print(f"mxval: case {case.name}: {row['reason']}", file=sys.stderr)
+    if not records:
+        print(f"mxval: case {case.name}: no op of step {step} ran on the backend ({row['outcome']}: "
+              f"{row['reason']})", file=sys.stderr)
         return EXIT_FAIL
     out = args.output or str(Path("reports") / "dumps" / f"{case.name}.{be.name.replace(':', '_')}.step{step}.safetensors")
     write_dump(out, records, source=f"mxval dump: case {case.name} (seed {case.seed}), backend {be.name} "
