@@ -1,7 +1,6 @@
 """The diff engine: every planted fault is found, localized and classified; exact outputs pass."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import reference
-from harness.diff import DiffReport
 from harness.dumps import DumpError, OpRecord, read_dump, write_dump
 from harness.replay import record_op, replay_dump, replay_file, replay_op
 from optimized import Backend
