@@ -370,7 +370,8 @@ _CATALOGUE = (
           "the K writer rotates at the entry index p // r, not (p // r) * r",
           lambda: {K: k_writer_op(rope_pos=lambda p, r: p.long() // r)}),
     Fault("boundary-off-by-one", "boundary rule off by one (`p % r == 0`)", (K,), ("chain",),
-          "the K writer writes the tokens with p % r == 0 instead of (p + 1) % r == 0",
+          "the K writer takes the tokens with p % r == 0 as boundaries instead of (p + 1) % r == 0 "
+          "(vLLM gives only boundary tokens a slot, so it writes no entry at all)",
           lambda: {K: k_writer_op(mask=_boundary_first_token)}),
     Fault("nibbles-swapped", "nibbles swapped", (K,), ("chain",),
           "the K writer puts the even element in the HIGH nibble",
