@@ -205,6 +205,9 @@ def machine() -> dict:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in line.split()]
+                cpu += f" ({', '.join(isa)})" if isa else ""
                 break
     except OSError:
         pass
