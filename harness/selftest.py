@@ -100,28 +100,18 @@ class FaultResult:
         return _ordered(seen)
 
     def worst(self) -> dict[str, dict]:
-        """metric -> {value, limit, key, case} of the largest violation (by how far past
-        its limit) over the fault's runs."""
+        """metric -> the violation {metric, value, limit, why, case} furthest on the bad
+        side over the fault's runs (NaN counts as the worst)."""
+        from .diff import higher_is_better
         out: dict[str, dict] = {}
         for r in self.rows:
             for v in r["violations"]:
                 name = _metric_name(v["metric"])
-                if name not in out or _excess(v) > _excess(out[name]):
-                    out[name] = {**v, "case": r["selftest_case"]}
+                sign = -1.0 if higher_is_better(name.removeprefix(CHAIN)) else 1.0
+                bad = float("inf") if v["value"] is None else sign * float(v["value"])
+                if name not in out or bad > out[name]["_bad"]:
+                    out[name] = {**v, "case": r["selftest_case"], "_bad": bad}
         return out
-
-
-def _excess(v: dict) -> float:
-    try:
-        val = float(v["value"]) if v["value"] is not None else float("inf")
-    except (TypeError, ValueError):
-        return float("inf")
-    lim = v.get("limit", "")
-    try:
-        bound = float(lim.split()[-1])
-    except (ValueError, IndexError):
-        return abs(val)
-    return abs(val - bound)
 
 
 def _ordered(names) -> list[str]:
