@@ -123,6 +123,31 @@ def test_fp64_accuracy_claim_and_exact_fp32_columns(gen):
     assert torch.equal(q32, q64) and torch.equal(k32[:16], k64[:16])
 
 
+def test_fast_core_falls_back_where_fp32_would_round(gen):
+    """Block exponents 13 binades apart, and products below fp32's subnormal grid: fp32 dots
+    round there, so those columns must come from the fp64 core."""
+    kq, sq = rand_entries(gen, 2, lo=120, hi=121, h=H)
+    kk, sk = rand_entries(gen, 64, lo=120, hi=121)
+    sk[:32, 1] = 107                                  # spread 13 (+1 jitter): fp32 sums lose bits
+    w = torch.randn(2, H, generator=gen)
+    q64 = mxfp4.dequantize_mxfp4(kq, sq, torch.float64)
+    k64 = mxfp4.dequantize_mxfp4(kk, sk, torch.float64)
+    f32 = (scoring.dequantize_mxfp4_f32(kq, sq) @ scoring.dequantize_mxfp4_f32(kk, sk).T).double()
+    assert not torch.equal(f32[..., :32], q64 @ k64.T[:, :32])             # the hazard is real
+    assert not scoring.exact_f32_columns(kq, sq, kk, sk)[:32].any()
+    plain = scoring.weighted_relu_logits(q64, k64, w)
+    assert torch.allclose(scoring.mxfp4_relu_logits(kq, sq, kk, sk, w), plain, rtol=1e-15, atol=0)
+    # tiny: q and k scales near 2**-75 each put products at 2**-152 and below
+    sq_t, sk_t = torch.full_like(sq, 52), torch.full_like(sk, 53)
+    q64 = mxfp4.dequantize_mxfp4(kq, sq_t, torch.float64)
+    k64 = mxfp4.dequantize_mxfp4(kk, sk_t, torch.float64)
+    f32 = (scoring.dequantize_mxfp4_f32(kq, sq_t) @ scoring.dequantize_mxfp4_f32(kk, sk_t).T).double()
+    assert not torch.equal(f32, q64 @ k64.T)
+    assert not scoring.exact_f32_columns(kq, sq_t, kk, sk_t).any()
+    plain = scoring.weighted_relu_logits(q64, k64, w)
+    assert torch.allclose(scoring.mxfp4_relu_logits(kq, sq_t, kk, sk_t, w), plain, rtol=1e-15, atol=0)
+
+
 def test_fast_core_equals_plain_fp64_core(gen):
     kq, sq = rand_entries(gen, 5, h=H)
     kk, sk = rand_entries(gen, 3000, lo=110, hi=126)
