@@ -106,3 +106,20 @@ def test_hadamard_switch_changes_bytes(gen, pro_cos_sin):
     args = make_inputs(gen, cs=pro_cos_sin)
     assert not torch.equal(reference.k_norm_rope_mxfp4_cache(**args)["kv_cache"],
                            reference.k_norm_rope_mxfp4_cache(**args, hadamard=True)["kv_cache"])
+
+
+def test_rms_norm_is_pinned_to_exact_sum_and_rounded_rsqrt():
+    """fp32 out of: exact sum of squares rounded to fp32, / D, + eps in fp32, rsqrt via fp64
+    rounded to fp32, then (x * rstd) * w. Written here with numpy, bit for bit."""
+    import numpy as np
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4000, D, generator=g) * torch.exp2(torch.randint(-10, 10, (4000, 1), generator=g).float())).bfloat16().float()
+    w = (torch.rand(D, generator=g) + 0.5).bfloat16()
+    xd = x.double().numpy()
+    v = (np.float32((xd * xd).sum(-1)) / np.float32(D) + np.float32(1e-6)).astype(np.float32)
+    rstd = (1.0 / np.sqrt(v.astype(np.float64))).astype(np.float32)
+    want = (x.numpy() * rstd[:, None]).astype(np.float32) * w.float().numpy()
+    assert np.array_equal(rms_norm(x, w, 1e-6).numpy(), want)
+    # teeth: an fp32 rsqrt or an fp32 sum of squares gives other bits
+    assert not torch.equal(torch.rsqrt(torch.from_numpy(v)), torch.from_numpy(rstd))
+    assert not np.array_equal(((x * x).sum(-1) / D).numpy(), (np.float32((xd * xd).sum(-1)) / np.float32(D)))
