@@ -111,3 +111,18 @@ def test_fp8_scorer_matches_dense_loop(gen):
             sk = pool[page, PS * D + 4 * (j % PS):PS * D + 4 * (j % PS) + 4].view(torch.float32).double()
             want = float((w[r].double() * ((q[r] @ k) * sk).clamp_min(0)).sum())
             assert abs(float(got[r, j]) - want) <= 1e-6 * abs(want) + 1e-30
+
+
+@pytest.mark.parametrize("flavour,fmax", [("e4m3fn", 448.0), ("e4m3fnuz", 224.0)])
+def test_amax_at_the_scale_boundary(flavour, fmax):
+    """amax = fmax * 2**k encodes to exactly +-fmax with scale 2**k; one fp32 ulp more doubles
+    the scale. (The clamp to +-fmax never binds under this ceil rule: x / s exceeds fmax by
+    at most one fp32 rounding, which the fp8 cast rounds back to fmax.)"""
+    for k in (-12, 0, 5):
+        x = torch.zeros(1, D)
+        x[0, 0], x[0, 1] = fmax * 2.0 ** k, -fmax * 2.0 ** k
+        v, s = fp8.quantize_fp8(x, flavour)
+        assert float(s[0]) == 2.0 ** k
+        assert fp8.dequantize_fp8(v, flavour)[0, :2].tolist() == [fmax, -fmax]
+        x[0, 0] = x[0, 0].nextafter(torch.tensor(1e30))
+        assert float(fp8.quantize_fp8(x, flavour)[1][0]) == 2.0 ** (k + 1)
