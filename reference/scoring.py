@@ -47,7 +47,8 @@ def weighted_relu_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> t
 # any order, is then an integer multiple of 2**Emin below nb*4608 * 2**Emax, which fp32
 # holds exactly when the block exponents of the pair span few enough binades and stay in
 # fp32's normal range. Those columns come from a plain fp32 matmul and are bit-identical
-# to the fp64 dot; the others (rare on real data) are recomputed in fp64.
+# to the fp64 dot; the others (rare on real data) are recomputed in fp64. The operands have
+# 2 significant bits, so a TF32 or bf16-input GEMM with fp32 accumulation is exact too.
 
 @functools.lru_cache(maxsize=4)
 def _pair_lut(device: torch.device) -> torch.Tensor:
