@@ -136,7 +136,7 @@ def add_parser(sub) -> None:
                    help="correct backend for the false-alarm runs (repeatable; default: reference "
                         "and triton, or triton-interpret, when available)")
     p.add_argument("--large", action="store_true",
-                   help="run the > 2 GiB pool case even without a GPU (about 15 GB of memory)")
+                   help="run the > 2 GiB pool case even without a GPU (the harness peaks near 30 GB of RAM on it)")
     p.add_argument("-j", "--jobs", type=int, default=1, help="runs in parallel (processes)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the verdict as JSON")
     p.add_argument("--markdown", default=None, metavar="FILE",
