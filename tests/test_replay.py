@@ -9,7 +9,7 @@ from harness.dumps import DumpError, OpRecord, read_dump, write_dump
 from harness.replay import record_op, replay_dump, replay_file, replay_op
 from optimized import Backend
 from reference import layout
-from test_dumps import SAMPLES, make_layer
+from test_dumps import SAMPLES, make_layer, need_samples
 
 EXACT = {"page_bytes_mismatched": 0, "page_bytes_outside_owned_changed": 0, "pooled_max_ulp": 0,
          "q_bytes_mismatched": 0, "q_scale_bytes_mismatched": 0, "weights_max_ulp": 0,
@@ -28,6 +28,7 @@ def dump_path(layer, tmp_path_factory):
 
 
 def test_samples_replay_exact():
+    need_samples()
     (k,) = replay_file(f"{SAMPLES}/k_natural.safetensors")
     assert k.op == "k_norm_rope_mxfp4_cache" and k.metrics["page_bytes_mismatched"] == 0
     assert k.metrics["page_bytes_outside_owned_changed"] == 0 and k.findings == []
