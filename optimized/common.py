@@ -1,5 +1,6 @@
 """Host-side glue shared by the backends (Triton, aiter, vLLM): device moves, the
-arguments every backend rejects the same way, and the row bookkeeping of the scorer."""
+arguments every backend rejects the same way, and the ROCm adapters' availability and
+argument shaping."""
 from __future__ import annotations
 
 from typing import Callable
@@ -32,12 +33,6 @@ def reject_hadamard(hadamard: bool) -> None:
 
 def scale_rule_code(scale_rule: str) -> str:
     return checks.choice("scale_rule", scale_rule, KERNEL_SCALE_RULES)
-
-
-def row_sequences(query_start_loc: torch.Tensor, rows: int) -> torch.Tensor:
-    """int32 [rows]: the sequence each query row belongs to."""
-    qsl = query_start_loc.long()
-    return torch.searchsorted(qsl[1:], torch.arange(rows, device=qsl.device), right=True).to(torch.int32)
 
 
 # --- the ROCm adapters (aiter, vLLM) -----------------------------------------------------
