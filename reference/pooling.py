@@ -62,9 +62,16 @@ def gather_windows(state_cache: torch.Tensor, block_table: torch.Tensor, positio
 
 
 def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    """c[d] = sum_i softmax_i(score_i[d]) * kv_i[d], exact (fp64) then rounded to fp32."""
+    """c[d] = sum_i softmax_i(score_i[d]) * kv_i[d], exact (fp64) then rounded to fp32.
+
+    A sum whose terms are all -0.0 is -0.0 under IEEE addition, and that is what a GPU
+    reduction over the window gives; torch's (and numpy's) sums start from +0.0 and would
+    say +0.0, which later shows up as K bytes 0x88 vs 0x00. So the sign is set here."""
     w = torch.softmax(score.double(), dim=1)
-    return (w * kv.double()).sum(dim=1).float()
+    terms = w * kv.double()
+    c = terms.sum(dim=1)
+    all_neg_zero = ((terms == 0) & torch.signbit(terms)).all(dim=1)
+    return torch.where(all_neg_zero, -c.abs(), c).float()
 
 
 def _check(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio):

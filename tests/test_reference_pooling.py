@@ -134,3 +134,12 @@ def test_rounding_paths_dtype(gen, rounding):
     pos = torch.arange(8)
     out = run_pool(state, table, torch.zeros_like(pos), pos, rounding)
     assert out.dtype == (torch.float32 if rounding == "cuda" else torch.bfloat16)
+
+
+def test_a_window_of_negative_zeros_pools_to_negative_zero():
+    """IEEE addition keeps -0.0 when every term is -0.0 (a GPU reduction does); torch's
+    sum starts from +0.0. One +0.0 term, or cancellation, gives +0.0."""
+    from reference.pooling import softmax_pool
+    kv = torch.tensor([[[-0.0], [-0.0]], [[-0.0], [0.0]], [[1.0], [-1.0]]])
+    out = softmax_pool(kv, torch.zeros(3, 2, 1)).flatten()
+    assert torch.signbit(out).tolist() == [True, False, False] and (out == 0).all()

@@ -55,7 +55,13 @@ def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr, out_
         mx = tl.max(s, axis=0)
         e = _exp(s - mx[None, :], FAST_EXP)
         den = tl.sum(e, axis=0)
-        c = tl.sum((e / den[None, :]) * kv, axis=0).to(tl.float32)
+        terms = (e / den[None, :]) * kv
+        c = tl.sum(terms, axis=0)
+        # IEEE: terms that are all -0.0 sum to -0.0 (compiled reductions do; the
+        # interpreter's numpy sum starts from +0.0): set the sign as the reference does.
+        neg_zero = (terms == 0) & (terms.to(tl.int64, bitcast=True) < 0)
+        all_neg_zero = tl.min(neg_zero.to(tl.int32), axis=0) == 1
+        c = tl.where(all_neg_zero, tl.abs(c) * -1.0, c).to(tl.float32)  # unary minus is 0 - x in Triton
         if OUT_BF16:
             tl.store(out_bf16_ptr + tok * D + d, bf16_bits(c))
         else:
