@@ -184,14 +184,17 @@ MAPPED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["aiter", "vllm"])
-@pytest.mark.parametrize("case,op,make", MAPPED_CASES, ids=[c[0] for c in MAPPED_CASES])
+# aiter has no pooling op (vLLM's kernel does it): the test below pins who provides what.
+MAPPED = [(name, *c) for name in ("aiter", "vllm") for c in MAPPED_CASES
+          if not (name == "aiter" and c[1] == "compress_pool")]
+
+
+@pytest.mark.parametrize("name,case,op,make", MAPPED, ids=[f"{m[0]}-{m[1]}" for m in MAPPED])
 def test_mapping_reproduces_the_reference(fake_libs, name, case, op, make):
     be = get_backend(name, require=False)
     assert be.available() is None, be.available()
     be = _on_cpu(be)
-    if not be.supports(op):
-        pytest.skip(f"{name} does not provide {op}")
+    assert be.supports(op)
     kw = make()
     assert compare(op, getattr(be, op)(**kw), kw) == []
 
