@@ -197,7 +197,7 @@ def main(argv=None) -> int:
         return 2
     dev = torch.cuda.get_device_name(0)
     bw = copy_bandwidth()
-    lines = [f"# GPU benchmark: Triton backend at DeepSeek-V4-Pro shapes", "",
+    lines = ["# GPU benchmark: Triton backend at DeepSeek-V4-Pro shapes", "",
              f"Machine: {dev}; torch {torch.__version__}, triton {triton.__version__}; "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Measured copy bandwidth "
              f"{bw / 1e12:.2f} TB/s (read + written). Times are medians of triton.testing.do_bench "

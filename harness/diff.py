@@ -710,7 +710,6 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
     short = lens <= k
     kcols = torch.arange(k)
     want_short = torch.where(kcols[None, :] < lens[:, None], kcols[None, :], -1)
-    in_range = (idx >= 0) & (idx < lens[:, None])
     oor = (idx < -1) | (idx >= lens[:, None])
     # duplicates: equal neighbours after sorting, -1 excluded
     srt = idx.sort(1).values

@@ -142,7 +142,6 @@ def wide_console():
 
 
 def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
     console = console or wide_console()
     t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}",

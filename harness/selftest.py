@@ -408,7 +408,7 @@ def markdown(results, budgets, verdict, meta) -> str:
     cols = matrix_columns(results)
     n_faults = len(results)
     n_caught = sum(1 for r in results.values() if r.caught)
-    lines = [f"Every fault below is a backend built from the reference with one stage broken "
+    lines = ["Every fault below is a backend built from the reference with one stage broken "
              f"(`optimized/faults.py`); `mxval selftest` runs each on the cases that can expose it "
              f"and reports the worst value of every metric that broke its budget "
              f"(`cases/budgets.toml`; `·` = within budget).",

@@ -17,13 +17,11 @@ from typing import Callable, Optional
 import torch
 
 import reference
-from reference import checks, fp8 as ref_fp8, hadamard as ref_hadamard, layout, mxfp4, scoring
-from reference.formats import ROUNDING_PATHS
-from reference.k_writer import (check_k_writer_args, group_start, k_values, rms_norm,
-                                writer_mask)
+from reference import fp8 as ref_fp8, hadamard as ref_hadamard, layout, mxfp4, scoring
+from reference.k_writer import check_mxfp4_k_writer, group_start, k_values, rms_norm, writer_mask
 from reference.pooling import boundary_mask, gather_windows, softmax_pool
 from reference.q_quant import fold_weights
-from reference.rope import bf16_round, cos_sin_at, rope_gptj_tail
+from reference.rope import cos_sin_at, rope_gptj_tail
 
 from . import Backend, register
 
@@ -97,13 +95,8 @@ def k_writer_op(*, mask: Callable = writer_mask, rope_pos: Callable = group_star
                                 norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
                                 shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
                                 scale_rule: str = "ceil") -> dict:
-        shuffle = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
-        checks.choice("rounding", rounding, ROUNDING_PATHS)
-        check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
-                            norm_eps, compress_ratio, page_size,
-                            k_dtypes=(torch.bfloat16,) if rounding != "cuda" else checks.FLOAT_DTYPES,
-                            entry_bytes=layout.entry_bytes)
-        layout.check_layout(page_size, k.shape[1], shuffle)
+        shuffle = check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                                       norm_eps, compress_ratio, page_size, shuffle, rounding)
         sel = mask(positions, slot_mapping, compress_ratio)
         y = values(k[sel], rope_pos(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
                    norm_eps, rounding, hadamard)

@@ -91,10 +91,9 @@ def check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, 
     return dims
 
 
-def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
-                            norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
-                            shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
-                            scale_rule: str = "ceil") -> dict:
+def check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps,
+                         compress_ratio, page_size, shuffle, rounding) -> "layout.Shuffle | None":
+    """Every argument check of the MXFP4 K writer; returns the parsed shuffle."""
     shuffle = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
     checks.choice("rounding", rounding, ROUNDING_PATHS)
     check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
@@ -102,6 +101,15 @@ def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_ma
                         k_dtypes=(torch.bfloat16,) if rounding != "cuda" else checks.FLOAT_DTYPES,
                         entry_bytes=layout.entry_bytes)
     layout.check_layout(page_size, k.shape[1], shuffle)
+    return shuffle
+
+
+def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                            norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
+                            shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
+                            scale_rule: str = "ceil") -> dict:
+    shuffle = check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                                   norm_eps, compress_ratio, page_size, shuffle, rounding)
     sel = writer_mask(positions, slot_mapping, compress_ratio)
     y = k_values(k[sel], group_start(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
                  norm_eps, rounding=rounding, hadamard=hadamard)
