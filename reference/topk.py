@@ -24,7 +24,9 @@ def topk_indices(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.T
     return out.to(torch.int32)
 
 
-def topk(*, logits, lengths, k: int) -> dict:
+def check_topk_args(logits, lengths, k: int) -> None:
+    """Shapes, dtypes, k, lengths; non-finite logits inside a row's length are reported,
+    never ranked."""
     dims = checks.Dims()
     dims.check("logits", logits, (torch.float32, torch.float64), ("Rw", "W"))
     dims.check("lengths", lengths, checks.INT_DTYPES, ("Rw",))
@@ -34,4 +36,8 @@ def topk(*, logits, lengths, k: int) -> dict:
     bad = valid & ~torch.isfinite(logits)
     if bool(bad.any()):
         raise checks.NonFiniteInput("logits", int(bad.sum()), bad.nonzero()[0].tolist())
+
+
+def topk(*, logits, lengths, k: int) -> dict:
+    check_topk_args(logits, lengths, k)
     return {"indices": topk_indices(logits, lengths, k)}

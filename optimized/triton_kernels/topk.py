@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 import reference
-from reference import checks
+from reference.topk import check_topk_args
 
 from ..common import on_device
 
@@ -91,16 +91,7 @@ def make_op(device: str):
     def topk(*, logits, lengths, k: int) -> dict:
         if logits.dtype == torch.float64:
             return reference.topk(logits=logits, lengths=lengths, k=k)
-        dims = checks.Dims()
-        dims.check("logits", logits, (torch.float32, torch.float64), ("Rw", "W"))
-        dims.check("lengths", lengths, checks.INT_DTYPES, ("Rw",))
-        checks.scalar("k", k, positive=True)
-        checks.int_range("lengths", lengths, 0, logits.shape[1] + 1)
-        # the reference's rule: non-finite logits inside a row's length are reported, not ranked
-        valid = torch.arange(logits.shape[1], device=logits.device)[None, :] < lengths.long()[:, None]
-        bad = valid & ~torch.isfinite(logits)
-        if bool(bad.any()):
-            raise checks.NonFiniteInput("logits", int(bad.sum()), bad.nonzero()[0].tolist())
+        check_topk_args(logits, lengths, k)
         (x, ln), back = on_device(device, logits.contiguous(), lengths.contiguous())
         return {"indices": back(launch(x, ln, k), logits)}
 
