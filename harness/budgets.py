@@ -75,11 +75,15 @@ def _limit(path, where: str, key: str, v) -> Limit:
     from .diff import higher_is_better
     if v == "off":
         return OFF
-    if _num(v):      # a bare number bounds the bad side: recall and other *_min from below
+    # A NaN limit compares False with everything, so it would pass any value.
+    if _num(v) and not math.isnan(v):      # a bare number bounds the bad side: *_min from below
         return Limit(min=float(v)) if higher_is_better(key.rpartition(".")[2]) else Limit(max=float(v))
-    if isinstance(v, dict) and v and not set(v) - {"max", "min"} and all(_num(x) for x in v.values()):
-        return Limit(max=float(v["max"]) if "max" in v else None,
-                     min=float(v["min"]) if "min" in v else None)
+    if isinstance(v, dict) and v and not set(v) - {"max", "min"} \
+            and all(_num(x) and not math.isnan(x) for x in v.values()):
+        lim = Limit(max=float(v["max"]) if "max" in v else None, min=float(v["min"]) if "min" in v else None)
+        if lim.max is not None and lim.min is not None and lim.min > lim.max:
+            raise BudgetError(f"{path}: [{where}] {key}: min {_fmt(lim.min)} > max {_fmt(lim.max)}, no value can pass")
+        return lim
     raise BudgetError(f"{path}: [{where}] {key}: expected a number, {{max = .., min = ..}} or \"off\", got {v!r}")
 
 

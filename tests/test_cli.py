@@ -113,6 +113,9 @@ def test_budgets_that_pass_and_fail(dump_file, tmp_path, capsys):
     ("[default]\npage_bytes_mismatched = \"lots\"\n", "page_bytes_mismatched"),
     ("[default\n", "malformed TOML"),
     ("[defaults]\nx = 1\n", "unknown top-level"),
+    ("[default]\nlogits_diff = nan\n", "logits_diff"),            # NaN would pass any value
+    ("[default]\nlogits_diff = {max = nan}\n", "logits_diff"),
+    ("[default]\nlogits_diff = {max = 1, min = 2}\n", "min 2 > max 1"),
 ])
 def test_malformed_budgets_file(dump_file, tmp_path, capsys, content, needle):
     b = tmp_path / "b.toml"
