@@ -47,6 +47,21 @@ def _run_name(command: str, what: str, backend: str) -> str:
     return f"{command}-{what}-{backend}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+def _check_writable_path(arg: str, path, *, is_dir: bool) -> None:
+    """Fail before any case runs when an output path can never be written: a file where a
+    directory must go (or the reverse), or a file standing where a parent directory is needed."""
+    p = Path(path)
+    if is_dir and p.exists() and not p.is_dir():
+        raise UsageError(f"{arg}: {p} exists and is not a directory")
+    if not is_dir and p.is_dir():
+        raise UsageError(f"{arg}: {p} is a directory, expected a file name")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{arg}: {parent} is not a directory, cannot write {p}")
+            break
+
+
 def _backend(name: str):
     from optimized import BackendUnavailable, get_backend
     try:
@@ -331,6 +346,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         ap, run = build_parser()
         args = ap.parse_args(argv)
+        if getattr(args, "report_dir", None):
+            _check_writable_path("--report-dir", args.report_dir, is_dir=True)
+        if getattr(args, "output", None):
+            _check_writable_path("-o", args.output, is_dir=False)
         return int(run[args.cmd](args) or 0)
     except (UsageError, CaseError, BudgetError, DumpError, BackendUnavailable) as e:
         print(f"mxval: {_one_line(e)}", file=sys.stderr)

@@ -171,6 +171,23 @@ def test_usage_errors_exit_2(capsys, argv, needle):
     one_line_error(err, needle)
 
 
+def test_unwritable_output_paths_exit_2_before_running(dump_file, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, needle in [
+        (["diff", dump_file, "--report-dir", afile], "--report-dir"),
+        (["diff", dump_file, "--report-dir", afile / "sub"], "--report-dir"),
+        (["validate", "--case", CASE, "--backend", "reference", "--report-dir", afile], "--report-dir"),
+        (["report", tmp_path, "--report-dir", afile], "--report-dir"),
+        (["dump", "--case", CASE, "--backend", "reference", "-o", tmp_path], "-o"),
+        (["dump", "--case", CASE, "--backend", "reference", "-o", afile / "x.safetensors"], "-o"),
+    ]:
+        rc, out, err = mxval(capsys, *argv)
+        assert rc == 2, argv
+        one_line_error(err, needle, str(afile) if "afile" in str(argv[-1]) else str(tmp_path))
+        assert out == "", argv          # refused before anything ran
+
+
 def test_malformed_case_file_exits_2(tmp_path, capsys):
     (tmp_path / "s.toml").write_text('[suite]\nname = "s"\n[[case]]\nname = "c"\nheds = 4\n')
     rc, out, err = mxval(capsys, "validate", "--suite", "s", "--cases-dir", tmp_path, "--backend", "reference")
