@@ -129,6 +129,11 @@ def load(report_dir) -> tuple[pd.DataFrame, dict]:
         raise ValueError(f"{path}: unknown report version {data.get('version')!r}")
     if not isinstance(data.get("cases"), list):
         raise ValueError(f"{path}: 'cases' must be a list")
+    bad = next((i for i, c in enumerate(data["cases"]) if not isinstance(c, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: cases[{bad}] must be an object, got {data['cases'][bad]!r}")
+    if not isinstance(data.get("run", {}), dict):
+        raise ValueError(f"{path}: 'run' must be an object")
     return frame(data["cases"]), data.get("run", {})
 
 

@@ -188,6 +188,19 @@ def test_unwritable_output_paths_exit_2_before_running(dump_file, tmp_path, caps
         assert out == "", argv          # refused before anything ran
 
 
+@pytest.mark.parametrize("content, needle", [
+    ('{"schema": "mxval-report", "version": 1, "run": {}, "cases": [1]}', "cases[0]"),
+    ('{"schema": "mxval-report", "version": 1, "run": [], "cases": []}', "'run'"),
+    ('{"cases": []}', "not an mxval report"),
+    ("garbage", "not valid JSON"),
+])
+def test_report_on_a_malformed_report_json(tmp_path, capsys, content, needle):
+    (tmp_path / "report.json").write_text(content)
+    rc, out, err = mxval(capsys, "report", tmp_path, "--report-dir", tmp_path / "out")
+    assert rc == 2
+    one_line_error(err, str(tmp_path / "report.json"), needle)
+
+
 def test_malformed_case_file_exits_2(tmp_path, capsys):
     (tmp_path / "s.toml").write_text('[suite]\nname = "s"\n[[case]]\nname = "c"\nheds = 4\n')
     rc, out, err = mxval(capsys, "validate", "--suite", "s", "--cases-dir", tmp_path, "--backend", "reference")
