@@ -348,8 +348,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         args = ap.parse_args(argv)
         if getattr(args, "report_dir", None):
             _check_writable_path("--report-dir", args.report_dir, is_dir=True)
-        if getattr(args, "output", None):
-            _check_writable_path("-o", args.output, is_dir=False)
+        for attr, flag in (("output", "-o"), ("json", "--json"), ("markdown", "--markdown"), ("readme", "--readme")):
+            if isinstance(getattr(args, attr, None), str):
+                _check_writable_path(flag, getattr(args, attr), is_dir=False)
         return int(run[args.cmd](args) or 0)
     except (UsageError, CaseError, BudgetError, DumpError, BackendUnavailable) as e:
         print(f"mxval: {_one_line(e)}", file=sys.stderr)

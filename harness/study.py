@@ -465,6 +465,10 @@ def run(args) -> int:
     import datetime
     cfg = load_config(args.study, Path(args.study_file))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.partition(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu or cuda, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device: {device} requested but torch sees no CUDA/ROCm GPU")
     out = Path(args.report_dir or f"reports/study-{cfg.name}")
     t0 = time.time()
     if args.dump:

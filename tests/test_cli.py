@@ -188,6 +188,22 @@ def test_unwritable_output_paths_exit_2_before_running(dump_file, tmp_path, caps
         assert out == "", argv          # refused before anything ran
 
 
+def test_unwritable_side_outputs_and_bad_study_device_exit_2(tmp_path, capsys):
+    """Caught before a long selftest or study runs, not as an errno line at its end."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, needle in [
+        (["selftest", "--fault", "nibbles-swapped", "--json", tmp_path], "--json"),
+        (["selftest", "--fault", "nibbles-swapped", "--markdown", afile / "m.md"], "--markdown"),
+        (["study", "--study", "quick", "--readme", tmp_path], "--readme"),
+        (["study", "--study", "quick", "--device", "nope"], "--device"),
+    ]:
+        rc, out, err = mxval(capsys, *argv)
+        assert rc == 2, argv
+        one_line_error(err, needle)
+        assert out == "", argv
+
+
 @pytest.mark.parametrize("content, needle", [
     ('{"schema": "mxval-report", "version": 1, "run": {}, "cases": [1]}', "cases[0]"),
     ('{"schema": "mxval-report", "version": 1, "run": [], "cases": []}', "'run'"),
