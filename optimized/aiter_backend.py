@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from reference import checks, layout
-from reference.k_writer import check_k_writer_args
+from reference import layout
+from reference.k_writer import check_mxfp4_k_writer
 from reference.q_quant import check_q_args
-from reference.scoring import check_paged_args, default_width
+from reference.scoring import check_mxfp4_scorer
+from reference.topk import check_topk_args
 
 from . import Backend
 from .common import (equal_row_groups, import_reason, on_device, paged_view, require_production,
@@ -46,11 +47,8 @@ def make_ops(fn: dict, device: str = "cuda") -> dict:
                                     shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
                                     scale_rule: str = "ceil") -> dict:
             require_production(rounding=rounding, scale_rule=scale_rule, hadamard=hadamard, who="aiter's K writer")
-            shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
-            check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps,
-                                compress_ratio, page_size, k_dtypes=(torch.bfloat16,),
-                                entry_bytes=layout.entry_bytes)
-            layout.check_layout(page_size, k.shape[1], shuf)
+            shuf = check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                                        norm_eps, compress_ratio, page_size, shuffle, rounding)
             (kd, pd, cd, wd, sd), back = on_device(device, k, positions, cos_sin_cache, norm_weight, slot_mapping)
             out = kv_cache.to(device, copy=True)
             fn["k_norm_rope_mxfp4_cache"](kd.contiguous(), pd.contiguous(), cd, wd, float(norm_eps),
@@ -75,18 +73,12 @@ def make_ops(fn: dict, device: str = "cuda") -> dict:
         def paged_mxfp4_mqa_logits(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
                                    block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
                                    clean_logits: bool = False, width: int | None = None) -> dict:
-            shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
-            dims = checks.Dims()
-            dims.check("q_fp4", q_fp4, torch.uint8, ("Rw", "H", "D/2"))
-            dims.check("q_scale", q_scale, torch.uint8, ("Rw", "H", "D/32"))
+            shuf, d, width = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
+                                                context_lens, block_table, row_ends, page_size, shuffle, width)
             rw, h, tb = q_fp4.shape
-            d = 2 * tb
-            check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
-                             page_size, layout.entry_bytes(d))
             if shuf is not None and shuf != layout.choose_shuffle(d, h):
                 raise ValueError(f"shuffle: aiter's scorer reads {layout.choose_shuffle(d, h).as_list()} "
                                  f"pages for H={h}, D={d}; got {shuf.as_list()}")
-            width = width or default_width(block_table, page_size)
             (qv, qs, w, kc, bt, cl, ends), back = on_device(device, q_fp4, q_scale, weights, kv_cache,
                                                             block_table, context_lens, row_ends)
             fill = float("-inf") if clean_logits else 0.0
@@ -105,11 +97,9 @@ def make_ops(fn: dict, device: str = "cuda") -> dict:
 
     if "topk" in fn:
         def topk(*, logits, lengths, k: int) -> dict:
-            dims = checks.Dims()
-            dims.check("logits", logits, torch.float32, ("Rw", "W"))
-            dims.check("lengths", lengths, checks.INT_DTYPES, ("Rw",))
-            checks.scalar("k", k, positive=True)
-            checks.int_range("lengths", lengths, 0, logits.shape[1] + 1)
+            check_topk_args(logits, lengths, k)
+            if logits.dtype != torch.float32:
+                raise ValueError(f"logits: aiter's top-k takes float32, got {str(logits.dtype)[6:]}")
             (x, ln), back = on_device(device, logits, lengths)
             idx = torch.empty(x.shape[0], k, dtype=torch.int32, device=device)
             # next_n = 1 and seq_lens = the row lengths: row r sees [0, lengths[r])

@@ -131,7 +131,7 @@ def scorer_op(*, row_ends_fn: Optional[Callable] = None,
                     shuffle=shuffle, width=width)
         reference.paged_mxfp4_mqa_logits(**args)          # the reference's argument checks
         ends = row_ends if row_ends_fn is None else row_ends_fn(row_ends, context_lens, query_start_loc)
-        sh = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+        sh = layout.as_shuffle(shuffle)
         d = q_fp4.shape[2] * 2
         q = mxfp4.dequantize_mxfp4(q_fp4, q_scale, torch.float64)
 

@@ -23,7 +23,7 @@ import torch
 
 from reference import layout
 from reference.formats import ROUNDING_PATHS
-from reference.k_writer import check_k_writer_args
+from reference.k_writer import check_mxfp4_k_writer
 from reference.pooling import _check as check_pool_args
 from reference.q_quant import check_q_args
 from reference import checks
@@ -89,12 +89,9 @@ def make_ops(fn: dict, device: str = "cuda") -> dict:
                                     shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
                                     scale_rule: str = "ceil") -> dict:
             require_production(rounding=rounding, scale_rule=scale_rule, hadamard=hadamard, who="vLLM's K store")
-            shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+            shuf = check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                                        norm_eps, compress_ratio, page_size, shuffle, rounding)
             heads = heads_for_shuffle(shuf, k.shape[1])
-            check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps,
-                                compress_ratio, page_size, k_dtypes=(torch.bfloat16,),
-                                entry_bytes=layout.entry_bytes)
-            layout.check_layout(page_size, k.shape[1], shuf)
             (kd, pd, cd, wd, sd), back = on_device(device, k, positions, cos_sin_cache, norm_weight, slot_mapping)
             out = kv_cache.to(device, copy=True)
             fn["k_store"](kd.contiguous(), pd.contiguous(), cd, wd, float(norm_eps),

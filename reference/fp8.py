@@ -51,14 +51,21 @@ def fp8_slot_offsets(slots: torch.Tensor, page_size: int, head_dim: int, page_st
     return vals, scales
 
 
-def k_norm_rope_fp8_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
-                          norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
-                          fp8_dtype: str = "e4m3fn", rounding: str = "rocm",
-                          hadamard: bool = False) -> dict:
+def check_fp8_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps,
+                       compress_ratio, page_size, fp8_dtype, rounding) -> None:
+    """Every argument check of the FP8 K writer."""
     checks.choice("rounding", rounding, ROUNDING_PATHS)
     fp8_flavour(fp8_dtype)
     check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps,
                         compress_ratio, page_size, k_dtypes=checks.FLOAT_DTYPES, entry_bytes=entry_bytes)
+
+
+def k_norm_rope_fp8_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                          norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
+                          fp8_dtype: str = "e4m3fn", rounding: str = "rocm",
+                          hadamard: bool = False) -> dict:
+    check_fp8_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps,
+                       compress_ratio, page_size, fp8_dtype, rounding)
     sel = writer_mask(positions, slot_mapping, compress_ratio)
     y = k_values(k[sel], group_start(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
                  norm_eps, rounding=rounding, hadamard=hadamard)
@@ -80,18 +87,25 @@ def q_rope_fp8_quant(*, q, positions, cos_sin_cache, weights, weights_scale: flo
     return {"q_fp8": v, "weights": w}
 
 
-def paged_fp8_mqa_logits_fp64(*, q_fp8, weights, kv_cache, query_start_loc, context_lens, block_table,
-                               row_ends, page_size: int = 64, fp8_dtype: str = "e4m3fn",
-                               width: int | None = None, **_unused) -> torch.Tensor:
+def check_fp8_scorer(q_fp8, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
+                     page_size, fp8_dtype, width) -> int:
+    """Every argument check of the FP8 scorer -> the logits width."""
     dims = checks.Dims()
     dims.check("q_fp8", q_fp8, torch.uint8, ("Rw", "H", "D"))
     fp8_flavour(fp8_dtype)
-    d = q_fp8.shape[2]
     check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
-                     page_size, entry_bytes(d))
-    width = check_width(width, block_table, page_size, row_ends)
+                     page_size, entry_bytes(q_fp8.shape[2]))
+    checks.finite("q_fp8 (decoded)", dequantize_fp8(q_fp8, fp8_dtype))
+    return check_width(width, block_table, page_size, row_ends)
+
+
+def paged_fp8_mqa_logits_fp64(*, q_fp8, weights, kv_cache, query_start_loc, context_lens, block_table,
+                               row_ends, page_size: int = 64, fp8_dtype: str = "e4m3fn",
+                               width: int | None = None, **_unused) -> torch.Tensor:
+    width = check_fp8_scorer(q_fp8, weights, kv_cache, query_start_loc, context_lens, block_table,
+                             row_ends, page_size, fp8_dtype, width)
+    d = q_fp8.shape[2]
     q = dequantize_fp8(q_fp8, fp8_dtype)
-    checks.finite("q_fp8 (decoded)", q)
 
     def read_keys(slots):
         vo, so = fp8_slot_offsets(slots, page_size, d, kv_cache.shape[1])

@@ -94,7 +94,7 @@ def check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, 
 def check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps,
                          compress_ratio, page_size, shuffle, rounding) -> "layout.Shuffle | None":
     """Every argument check of the MXFP4 K writer; returns the parsed shuffle."""
-    shuffle = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+    shuffle = layout.as_shuffle(shuffle)
     checks.choice("rounding", rounding, ROUNDING_PATHS)
     check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                         norm_eps, compress_ratio, page_size,

@@ -238,11 +238,10 @@ def nan_scale(name: str, scales: torch.Tensor) -> None:
         raise checks.NonFiniteInput(name, int(bad.sum()), bad.nonzero()[0].tolist())
 
 
-def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
-                                 block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
-                                 width: int | None = None, **_unused) -> torch.Tensor:
-    """The scorer's logits in fp64 (what the study and top-k use)."""
-    shuffle = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+def check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens, block_table,
+                       row_ends, page_size, shuffle, width):
+    """Every argument check of the MXFP4 scorer -> (parsed shuffle, head dim D, logits width)."""
+    shuffle = layout.as_shuffle(shuffle)
     dims = checks.Dims()
     dims.check("q_fp4", q_fp4, torch.uint8, ("Rw", "H", "D/2"))
     dims.check("q_scale", q_scale, torch.uint8, ("Rw", "H", "D/32"))
@@ -254,8 +253,16 @@ def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_star
     check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
                      page_size, layout.entry_bytes(d))
     layout.check_layout(page_size, d, shuffle)
-    width = check_width(width, block_table, page_size, row_ends)
     nan_scale("q_scale", q_scale)
+    return shuffle, d, check_width(width, block_table, page_size, row_ends)
+
+
+def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
+                                 block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
+                                 width: int | None = None, **_unused) -> torch.Tensor:
+    """The scorer's logits in fp64 (what the study and top-k use)."""
+    shuffle, d, width = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
+                                           context_lens, block_table, row_ends, page_size, shuffle, width)
     rw = q_fp4.shape[0]
     out = torch.full((rw, width), float("-inf"), dtype=torch.float64, device=q_fp4.device)
     qsl = query_start_loc.long().tolist()

@@ -6,19 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from reference import checks
-from reference.formats import FP8_FLAVOURS, ROUNDING_PATHS
-from reference.fp8 import entry_bytes
-from reference.k_writer import check_k_writer_args
+from reference.fp8 import check_fp8_k_writer, check_fp8_scorer, fp8_flavour
 from reference.q_quant import check_q_args
-from reference.scoring import check_paged_args, default_width
 
 from ..common import on_device, reject_hadamard
 from . import k_writer, q_quant, scoring
-
-
-def _flavour(fp8_dtype):
-    return checks.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
 
 
 def make_op(device: str):
@@ -26,12 +18,9 @@ def make_op(device: str):
                               norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
                               fp8_dtype: str = "e4m3fn", rounding: str = "rocm",
                               hadamard: bool = False) -> dict:
-        checks.choice("rounding", rounding, ROUNDING_PATHS)
-        _flavour(fp8_dtype)
         reject_hadamard(hadamard)
-        check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps,
-                            compress_ratio, page_size, k_dtypes=checks.FLOAT_DTYPES,
-                            entry_bytes=entry_bytes)
+        check_fp8_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps,
+                           compress_ratio, page_size, fp8_dtype, rounding)
         args, back = on_device(device, k, positions, cos_sin_cache, norm_weight, slot_mapping)
         out = kv_cache.to(device, copy=True)
         k_writer.launch(*args, out, norm_eps=norm_eps, compress_ratio=compress_ratio,
@@ -41,7 +30,7 @@ def make_op(device: str):
     def q_rope_fp8_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
                          fp8_dtype: str = "e4m3fn", hadamard: bool = False) -> dict:
         reject_hadamard(hadamard)
-        _flavour(fp8_dtype)
+        fp8_flavour(fp8_dtype)
         check_q_args(q, positions, cos_sin_cache, weights, weights_scale)
         (qd, pd, cd, wd), back = on_device(device, q, positions, cos_sin_cache, weights)
         v, s = q_quant.launch(qd, pd, cd, fp8_dtype=fp8_dtype)
@@ -52,14 +41,11 @@ def make_op(device: str):
     def paged_fp8_mqa_logits(*, q_fp8, weights, kv_cache, query_start_loc, context_lens, block_table,
                              row_ends, page_size: int = 64, fp8_dtype: str = "e4m3fn",
                              clean_logits: bool = False, width: int | None = None) -> dict:
-        _flavour(fp8_dtype)
-        dims = checks.Dims()
-        dims.check("q_fp8", q_fp8, torch.uint8, ("Rw", "H", "D"))
-        check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
-                         page_size, entry_bytes(q_fp8.shape[2]))
+        width = check_fp8_scorer(q_fp8, weights, kv_cache, query_start_loc, context_lens, block_table,
+                                 row_ends, page_size, fp8_dtype, width)
         (qv, w, kc, bt, ends), tiles, config, back = scoring.prepare(
             device, query_start_loc, row_ends, weights.shape[1], q_fp8, weights, kv_cache, block_table)
-        out = scoring.launch(qv, None, w, kc, bt, tiles, ends, width=width or default_width(block_table, page_size),
+        out = scoring.launch(qv, None, w, kc, bt, tiles, ends, width=width,
                              page_size=page_size, shuffle=None, clean_logits=clean_logits,
                              fp8_dtype=fp8_dtype, config=config)
         return {"logits": back(out, weights)}

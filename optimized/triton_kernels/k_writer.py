@@ -11,9 +11,8 @@ import triton
 import triton.language as tl
 
 from reference import layout
-from reference.formats import FP8_FLAVOURS, ROUNDING_PATHS
-from reference.k_writer import check_k_writer_args
-from reference import checks
+from reference.formats import FP8_FLAVOURS
+from reference.k_writer import check_mxfp4_k_writer
 
 from .interp import LAUNCH, bf16_round, widen_bf16
 from .numerics import (ROUNDING_CODES, SCALE_RULE_CODES, fp8_encode,
@@ -112,7 +111,7 @@ def launch(k, positions, cos_sin_cache, norm_weight, slot_mapping, out_cache, *,
     contraction left on), or "fast-norm+fma": what upstream kernels likely do."""
     t, d = k.shape
     r = cos_sin_cache.shape[1]
-    shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+    shuf = layout.as_shuffle(shuffle)
     fmax = FP8_FLAVOURS[fp8_dtype][1] if fp8_dtype else 448.0
     k_arg = k.contiguous().view(torch.int16) if k.dtype == torch.bfloat16 else k.contiguous()
     grid = (triton.cdiv(t, BT),)
@@ -136,15 +135,10 @@ def make_op(device: str):
                                 norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
                                 shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
                                 scale_rule: str = "ceil") -> dict:
-        shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
-        checks.choice("rounding", rounding, ROUNDING_PATHS)
         reject_hadamard(hadamard)
         scale_rule_code(scale_rule)
-        check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
-                            norm_eps, compress_ratio, page_size,
-                            k_dtypes=(torch.bfloat16,) if rounding != "cuda" else checks.FLOAT_DTYPES,
-                            entry_bytes=layout.entry_bytes)
-        layout.check_layout(page_size, k.shape[1], shuf)
+        shuf = check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
+                                    norm_eps, compress_ratio, page_size, shuffle, rounding)
         args, back = on_device(device, k, positions, cos_sin_cache, norm_weight, slot_mapping)
         out = kv_cache.to(device, copy=True)
         launch(*args, out, norm_eps=norm_eps, compress_ratio=compress_ratio, page_size=page_size,

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from reference import layout
-from reference.scoring import check_paged_args, default_width
+from reference.scoring import check_mxfp4_scorer
 
 from ..common import on_device
 from .interp import LAUNCH, mma_operand
@@ -148,7 +148,7 @@ def launch(q_vals, q_scales, weights, kv_cache, block_table, tiles, row_ends, *,
     if rw == 0 or width == 0:
         return out
     bm, bn, warps = config or (1, BN, 4)
-    shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
+    shuf = layout.as_shuffle(shuffle)
     n_tiles = tiles.shape[0]
     if nsplit is None:
         nsplit = max(1, min(triton.cdiv(width, bn), triton.cdiv(TARGET_PROGRAMS, n_tiles)))
@@ -175,20 +175,11 @@ def make_op(device: str):
     def paged_mxfp4_mqa_logits(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
                                block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
                                clean_logits: bool = False, width: int | None = None) -> dict:
-        from reference import checks
-        shuf = layout.as_shuffle(list(shuffle) if isinstance(shuffle, tuple) else shuffle)
-        dims = checks.Dims()
-        dims.check("q_fp4", q_fp4, torch.uint8, ("Rw", "H", "D/2"))
-        dims.check("q_scale", q_scale, torch.uint8, ("Rw", "H", "D/32"))
-        d = q_fp4.shape[2] * 2
-        if q_scale.shape[2] * 32 != d:
-            raise ValueError(f"q_scale: {q_scale.shape[2]} scale blocks do not match D={d} from q_fp4")
-        check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
-                         page_size, layout.entry_bytes(d))
-        layout.check_layout(page_size, d, shuf)
+        shuf, _, width = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
+                                            context_lens, block_table, row_ends, page_size, shuffle, width)
         (qv, qs, w, kc, bt, ends), tiles, config, back = prepare(
             device, query_start_loc, row_ends, weights.shape[1], q_fp4, q_scale, weights, kv_cache, block_table)
-        out = launch(qv, qs, w, kc, bt, tiles, ends, width=width or default_width(block_table, page_size),
+        out = launch(qv, qs, w, kc, bt, tiles, ends, width=width,
                      page_size=page_size, shuffle=shuf, clean_logits=clean_logits, config=config)
         return {"logits": back(out, weights)}
 
