@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,16 +11,8 @@ from safetensors.torch import save_file
 
 import reference
 from harness.dumps import OP_FIELDS, Dump, DumpError, OpRecord, read_dump, record_problem, write_dump
+from helpers import sample_path
 from reference.rope import cos_sin_cache
-
-_REPO = Path(__file__).resolve().parents[1]
-SAMPLES = next((str(p) for p in (_REPO.parent / "shared" / "samples", _REPO / "shared" / "samples")
-                if p.is_dir()), str(_REPO.parent / "shared" / "samples"))
-
-
-def need_samples():
-    if not Path(SAMPLES, "k_natural.safetensors").exists():
-        pytest.skip(f"samples not present under {SAMPLES}")
 
 
 def make_layer(seed: int = 0, *, shuffle=(32, 16, 2), page_size: int = 64, heads: int = 4,
@@ -122,9 +113,8 @@ def test_round_trip_every_op(tmp_path, layer):
 
 
 def test_samples_read(tmp_path):
-    need_samples()
     for name, op in (("k_natural", "k_norm_rope_mxfp4_cache"), ("pool_pro", "compress_pool")):
-        path = f"{SAMPLES}/{name}.safetensors"
+        path = sample_path(name)
         h = _sha(path)
         d = read_dump(path)
         assert list(d.ops) == [op]

@@ -2,7 +2,7 @@
 import torch
 
 import reference
-from conftest import load_sample
+from helpers import load_sample
 
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

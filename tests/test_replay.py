@@ -9,7 +9,8 @@ from harness.dumps import DumpError, OpRecord, read_dump, write_dump
 from harness.replay import record_op, replay_dump, replay_file, replay_op
 from optimized import Backend
 from reference import layout
-from test_dumps import SAMPLES, make_layer, need_samples
+from helpers import sample_path
+from test_dumps import make_layer
 
 EXACT = {"page_bytes_mismatched": 0, "page_bytes_outside_owned_changed": 0, "pooled_max_ulp": 0,
          "q_bytes_mismatched": 0, "q_scale_bytes_mismatched": 0, "weights_max_ulp": 0,
@@ -28,11 +29,10 @@ def dump_path(layer, tmp_path_factory):
 
 
 def test_samples_replay_exact():
-    need_samples()
-    (k,) = replay_file(f"{SAMPLES}/k_natural.safetensors")
+    (k,) = replay_file(sample_path("k_natural"))
     assert k.op == "k_norm_rope_mxfp4_cache" and k.metrics["page_bytes_mismatched"] == 0
     assert k.metrics["page_bytes_outside_owned_changed"] == 0 and k.findings == []
-    (p,) = replay_file(f"{SAMPLES}/pool_pro.safetensors")
+    (p,) = replay_file(sample_path("pool_pro"))
     assert p.op == "compress_pool" and p.metrics["pooled_max_ulp"] == 0
     assert p.metrics["pooled_rows_compared"] == 85 and p.ok(EXACT)
 

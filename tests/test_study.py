@@ -1,11 +1,11 @@
 """`mxval study`: the metrics mean what they say, and the known effects show."""
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
 
 from harness import study
+from helpers import sample_path
 
 QUICK = dict(heads=8, rows=4, needle_trials=4, context_tokens=[8192], needle_depths=[0.0, 0.5, 1.0])
 
@@ -101,14 +101,9 @@ def test_needle_margin_places_needles_around_the_kth_score(margin, kept):
     assert {n["kept_frac"] for n in res["needles"]} == {kept}
 
 
-SAMPLES = Path(__file__).resolve().parents[2] / "shared" / "samples"
-
-
-@pytest.mark.skipif(not (SAMPLES / "k_natural.safetensors").exists(), reason="shared samples not beside the repo")
 def test_study_of_a_captured_dump():
-    samples_dir = SAMPLES
     cfg = study.load_config("quick")
-    res = study.study_dump(str(samples_dir / "k_natural.safetensors"), cfg)
+    res = study.study_dump(str(sample_path("k_natural")), cfg)
     rows = {r["variant"]: r for r in res["rows"]}
     assert rows["exact"]["recall_mean"] == 1.0 and rows["exact"]["entries"] == 98
     assert rows["mxfp4+H-q-only"]["recall_mean"] < rows["mxfp4"]["recall_mean"] < 1.0
