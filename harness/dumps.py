@@ -1,4 +1,4 @@
-"""Captured dumps (`mxval-dump` version 1, ../shared/spec/DUMPS.md): strict reader and writer.
+"""Captured dumps (`mxval-dump` version 1, docs/spec/DUMPS.md): strict reader and writer.
 
 A dump is one safetensors file: tensors `<op>/in/<arg>` and `<op>/out/<name>`, and one
 metadata key `mxval` holding JSON (format, version, source, model, layer, step, and the
