@@ -441,13 +441,14 @@ def exit_status(results: list[Result]) -> int:
 
 
 def render(results: list[Result], sources: dict[str, Source], console) -> None:
+    from rich import box
     from rich.markup import escape
     from rich.table import Table
     for pkg, src in sources.items():
         console.print(escape(f"{pkg} {src.version}: {src.label}"))
-    table = Table(show_lines=False, header_style="bold")
+    table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
     for col in ("target", "found", "parameters (table vs upstream)", "returns", "verdict"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col, overflow="fold", no_wrap=col in ("target", "found"))
     style = {"bound": "green", "alternative": "dim", "not checked": "dim", "drift": "red", "missing": "red"}
     for r in results:
         t = r.target
