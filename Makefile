@@ -20,7 +20,7 @@ else
 endif
 MXVAL := $(PY) -m harness
 
-.PHONY: env test test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean
+.PHONY: env test test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
 
 env: $(ENV_STAMP)
 
@@ -58,6 +58,14 @@ bench-gpu: $(ENV_STAMP)
 
 study: $(ENV_STAMP)
 	$(MXVAL) study --report-dir reports/study
+
+# The adapters' and the capture hook's upstream targets (optimized/upstream.py) against a
+# vLLM release, read with ast: the wheel is downloaded once (no dependencies) into
+# ~/.cache/mxval/upstream. VLLM=VERSION picks the release (default: the newest the table
+# knows), AITER=DIR adds an aiter checkout.
+check-upstream: $(ENV_STAMP)
+	$(MXVAL) upstream fetch $(if $(VLLM),--vllm $(VLLM))
+	$(MXVAL) upstream check $(if $(VLLM),--vllm $(VLLM)) $(if $(AITER),--aiter $(AITER))
 
 clean:
 	rm -rf $(VENV) .mxval-env-system build *.egg-info

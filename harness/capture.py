@@ -32,12 +32,23 @@ indexer layer c % N of forward step c // N (layer = the indexer layer's ordinal,
 model layer number). Dumps are written when the context moves on, by flush(), and at exit,
 as `layer<L>_step<S>[_rank<R>].safetensors` (R from RANK or LOCAL_RANK under TP/DP).
 
-Targets. TARGETS lists (module, attribute, dump op, argument map); install() replaces each
-attribute with `wrap(fn, op, arg_map)` and rebinds every loaded module that imported the
-original by name. The argument maps follow the signatures of aiter@689b79d5/5677775a and
-vLLM@8e4f5df9 as read from their sources; for another version, pass your own targets:
-`install([Target(module, attr, op, ArgMap(...))])`. The pool is large: each captured K
-writer call clones it twice (choose few layers and steps).
+Targets. The hook wraps, per mxval op, the first upstream function of its list in
+`optimized.upstream` that is present (vLLM 0.33.0 first, then older layouts):
+
+    compress_pool            vLLM's pooling dispatcher (0.33.0) or its kernel launch (8e4f5df9)
+    k_norm_rope_mxfp4_cache  aiter's K writer          q_rope_mxfp4_quant  aiter's Q quant
+    paged_mxfp4_mqa_logits   aiter's scorer (row_ends or cu_ends generation)
+    topk                     vLLM's top-k choice (aiter's or its own kernel), else aiter's
+
+install() replaces each attribute, rebinds every loaded module that imported the original
+by name, and clears vLLM's cached look-up of aiter's K writer and Q quant, so it may run
+after the first call too (installing before vLLM imports its model code is still the way).
+A wrapper passes every attribute of what it wraps through (vLLM's dispatcher keeps
+`register_warmup`, `kernel`, ...). Calls that are not one of mxval's ops are passed through
+unrecorded, with one warning: DeepSeek-V4.1's candidate gather (`use_gather`), its
+block-score-only launches and the top-k over block scores, pooling without overlap. For
+another version, pass your own targets: `install([Target(module, attr, op, ArgMap(...))])`.
+The pool is large: each captured K writer call clones it twice (choose few layers and steps).
 """
 from __future__ import annotations
 
@@ -50,10 +61,13 @@ import re
 import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
+
+from optimized import upstream
 
 ENV_DIR = "MXVAL_CAPTURE_DIR"
 ENV_LAYERS = "MXVAL_CAPTURE_LAYERS"
@@ -105,11 +119,13 @@ class ArgMap:
     arguments (a dict of parameter name -> value, `__grid__` for Triton launches).
     outputs: dump name -> a parameter name (an out-argument, read after the call), or a
     function `(bound, result) -> tensor`. params: positional names, for callables without
-    an inspectable signature (Triton launchers)."""
+    an inspectable signature (Triton launchers). classify: None to record the call, or the
+    reason it is not this op (the call then passes unrecorded, with one warning)."""
     inputs: dict[str, Getter]
     outputs: dict[str, Union[str, Callable[[dict, Any], Any]]]
     scalars: dict[str, Any] = field(default_factory=dict)
     params: Optional[list[str]] = None
+    classify: Optional[Callable[[dict], Optional[str]]] = None   # -> why the call is not the op
 
 
 def _get(getter, bound: dict):
@@ -155,26 +171,35 @@ def _scorer_rows(bound: dict) -> int:
     return bound["q"].numel() // (bound["q"].shape[-1] * bound["q"].shape[-2])
 
 
+def _next_n(bound: dict) -> int:
+    """Rows per sequence of a batched launch (q [B, next_n, H, D/2])."""
+    return bound["q"].shape[1] if bound["q"].dim() == 4 else 1
+
+
 def _scorer_qsl(bound: dict) -> torch.Tensor:
     if bound.get("query_start_loc") is not None:
         return bound["query_start_loc"]
     b = bound["context_lens"].numel()
-    per = _scorer_rows(bound) // b                  # next_n rows per sequence
-    return torch.arange(b + 1, device=bound["q"].device, dtype=torch.int32) * per
+    return torch.arange(b + 1, device=bound["q"].device, dtype=torch.int32) * _next_n(bound)
 
 
 def _scorer_row_ends(bound: dict) -> torch.Tensor:
-    if bound.get("row_ends") is not None:
-        return bound["row_ends"]
-    per = _scorer_rows(bound) // bound["context_lens"].numel()
-    if per != 1:
-        raise ValueError("row_ends not passed and next_n > 1: the rows' bounds are not recorded")
-    return bound["context_lens"]
+    """row_ends (newer aiter) or cu_ends (older), else aiter's default: row n of sequence b
+    sees context_lens[b] - next_n + n + 1 entries."""
+    for name in ("row_ends", "cu_ends"):
+        if bound.get(name) is not None:
+            return bound[name]
+    if bound.get("query_start_loc") is not None:
+        raise ValueError("a varlen launch without row_ends: the rows' bounds are not recorded")
+    n = _next_n(bound)
+    cl = bound["context_lens"].long()
+    i = torch.arange(n, device=cl.device).repeat(cl.numel())
+    return (cl.repeat_interleave(n) - n + i + 1).clamp_min(0).to(torch.int32)
 
 
 def _scorer_logits(bound: dict, result):
     out = result[0] if isinstance(result, tuple) else result
-    if out is None:
+    if bound.get("out_logits") is not None:
         out = bound["out_logits"]
     return out.reshape(_scorer_rows(bound), -1)
 
@@ -186,6 +211,16 @@ def _scorer_shuffle(bound: dict):
     return choose_shuffle(bound["q"].shape[-1] * 2, bound["q"].shape[-2]).as_list()
 
 
+def _classify_scorer(bound: dict) -> Optional[str]:
+    if bound.get("use_gather"):
+        return "a candidate gather launch (use_gather, DeepSeek-V4.1) scores candidate slots, not the context"
+    if bound.get("calc_block_scores") and bound.get("block_scores") is not None:
+        _S.block_scores = weakref.ref(bound["block_scores"])   # the top-k over them is not mxval's
+    if bound.get("calc_logits") is False:
+        return "a block-score-only launch (calc_logits=False) writes no logits"
+    return None
+
+
 AITER_SCORER = ArgMap(
     inputs={"q_fp4": lambda b: b["q"].reshape(-1, *b["q"].shape[-2:]),
             "q_scale": lambda b: b["q_scales"].reshape(-1, *b["q_scales"].shape[-2:]),
@@ -194,15 +229,22 @@ AITER_SCORER = ArgMap(
             "context_lens": "context_lens", "block_table": "block_table", "row_ends": _scorer_row_ends},
     outputs={"logits": _scorer_logits},
     scalars={"page_size": lambda b: int(b["kv_cache"].shape[1]), "shuffle": _scorer_shuffle,
-             "clean_logits": lambda b: bool(b["clean_logits"])})
+             "clean_logits": lambda b: bool(b["clean_logits"])},
+    classify=_classify_scorer)
 
 
-def _pool_state(b: dict) -> torch.Tensor:
+def _pool_rows(s: torch.Tensor, d: int, sw: int) -> torch.Tensor:
     """vLLM's state rows hold kv (2D) at 0 and scores (2D) at STATE_WIDTH: the dump's row is
     [kv_a | kv_b | score_a | score_b]."""
-    s, d, sw = b["state_cache"], b["HEAD_SIZE"], b["STATE_WIDTH"]
     rows = s.reshape(s.shape[0], s.shape[1], -1)
     return torch.cat((rows[..., :2 * d], rows[..., sw:sw + 2 * d]), -1).float()
+
+
+def _no_overlap(ratio, overlap) -> Optional[str]:
+    if not overlap or int(ratio) != 4:
+        return (f"pooling at ratio {int(ratio)} without overlap is not mxval's compress_pool "
+                "(the overlap pooling of the ratio-4 indexer)")
+    return None
 
 
 def _grid_tokens(b: dict) -> int:
@@ -210,16 +252,82 @@ def _grid_tokens(b: dict) -> int:
     return int(g[0] if isinstance(g, (tuple, list)) else g)
 
 
+def _launch_params(key: str) -> list[str]:
+    return list(upstream.target(key).bound_params())
+
+
+# 0.33.0: compress_pool(state_cache, token_to_req_indices, positions, kv_slot_mapping,
+# block_table, block_size, pooled_k, state_width, compress_ratio, overlap), T = pooled_k rows
 VLLM_COMPRESS_POOL = ArgMap(
-    params=["state_cache", "state_cache_stride0", "state_cache_stride1", "token_to_req_indices",
-            "positions", "kv_slot_mapping", "block_table", "block_table_stride", "block_size", "out",
-            "out_stride"],
-    inputs={"state_cache": _pool_state, "block_table": "block_table",
-            "positions": lambda b: b["positions"][:_grid_tokens(b)],
-            "req_index": lambda b: b["token_to_req_indices"][:_grid_tokens(b)],
-            "kv_slot_mapping": lambda b: b["kv_slot_mapping"][:_grid_tokens(b)]},
-    outputs={"pooled": lambda b, r: b["out"][:_grid_tokens(b)]},
-    scalars={"compress_ratio": lambda b: int(b["COMPRESS_RATIO"])})
+    params=_launch_params("vllm.rocm.compress_pool"),
+    inputs={"state_cache": lambda b: _pool_rows(b["state_cache"], b["pooled_k"].shape[1], int(b["state_width"])),
+            "block_table": "block_table",
+            "positions": lambda b: b["positions"][:b["pooled_k"].shape[0]],
+            "req_index": lambda b: b["token_to_req_indices"][:b["pooled_k"].shape[0]],
+            "kv_slot_mapping": lambda b: b["kv_slot_mapping"][:b["pooled_k"].shape[0]]},
+    outputs={"pooled": "pooled_k"},
+    scalars={"compress_ratio": lambda b: int(b["compress_ratio"])},
+    classify=lambda b: _no_overlap(b["compress_ratio"], b["overlap"]))
+
+# 8e4f5df9: _compress_pool_kernel[(T,)](state_cache_ptr, ..., out_ptr, out_stride, HEAD_SIZE=, ...)
+VLLM_COMPRESS_POOL_KERNEL = ArgMap(
+    params=_launch_params("vllm.rocm.compress_pool@8e4f5df9"),
+    inputs={"state_cache": lambda b: _pool_rows(b["state_cache_ptr"], int(b["HEAD_SIZE"]), int(b["STATE_WIDTH"])),
+            "block_table": "block_table_ptr",
+            "positions": lambda b: b["positions_ptr"][:_grid_tokens(b)],
+            "req_index": lambda b: b["token_to_req_indices_ptr"][:_grid_tokens(b)],
+            "kv_slot_mapping": lambda b: b["kv_slot_mapping_ptr"][:_grid_tokens(b)]},
+    outputs={"pooled": lambda b, r: b["out_ptr"][:_grid_tokens(b)]},
+    scalars={"compress_ratio": lambda b: int(b["COMPRESS_RATIO"])},
+    classify=lambda b: _no_overlap(b["COMPRESS_RATIO"], b["OVERLAP"]))
+
+
+def _classify_topk(logits) -> Optional[str]:
+    ref = _S.block_scores
+    if ref is not None and ref() is logits:
+        return "a top-k over block scores (DeepSeek-V4.1's candidate blocks) is not the indexer's top-k"
+    return None
+
+
+# vLLM's _topk(logits, lengths, out, k): whichever kernel vLLM picks, -1 padded
+VLLM_TOPK = ArgMap(
+    inputs={"logits": "logits", "lengths": lambda b: b["lengths"].reshape(-1)},
+    outputs={"indices": "out"}, scalars={"k": lambda b: int(b["k"])},
+    classify=lambda b: _classify_topk(b["logits"]))
+
+
+def _aiter_topk_lengths(b: dict) -> torch.Tensor:
+    n, rows, seq = int(b["next_n"]), int(b["numRows"]), b["seqLens"]
+    if n == 1:
+        return seq.reshape(-1)[:rows]
+    r = torch.arange(rows, device=seq.device)
+    return (seq.long()[r // n] - n + r % n + 1).clamp_min(0).to(torch.int32)
+
+
+# aiter's top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1, k)
+AITER_TOPK = ArgMap(
+    inputs={"logits": lambda b: b["logits"][:int(b["numRows"])], "lengths": _aiter_topk_lengths},
+    outputs={"indices": lambda b, r: b["indices"][:int(b["numRows"])]}, scalars={"k": lambda b: int(b["k"])},
+    classify=lambda b: _classify_topk(b["logits"]))
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One mxval op and, in order, the upstream table keys it may be reached through."""
+    op: str
+    maps: tuple[tuple[str, ArgMap], ...]
+
+
+HOOKS = (
+    Hook("compress_pool", (("vllm.rocm.compress_pool", VLLM_COMPRESS_POOL),
+                           ("vllm.rocm.compress_pool@8e4f5df9", VLLM_COMPRESS_POOL_KERNEL))),
+    Hook("k_norm_rope_mxfp4_cache", (("aiter.k_writer", AITER_K_WRITER),)),
+    Hook("q_rope_mxfp4_quant", (("aiter.q_quant", AITER_Q_QUANT),)),
+    Hook("paged_mxfp4_mqa_logits", (("aiter.scorer", AITER_SCORER),)),     # both generations
+    Hook("topk", (("vllm.ops.topk", VLLM_TOPK), ("aiter.topk", AITER_TOPK))),
+)
+# functools caches in vLLM that hold aiter functions fetched at their first call
+CACHED_LOOKUPS = ("vllm.ops.aiter_cache_ops",)
 
 
 @dataclass(frozen=True)
@@ -231,16 +339,16 @@ class Target:
     launcher: bool = False            # a Triton kernel launched as kernel[grid](...)
 
 
-TARGETS = [
-    Target("vllm.models.deepseek_v4.amd.mxfp4_indexer", "_compress_pool_kernel", "compress_pool",
-           VLLM_COMPRESS_POOL, launcher=True),
-    Target("aiter.ops.triton.fusions.k_norm_rope_mxfp4_cache", "k_norm_rope_mxfp4_cache",
-           "k_norm_rope_mxfp4_cache", AITER_K_WRITER),
-    Target("aiter.ops.triton.rope.q_rope_mxfp4_quant", "q_rope_mxfp4_quant", "q_rope_mxfp4_quant",
-           AITER_Q_QUANT),
-    Target("aiter.ops.triton.attention.pa_mqa_logits_mxfp4", "paged_mxfp4_mqa_logits",
-           "paged_mxfp4_mqa_logits", AITER_SCORER),
-]
+def _targets_of(hook: Hook) -> tuple[Target, ...]:
+    out = []
+    for key, amap in hook.maps:
+        t = upstream.target(key)
+        out += [Target(m, t.name, hook.op, amap, launcher=t.kind == "triton_jit") for m in t.modules]
+    return tuple(out)
+
+
+# per op, its alternatives: install() wraps the first one that imports
+TARGETS: list[tuple[Target, ...]] = [_targets_of(h) for h in HOOKS]
 
 
 # --- state --------------------------------------------------------------------------------
@@ -276,6 +384,7 @@ class _State:
         self.rebound: list[tuple[Any, str, Any]] = []
         self.written: list[str] = []
         self.warned: set[str] = set()
+        self.block_scores = None              # weakref to the last scorer call's block scores
 
 
 _S = _State()
@@ -409,12 +518,36 @@ def _binder(fn, arg_map: ArgMap):
     return bind
 
 
+class _Wrapped:
+    """Stands in for a callable object (vLLM's kernel dispatcher, a functools cache, ...):
+    calls go through the capture, every attribute and `[...]` reach the original."""
+
+    def __init__(self, wrapped, call, op: str):
+        functools.update_wrapper(self, wrapped, updated=())
+        self._mxval_call = call
+        self.__mxval_capture__ = op
+
+    def __call__(self, *args, **kwargs):
+        return self._mxval_call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name == "__wrapped__":
+            raise AttributeError(name)
+        return getattr(self.__wrapped__, name)
+
+    def __getitem__(self, key):
+        return self.__wrapped__[key]
+
+    def __repr__(self) -> str:
+        return f"<mxval capture of {self.__wrapped__!r}>"
+
+
 def wrap(fn: Callable, op: str, arg_map: ArgMap, *, extra: Optional[Callable[[], dict]] = None) -> Callable:
     """`fn` with capture around it. The call itself is `fn(*args, **kwargs)`, unchanged; the
-    capture only ever reads (clones) the arguments and the result."""
+    capture only ever reads (clones) the arguments and the result. A plain function gets a
+    function (functools.wraps); any other callable an object that passes its attributes on."""
     bind = _binder(fn, arg_map)
 
-    @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with _S.lock:
             key = _active(op)
@@ -424,6 +557,10 @@ def wrap(fn: Callable, op: str, arg_map: ArgMap, *, extra: Optional[Callable[[],
             bound = bind(args, kwargs)
             if extra is not None:
                 bound.update(extra())
+            why = arg_map.classify(bound) if arg_map.classify is not None else None
+            if why:
+                _warn_once(f"skip:{op}:{why}", f"{op}: {why}; passed through, not recorded")
+                return fn(*args, **kwargs)
             ins = {name: _clone(_get(g, bound)) for name, g in arg_map.inputs.items()}
             scalars = {name: (_get(g, bound) if callable(g) or isinstance(g, str) and g in bound else g)
                        for name, g in arg_map.scalars.items()}
@@ -444,8 +581,11 @@ def wrap(fn: Callable, op: str, arg_map: ArgMap, *, extra: Optional[Callable[[],
             _warn_once(f"out:{op}", f"{op}: cannot read the call's outputs ({type(e).__name__}: {e}); not captured")
         return result
 
-    wrapper.__mxval_capture__ = op
-    return wrapper
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        wrapper = functools.wraps(fn)(wrapper)
+        wrapper.__mxval_capture__ = op
+        return wrapper
+    return _Wrapped(fn, wrapper, op)
 
 
 class _Launcher:
@@ -472,11 +612,24 @@ def wrap_launcher(kernel, op: str, arg_map: ArgMap) -> _Launcher:
 REBIND_PREFIXES = ("vllm", "aiter")
 
 
-def install(targets: Optional[list[Target]] = None, *, quiet: bool = False,
+def _clear_cached_lookups() -> None:
+    """vLLM fetches aiter's K writer and Q quant once, through a functools cache: clear it so
+    the next call fetches the attribute as it is now (wrapped, or restored)."""
+    for key in CACHED_LOOKUPS:
+        t = upstream.target(key)
+        for mname in t.modules:
+            fn = getattr(sys.modules.get(mname), t.name, None)
+            if hasattr(fn, "cache_clear"):
+                fn.cache_clear()
+
+
+def install(targets: Optional[list] = None, *, quiet: bool = False,
             rebind_prefixes: tuple = REBIND_PREFIXES) -> list[str]:
     """Wrap every importable target when MXVAL_CAPTURE_DIR is set (else do nothing).
-    Returns the `module.attr` names wrapped; targets that cannot be imported are skipped.
-    Loaded modules under `rebind_prefixes` that imported a target by name get the wrapper too."""
+    `targets`: Targets, or tuples of alternative Targets of which the first that imports is
+    wrapped (default: TARGETS, read from optimized.upstream). Returns the `module.attr`
+    names wrapped; targets that cannot be imported are skipped. Loaded modules under
+    `rebind_prefixes` that imported a target by name get the wrapper too."""
     cfg = _Config.from_env()
     if cfg.directory is None:
         return []
@@ -485,12 +638,19 @@ def install(targets: Optional[list[Target]] = None, *, quiet: bool = False,
     with _S.lock:
         _S.config = cfg
         _S.written = []
-        for t in TARGETS if targets is None else targets:
-            try:
-                mod = importlib.import_module(t.module)
-                orig = getattr(mod, t.attr)
-            except Exception as e:
-                skipped.append(f"{t.module}.{t.attr} ({type(e).__name__})")
+        for alts in TARGETS if targets is None else targets:
+            alts = alts if isinstance(alts, (tuple, list)) else (alts,)
+            tried = []
+            for t in alts:
+                try:
+                    mod = importlib.import_module(t.module)
+                    orig = getattr(mod, t.attr)
+                except Exception as e:
+                    tried.append(f"{t.module}.{t.attr} ({type(e).__name__})")
+                    continue
+                break
+            else:
+                skipped.append(" or ".join(dict.fromkeys(tried)) if tried else "?")
                 continue
             if getattr(orig, "__mxval_capture__", None):
                 continue
@@ -506,6 +666,7 @@ def install(targets: Optional[list[Target]] = None, *, quiet: bool = False,
                         setattr(m, name, new)
                         _S.rebound.append((m, name, orig))
             done.append(f"{t.module}.{t.attr}")
+        _clear_cached_lookups()
     if not _S.__dict__.get("atexit"):
         atexit.register(flush)
         _S.atexit = True
@@ -525,6 +686,8 @@ def uninstall() -> None:
             setattr(mod, name, orig)
         _S.installed.clear()
         _S.rebound.clear()
+        _clear_cached_lookups()
+        _S.block_scores = None
         _S.config = None
         _S.layer = _S.step = None
         _S.explicit = False

@@ -19,7 +19,7 @@ from typing import Optional
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 # Subcommands other modules add: `add_parser(subparsers)` and `run(args) -> int`.
-PLUGIN_COMMANDS = ("selftest", "study")
+PLUGIN_COMMANDS = ("selftest", "study", "upstream_cmd")
 
 
 class UsageError(ValueError):
@@ -329,7 +329,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                 raise
             continue
         mod.add_parser(sub)
-        run[name] = mod.run
+        run[getattr(mod, "COMMAND", name)] = mod.run
     return ap, run
 
 

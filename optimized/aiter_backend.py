@@ -1,20 +1,24 @@
 """Adapter: aiter's ROCm ops (gfx950) behind the mxval backend interface.
 
 Thin by design: arguments are checked with the reference's own checks, moved to the GPU,
-and mapped onto aiter's signatures (looked up in aiter's public source; nothing copied):
+and mapped onto aiter's signatures, which `optimized.upstream` pins (keys below; `mxval
+upstream check --aiter DIR` compares them with a checkout):
 
-    k_norm_rope_mxfp4_cache(k, positions, cos_sin_cache, norm_weight, norm_eps, kv_cache,
-                            slot_mapping, compress_ratio, shuffle)       -> None, in place
-    q_rope_mxfp4_quant(q, positions, cos_sin_cache, weights, weights_scale)
-                                                     -> (q_fp4, q_scale, weights)
-    paged_mxfp4_mqa_logits(q [B, next_n, H, D/2], q_scales, kv_cache [P, ps, 1, 68],
-                           weights, context_lens, block_table, max_model_len,
-                           out_logits=, clean_logits=, preshuffle=, cu_ends=) -> logits
-    top_k_per_row_decode(logits, next_n, seq_lens, indices, num_rows, stride0, stride1, k)
+    aiter.k_writer  (k, positions, cos_sin_cache, norm_weight, norm_eps, kv_cache,
+                     slot_mapping, compress_ratio, shuffle) -> None, the pool in place
+    aiter.q_quant   (q, positions, cos_sin_cache, weights, weights_scale)
+                     -> (q_fp4, q_scale u8 [T, H, D/32], weights)
+    aiter.scorer    two API generations, told apart by the signature at call time:
+                     row_ends: one varlen launch, q [Rw, H, D/2] with query_start_loc= and
+                               row_ends= (what vLLM launches per prefill chunk);
+                     cu_ends:  q [B, next_n, H, D/2] per run of equal row counts, cu_ends=
+    aiter.topk      (logits, next_n, seqLens, indices, numRows, stride0, stride1, k)
 
 The pool is cloned first (the mxval op returns a new pool; aiter writes in place).
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -24,17 +28,32 @@ from reference.q_quant import check_q_args
 from reference.scoring import check_mxfp4_scorer
 from reference.topk import check_topk_args
 
-from . import Backend
-from .common import (equal_row_groups, import_reason, on_device, paged_view, require_production,
+from . import Backend, BackendUnavailable, upstream
+from .common import (equal_row_groups, import_targets, on_device, paged_view, require_production,
                      rocm_gfx950_reason)
 
 NAME = "aiter"
 FUNCTIONS = {
-    "k_norm_rope_mxfp4_cache": "aiter.ops.triton.fusions.k_norm_rope_mxfp4_cache:k_norm_rope_mxfp4_cache",
-    "q_rope_mxfp4_quant": "aiter.ops.triton.rope.q_rope_mxfp4_quant:q_rope_mxfp4_quant",
-    "paged_mxfp4_mqa_logits": "aiter.ops.triton.attention.pa_mqa_logits_mxfp4:paged_mxfp4_mqa_logits",
-    "topk": "aiter:top_k_per_row_decode",
+    "k_norm_rope_mxfp4_cache": "aiter.k_writer",
+    "q_rope_mxfp4_quant": "aiter.q_quant",
+    "paged_mxfp4_mqa_logits": "aiter.scorer",
+    "topk": "aiter.topk",
 }
+
+
+def scorer_generation(fn) -> upstream.Target:
+    """The table entry of aiter's scorer that `fn`'s signature binds (row_ends before cu_ends)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError) as e:
+        raise BackendUnavailable(f"aiter's paged_mxfp4_mqa_logits: signature unreadable ({e})") from None
+    for t in upstream.group("aiter.scorer"):
+        if all(p in params for p in t.bound_params()):
+            return t
+    need = "; ".join("/".join(n for n in t.keyword() if n in ("row_ends", "query_start_loc", "cu_ends"))
+                     for t in upstream.group("aiter.scorer"))
+    raise BackendUnavailable(f"aiter's paged_mxfp4_mqa_logits has none of the parameters mxval binds ({need}): "
+                             "an API generation mxval does not know (run `mxval upstream check --aiter DIR`)")
 
 
 def make_ops(fn: dict, device: str = "cuda") -> dict:
@@ -79,19 +98,25 @@ def make_ops(fn: dict, device: str = "cuda") -> dict:
             if shuf is not None and shuf != layout.choose_shuffle(d, h):
                 raise ValueError(f"shuffle: aiter's scorer reads {layout.choose_shuffle(d, h).as_list()} "
                                  f"pages for H={h}, D={d}; got {shuf.as_list()}")
-            (qv, qs, w, kc, bt, cl, ends), back = on_device(device, q_fp4, q_scale, weights, kv_cache,
-                                                            block_table, context_lens, row_ends)
+            (qv, qs, w, kc, bt, cl, ends, qsl), back = on_device(device, q_fp4, q_scale, weights, kv_cache,
+                                                                 block_table, context_lens, row_ends,
+                                                                 query_start_loc)
             fill = float("-inf") if clean_logits else 0.0
             out = torch.full((rw, width), fill, dtype=torch.float32, device=device)
             pages = paged_view(kc, page_size, layout.entry_bytes(d))
-            for s0, s1, r0, n in equal_row_groups(query_start_loc):
-                r1 = r0 + (s1 - s0) * n
-                fn["paged_mxfp4_mqa_logits"](
-                    qv[r0:r1].reshape(s1 - s0, n, h, tb), qs[r0:r1].reshape(s1 - s0, n, h, d // 32), pages,
-                    w[r0:r1].contiguous(), cl[s0:s1].to(torch.int32).contiguous(),
-                    bt[s0:s1].to(torch.int32).contiguous(), width, out_logits=out[r0:r1],
-                    clean_logits=clean_logits, preshuffle=int(shuf is not None),
-                    cu_ends=ends[r0:r1].to(torch.int32).contiguous())
+            scorer = fn["paged_mxfp4_mqa_logits"]
+            common = dict(clean_logits=clean_logits, preshuffle=int(shuf is not None))
+            i32 = lambda t: t.to(torch.int32).contiguous()
+            if scorer_generation(scorer).key == "aiter.scorer":
+                if rw:
+                    scorer(qv.contiguous(), qs.contiguous(), pages, w.contiguous(), i32(cl), i32(bt), width,
+                           out_logits=out, row_ends=i32(ends), query_start_loc=i32(qsl), **common)
+            else:
+                for s0, s1, r0, n in equal_row_groups(query_start_loc):
+                    r1 = r0 + (s1 - s0) * n
+                    scorer(qv[r0:r1].reshape(s1 - s0, n, h, tb), qs[r0:r1].reshape(s1 - s0, n, h, d // 32),
+                           pages, w[r0:r1].contiguous(), i32(cl[s0:s1]), i32(bt[s0:s1]), width,
+                           out_logits=out[r0:r1], cu_ends=i32(ends[r0:r1]), **common)
             return {"logits": back(out, weights)}
         ops["paged_mxfp4_mqa_logits"] = paged_mxfp4_mqa_logits
 
@@ -101,9 +126,16 @@ def make_ops(fn: dict, device: str = "cuda") -> dict:
             if logits.dtype != torch.float32:
                 raise ValueError(f"logits: aiter's top-k takes float32, got {str(logits.dtype)[6:]}")
             (x, ln), back = on_device(device, logits, lengths)
-            idx = torch.empty(x.shape[0], k, dtype=torch.int32, device=device)
-            # next_n = 1 and seq_lens = the row lengths: row r sees [0, lengths[r])
-            fn["topk"](x, 1, ln.to(torch.int32).contiguous(), idx, x.shape[0], x.stride(0), x.stride(1), k)
+            rows, width = x.shape
+            idx = torch.full((rows, k), -1, dtype=torch.int32, device=device)
+            if width < k:
+                # vLLM never hands aiter's kernel rows narrower than k (it takes its own
+                # kernel then); such rows are all shorter than k, so -inf columns change
+                # nothing but give the kernel the shape it is used at.
+                x = torch.cat((x, x.new_full((rows, k - width), float("-inf"))), dim=1)
+            # next_n = 1 and seqLens = the row lengths: row r sees [0, lengths[r])
+            if rows:
+                fn["topk"](x, 1, ln.to(torch.int32).contiguous(), idx, rows, x.stride(0), x.stride(1), k)
             return {"indices": back(idx, logits)}
         ops["topk"] = topk
 
@@ -112,7 +144,7 @@ def make_ops(fn: dict, device: str = "cuda") -> dict:
 
 def make_backend() -> Backend:
     desc = "aiter's ROCm ops (K writer, Q quant, paged MXFP4 scorer, top-k), gfx950"
-    fn, missing = import_reason(FUNCTIONS)
+    fn, _, missing = import_targets(FUNCTIONS)
     platform = rocm_gfx950_reason()
     reason = "; ".join(missing + ([platform] if platform else [])) or None
     if reason:

@@ -37,21 +37,39 @@ def scale_rule_code(scale_rule: str) -> str:
 
 # --- the ROCm adapters (aiter, vLLM) -----------------------------------------------------
 
-def import_reason(modules: dict[str, str]) -> tuple[dict, list[str]]:
-    """Import `{label: "module:attr"}`; -> (found functions, one line per missing one)."""
+def import_targets(keys: dict[str, str]) -> tuple[dict, dict, list[str]]:
+    """`{label: upstream table key}` -> ({label: object}, {label: the Target that resolved},
+    one line per missing one). A key's alternatives (`key@...`) and alt_modules are tried in
+    table order; the first present wins."""
     import importlib
-    found, missing = {}, []
-    for label, spec in modules.items():
-        mod, attr = spec.split(":")
-        try:
-            found[label] = getattr(importlib.import_module(mod), attr)
-        except ModuleNotFoundError as e:   # name the package that is missing, once
-            missing.append(f"{e.name or mod} is not importable (ModuleNotFoundError: {e})")
-        except ImportError as e:
-            missing.append(f"{mod} is not importable (ImportError: {e})")
-        except AttributeError:
-            missing.append(f"{mod} has no {attr}")
-    return found, list(dict.fromkeys(missing))
+    from . import upstream
+    found, which, missing = {}, {}, []
+    for label, key in keys.items():
+        problems = []
+        for t in upstream.group(key):
+            for mod in t.modules:
+                try:
+                    obj = getattr(importlib.import_module(mod), t.name.split(".")[0])
+                except ModuleNotFoundError as e:
+                    top = (e.name or mod).split(".")[0]
+                    problems.append(f"{top} is not importable (ModuleNotFoundError: {e})" if top == t.package
+                                    and e.name == top else f"{mod} is not importable (ModuleNotFoundError: {e})")
+                    continue
+                except ImportError as e:
+                    problems.append(f"{mod} is not importable (ImportError: {e})")
+                    continue
+                except AttributeError:
+                    problems.append(f"{mod} has no {t.name}")
+                    continue
+                found[label], which[label] = obj, t
+                break
+            if label in found:
+                break
+        if label not in found:
+            pkg = upstream.group(key)[0].package
+            whole = next((p for p in problems if p.startswith(f"{pkg} is not importable")), None)
+            missing.append(whole or f"{key}: " + "; ".join(dict.fromkeys(problems)))
+    return found, which, list(dict.fromkeys(missing))
 
 
 def rocm_gfx950_reason() -> str | None:

@@ -1,23 +1,21 @@
-"""Adapter: vLLM's DeepSeek-V4 ROCm indexer path (pooling kernel, K store, Q quant) with
-aiter's scorer and top-k (what vLLM calls on ROCm), behind the mxval interface.
+"""Adapter: vLLM's DeepSeek-V4 ROCm indexer path (pooling, K store, Q quant, top-k) with
+aiter's scorer (what vLLM calls on ROCm), behind the mxval interface.
 
-Signatures looked up in vLLM's public source (nothing copied):
+The functions are pinned in `optimized.upstream` (`mxval upstream check` compares them
+with a vLLM release):
 
-    _compress_pool_kernel[(T,)](state_cache, stride0, stride1, token_to_req_indices,
-        positions, kv_slot_mapping, block_table, block_table_stride, block_size, out,
-        out_stride, HEAD_SIZE=, STATE_WIDTH=, COMPRESS_RATIO=, OVERLAP=)  (bf16 rows)
-    rocm_mxfp4_indexer_k_store(k, positions, cos_sin_cache, norm_weight, eps, kv_cache,
-        slot_mapping, compress_ratio, use_fp4_cache, num_heads=)       -> None, in place
-    rocm_mxfp4_indexer_q_quant(positions, q, cos_sin_cache, weights, softmax_scale,
-        head_scale) -> ((q_fp4, q_scale), weights)
-
-The pooling kernel lives in vLLM's DeepSeek-V4 ROCm model file, whose module path has
-moved between versions: the candidates below are tried in order, and
-MXVAL_VLLM_POOL_MODULE names another.
+    vllm.rocm.compress_pool  the pooling dispatcher of 0.33.0: (state_cache,
+        token_to_req_indices, positions, kv_slot_mapping, block_table, block_size,
+        pooled_k, state_width, compress_ratio, overlap), one program per pooled_k row;
+        at 8e4f5df9 the kernel itself, launched kernel[(T,)](...)
+    vllm.ops.k_store  (k, positions, cos_sin_cache, norm_weight, eps, kv_cache,
+        slot_mapping, compress_ratio, use_fp4_cache, *, num_heads) -> None, in place
+    vllm.ops.q_quant  (positions, q, cos_sin_cache, weights, softmax_scale, head_scale)
+        -> ((q_fp4, q_scale as one int32 per head [T, H]), weights)
+    vllm.ops.topk  (logits, lengths, out, k): vLLM's own choice of top-k kernel
+        (aiter's or torch.ops._C's, by shape), so the adapter runs what vLLM runs
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -26,30 +24,26 @@ from reference.formats import ROUNDING_PATHS
 from reference.k_writer import check_mxfp4_k_writer
 from reference.pooling import _check as check_pool_args
 from reference.q_quant import check_q_args
+from reference.topk import check_topk_args
 from reference import checks
 
 from . import Backend, aiter_backend
-from .common import import_reason, on_device, paged_view, require_production, rocm_gfx950_reason
+from .common import import_targets, on_device, paged_view, require_production, rocm_gfx950_reason
 
 NAME = "vllm"
-OPS_MODULE = "vllm.v1.attention.ops.rocm_paged_mxfp4_indexer"
-POOL_MODULES = ("vllm.models.deepseek_v4.rocm_mxfp4_indexer",
-                "vllm.model_executor.models.deepseek_v4.rocm_mxfp4_indexer",
-                "vllm.models.deepseek_v4.rocm_paged_mxfp4_indexer")
 FUNCTIONS = {
-    "k_store": f"{OPS_MODULE}:rocm_mxfp4_indexer_k_store",
-    "q_quant": f"{OPS_MODULE}:rocm_mxfp4_indexer_q_quant",
+    "pool": "vllm.rocm.compress_pool",
+    "k_store": "vllm.ops.k_store",
+    "q_quant": "vllm.ops.q_quant",
+    "topk": "vllm.ops.topk",
 }
+AITER_FUNCTIONS = {"paged_mxfp4_mqa_logits": aiter_backend.FUNCTIONS["paged_mxfp4_mqa_logits"]}
+OPTIONAL = ("topk",)               # a layout without vLLM's top-k still serves the other ops
 
-
-def _find_pool_kernel():
-    mods = ([os.environ["MXVAL_VLLM_POOL_MODULE"]] if os.environ.get("MXVAL_VLLM_POOL_MODULE")
-            else list(POOL_MODULES))
-    fn, missing = import_reason({m: f"{m}:_compress_pool_kernel" for m in mods})
-    if fn:
-        return next(iter(fn.values())), None
-    return None, ("vLLM's _compress_pool_kernel not found (tried " + ", ".join(mods)
-                  + "; set MXVAL_VLLM_POOL_MODULE)")
+# The compressor overlaps windows only at ratio 4 (`overlap = compress_ratio == 4`), where a
+# state row holds [kv (2D) | score (2D)]; at other ratios it pools r rows of [kv | score] (D
+# each), a different computation from mxval's compress_pool.
+POOL_OVERLAP_RATIO = 4
 
 
 def heads_for_shuffle(shuffle, head_dim: int) -> int:
@@ -62,8 +56,21 @@ def heads_for_shuffle(shuffle, head_dim: int) -> int:
                      f"([32, 16, 2] or [16, 16, 4] at D=128), got {shuffle and shuffle.as_list()}")
 
 
-def make_ops(fn: dict, device: str = "cuda") -> dict:
-    """mxval ops over vLLM's `fn` ("pool", "k_store", "q_quant") plus aiter's scorer/top-k."""
+def scale_bytes(q_scale: torch.Tensor, q_fp4: torch.Tensor) -> torch.Tensor:
+    """vLLM's Q quant hands back each head's D/32 e8m0 scales as one int32, [T, H] (and
+    views it back to bytes before scoring): the same bytes as u8 [T, H, D/32]."""
+    t, h = q_fp4.shape[:2]
+    if q_scale.dtype == torch.uint8 and q_scale.dim() == 3:
+        return q_scale
+    if q_scale.dtype != torch.int32 or tuple(q_scale.shape) != (t, h):
+        raise ValueError(f"q_scale: vLLM's Q quant returned {str(q_scale.dtype)[6:]} {list(q_scale.shape)}, "
+                         f"expected int32 [{t}, {h}] (optimized.upstream: vllm.ops.q_quant)")
+    return q_scale.contiguous().view(torch.uint8).view(t, h, -1)
+
+
+def make_ops(fn: dict, device: str = "cuda", *, pool_kind: str = "function") -> dict:
+    """mxval ops over vLLM's `fn` (FUNCTIONS labels) plus aiter's scorer. `pool_kind`:
+    "function" for the 0.33.0 dispatcher, "triton_jit" for the 8e4f5df9 kernel."""
     ops = {}
 
     if "pool" in fn:
@@ -72,14 +79,22 @@ def make_ops(fn: dict, device: str = "cuda") -> dict:
             checks.choice("rounding", rounding, ROUNDING_PATHS)
             require_production(rounding=rounding, who="vLLM's ROCm pooling kernel")
             check_pool_args(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio)
+            if compress_ratio != POOL_OVERLAP_RATIO:
+                raise ValueError(f"compress_ratio: vLLM's compressor pools overlapping windows only at ratio "
+                                 f"{POOL_OVERLAP_RATIO}; at {compress_ratio} it computes another pooling than "
+                                 "mxval's compress_pool (use the reference or triton backend)")
             (sc, bt, pos, req, slots), back = on_device(device, state_cache, block_table, positions,
                                                         req_index, kv_slot_mapping)
             t, d = positions.shape[0], state_cache.shape[-1] // 4
+            overlap = compress_ratio == POOL_OVERLAP_RATIO
+            state_width = state_cache.shape[-1] // 2      # kv then score, as the compressor sizes it
             out = torch.full((t, d), float("nan"), dtype=torch.bfloat16, device=device)
-            if t:
+            if t and pool_kind == "function":
+                fn["pool"](sc, req, pos, slots, bt, sc.shape[1], out, state_width, compress_ratio, overlap)
+            elif t:
                 fn["pool"][(t,)](sc, sc.stride(0), sc.stride(1), req, pos, slots, bt, bt.stride(0),
-                                 sc.shape[1], out, out.stride(0), HEAD_SIZE=d, STATE_WIDTH=2 * d,
-                                 COMPRESS_RATIO=compress_ratio, OVERLAP=1, num_warps=1)
+                                 sc.shape[1], out, out.stride(0), HEAD_SIZE=d, STATE_WIDTH=state_width,
+                                 COMPRESS_RATIO=compress_ratio, OVERLAP=overlap, num_warps=1)
             return {"pooled": back(out, state_cache)}
         ops["compress_pool"] = compress_pool
 
@@ -109,23 +124,33 @@ def make_ops(fn: dict, device: str = "cuda") -> dict:
             # vLLM passes softmax_scale and head_scale and aiter multiplies by their product;
             # the dump holds that product, so it goes in whole with a head scale of 1.
             (q_fp4, q_scale), w = fn["q_quant"](pd.contiguous(), qd, cd, wd.contiguous(), float(weights_scale), 1.0)
-            return {"q_fp4": back(q_fp4, q), "q_scale": back(q_scale, q), "weights": back(w, weights)}
+            return {"q_fp4": back(q_fp4, q), "q_scale": back(scale_bytes(q_scale, q_fp4), q),
+                    "weights": back(w, weights)}
         ops["q_rope_mxfp4_quant"] = q_rope_mxfp4_quant
 
-    ops.update(aiter_backend.make_ops({k: v for k, v in fn.items() if k in ("paged_mxfp4_mqa_logits", "topk")},
-                                      device))
+    if "topk" in fn:
+        def topk(*, logits, lengths, k: int) -> dict:
+            check_topk_args(logits, lengths, k)
+            if logits.dtype != torch.float32:
+                raise ValueError(f"logits: vLLM's top-k takes float32, got {str(logits.dtype)[6:]}")
+            (x, ln), back = on_device(device, logits, lengths)
+            # vLLM clears its top-k buffer to -1 before the indexer runs
+            idx = torch.full((x.shape[0], k), -1, dtype=torch.int32, device=device)
+            fn["topk"](x, ln.to(torch.int32).contiguous(), idx, k)
+            return {"indices": back(idx, logits)}
+        ops["topk"] = topk
+
+    ops.update(aiter_backend.make_ops({k: v for k, v in fn.items() if k in AITER_FUNCTIONS}, device))
     return ops
 
 
 def make_backend() -> Backend:
-    desc = "vLLM's DeepSeek-V4 ROCm indexer (pooling kernel, K store, Q quant) + aiter's scorer and top-k"
-    fn, missing = import_reason({**FUNCTIONS, **{k: v for k, v in aiter_backend.FUNCTIONS.items()
-                                                  if k in ("paged_mxfp4_mqa_logits", "topk")}})
-    pool, why = _find_pool_kernel()
-    if why and not any(m.startswith("vllm ") for m in missing):
-        missing.append(why)
+    desc = "vLLM's DeepSeek-V4 ROCm indexer (pooling, K store, Q quant, top-k) + aiter's scorer"
+    fn, which, missing = import_targets({**FUNCTIONS, **AITER_FUNCTIONS})
+    if "vllm is not importable" not in " ".join(missing):
+        missing = [m for m in missing if not any(m.startswith(FUNCTIONS[o] + ":") for o in OPTIONAL)]
     platform = rocm_gfx950_reason()
     reason = "; ".join(missing + ([platform] if platform else [])) or None
     if reason:
         return Backend(NAME, desc, reason=reason)
-    return Backend(NAME, desc, make_ops({**fn, "pool": pool}), device="cuda")
+    return Backend(NAME, desc, make_ops(fn, pool_kind=which["pool"].kind), device="cuda")

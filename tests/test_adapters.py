@@ -1,24 +1,29 @@
 """The aiter and vLLM adapters without the real libraries.
 
 * Unavailability: on this machine each says exactly what is missing, in one line.
-* Argument mapping: fake aiter/vLLM modules are injected into sys.modules. Each fake has
-  the real function's signature, checks the kinds of its positional arguments (so a
-  swapped argument fails) and computes through the reference from what it received,
-  the way the real op reads it (page size from the page bytes, layout from the head
-  count or the preshuffle flag, row ends from cu_ends). An adapter mapping the dump's
-  fields correctly therefore reproduces the reference's outputs exactly.
+* Argument mapping: the fakes of tests/fake_upstream.py are installed at the module paths
+  of optimized.upstream, for the upstream versions a test names. They have the table's
+  signatures and return conventions (checked below, by the same comparison `mxval
+  upstream check` makes against real sources), check what they receive and compute
+  through the reference, so an adapter that maps the dump's fields correctly reproduces
+  the reference's outputs exactly.
 """
+import inspect
 import sys
 import types
 
 import pytest
 import torch
 
-import reference
-from optimized import BackendUnavailable, OP_NAMES, common, get_backend
-from reference import layout, scoring
+import fake_upstream as fk
+from harness.upstream_cmd import check_definition
+from optimized import BackendUnavailable, OP_NAMES, aiter_backend, common, get_backend, upstream, vllm_backend
+from reference import layout
 
 from test_triton_cases import (compare, k_writer_case, logits_case, pool_case, q_case, topk_case)
+
+tl = fk.tl
+V033, V8E4F, ROW_ENDS, CU_ENDS = "vllm==0.33.0", "vllm@8e4f5df9", "aiter:row_ends", "aiter:cu_ends"
 
 
 # --- unavailability -----------------------------------------------------------------------
@@ -52,123 +57,73 @@ def test_platform_reason(monkeypatch, hip, avail, arch, want):
     assert (got is None) if want is None else (want in got)
 
 
-# --- fakes with the real signatures ---------------------------------------------------------
+# --- the fakes against the table -------------------------------------------------------------
 
-def _pool2d(kv_cache4d):
-    assert kv_cache4d.dim() == 4 and kv_cache4d.shape[2] == 1 and kv_cache4d.dtype == torch.uint8
-    return kv_cache4d.view(kv_cache4d.shape[0], -1)          # as aiter does: page_size from the bytes
-
-
-def _write(k, positions, cos_sin_cache, norm_weight, eps, kv_cache, slot_mapping, ratio, shuffle):
-    assert isinstance(eps, float) and isinstance(ratio, int) and k.dtype == torch.bfloat16
-    pool = _pool2d(kv_cache)
-    out = reference.k_norm_rope_mxfp4_cache(
-        k=k, positions=positions, cos_sin_cache=cos_sin_cache, norm_weight=norm_weight, slot_mapping=slot_mapping,
-        kv_cache=pool.clone(), norm_eps=eps, compress_ratio=ratio, page_size=kv_cache.shape[1],
-        shuffle=list(shuffle) if shuffle else None)["kv_cache"]
-    pool.copy_(out)
+@pytest.mark.parametrize("key", sorted(fk.FAKES))
+def test_every_fake_matches_its_table_entry(key):
+    c = check_definition(upstream.target(key), fk.source_of(fk.FAKES[key]))
+    assert c.ok, (key, c.params, c.returns)
 
 
-def fake_k_norm_rope_mxfp4_cache(k, positions, cos_sin_cache, norm_weight, norm_eps, kv_cache, slot_mapping,
-                                 compress_ratio=1, shuffle=None):
-    _write(k, positions, cos_sin_cache, norm_weight, norm_eps, kv_cache, slot_mapping, compress_ratio, shuffle)
+def test_every_target_the_adapters_and_the_hook_use_has_a_fake():
+    from harness import capture
+    used = set(aiter_backend.FUNCTIONS.values()) | set(vllm_backend.FUNCTIONS.values())
+    used |= {k for h in capture.HOOKS for k, _ in h.maps} | set(capture.CACHED_LOOKUPS)
+    keys = {t.key for k in used for t in upstream.group(k)}
+    assert keys <= set(fk.FAKES), keys - set(fk.FAKES)
 
 
-def fake_q_rope_mxfp4_quant(q, positions, cos_sin_cache, weights=None, weights_scale=1.0):
-    assert q.dim() == 3 and positions.dim() == 1 and isinstance(weights_scale, float)
-    o = reference.q_rope_mxfp4_quant(q=q, positions=positions, cos_sin_cache=cos_sin_cache, weights=weights,
-                                     weights_scale=weights_scale)
-    return o["q_fp4"], o["q_scale"], o["weights"]
+def test_a_fake_that_disagrees_with_the_table_is_caught():
+    """The comparison has teeth: a retired keyword, a moved parameter, a u8 scale, a kernel
+    whose constexpr became a runtime argument."""
+    def scorer(q, q_scales, kv_cache, weights, context_lens, block_table, max_model_len, out_logits=None,
+               clean_logits=True, preshuffle=1, cu_ends=None, **_) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        pass
+    c = check_definition(upstream.target("aiter.scorer"), scorer)
+    assert "no parameter row_ends (it would land in **kwargs)" in c.params
+
+    def k_store(positions, k_pre, cos_sin_cache, rms_norm_weight, rms_norm_eps, k_cache, kv_slot_mapping,
+                compress_ratio, use_fp4_cache, num_heads) -> None:
+        pass
+    c = check_definition(upstream.target("vllm.ops.k_store"), k_store)
+    assert any("k_pre is at position 1" in p for p in c.params)
+
+    def q_quant(positions, index_q, index_q_cos_sin_cache, index_weights, index_weights_softmax_scale,
+                index_weights_head_scale) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        q_packed, q_scale, w = fk.q_rope_mxfp4_quant(index_q, positions, index_q_cos_sin_cache, index_weights)
+        return (q_packed, q_scale), w
+    c = check_definition(upstream.target("vllm.ops.q_quant"), q_quant)
+    assert c.returns == ["no `q_scale.view(torch.int32).squeeze(-1)` in its body"]
+
+    def kernel(state_cache_ptr, state_cache_stride0, state_cache_stride1, token_to_req_indices_ptr, positions_ptr,
+               kv_slot_mapping_ptr, block_table_ptr, block_table_stride, block_size, pooled_k_ptr, pooled_k_stride,
+               HEAD_SIZE: tl.constexpr, STATE_WIDTH, COMPRESS_RATIO: tl.constexpr, OVERLAP: tl.constexpr):
+        pass
+    c = check_definition(upstream.target("vllm.rocm.compress_pool_kernel"), kernel)
+    assert c.params == ["STATE_WIDTH is not a constexpr upstream"]
 
 
-def fake_paged_mxfp4_mqa_logits(q, q_scales, kv_cache, weights, context_lens, block_table, max_model_len,
-                                kv_scale_cache=None, out_logits=None, clean_logits=True, preshuffle=1,
-                                cu_ends=None, **_):
-    b, n, h, tb = q.shape
-    assert block_table.dtype == context_lens.dtype == cu_ends.dtype == torch.int32
-    assert weights.shape == (b * n, h) and out_logits.shape == (b * n, max_model_len)
-    ref = scoring.paged_mxfp4_mqa_logits_fp64(
-        q_fp4=q.reshape(b * n, h, tb), q_scale=q_scales.reshape(b * n, h, -1), weights=weights,
-        kv_cache=_pool2d(kv_cache), query_start_loc=torch.arange(0, b * n + 1, n), context_lens=context_lens,
-        block_table=block_table, row_ends=cu_ends, page_size=kv_cache.shape[1],
-        shuffle=layout.choose_shuffle(2 * tb, h) if preshuffle else None, width=max_model_len)
-    valid = torch.arange(max_model_len)[None] < cu_ends.long()[:, None]
-    out_logits[valid] = ref.float()[valid]
-    return out_logits
-
-
-def fake_top_k_per_row_decode(logits, next_n, seq_lens, indices, num_rows, stride0, stride1, k=2048,
-                              stable=False):
-    assert next_n == 1 and seq_lens.dtype == torch.int32 and (stride0, stride1) == logits.stride()
-    indices.copy_(reference.topk(logits=logits, lengths=seq_lens, k=k)["indices"])
-
-
-class FakePoolKernel:
-    """A @triton.jit object: kernel[grid](*args, **constexprs)."""
-
-    def __getitem__(self, grid):
-        def run(state_cache, s0, s1, req, positions, slots, table, table_stride, block_size, out, out_stride,
-                HEAD_SIZE, STATE_WIDTH, COMPRESS_RATIO, OVERLAP, num_warps=4):
-            assert grid == (positions.shape[0],) and (s0, s1) == state_cache.stride()[:2]
-            assert STATE_WIDTH == 2 * HEAD_SIZE and OVERLAP == 1 and block_size == state_cache.shape[1]
-            pooled = reference.compress_pool(state_cache=state_cache, block_table=table, positions=positions,
-                                             req_index=req, kv_slot_mapping=slots,
-                                             compress_ratio=COMPRESS_RATIO)["pooled"]
-            rows = ~pooled.isnan().any(1)
-            out[rows] = pooled[rows]
-        return run
-
-
-def fake_k_store(k, positions, cos_sin_cache, norm_weight, eps, kv_cache, slot_mapping, compress_ratio,
-                 use_fp4_cache, num_heads):
-    assert use_fp4_cache is True
-    _write(k, positions, cos_sin_cache, norm_weight, eps, kv_cache, slot_mapping, compress_ratio,
-           layout.choose_shuffle(k.shape[1], num_heads).as_list())
-
-
-def fake_q_quant(positions, q, cos_sin_cache, weights, softmax_scale, head_scale):
-    q_fp4, q_scale, w = fake_q_rope_mxfp4_quant(q, positions, cos_sin_cache, weights, softmax_scale * head_scale)
-    return (q_fp4, q_scale), w
-
+# --- the adapters on the fakes ------------------------------------------------------------------
 
 @pytest.fixture
-def fake_libs(monkeypatch):
-    def module(name, **attrs):
-        m = types.ModuleType(name)
-        for k, v in attrs.items():
-            setattr(m, k, v)
-        monkeypatch.setitem(sys.modules, name, m)
-        return m
-
-    for name in ("aiter.ops", "aiter.ops.triton", "aiter.ops.triton.fusions", "aiter.ops.triton.rope",
-                 "aiter.ops.triton.attention", "vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops",
-                 "vllm.models", "vllm.models.deepseek_v4"):
-        module(name)
-    module("aiter", top_k_per_row_decode=fake_top_k_per_row_decode)
-    module("aiter.ops.triton.fusions.k_norm_rope_mxfp4_cache", k_norm_rope_mxfp4_cache=fake_k_norm_rope_mxfp4_cache)
-    module("aiter.ops.triton.rope.q_rope_mxfp4_quant", q_rope_mxfp4_quant=fake_q_rope_mxfp4_quant)
-    module("aiter.ops.triton.attention.pa_mqa_logits_mxfp4", paged_mxfp4_mqa_logits=fake_paged_mxfp4_mqa_logits)
-    module("vllm.v1.attention.ops.rocm_paged_mxfp4_indexer", rocm_mxfp4_indexer_k_store=fake_k_store,
-           rocm_mxfp4_indexer_q_quant=fake_q_quant)
-    module("vllm.models.deepseek_v4.rocm_mxfp4_indexer", _compress_pool_kernel=FakePoolKernel())
+def cpu_backend(monkeypatch):
+    """`make(name, *versions)`: the backend over fakes of those upstream versions, on the CPU."""
     monkeypatch.setattr(common, "rocm_gfx950_reason", lambda: None)
-    for mod in ("optimized.aiter_backend", "optimized.vllm_backend"):
-        if mod in sys.modules:
-            monkeypatch.setattr(sys.modules[mod], "rocm_gfx950_reason", lambda: None)
+    for mod in (aiter_backend, vllm_backend):
+        monkeypatch.setattr(mod, "rocm_gfx950_reason", lambda: None)
 
-
-def _on_cpu(be):
-    """The adapters run on the GPU; the fakes run anywhere, so point the ops at the CPU."""
-    from optimized import aiter_backend, vllm_backend
-    mod = aiter_backend if be.name == "aiter" else vllm_backend
-    fns, missing = common.import_reason(mod.FUNCTIONS if be.name == "aiter" else {
-        **vllm_backend.FUNCTIONS, **{k: v for k, v in aiter_backend.FUNCTIONS.items()
-                                     if k in ("paged_mxfp4_mqa_logits", "topk")}})
-    assert not missing
-    if be.name == "vllm":
-        fns["pool"] = vllm_backend._find_pool_kernel()[0]
-    be.ops = mod.make_ops(fns, device="cpu")
-    return be
+    def make(name, *versions, without=()):
+        fk.install(monkeypatch, *versions, without=without)
+        be = get_backend(name, require=False)
+        assert be.available() is None, be.available()
+        mod = aiter_backend if name == "aiter" else vllm_backend
+        keys = mod.FUNCTIONS if name == "aiter" else {**vllm_backend.FUNCTIONS, **vllm_backend.AITER_FUNCTIONS}
+        fns, which, _ = common.import_targets(keys)
+        be.ops = (aiter_backend.make_ops(fns, device="cpu") if name == "aiter"
+                  else vllm_backend.make_ops(fns, device="cpu", pool_kind=which["pool"].kind))
+        fk.CALLS.clear()
+        return be
+    return make
 
 
 MAPPED_CASES = [
@@ -181,54 +136,161 @@ MAPPED_CASES = [
                   clean_logits=True)),
     ("logits-natural", "paged_mxfp4_mqa_logits", lambda: dict(logits_case(heads=16, shuffle=None), clean_logits=False)),
     ("topk", "topk", lambda: topk_case()),
+    ("topk-narrow", "topk", lambda: topk_case(width=50, k=64, rows=4) | {"lengths": torch.tensor([50, 3, 0, 49])}),
 ]
+STACKS = [("aiter", (ROW_ENDS,)), ("aiter", (CU_ENDS,)), ("vllm", (V033, ROW_ENDS)), ("vllm", (V8E4F, CU_ENDS))]
+MAPPED = [(name, versions, *c) for name, versions in STACKS for c in MAPPED_CASES
+          if not (name == "aiter" and c[1] == "compress_pool")
+          and not (V8E4F in versions and c[1] == "topk")]
 
 
-# aiter has no pooling op (vLLM's kernel does it): the test below pins who provides what.
-MAPPED = [(name, *c) for name in ("aiter", "vllm") for c in MAPPED_CASES
-          if not (name == "aiter" and c[1] == "compress_pool")]
-
-
-@pytest.mark.parametrize("name,case,op,make", MAPPED, ids=[f"{m[0]}-{m[1]}" for m in MAPPED])
-def test_mapping_reproduces_the_reference(fake_libs, name, case, op, make):
-    be = get_backend(name, require=False)
-    assert be.available() is None, be.available()
-    be = _on_cpu(be)
+@pytest.mark.parametrize("name,versions,case,op,make", MAPPED,
+                         ids=[f"{m[0]}-{'+'.join(m[1])}-{m[2]}" for m in MAPPED])
+def test_mapping_reproduces_the_reference(cpu_backend, name, versions, case, op, make):
+    be = cpu_backend(name, *versions)
     assert be.supports(op)
     kw = make()
     assert compare(op, getattr(be, op)(**kw), kw) == []
 
 
-def test_vllm_provides_every_mxfp4_op_and_aiter_all_but_pooling(fake_libs):
-    a, v = (_on_cpu(get_backend(n, require=False)) for n in ("aiter", "vllm"))
+def test_vllm_provides_every_mxfp4_op_and_aiter_all_but_pooling(cpu_backend):
+    a = cpu_backend("aiter", ROW_ENDS)
+    v = cpu_backend("vllm", V033, ROW_ENDS)
     mx = [op for op in OP_NAMES if "fp8" not in op]
     assert [op for op in mx if not a.supports(op)] == ["compress_pool"]
     assert all(v.supports(op) for op in mx)
+    # a layout without vLLM's top-k still serves the rest
+    old = cpu_backend("vllm", V8E4F, CU_ENDS)
+    assert [op for op in mx if not old.supports(op)] == ["topk"]
 
 
-def test_adapters_refuse_what_the_real_ops_do_not_do(fake_libs):
-    a, v = (_on_cpu(get_backend(n, require=False)) for n in ("aiter", "vllm"))
+def test_adapters_refuse_what_the_real_ops_do_not_do(cpu_backend):
+    a = cpu_backend("aiter", ROW_ENDS)
     with pytest.raises(ValueError, match="rounding"):
         a.k_norm_rope_mxfp4_cache(**k_writer_case(), rounding="cuda")
     with pytest.raises(ValueError, match="scale_rule"):
         a.q_rope_mxfp4_quant(**q_case(), scale_rule="ocp-floor")
-    with pytest.raises(ValueError, match="shuffle"):
-        v.k_norm_rope_mxfp4_cache(**k_writer_case(shuffle=None))
     with pytest.raises(ValueError, match="shuffle: aiter's scorer reads"):
         a.paged_mxfp4_mqa_logits(**logits_case(heads=16, shuffle=(32, 16, 2)))
+    v = cpu_backend("vllm", V033, ROW_ENDS)
+    with pytest.raises(ValueError, match="shuffle"):
+        v.k_norm_rope_mxfp4_cache(**k_writer_case(shuffle=None))
     with pytest.raises(ValueError, match="rounding"):
         v.compress_pool(**pool_case(), rounding="cuda")
 
 
-def test_a_swapped_argument_is_caught(fake_libs):
+def test_a_swapped_argument_is_caught():
     """The fakes check what they receive: the mapping tests above have teeth."""
     kw = k_writer_case()
     with pytest.raises(AssertionError):
-        fake_k_norm_rope_mxfp4_cache(kw["k"], kw["positions"], kw["cos_sin_cache"], kw["norm_weight"],
-                                     common.paged_view(kw["kv_cache"].clone(), 32, 68), 1e-6,
-                                     kw["slot_mapping"], 4, (32, 16, 2))
+        fk.k_norm_rope_mxfp4_cache(kw["k"], kw["positions"], kw["cos_sin_cache"], kw["norm_weight"],
+                                   common.paged_view(kw["kv_cache"].clone(), 32, 68), 1e-6,
+                                   kw["slot_mapping"], 4, (32, 16, 2))
     # and a wrong head-count mapping gives different pages than the reference
     out = kw["kv_cache"].clone()
-    fake_k_store(kw["k"], kw["positions"], kw["cos_sin_cache"], kw["norm_weight"], 1e-6,
-                 common.paged_view(out, 32, 68), kw["slot_mapping"], 4, True, num_heads=16)
+    fk.k_norm_rope_mxfp4_cache(kw["k"], kw["positions"], kw["cos_sin_cache"], kw["norm_weight"], 1e-6,
+                               common.paged_view(out, 32, 68), kw["slot_mapping"], 4,
+                               list(layout.choose_shuffle(128, 16).as_list()))
     assert compare("k_norm_rope_mxfp4_cache", {"kv_cache": out}, kw)
+
+
+# --- one test per mismatch with the real upstream ------------------------------------------------
+
+def test_vllm_pooling_binds_the_033_dispatcher_and_the_8e4f5df9_kernel(cpu_backend):
+    kw = pool_case()
+    for versions, called in (((V033, ROW_ENDS), "vllm.rocm.compress_pool_kernel"),
+                             ((V8E4F, CU_ENDS), "vllm.rocm.compress_pool@8e4f5df9")):
+        v = cpu_backend("vllm", *versions)
+        assert compare("compress_pool", v.compress_pool(**kw), kw) == []
+        assert [c[0] for c in fk.CALLS] == [called]
+
+
+def test_vllm_pooling_derives_its_constants_and_refuses_other_ratios(cpu_backend, monkeypatch):
+    v = cpu_backend("vllm", V033, ROW_ENDS)
+    seen = {}
+    spec = fk.POOL_DISPATCHER._dispatch
+
+    def dispatch(*args):
+        grid, launch = spec(*args)
+        seen.update(launch)
+        return grid, launch
+    monkeypatch.setattr(fk.POOL_DISPATCHER, "_dispatch", dispatch)
+    kw = pool_case()
+    v.compress_pool(**kw)
+    d = kw["state_cache"].shape[-1] // 4
+    assert (seen["HEAD_SIZE"], seen["STATE_WIDTH"], seen["COMPRESS_RATIO"], seen["OVERLAP"]) == (d, 2 * d, 4, True)
+    with pytest.raises(ValueError, match="compress_ratio: vLLM's compressor pools overlapping windows only at ratio 4"):
+        v.compress_pool(**{**kw, "compress_ratio": 8})
+
+
+@pytest.mark.parametrize("versions,launches", [((ROW_ENDS,), [("aiter.scorer", "varlen", "")]),
+                                               ((CU_ENDS,), [("aiter.scorer@cu_ends", "batched", "")] * 3)])
+def test_aiter_scorer_binds_both_api_generations(cpu_backend, versions, launches):
+    """row_ends: one varlen launch for the whole batch (as vLLM launches a prefill chunk);
+    cu_ends: one launch per run of equal row counts. Chosen from the signature."""
+    a = cpu_backend("aiter", *versions)
+    kw = dict(logits_case(heads=16, shuffle=(16, 16, 4), seqs=((2, 40), (2, 50), (3, 60), (1, 0))), clean_logits=True)
+    assert compare("paged_mxfp4_mqa_logits", a.paged_mxfp4_mqa_logits(**kw), kw) == []
+    assert fk.CALLS == launches
+
+
+def test_aiter_scorer_of_an_unknown_generation_is_one_clear_line(cpu_backend, monkeypatch):
+    a = cpu_backend("aiter", ROW_ENDS)
+
+    def oldest(q, q_scales, kv_cache, weights, context_lens, block_table, max_model_len, kv_scale_cache=None,
+               out_logits=None, clean_logits=True, preshuffle=1, dynamic=0, schedule=None):
+        raise AssertionError("must not be called")
+    fns = {**common.import_targets(aiter_backend.FUNCTIONS)[0], "paged_mxfp4_mqa_logits": oldest}
+    a.ops = aiter_backend.make_ops(fns, device="cpu")
+    with pytest.raises(BackendUnavailable, match=r"has none of the parameters mxval binds \(row_ends/query_start_loc; cu_ends\)"):
+        a.paged_mxfp4_mqa_logits(**logits_case(heads=16, shuffle=(16, 16, 4)))
+
+
+def test_vllm_q_quant_scale_is_viewed_back_to_bytes(cpu_backend):
+    v = cpu_backend("vllm", V033, ROW_ENDS)
+    kw = q_case()
+    out = v.q_rope_mxfp4_quant(**kw)
+    assert out["q_scale"].dtype == torch.uint8 and out["q_scale"].shape == (6, 8, 4)
+    assert compare("q_rope_mxfp4_quant", out, kw) == []
+    with pytest.raises(ValueError, match=r"q_scale: vLLM's Q quant returned int16 \[6, 8\]"):
+        vllm_backend.scale_bytes(torch.zeros(6, 8, dtype=torch.int16), out["q_fp4"])
+
+
+@pytest.mark.parametrize("rows,width,k,kernel", [
+    (5, 3000, 64, "torch.ops._C.top_k_per_row_decode"),     # few rows, small k: vLLM's own kernel
+    (128, 300, 64, "aiter.topk"),                          # from 128 rows on: aiter's
+    (3, 2500, 2048, "aiter.topk"),                         # k >= 2048: aiter's
+    (130, 50, 64, "torch.ops._C.top_k_per_row_decode"),    # narrower than k: never aiter's
+])
+def test_vllm_topk_runs_the_kernel_vllm_chooses(cpu_backend, rows, width, k, kernel):
+    v = cpu_backend("vllm", V033, ROW_ENDS)
+    g = torch.Generator().manual_seed(rows)
+    kw = dict(logits=torch.randn(rows, width, generator=g), k=k,
+              lengths=torch.randint(0, width + 1, (rows,), generator=g))
+    assert compare("topk", v.topk(**kw), kw) == []
+    assert [c[0] for c in fk.CALLS] == [kernel]
+
+
+def test_aiter_topk_never_sees_rows_narrower_than_k(cpu_backend):
+    a = cpu_backend("aiter", ROW_ENDS)
+    kw = dict(logits=torch.randn(3, 10), lengths=torch.tensor([10, 4, 0]), k=16)
+    assert compare("topk", a.topk(**kw), kw) == []
+    assert fk.CALLS == [("aiter.topk", 3, 16, 16)]
+
+
+def test_the_adapters_name_no_upstream_module():
+    """Module paths live in optimized.upstream only."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    paths = {m for t in upstream.TABLE for m in t.modules}
+    pattern = re.compile("|".join(re.escape(p) for p in sorted(paths)) + r"|\bvllm\.(v1|models|model_executor|_custom_ops)\.|\baiter\.ops\.")
+    hits = []
+    for py in list((root / "optimized").rglob("*.py")) + list((root / "harness").rglob("*.py")):
+        if py.name == "upstream.py" and py.parent.name == "optimized":
+            continue
+        for n, line in enumerate(py.read_text().splitlines(), 1):
+            if pattern.search(line):
+                hits.append(f"{py.relative_to(root)}:{n}: {line.strip()}")
+    assert hits == []
+    assert inspect.getsourcefile(aiter_backend) and inspect.getsourcefile(vllm_backend)

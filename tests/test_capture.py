@@ -1,112 +1,142 @@
-"""The capture hook, on fake aiter/vLLM modules injected into sys.modules."""
+"""The capture hook, on the table-built fakes of tests/fake_upstream.py, driven the way vLLM
+0.33.0 (and the 8e4f5df9 layout) calls them: through module attributes, the K writer and
+Q quant through vLLM's cached look-up, the scorer through `_aiter()`."""
 from __future__ import annotations
 
-import sys
-import types
 import warnings
 
 import pytest
 import torch
 
+import fake_upstream as fk
 import reference
 from harness import capture
-from harness.capture import (AITER_K_WRITER, AITER_Q_QUANT, VLLM_COMPRESS_POOL, ArgMap, Selection, Target,
-                             install, set_context, uninstall, wrap)
+from harness.capture import (AITER_K_WRITER, AITER_Q_QUANT, VLLM_COMPRESS_POOL, VLLM_COMPRESS_POOL_KERNEL, ArgMap,
+                             Selection, Target, install, set_context, uninstall, wrap)
 from harness.dumps import read_dump
 from harness.replay import replay_dump
+from optimized import upstream
 from test_dumps import make_layer
 
+V033, V8E4F, ROW_ENDS, CU_ENDS = "vllm==0.33.0", "vllm@8e4f5df9", "aiter:row_ends", "aiter:cu_ends"
 EXACT = {"page_bytes_mismatched": 0, "page_bytes_outside_owned_changed": 0, "pooled_max_ulp": 0,
-         "q_bytes_mismatched": 0, "q_scale_bytes_mismatched": 0, "weights_max_ulp": 0}
-
-
-# --- fakes with aiter's and vLLM's calling conventions -----------------------------------------
-
-def fake_k_writer(k, positions, cos_sin_cache, norm_weight, norm_eps, kv_cache, slot_mapping,
-                  compress_ratio=1, shuffle=None):
-    """aiter's convention: writes the pool [P, page_size, 1, 68] in place, returns None."""
-    pages = kv_cache.view(kv_cache.shape[0], -1)
-    out = reference.OPS["k_norm_rope_mxfp4_cache"](
-        k=k[:slot_mapping.numel()], positions=positions[:slot_mapping.numel()], cos_sin_cache=cos_sin_cache,
-        norm_weight=norm_weight, slot_mapping=slot_mapping, kv_cache=pages, norm_eps=norm_eps,
-        compress_ratio=compress_ratio, page_size=kv_cache.shape[1], shuffle=shuffle)
-    pages.copy_(out["kv_cache"])
-
-
-def fake_q_quant(q, positions, cos_sin_cache, weights=None, weights_scale=1.0):
-    out = reference.OPS["q_rope_mxfp4_quant"](q=q, positions=positions, cos_sin_cache=cos_sin_cache,
-                                              weights=weights, weights_scale=weights_scale)
-    return out["q_fp4"], out["q_scale"], out["weights"]
-
-
-class FakePoolKernel:
-    """vLLM's `_compress_pool_kernel[(num_tokens,)](...)`: writes pooled rows into `out`."""
-
-    def __getitem__(self, grid):
-        def launch(state_cache, s0, s1, token_to_req, positions, kv_slot, block_table, bt_stride,
-                   block_size, out, out_stride, HEAD_SIZE, STATE_WIDTH, COMPRESS_RATIO, OVERLAP, num_warps=1):
-            t = grid[0]
-            res = reference.OPS["compress_pool"](state_cache=state_cache, block_table=block_table,
-                                                 positions=positions[:t], req_index=token_to_req[:t],
-                                                 kv_slot_mapping=kv_slot[:t], compress_ratio=COMPRESS_RATIO)
-            rows = kv_slot[:t] >= 0
-            out[:t][rows] = res["pooled"][rows]
-        return launch
+         "q_bytes_mismatched": 0, "q_scale_bytes_mismatched": 0, "weights_max_ulp": 0, "logits_diff": 1e-12,
+         "logits_nonfinite": 0, "topk_below_threshold": 0, "topk_padding_errors": 0, "topk_duplicates": 0,
+         "topk_out_of_range": 0}
+ALL_OPS = {"compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"}
+HEADS = 32                                   # [32, 16, 2] pages are what aiter reads for 32 heads
 
 
 @pytest.fixture
-def fakes(monkeypatch, tmp_path):
-    aiter = types.ModuleType("fake_aiter_ops")
-    aiter.k_norm_rope_mxfp4_cache = fake_k_writer
-    aiter.q_rope_mxfp4_quant = fake_q_quant
-    vllm = types.ModuleType("fake_vllm_indexer")
-    vllm._compress_pool_kernel = FakePoolKernel()
-    vllm.k_store = fake_k_writer                 # imported by name before install
-    monkeypatch.setitem(sys.modules, "fake_aiter_ops", aiter)
-    monkeypatch.setitem(sys.modules, "fake_vllm_indexer", vllm)
+def env(monkeypatch, tmp_path):
     monkeypatch.setenv("MXVAL_CAPTURE_DIR", str(tmp_path / "dumps"))
     monkeypatch.setenv("MXVAL_CAPTURE_LAYERS", "12,20")
     monkeypatch.setenv("MXVAL_CAPTURE_STEPS", "0-1,300")
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    targets = [Target("fake_aiter_ops", "k_norm_rope_mxfp4_cache", "k_norm_rope_mxfp4_cache", AITER_K_WRITER),
-               Target("fake_aiter_ops", "q_rope_mxfp4_quant", "q_rope_mxfp4_quant", AITER_Q_QUANT),
-               Target("fake_vllm_indexer", "_compress_pool_kernel", "compress_pool", VLLM_COMPRESS_POOL,
-                      launcher=True),
-               Target("no_such_module_xyz", "op", "topk", ArgMap({}, {}))]
-    yield aiter, vllm, targets, tmp_path / "dumps"
+    for name in ("RANK", "LOCAL_RANK", "MXVAL_CAPTURE_AUTO_LAYERS"):
+        monkeypatch.delenv(name, raising=False)
+    yield tmp_path / "dumps"
     uninstall()
 
 
-def _k_args(layer):
-    r = layer["k_norm_rope_mxfp4_cache"]
-    a = dict(r.inputs)
-    pool = a.pop("kv_cache")
-    a["kv_cache"] = pool.clone().view(pool.shape[0], 64, 1, 68)
-    return r, a
+@pytest.fixture(scope="module")
+def layer():
+    return make_layer(4, heads=HEADS)
 
 
-def _run_step(aiter, vllm, layer):
-    """One indexer layer step through the (maybe wrapped) module attributes; returns outputs."""
+def _mod(key):
+    import sys
+    return sys.modules[upstream.target(key).module]
+
+
+def vllm_step(layer, *, layout=V033, candidate_write=False):
+    """One indexer layer step as vLLM runs it; returns every output (to compare bits)."""
+    ops = _mod("vllm.ops.k_store")
     p = layer["compress_pool"].inputs
-    out = torch.full((p["positions"].numel() + 5, 128), 7.0, dtype=torch.bfloat16)   # scratch, longer than T
-    sc = p["state_cache"]
-    vllm._compress_pool_kernel[(p["positions"].numel(),)](
-        sc, sc.stride(0), sc.stride(1), p["req_index"], p["positions"], p["kv_slot_mapping"], p["block_table"],
-        p["block_table"].stride(0), sc.shape[1], out, out.stride(0),
-        HEAD_SIZE=128, STATE_WIDTH=256, COMPRESS_RATIO=4, OVERLAP=1, num_warps=1)
-    r, a = _k_args(layer)
-    vllm.k_store(a["k"], a["positions"], a["cos_sin_cache"], a["norm_weight"], 1e-6, a["kv_cache"],
-                 a["slot_mapping"], compress_ratio=4, shuffle=(32, 16, 2))
-    q = layer["q_rope_mxfp4_quant"].inputs
-    qo = aiter.q_rope_mxfp4_quant(q["q"], q["positions"], q["cos_sin_cache"], q["weights"],
-                                  weights_scale=layer["q_rope_mxfp4_quant"].scalars["weights_scale"])
-    return out, a["kv_cache"], qo
+    sc, t, d = p["state_cache"], p["positions"].numel(), 128
+    pooled_k = torch.full((t + 5, d), 7.0, dtype=torch.bfloat16)[:t]     # the persistent scratch
+    if layout == V033:
+        _mod("vllm.rocm.compress_pool").compress_pool(sc, p["req_index"], p["positions"], p["kv_slot_mapping"],
+                                                      p["block_table"], sc.shape[1], pooled_k, 2 * d, 4, True)
+    else:
+        _mod("vllm.rocm.compress_pool@8e4f5df9")._compress_pool_kernel[(t,)](
+            sc, sc.stride(0), sc.stride(1), p["req_index"], p["positions"], p["kv_slot_mapping"], p["block_table"],
+            p["block_table"].stride(0), sc.shape[1], pooled_k, pooled_k.stride(0),
+            HEAD_SIZE=d, STATE_WIDTH=2 * d, COMPRESS_RATIO=4, OVERLAP=True, num_warps=1)
+    k = layer["k_norm_rope_mxfp4_cache"]
+    kv = k.inputs["kv_cache"].clone().view(3, 64, 68)                  # vLLM's [pages, entries, bytes]
+    ops.rocm_mxfp4_indexer_k_store(k.inputs["k"], k.inputs["positions"], k.inputs["cos_sin_cache"],
+                                   k.inputs["norm_weight"], 1e-6, kv, k.inputs["slot_mapping"], 4, True,
+                                   num_heads=HEADS)
+    q = layer["q_rope_mxfp4_quant"]
+    (q_fp4, q_scale), w = ops.rocm_mxfp4_indexer_q_quant(q.inputs["positions"], q.inputs["q"],
+                                                         q.inputs["cos_sin_cache"], q.inputs["weights"],
+                                                         q.scalars["weights_scale"], 1.0)
+    s = layer["paged_mxfp4_mqa_logits"].inputs
+    rows, width = q_fp4.shape[0], layer["paged_mxfp4_mqa_logits"].outputs["logits"].shape[1]
+    qs = q_scale.view(torch.uint8).view(rows, HEADS, -1)                # as vLLM's _layer views it
+    pages = torch.as_strided(kv, (3, 64, 1, 68), (kv.stride(0), 68, 68, 1))
+    logits = torch.empty(rows, width)
+    i32 = lambda x: x.to(torch.int32)
+    extra, scores = {}, None
+    if candidate_write:
+        scores = torch.empty(rows, -(-width // 8))
+        extra = dict(calc_block_scores=True, block_scores=scores, candidate_block_size=8)
+    if layout == V033:                                                   # one varlen prefill launch
+        ops._aiter().paged_mxfp4_mqa_logits(q_fp4, qs, pages, w, i32(s["context_lens"]), s["block_table"], width,
+                                            out_logits=logits, clean_logits=False, row_ends=i32(s["row_ends"]),
+                                            query_start_loc=i32(s["query_start_loc"]), **extra)
+    else:                                                                # [B, next_n, H, D/2] with cu_ends
+        ops._aiter().paged_mxfp4_mqa_logits(q_fp4.unsqueeze(0), qs.unsqueeze(0), pages, w, i32(s["context_lens"]),
+                                            s["block_table"], width, out_logits=logits, clean_logits=False,
+                                            cu_ends=i32(s["row_ends"]))
+    kk = layer["topk"].scalars["k"]
+    buf = torch.full((rows, kk + 3), -1, dtype=torch.int32)              # vLLM's top-k buffer, cleared
+    if candidate_write:
+        cands = torch.full((rows, 4), -1, dtype=torch.int32)
+        ends = (i32(s["row_ends"]) + 7) // 8
+        ops._topk(scores, ends, cands, cands.shape[1])
+    if layout == V033:
+        ops._topk(logits, i32(s["row_ends"]), buf[:, :kk], kk)
+    else:
+        fk._load("aiter.topk")(logits, 1, i32(s["row_ends"]), buf[:, :kk], rows, logits.stride(0), 1, kk)
+    valid = torch.arange(width)[None] < s["row_ends"][:, None]
+    return pooled_k, kv, q_fp4, q_scale, w, logits[valid], buf
+
+
+def gather_step(layer):
+    """A DeepSeek-V4.1 candidate consumer: the gather launch over candidate slots, then
+    top-k over its compact logits."""
+    ops = _mod("vllm.ops.k_store")
+    s = layer["paged_mxfp4_mqa_logits"]
+    rows = s.inputs["q_fp4"].shape[0]
+    kv = layer["k_norm_rope_mxfp4_cache"].outputs["kv_cache"].clone().view(3, 64, 1, 68)
+    compact, slot_ends = torch.empty(rows, 32), torch.full((rows,), 20, dtype=torch.int32)
+    ops._aiter().paged_mxfp4_mqa_logits(s.inputs["q_fp4"].unsqueeze(0), s.inputs["q_scale"].unsqueeze(0), kv,
+                                        s.inputs["weights"], slot_ends[:1], s.inputs["block_table"], 32,
+                                        out_logits=compact, clean_logits=False, row_ends=slot_ends,
+                                        use_gather=True, candidates={"slots": None})
+    compact[:, :20] = torch.randn(rows, 20)
+    out = torch.full((rows, 8), -1, dtype=torch.int32)
+    ops._topk(compact, slot_ends, out, 8)
+    return compact, out
 
 
 def _bits(t):
     return t.contiguous().view(torch.uint8)
 
+
+def _same(a, b):
+    return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b))
+
+
+def _replays_exactly(path):
+    d = read_dump(path)
+    for r in replay_dump(d):
+        assert r.ok(EXACT), r.summary(EXACT)
+    return d
+
+
+# --- selections and switches --------------------------------------------------------------------
 
 def test_selection():
     s = Selection("0-3,300")
@@ -117,95 +147,185 @@ def test_selection():
             Selection(bad)
 
 
-def test_install_is_a_no_op_without_the_env(monkeypatch, fakes):
-    aiter, _, targets, _ = fakes
+def test_install_is_a_no_op_without_the_env(monkeypatch, env):
+    fk.install(monkeypatch, V033, ROW_ENDS)
     monkeypatch.delenv("MXVAL_CAPTURE_DIR")
-    assert install(targets, quiet=True) == []
-    assert aiter.k_norm_rope_mxfp4_cache is fake_k_writer
+    assert install(quiet=True) == []
+    assert _mod("aiter.k_writer").k_norm_rope_mxfp4_cache is fk.k_norm_rope_mxfp4_cache
 
 
-def test_capture_writes_replayable_dumps_without_changing_results(fakes):
-    aiter, vllm, targets, out_dir = fakes
-    layer = make_layer(4)
-    plain = _run_step(aiter, vllm, layer)
-    assert install(targets, quiet=True, rebind_prefixes=("fake_",)) == ["fake_aiter_ops.k_norm_rope_mxfp4_cache",
-                                            "fake_aiter_ops.q_rope_mxfp4_quant",
-                                            "fake_vllm_indexer._compress_pool_kernel"]
-    assert vllm.k_store is not fake_k_writer          # rebound where it had been imported by name
+def test_targets_come_from_the_upstream_table():
+    for hook, alts in zip(capture.HOOKS, capture.TARGETS):
+        want = [(m, upstream.target(k).name) for k, _ in hook.maps for m in upstream.target(k).modules]
+        assert [(t.module, t.attr) for t in alts] == want and {t.op for t in alts} == {hook.op}
+    assert {h.op for h in capture.HOOKS} == ALL_OPS
+
+
+# --- vLLM 0.33.0 ------------------------------------------------------------------------------
+
+def test_capture_on_vllm_033_records_every_op_without_changing_results(monkeypatch, env, layer):
+    fk.install(monkeypatch, V033, ROW_ENDS)
+    plain = vllm_step(layer)
+    assert sorted(install(quiet=True)) == sorted(
+        f"{upstream.target(k).module}.{upstream.target(k).name}"
+        for k in ("vllm.rocm.compress_pool", "aiter.k_writer", "aiter.q_quant", "aiter.scorer", "vllm.ops.topk"))
     set_context(layer=12, step=0)
-    wrapped = _run_step(aiter, vllm, layer)
-    for a, b in zip((plain[0], plain[1], *plain[2]), (wrapped[0], wrapped[1], *wrapped[2])):
-        assert torch.equal(_bits(a), _bits(b))      # the op computes exactly the same
-    set_context(layer=13, step=0)                    # not a chosen layer: nothing recorded
-    _run_step(aiter, vllm, layer)
-    set_context(layer=20, step=2)                    # not a chosen step
-    _run_step(aiter, vllm, layer)
+    assert _same(plain, vllm_step(layer))                  # the ops compute exactly the same
+    set_context(layer=13, step=0)                          # not a chosen layer: nothing recorded
+    vllm_step(layer)
     set_context(layer=20, step=300)
-    _run_step(aiter, vllm, layer)
-    paths = capture.flush()
+    vllm_step(layer)
+    capture.flush()
     assert [p.rsplit("/", 1)[1] for p in capture.written()] == ["layer12_step0.safetensors",
                                                                 "layer20_step300.safetensors"]
-    assert paths == capture.written()[1:]
-    d = read_dump(capture.written()[0])
-    assert (d.meta["layer"], d.meta["step"]) == (12, 0)
-    assert set(d.ops) == {"compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant"}
-    k = d.ops["k_norm_rope_mxfp4_cache"]
-    rec = layer["k_norm_rope_mxfp4_cache"]
+    d = _replays_exactly(capture.written()[0])
+    assert set(d.ops) == ALL_OPS
+    k, rec = d.ops["k_norm_rope_mxfp4_cache"], layer["k_norm_rope_mxfp4_cache"]
     assert torch.equal(k.inputs["kv_cache"], rec.inputs["kv_cache"])        # the pool BEFORE the call
     assert torch.equal(k.outputs["kv_cache"], rec.outputs["kv_cache"])      # and AFTER it
     assert k.scalars == {"norm_eps": 1e-6, "compress_ratio": 4, "page_size": 64, "shuffle": [32, 16, 2]}
-    assert d.ops["compress_pool"].outputs["pooled"].shape == (40, 128)     # the scratch cut to T
-    for r in replay_dump(d):
-        assert r.ok(EXACT), r.summary(EXACT)
-        assert r.op != "compress_pool" or r.metrics["pooled_rows_compared"] == 10
+    assert d.ops["compress_pool"].outputs["pooled"].shape == (40, 128)     # the scratch's T rows
+    q_scale = d.ops["q_rope_mxfp4_quant"].outputs["q_scale"]            # aiter's bytes, not vLLM's int32
+    assert q_scale.dtype == torch.uint8 and torch.equal(q_scale, layer["q_rope_mxfp4_quant"].outputs["q_scale"])
+    assert torch.equal(d.ops["paged_mxfp4_mqa_logits"].inputs["row_ends"], layer["paged_mxfp4_mqa_logits"].inputs["row_ends"].int())
+    assert d.ops["topk"].scalars == {"k": layer["topk"].scalars["k"]}
 
 
-def test_capture_failure_never_reaches_the_op(fakes):
-    aiter, _, _, out_dir = fakes
-    layer = make_layer(5)
-    broken = ArgMap({"k": lambda b: b["no_such_argument"]}, {})
-    install([Target("fake_aiter_ops", "k_norm_rope_mxfp4_cache", "k_norm_rope_mxfp4_cache", broken)], quiet=True)
+def test_the_dispatcher_keeps_its_attributes_when_wrapped(monkeypatch, env):
+    fk.install(monkeypatch, V033, ROW_ENDS)
+    install(quiet=True)
+    pool = _mod("vllm.rocm.compress_pool").compress_pool
+    assert pool is not fk.POOL_DISPATCHER and pool.__wrapped__ is fk.POOL_DISPATCHER
+    pool.register_warmup(head_dim=128, state_width=256, compress_ratio=4, overlap=True)   # at model init
+    assert fk.POOL_DISPATCHER.warmups == [dict(head_dim=128, state_width=256, compress_ratio=4, overlap=True)]
+    assert pool.kernel is fk.POOL_KERNEL_033 and pool.arg_names == fk.POOL_KERNEL_033.arg_names
+    assert pool.__name__ == "compress_pool" and callable(pool[(1,)])
+    cached = wrap(fk._aiter_topk, "topk", ArgMap({}, {}))
+    cached.cache_clear()                                   # a functools cache stays one
+
+
+def test_capture_installed_after_the_first_call(monkeypatch, env, layer):
+    """vLLM fetches aiter's K writer and Q quant once, through a functools cache."""
+    fk.install(monkeypatch, V033, ROW_ENDS)
+    vllm_step(layer)                                       # the cache now holds the originals
+    install(quiet=True)
     set_context(layer=12, step=1)
-    r, a = _k_args(layer)
+    vllm_step(layer)
+    (path,) = capture.flush()
+    assert set(_replays_exactly(path).ops) == ALL_OPS
+    uninstall()
+    assert fk._aiter_indexer_cache_ops()[0] is fk.k_norm_rope_mxfp4_cache     # restored, cache cleared
+
+
+def test_v41_block_score_and_gather_calls_are_not_mislabelled(monkeypatch, env, layer):
+    fk.install(monkeypatch, V033, ROW_ENDS)
+    install(quiet=True)
+    set_context(layer=12, step=0)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        aiter.k_norm_rope_mxfp4_cache(a["k"], a["positions"], a["cos_sin_cache"], a["norm_weight"], 1e-6,
-                                      a["kv_cache"], a["slot_mapping"], 4, (32, 16, 2))
+        out = vllm_step(layer, candidate_write=True)       # the candidate source: logits + block scores
+        set_context(layer=20, step=0)
+        compact, idx = gather_step(layer)                  # a candidate consumer
+        capture.flush()
+    said = " ".join(str(x.message) for x in w)
+    assert "top-k over block scores" in said and "candidate gather launch (use_gather" in said
+    src, consumer = (read_dump(p) for p in capture.written())
+    assert set(src.ops) == ALL_OPS
+    assert torch.equal(src.ops["topk"].outputs["indices"], out[-1][:, :layer["topk"].scalars["k"]])
+    assert src.ops["topk"].inputs["logits"].shape[1] == layer["paged_mxfp4_mqa_logits"].outputs["logits"].shape[1]
+    assert set(consumer.ops) == {"topk"}                   # the gather's scores are not the scorer's
+    assert torch.equal(consumer.ops["topk"].inputs["logits"][:, :20], compact[:, :20])
+    _replays_exactly(capture.written()[0])
+
+
+def test_pooling_without_overlap_is_passed_through():
+    assert VLLM_COMPRESS_POOL.classify({"compress_ratio": 128, "overlap": False})
+    assert VLLM_COMPRESS_POOL.classify({"compress_ratio": 4, "overlap": True}) is None
+
+
+# --- the 8e4f5df9 layout with the cu_ends aiter ----------------------------------------------------
+
+def test_capture_on_the_8e4f5df9_layout(monkeypatch, env, layer):
+    fk.install(monkeypatch, V8E4F, CU_ENDS)
+    plain = vllm_step(layer, layout=V8E4F)
+    done = install(quiet=True)
+    assert f"{upstream.target('vllm.rocm.compress_pool@8e4f5df9').module}._compress_pool_kernel" in done
+    assert f"{upstream.target('aiter.topk').module}.top_k_per_row_decode" in done     # no vLLM _topk here
+    set_context(layer=12, step=0)
+    assert _same(plain, vllm_step(layer, layout=V8E4F))
+    (path,) = capture.flush()
+    d = _replays_exactly(path)
+    assert set(d.ops) == ALL_OPS
+    # batched [B, next_n, H, D/2] with cu_ends: the rows' bounds are cu_ends, not the context
+    assert torch.equal(d.ops["paged_mxfp4_mqa_logits"].inputs["row_ends"],
+                       layer["paged_mxfp4_mqa_logits"].inputs["row_ends"].int())
+
+
+# --- the wrapper itself --------------------------------------------------------------------------
+
+def test_capture_failure_never_reaches_the_op(monkeypatch, env, layer):
+    fk.install(monkeypatch, V033, ROW_ENDS)
+    broken = ArgMap({"k": lambda b: b["no_such_argument"]}, {})
+    t = upstream.target("aiter.k_writer")
+    install([Target(t.module, t.name, "k_norm_rope_mxfp4_cache", broken)], quiet=True)
+    set_context(layer=12, step=1)
+    r = layer["k_norm_rope_mxfp4_cache"]
+    kv = r.inputs["kv_cache"].clone().view(3, 64, 1, 68)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _mod("aiter.k_writer").k_norm_rope_mxfp4_cache(r.inputs["k"], r.inputs["positions"], r.inputs["cos_sin_cache"],
+                                                       r.inputs["norm_weight"], 1e-6, kv, r.inputs["slot_mapping"],
+                                                       4, (32, 16, 2))
     assert any("cannot read the call's inputs" in str(x.message) for x in w)
-    assert torch.equal(a["kv_cache"].view(3, -1), r.outputs["kv_cache"])
+    assert torch.equal(kv.view(3, -1), r.outputs["kv_cache"])
     assert capture.flush() == []
 
 
-def test_op_exceptions_propagate_unchanged(fakes, monkeypatch):
+def test_op_exceptions_propagate_unchanged(monkeypatch, env, layer):
     def failing(k, positions, cos_sin_cache, norm_weight, norm_eps, kv_cache, slot_mapping,
                 compress_ratio=1, shuffle=None):
         raise RuntimeError("kernel says no")
-    aiter = fakes[0]
-    monkeypatch.setattr(aiter, "k_norm_rope_mxfp4_cache", failing)
-    install([Target("fake_aiter_ops", "k_norm_rope_mxfp4_cache", "k_norm_rope_mxfp4_cache", AITER_K_WRITER)],
-            quiet=True)
+    fk.install(monkeypatch, V033, ROW_ENDS)
+    m = _mod("aiter.k_writer")
+    monkeypatch.setattr(m, "k_norm_rope_mxfp4_cache", failing)
+    install([Target(m.__name__, "k_norm_rope_mxfp4_cache", "k_norm_rope_mxfp4_cache", AITER_K_WRITER)], quiet=True)
     set_context(layer=12, step=0)
-    r, a = _k_args(make_layer(6))
+    r = layer["k_norm_rope_mxfp4_cache"]
     with pytest.raises(RuntimeError, match="kernel says no"):
-        aiter.k_norm_rope_mxfp4_cache(a["k"], a["positions"], a["cos_sin_cache"], a["norm_weight"], 1e-6,
-                                      a["kv_cache"], a["slot_mapping"])
+        m.k_norm_rope_mxfp4_cache(r.inputs["k"], r.inputs["positions"], r.inputs["cos_sin_cache"],
+                                  r.inputs["norm_weight"], 1e-6, r.inputs["kv_cache"].view(3, 64, 1, 68),
+                                  r.inputs["slot_mapping"])
 
 
-def test_auto_layer_counting(fakes, monkeypatch):
-    aiter, vllm, targets, _ = fakes
+def test_auto_layer_counting(monkeypatch, env, layer):
     monkeypatch.setenv("MXVAL_CAPTURE_AUTO_LAYERS", "2")
     monkeypatch.setenv("MXVAL_CAPTURE_LAYERS", "1")
     monkeypatch.setenv("MXVAL_CAPTURE_STEPS", "1")
-    install(targets, quiet=True)
-    layer = make_layer(7)
+    fk.install(monkeypatch, V033, ROW_ENDS)
+    install(quiet=True)
     for _ in range(5):                                # anchor calls 0..4: (0,0) (1,0) (0,1) (1,1) (0,2)
-        _run_step(aiter, vllm, layer)
+        vllm_step(layer)
     assert capture.context() == (0, 2)
     capture.flush()
     assert [p.rsplit("/", 1)[1] for p in capture.written()] == ["layer1_step1.safetensors"]
 
 
-def test_wrap_generic_function_with_out_argument(fakes, monkeypatch):
+def test_custom_targets_and_the_kernel_launch_map(monkeypatch, env, layer):
+    """install() takes Targets of the caller's own; a Triton launch records with its map."""
+    fk.install(monkeypatch, V8E4F, CU_ENDS)
+    t = upstream.target("vllm.rocm.compress_pool@8e4f5df9")
+    q = upstream.target("aiter.q_quant")
+    assert install([Target(t.module, t.name, "compress_pool", VLLM_COMPRESS_POOL_KERNEL, launcher=True),
+                    Target(q.module, q.name, "q_rope_mxfp4_quant", AITER_Q_QUANT),
+                    Target("no_such_module_xyz", "op", "topk", ArgMap({}, {}))], quiet=True) == [
+        f"{t.module}.{t.name}", f"{q.module}.{q.name}"]
+    set_context(layer=12, step=0)
+    vllm_step(layer, layout=V8E4F)
+    (path,) = capture.flush()
+    assert set(_replays_exactly(path).ops) == {"compress_pool", "q_rope_mxfp4_quant"}
+
+
+def test_wrap_generic_function_with_out_argument(monkeypatch, env):
     """wrap() on any callable: an out-argument is captured before and after the call."""
     calls = []
 

@@ -1,0 +1,615 @@
+"""`mxval upstream fetch` and `mxval upstream check`: the upstream table against real sources.
+
+    mxval upstream fetch [--vllm VERSION]        # pip-download the wheel, extract the table's files
+    mxval upstream check [--vllm DIR|WHEEL|VERSION] [--aiter DIR]
+
+`check` parses every target of `optimized.upstream.TABLE` with `ast` (nothing is imported:
+vLLM needs a CUDA torch and sixty packages, aiter a ROCm build) and prints, per target,
+where it was found, the parameters mxval binds against the ones upstream has, the return
+convention and a verdict. Exit status: 0 every target binds, 1 drift (a target missing,
+a parameter renamed or moved, a return convention changed), 2 unusable input.
+
+The cache is `$XDG_CACHE_HOME/mxval/upstream/` (default `~/.cache/mxval/upstream/`):
+`dl/` holds the downloaded wheels, `vllm-<version>/` the extracted source files (only the
+modules the table names, plus `vllm/_version.py`) and a manifest; a second fetch of the
+same version with the same table is a no-op.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from optimized import upstream
+
+EXIT_OK, EXIT_DRIFT, EXIT_USAGE = 0, 1, 2
+COMMAND = "upstream"
+
+
+class UpstreamError(ValueError):
+    """Unusable input: the one line printed before exit 2."""
+
+
+# --- where sources come from --------------------------------------------------------------
+
+def module_files(module: str) -> tuple[str, str]:
+    base = module.replace(".", "/")
+    return f"{base}.py", f"{base}/__init__.py"
+
+
+class Source:
+    """A package's source files: a directory tree or a wheel, read as text."""
+
+    def __init__(self, package: str, label: str):
+        self.package, self.label = package, label
+
+    def read(self, rel: str) -> Optional[str]:
+        raise NotImplementedError
+
+    def module_source(self, module: str) -> tuple[Optional[str], Optional[str]]:
+        """(relative path, text) of `module`, or (None, None)."""
+        for rel in module_files(module):
+            text = self.read(rel)
+            if text is not None:
+                return rel, text
+        return None, None
+
+    @property
+    def version(self) -> str:
+        text = self.read(f"{self.package}/_version.py") or self.read(f"{self.package}/version.py") or ""
+        m = re.search(r"""__version__\s*(?:=\s*version\s*)?=\s*['"]([^'"]+)['"]""", text)
+        return m[1] if m else "version unknown"
+
+
+class DirSource(Source):
+    def __init__(self, package: str, root: Path, label: Optional[str] = None):
+        super().__init__(package, label or str(root))
+        self.root = root
+
+    def read(self, rel: str) -> Optional[str]:
+        p = self.root / rel
+        try:
+            return p.read_text(encoding="utf-8") if p.is_file() else None
+        except (OSError, UnicodeDecodeError):
+            return None
+
+
+class WheelSource(Source):
+    def __init__(self, package: str, path: Path):
+        super().__init__(package, str(path))
+        try:
+            self.zip = zipfile.ZipFile(path)
+            self.names = set(self.zip.namelist())
+        except (OSError, zipfile.BadZipFile) as e:
+            raise UpstreamError(f"{path}: not a readable wheel ({e})") from None
+        m = re.match(rf"{package}-([^-]+)-", path.name)
+        self._wheel_version = m[1] if m else None
+
+    def read(self, rel: str) -> Optional[str]:
+        if rel not in self.names:
+            return None
+        try:
+            return self.zip.read(rel).decode("utf-8")
+        except (OSError, UnicodeDecodeError, zipfile.BadZipFile):
+            return None
+
+    @property
+    def version(self) -> str:
+        v = super().version
+        return self._wheel_version if v == "version unknown" and self._wheel_version else v
+
+
+def open_source(package: str, path: str) -> Source:
+    """A checkout, an installed package directory, a tree that holds `<package>/`, or a wheel."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        if p.suffix != ".whl":
+            raise UpstreamError(f"--{package} {path}: neither a directory nor a .whl")
+        return WheelSource(package, p)
+    if not p.is_dir():
+        raise UpstreamError(f"--{package} {path}: no such file or directory")
+    if (p / package / "__init__.py").is_file():
+        return DirSource(package, p)
+    if p.name == package and (p / "__init__.py").is_file():
+        return DirSource(package, p.parent)
+    raise UpstreamError(f"--{package} {path}: holds no {package}/__init__.py (pass the directory "
+                        f"that contains the {package} package, or the package itself)")
+
+
+# --- reading a definition ---------------------------------------------------------------
+
+@dataclass
+class Param:
+    name: str
+    kind: str                 # "pos", "kw", "var" (*args), "varkw" (**kwargs)
+    default: bool
+    constexpr: bool = False
+
+
+@dataclass
+class Found:
+    path: str
+    line: int
+    kind: str                 # "function", "triton_jit", "class", "method", "assignment"
+    params: list[Param]
+    annotation: Optional[str]
+    return_shape: str
+    body: str                 # the definition, unparsed (normalized formatting)
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Call):
+        return _dotted(node.func)
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    if isinstance(node, ast.Name):
+        return node.id
+    return ""
+
+
+def _is_constexpr(annotation: Optional[ast.AST]) -> bool:
+    if annotation is None:
+        return False
+    text = ast.unparse(annotation).strip("'\"")
+    return text in ("tl.constexpr", "triton.language.constexpr", "constexpr", "gl.constexpr")
+
+
+def _params(args: ast.arguments, drop_self: bool) -> list[Param]:
+    pos = args.posonlyargs + args.args
+    n_def = len(args.defaults)
+    out = [Param(a.arg, "pos", i >= len(pos) - n_def, _is_constexpr(a.annotation)) for i, a in enumerate(pos)]
+    if drop_self and out and out[0].name in ("self", "cls"):
+        out = out[1:]
+    if args.vararg:
+        out.append(Param(args.vararg.arg, "var", True))
+    out += [Param(a.arg, "kw", d is not None, _is_constexpr(a.annotation))
+            for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    if args.kwarg:
+        out.append(Param(args.kwarg.arg, "varkw", True))
+    return out
+
+
+def _return_shape(fn: ast.AST) -> str:
+    shapes = set()
+
+    def visit(node, top):
+        if not top and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            return
+        if isinstance(node, ast.Return):
+            v = node.value
+            if v is None or isinstance(v, ast.Constant) and v.value is None:
+                shapes.add("None")
+            elif isinstance(v, ast.Tuple):
+                shapes.add(f"{len(v.elts)}-tuple")
+            else:
+                shapes.add("value")
+        for child in ast.iter_child_nodes(node):
+            visit(child, False)
+    visit(fn, True)
+    if not shapes:
+        return "None"
+    return shapes.pop() if len(shapes) == 1 else "value"
+
+
+def _top_level(tree: ast.Module, name: str) -> Optional[ast.AST]:
+    hit = None
+    for node in tree.body:                       # the last definition wins, as at import
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            hit = node
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            hit = node
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+            hit = node
+        elif isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
+            hit = node
+    return hit
+
+
+def _resolve_from(module: str, is_pkg: bool, node: ast.ImportFrom, name: str) -> tuple[str, str]:
+    alias = next(a for a in node.names if (a.asname or a.name) == name)
+    if node.level:
+        parts = module.split(".")
+        base = parts if is_pkg else parts[:-1]
+        base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    return target, alias.name
+
+
+def read_definition(node: ast.AST, path: str, name: str) -> Found:
+    """What a definition node says: its kind, parameters, annotation and return shape."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        jit = any(_dotted(d).split(".")[-1] in ("jit", "autotune", "heuristics") for d in node.decorator_list)
+        return Found(path, node.lineno, "triton_jit" if jit else "function", _params(node.args, False),
+                     ast.unparse(node.returns) if node.returns is not None else None,
+                     _return_shape(node), ast.unparse(node))
+    if isinstance(node, ast.ClassDef):
+        init = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+        return Found(path, node.lineno, "class", _params(init.args, True) if init else [], None, "value",
+                     ast.unparse(node))
+    return Found(path, node.lineno, "assignment", [], None, "value", ast.unparse(node))
+
+
+def find_definition(source: Source, t: upstream.Target) -> tuple[Optional[Found], str]:
+    """The definition of `t` in `source` (following re-exports), or (None, why not)."""
+    tried = []
+    for module in t.modules:
+        rel, text = source.module_source(module)
+        if text is None:
+            tried.append(module)
+            continue
+        found, why = _find_in(source, module, rel, text, t, depth=0)
+        if found is not None:
+            return found, ""
+        return None, why
+    return None, "module not found: " + ", ".join(tried)
+
+
+def _find_in(source, module, rel, text, t, depth):
+    try:
+        tree = ast.parse(text, filename=rel)
+    except SyntaxError as e:
+        return None, f"{rel}: cannot parse ({e.msg}, line {e.lineno})"
+    cls_name, _, meth = t.name.partition(".") if t.kind == "method" else (t.name, "", "")
+    node = _top_level(tree, cls_name)
+    if isinstance(node, ast.ImportFrom) and depth < 4:
+        target_mod, target_name = _resolve_from(module, rel.endswith("__init__.py"), node, cls_name)
+        rel2, text2 = source.module_source(target_mod)
+        if text2 is None:
+            return None, f"{rel}: {cls_name} is imported from {target_mod}, which is not in the source"
+        sub = upstream.Target(t.key, t.package, target_mod, f"{target_name}.{meth}" if meth else target_name,
+                              t.kind, t.params, t.returns, t.versions)
+        return _find_in(source, target_mod, rel2, text2, sub, depth + 1)
+    if node is None:
+        return None, f"{rel} defines no {cls_name}"
+    if t.kind == "method":
+        if not isinstance(node, ast.ClassDef):
+            return None, f"{rel}: {cls_name} is not a class"
+        fn = next((n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   and n.name == meth), None)
+        if fn is None:
+            return None, f"{rel}: class {cls_name} has no method {meth}"
+        found = read_definition(fn, rel, meth)
+        found.params = _params(fn.args, True)
+        found.kind = "method"
+        return found, ""
+    return read_definition(node, rel, t.name), ""
+
+
+# --- comparing it with the table ----------------------------------------------------------
+
+def _normalize_expr(text: str) -> str:
+    text = text.strip()
+    try:
+        return ast.unparse(ast.parse(text, mode="eval"))
+    except SyntaxError:
+        pass
+    try:                                          # keyword-argument form: NAME=expr
+        call = ast.parse(f"f({text})", mode="eval").body
+        return ast.unparse(call)[2:-1]
+    except SyntaxError:
+        return " ".join(text.split())
+
+
+@dataclass
+class Comparison:
+    params: list[str] = field(default_factory=list)      # problems with the parameters
+    returns: list[str] = field(default_factory=list)     # problems with the return convention
+    params_note: str = ""
+    returns_note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.params and not self.returns
+
+
+def compare(t: upstream.Target, f: Found, *, check_kind: bool = True) -> Comparison:
+    """How a definition departs from its table entry ([] problems: mxval binds it)."""
+    c = Comparison()
+    if f.kind == "assignment":
+        c.params.append(f"{t.name} is assigned, not defined: its signature cannot be read")
+        return c
+    if check_kind and f.kind != t.kind:
+        c.params.append(f"a {f.kind}, the table says {t.kind}")
+    positional = [p for p in f.params if p.kind == "pos"]
+    by_name = {p.name: p for p in f.params}
+    has_varkw = any(p.kind == "varkw" for p in f.params)
+    want_pos, want_kw = t.positional(), t.keyword()
+    for i, name in enumerate(want_pos):
+        have = positional[i].name if i < len(positional) else None
+        if have == name:
+            continue
+        if name in by_name and by_name[name].kind == "kw":
+            c.params.append(f"{name} is keyword-only upstream, mxval passes it at position {i}")
+        elif name in by_name:
+            c.params.append(f"{name} is at position {positional.index(by_name[name])}, mxval passes it at {i}")
+        else:
+            c.params.append(f"no parameter {name} (position {i} is {have or 'absent'})")
+    for name in want_kw:
+        if name not in by_name:
+            c.params.append(f"no parameter {name}" + (" (it would land in **kwargs)" if has_varkw else ""))
+        elif by_name[name].kind in ("var", "varkw"):
+            c.params.append(f"{name} is *{name}, not a named parameter")
+    bound = set(t.bound_params())
+    for p in f.params:
+        if p.kind in ("pos", "kw") and not p.default and p.name not in bound:
+            c.params.append(f"upstream requires {p.name}, which mxval does not pass")
+    if t.kind == "triton_jit":
+        extra = [p.name for p in positional if p.name not in bound]
+        if extra:
+            c.params.append("kernel parameters mxval does not list: " + ", ".join(extra))
+        marked = set(t.constexprs())
+        if marked:
+            have = {p.name for p in f.params if p.constexpr}
+            for name in sorted(marked - have):
+                if name in by_name:
+                    c.params.append(f"{name} is not a constexpr upstream")
+            for name in sorted((have - marked) & bound):
+                c.params.append(f"{name} is a constexpr upstream, the table does not mark it")
+    n_up = len([p for p in f.params if p.kind in ("pos", "kw")])
+    c.params_note = f"{len(t.bound_params())} bound of {n_up}"
+    if t.constexprs():
+        c.params_note += f", {len(t.constexprs())} constexpr"
+
+    clauses = [s.strip() for s in t.returns.split(";") if s.strip()]
+    if clauses:
+        want = clauses[0]
+        shapes = {"None", "value"}
+        if f.annotation is not None:
+            if _normalize_expr(want) != _normalize_expr(f.annotation):
+                c.returns.append(f"returns {f.annotation}, the table says {want}")
+            c.returns_note = f.annotation
+        elif want in shapes or re.fullmatch(r"\d+-tuple", want):
+            if want != f.return_shape:
+                c.returns.append(f"returns {f.return_shape}, the table says {want}")
+            c.returns_note = f.return_shape
+        else:
+            c.returns_note = f"not annotated ({f.return_shape})"
+        body = f.body
+        missing = [s for s in clauses[1:] if _normalize_expr(s) not in body]
+        for s in missing:
+            c.returns.append(f"no `{s}` in its body")
+        if len(clauses) > 1 and not missing:
+            c.returns_note += f" +{len(clauses) - 1} pinned"
+    return c
+
+
+def check_definition(t: upstream.Target, fn) -> Comparison:
+    """Compare a Python function (a test's fake) with its table entry, as `check` compares
+    upstream: the fake's own source, parsed."""
+    import inspect
+    import textwrap
+    src = textwrap.dedent(inspect.getsource(fn))
+    tree = ast.parse(src)
+    node = next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+    found = read_definition(node, inspect.getsourcefile(fn) or "?", t.name)
+    return compare(t, found, check_kind=False)
+
+
+@dataclass
+class Result:
+    target: upstream.Target
+    found: Optional[Found]
+    why: str = ""
+    comparison: Optional[Comparison] = None
+    verdict: str = ""             # "bound", "drift", "missing", "alternative", "not checked"
+    package_label: str = ""
+
+    @property
+    def bound(self) -> bool:
+        return self.found is not None and self.comparison is not None and self.comparison.ok
+
+
+def check(sources: dict[str, Source], table: tuple[upstream.Target, ...] = upstream.TABLE) -> list[Result]:
+    """One Result per table entry; a group binds when one of its entries binds."""
+    results = []
+    for t in table:
+        src = sources.get(t.package)
+        if src is None:
+            results.append(Result(t, None, f"no --{t.package} given", verdict="not checked"))
+            continue
+        found, why = find_definition(src, t)
+        r = Result(t, found, why, compare(t, found) if found else None)
+        results.append(r)
+    groups: dict[str, list[Result]] = {}
+    for r in results:
+        groups.setdefault(r.target.group, []).append(r)
+    for members in groups.values():
+        any_bound = any(m.bound for m in members)
+        for m in members:
+            if m.verdict:
+                continue
+            if m.bound:
+                m.verdict = "bound"
+            elif any_bound:
+                m.verdict = "alternative"
+            else:
+                m.verdict = "missing" if m.found is None else "drift"
+    return results
+
+
+def exit_status(results: list[Result]) -> int:
+    return EXIT_DRIFT if any(r.verdict in ("drift", "missing") for r in results) else EXIT_OK
+
+
+def render(results: list[Result], sources: dict[str, Source], console) -> None:
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+    for pkg, src in sources.items():
+        console.print(escape(f"{pkg} {src.version}: {src.label}"))
+    table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
+    for col in ("target", "found", "parameters (table vs upstream)", "returns", "verdict"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("target", "found"))
+    style = {"bound": "green", "alternative": "dim", "not checked": "dim", "drift": "red", "missing": "red"}
+    for r in results:
+        t = r.target
+        if r.found is None:
+            where, params, returns = r.why, "", ""
+        else:
+            where = f"{r.found.path}:{r.found.line}"
+            c = r.comparison
+            params = "; ".join(c.params) if c.params else f"ok ({c.params_note})"
+            returns = "; ".join(c.returns) if c.returns else (c.returns_note or "ok")
+        verdict = r.verdict
+        if verdict == "alternative":
+            bound = next((m.target.key for m in results if m.target.group == t.group and m.verdict == "bound"), "")
+            verdict = f"alternative ({bound} bound)"
+        table.add_row(escape(t.key), escape(where), escape(params), escape(returns),
+                      f"[{style.get(r.verdict, 'default')}]{escape(verdict)}[/]")
+    console.print(table)
+    bad = [r for r in results if r.verdict in ("drift", "missing")]
+    groups = {r.target.group for r in results if r.verdict != "not checked"}
+    if bad:
+        console.print(f"[red]drift[/]: {len({r.target.group for r in bad})} of {len(groups)} target(s) "
+                      "do not bind; fix optimized/upstream.py (and the adapters) before trusting a run")
+    else:
+        console.print(f"[green]ok[/]: all {len(groups)} checked target(s) bind")
+
+
+# --- fetch --------------------------------------------------------------------------------
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mxval" / "upstream"
+
+
+def tree_dir(version: str) -> Path:
+    return cache_root() / f"vllm-{version}"
+
+
+_VERSION_RE = re.compile(r"\d+(\.\d+)*([a-z0-9.+!-]*)", re.I)
+
+
+def _pip_download(version: str, dest: Path) -> None:
+    """`pip download vllm==VERSION --no-deps` into dest; UpstreamError with one line on failure.
+    pip's own progress bar shows on the terminal."""
+    cmd = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--timeout", "30", "--retries", "1", "-d", str(dest)]
+    try:
+        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        raise UpstreamError(f"cannot run pip ({e})") from None
+    if proc.returncode == 0:
+        return
+    err = proc.stderr or ""
+    offline = re.search(r"NewConnectionError|Network is unreachable|Temporary failure in name resolution|"
+                        r"Name or service not known|Max retries exceeded|ConnectTimeout|ReadTimeout", err)
+    last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip().startswith("ERROR")), "")
+    if offline:
+        raise UpstreamError(f"vllm=={version}: cannot reach the package index (offline?): {last or 'pip failed'}")
+    if "No matching distribution" in err or "Could not find a version" in err:
+        raise UpstreamError(f"vllm=={version}: no such release on the package index ({last})")
+    raise UpstreamError(f"vllm=={version}: pip download failed: {last or f'exit {proc.returncode}'}")
+
+
+def _wheel(version: str) -> Optional[Path]:
+    hits = sorted((cache_root() / "dl").glob(f"vllm-{version}-*.whl"))
+    return hits[0] if hits else None
+
+
+def wanted_files(names: set[str], table=upstream.TABLE) -> dict[str, Optional[str]]:
+    """module -> the file of it that `names` holds (None when it has none)."""
+    out = {}
+    for t in table:
+        if t.package != "vllm":
+            continue
+        for m in t.modules:
+            out[m] = next((f for f in module_files(m) if f in names), None)
+    return out
+
+
+def fetch(version: str, console, *, pip=None, table=upstream.TABLE) -> Path:
+    """The extracted tree of vLLM `version`'s table files (downloading the wheel if needed)."""
+    if not _VERSION_RE.fullmatch(version):
+        raise UpstreamError(f"--vllm {version}: not a version (e.g. {upstream.newest('vllm')})")
+    root = tree_dir(version)
+    manifest = root / ".mxval-manifest.json"
+    modules = {m for t in table if t.package == "vllm" for m in t.modules}
+    try:
+        have = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        have = None
+    if (isinstance(have, dict) and modules <= set(have.get("modules", {}))
+            and all((root / f).is_file() for f in have.get("files", []))):
+        console.print(f"vllm {version}: cached, {len(have['files'])} source files in {root}")
+        return root
+    wheel = _wheel(version)
+    if wheel is None:
+        dl = cache_root() / "dl"
+        dl.mkdir(parents=True, exist_ok=True)
+        console.print(f"vllm {version}: downloading the wheel (no dependencies) into {dl}")
+        (pip or _pip_download)(version, dl)
+        wheel = _wheel(version)
+        if wheel is None:
+            raise UpstreamError(f"vllm=={version}: pip left no vllm-{version}-*.whl in {dl}")
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            names = set(z.namelist())
+            where = wanted_files(names, table)
+            files = sorted({f for f in where.values() if f} | ({"vllm/_version.py"} & names))
+            from rich.progress import track
+            for f in track(files, description=f"extracting {len(files)} files", console=console,
+                           transient=True):
+                dest = root / f
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(z.read(f))
+    except (OSError, zipfile.BadZipFile) as e:
+        raise UpstreamError(f"{wheel}: cannot read the wheel ({e}); delete it and fetch again") from None
+    manifest.write_text(json.dumps({"wheel": wheel.name, "modules": where, "files": files}, indent=1))
+    absent = sorted(m for m, f in where.items() if f is None)
+    console.print(f"vllm {version}: {len(files)} source files in {root}"
+                  + (f" ({len(absent)} table module(s) not in this release: {', '.join(absent)})" if absent else ""))
+    return root
+
+
+# --- the command ------------------------------------------------------------------------
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(COMMAND, help="fetch upstream sources and check the adapters' targets against them")
+    s = p.add_subparsers(dest="upstream_cmd", required=True, parser_class=type(p))
+    f = s.add_parser("fetch", help="pip-download vLLM's wheel (no deps) and extract the files the table names")
+    f.add_argument("--vllm", default=None, metavar="VERSION",
+                   help=f"vLLM release (default: {upstream.newest('vllm')}, the newest the table knows)")
+    c = s.add_parser("check", help="parse every upstream target with ast and compare it with the table")
+    c.add_argument("--vllm", default=None, metavar="DIR|WHEEL|VERSION",
+                   help="vLLM sources: a directory, a wheel, or a fetched version (default: the fetched "
+                        f"{upstream.newest('vllm')})")
+    c.add_argument("--aiter", default=None, metavar="DIR", help="an aiter checkout (not checked without it)")
+
+
+def _console():
+    from rich.console import Console
+    return Console(stderr=False, highlight=False)
+
+
+def resolve_vllm(arg: Optional[str]) -> Source:
+    if arg is not None and (os.path.sep in arg or os.path.exists(arg) or arg.endswith(".whl")):
+        return open_source("vllm", arg)
+    version = arg or upstream.newest("vllm")
+    root = tree_dir(version)
+    if not (root / "vllm").is_dir():
+        raise UpstreamError(f"vllm {version}: not fetched ({root} is missing); run "
+                            f"`mxval upstream fetch --vllm {version}` or pass --vllm DIR|WHEEL")
+    return DirSource("vllm", root)
+
+
+def run(args) -> int:
+    console = _console()
+    if args.upstream_cmd == "fetch":
+        fetch(args.vllm or upstream.newest("vllm"), console)
+        return EXIT_OK
+    sources = {"vllm": resolve_vllm(args.vllm)}
+    if args.aiter:
+        sources["aiter"] = open_source("aiter", args.aiter)
+    results = check(sources)
+    render(results, sources, console)
+    return exit_status(results)

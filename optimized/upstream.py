@@ -1,0 +1,235 @@
+"""The upstream functions and kernels mxval calls or wraps, in one table.
+
+The aiter and vLLM adapters (`optimized.aiter_backend`, `optimized.vllm_backend`), the
+capture hook (`harness.capture`) and `mxval upstream check` all read this table; no other
+module names an upstream module path. When aiter or vLLM moves or changes a function,
+the fix is an entry here, and `mxval upstream check` says which entry drifted.
+
+Entry fields:
+
+* key: mxval's stable name, `<package>.<area>.<op>` (for instance "aiter.k_writer",
+  "vllm.rocm.compress_pool"). A key names one calling convention. Where another version
+  reaches the same op differently (other parameters, another module, a kernel instead of
+  a dispatcher), that one is an alternative keyed `<key>@<version>`: the adapters and the
+  hook take the first of a group that is present, and `mxval upstream check` passes a
+  group when one of its entries binds.
+* module, name: where the newest release it is known for defines it; alt_modules: older
+  module paths with the same parameters (tried after `module`, in order).
+* kind: "function", "triton_jit" (a `@triton.jit` kernel, launched `kernel[grid](...)`),
+  "class" or "method" (`Class.method` in `name`).
+* params: the parameters mxval binds, in the upstream order. A "*" marks where the ones
+  passed by keyword start (the upstream may take them positionally too); after them the
+  upstream may have more parameters, with defaults. A Triton kernel lists all of them,
+  constexprs marked "NAME:constexpr".
+* returns: the return convention. Its first clause is compared by the checker with the
+  return annotation, or, without one, with the shape of the return statements ("None",
+  "N-tuple", "value"). Further clauses, separated by "; ", are expressions that must
+  occur in the function's body: how a convention that no annotation states is pinned
+  (a scale returned as int32, the rule that picks a kernel).
+* versions: the upstream versions the entry was read from: "vllm==0.33.0",
+  "vllm@8e4f5df9" (the vLLM change the DeepSeek-V4 ROCm path first landed in),
+  "aiter:cu_ends" / "aiter:row_ends" (the two API generations of aiter's paged MXFP4
+  scorer; the ops that did not change list both).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str                 # stable mxval name, e.g. "aiter.k_writer", "vllm.rocm.compress_pool"
+    package: str             # "vllm" | "aiter"
+    module: str              # dotted module path in the newest release it is known for
+    name: str                # function / Triton kernel / class name
+    kind: str                # "function" | "triton_jit" | "class" | "method"
+    params: tuple[str, ...]  # the parameters mxval binds, in order
+    returns: str             # return convention (text that the checker can compare where possible)
+    versions: tuple[str, ...]          # e.g. ("vllm==0.33.0",), ("aiter:row_ends",)
+    alt_modules: tuple[str, ...] = ()  # older layouts, e.g. the vLLM 8e4f5df9 module path
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return (self.module, *self.alt_modules)
+
+    @property
+    def spec(self) -> str:
+        """"module:name" as the importers take it."""
+        return f"{self.module}:{self.name}"
+
+    @property
+    def group(self) -> str:
+        """The key this entry is an alternative of (itself when it has no "@")."""
+        return self.key.split("@", 1)[0]
+
+    def bound_params(self) -> tuple[str, ...]:
+        """The parameter names, without the "*" marker and the constexpr marks."""
+        return tuple(p.split(":", 1)[0] for p in self.params if p != "*")
+
+    def positional(self) -> tuple[str, ...]:
+        """The names passed by position (before "*")."""
+        names = self.params[:self.params.index("*")] if "*" in self.params else self.params
+        return tuple(p.split(":", 1)[0] for p in names)
+
+    def keyword(self) -> tuple[str, ...]:
+        """The names passed by keyword (after "*")."""
+        return self.params[self.params.index("*") + 1:] if "*" in self.params else ()
+
+    def constexprs(self) -> tuple[str, ...]:
+        return tuple(p.split(":", 1)[0] for p in self.params if p.endswith(":constexpr"))
+
+
+KINDS = ("function", "triton_jit", "class", "method")
+PACKAGES = ("vllm", "aiter")
+
+VLLM_033 = "vllm==0.33.0"
+VLLM_8E4F = "vllm@8e4f5df9"
+AITER_CU_ENDS = "aiter:cu_ends"
+AITER_ROW_ENDS = "aiter:row_ends"
+
+_VLLM_OPS = "vllm.v1.attention.ops.rocm_paged_mxfp4_indexer"
+_VLLM_ROCM = "vllm.models.deepseek_v4.amd.rocm"
+_VLLM_ROCM_8E4F = "vllm.models.deepseek_v4.amd.mxfp4_indexer"
+
+_POOL_KERNEL_HEAD = ("state_cache_ptr", "state_cache_stride0", "state_cache_stride1",
+                     "token_to_req_indices_ptr", "positions_ptr", "kv_slot_mapping_ptr",
+                     "block_table_ptr", "block_table_stride", "block_size")
+_POOL_KERNEL_TAIL = ("HEAD_SIZE:constexpr", "STATE_WIDTH:constexpr", "COMPRESS_RATIO:constexpr",
+                     "OVERLAP:constexpr")
+
+
+# --- vLLM's DeepSeek-V4 ROCm indexer (the vLLM adapter and the capture hook) ---------------
+
+VLLM_ROCM: tuple[Target, ...] = (
+    # 0.33.0 launches the pooling kernel only through this dispatcher (a callable object with
+    # register_warmup, kernel, ...): one program per pooled_k row, constexprs from its args.
+    Target("vllm.rocm.compress_pool", "vllm", _VLLM_ROCM, "compress_pool", "function",
+           ("state_cache", "token_to_req_indices", "positions", "kv_slot_mapping", "block_table",
+            "block_size", "pooled_k", "state_width", "compress_ratio", "overlap"),
+           "DispatchSpec; (pooled_k.shape[0],); HEAD_SIZE=pooled_k.shape[1]; STATE_WIDTH=state_width; "
+           "OVERLAP=overlap", (VLLM_033,)),
+    # 8e4f5df9: the model file launched the kernel itself, kernel[(num_tokens,)](...)
+    Target("vllm.rocm.compress_pool@8e4f5df9", "vllm", _VLLM_ROCM_8E4F, "_compress_pool_kernel",
+           "triton_jit", _POOL_KERNEL_HEAD + ("out_ptr", "out_stride") + _POOL_KERNEL_TAIL,
+           "None", (VLLM_8E4F,)),
+    Target("vllm.rocm.compress_pool_kernel", "vllm", _VLLM_ROCM, "_compress_pool_kernel", "triton_jit",
+           _POOL_KERNEL_HEAD + ("pooled_k_ptr", "pooled_k_stride") + _POOL_KERNEL_TAIL,
+           "None", (VLLM_033,)),
+    Target("vllm.rocm.compress_pool_kernel@8e4f5df9", "vllm", _VLLM_ROCM_8E4F, "_compress_pool_kernel",
+           "triton_jit", _POOL_KERNEL_HEAD + ("out_ptr", "out_stride") + _POOL_KERNEL_TAIL,
+           "None", (VLLM_8E4F,)),
+    # 8e4f5df9's model file calls the K store and the Q quant with these same arguments.
+    Target("vllm.ops.k_store", "vllm", _VLLM_OPS, "rocm_mxfp4_indexer_k_store", "function",
+           ("k_pre", "positions", "cos_sin_cache", "rms_norm_weight", "rms_norm_eps", "k_cache",
+            "kv_slot_mapping", "compress_ratio", "use_fp4_cache", "*", "num_heads"),
+           "None", (VLLM_033, VLLM_8E4F)),
+    # the scale comes back as one int32 per head, [T, H]: its bytes are the D/32 e8m0 scales
+    Target("vllm.ops.q_quant", "vllm", _VLLM_OPS, "rocm_mxfp4_indexer_q_quant", "function",
+           ("positions", "index_q", "index_q_cos_sin_cache", "index_weights",
+            "index_weights_softmax_scale", "index_weights_head_scale"),
+           "tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]; q_scale.view(torch.int32).squeeze(-1)",
+           (VLLM_033, VLLM_8E4F)),
+    # vLLM's top-k: aiter's kernel where its rule says so, else torch.ops._C's; -1 pads
+    Target("vllm.ops.topk", "vllm", _VLLM_OPS, "_topk", "function",
+           ("logits", "lengths", "out", "k"),
+           "None; width >= k and (k >= 2048 or rows >= 128); torch.ops._C.top_k_per_row_decode",
+           (VLLM_033,)),
+    # a functools.cache of aiter's K writer and Q quant: a hook installed after the first
+    # call must clear it, or the cached originals keep running
+    Target("vllm.ops.aiter_cache_ops", "vllm", _VLLM_OPS, "_aiter_indexer_cache_ops", "function",
+           (), "tuple[Callable[..., None], Callable[..., tuple]]", (VLLM_033,)),
+)
+
+
+# --- aiter's ops (the aiter adapter, the scorer and top-k of the vLLM adapter, the hook) ----
+
+_AITER_PA = "aiter.ops.triton.attention.pa_mqa_logits_mxfp4"
+_SCORER_HEAD = ("q", "q_scales", "kv_cache", "weights", "context_lens", "block_table", "max_model_len",
+                "*", "out_logits", "clean_logits", "preshuffle")
+_SCORER_RETURNS = "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"
+
+AITER: tuple[Target, ...] = (
+    Target("aiter.k_writer", "aiter", "aiter.ops.triton.fusions.k_norm_rope_mxfp4_cache",
+           "k_norm_rope_mxfp4_cache", "function",
+           ("k", "positions", "cos_sin_cache", "norm_weight", "norm_eps", "kv_cache", "slot_mapping",
+            "compress_ratio", "shuffle"),
+           "None", (AITER_CU_ENDS, AITER_ROW_ENDS)),
+    # q_scale comes back as u8 [T, H, D/32]
+    Target("aiter.q_quant", "aiter", "aiter.ops.triton.rope.q_rope_mxfp4_quant", "q_rope_mxfp4_quant",
+           "function", ("q", "positions", "cos_sin_cache", "weights", "weights_scale"),
+           "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]", (AITER_CU_ENDS, AITER_ROW_ENDS)),
+    # the generation vLLM 0.33.0 calls: one varlen launch per prefill chunk, q [T, H, D/2]
+    # with query_start_loc and per-row row_ends; decode as [B, next_n, H, D/2]
+    Target("aiter.scorer", "aiter", _AITER_PA, "paged_mxfp4_mqa_logits", "function",
+           _SCORER_HEAD + ("row_ends", "query_start_loc", "next_n", "use_gather", "block_scores",
+                           "calc_logits", "calc_block_scores"),
+           _SCORER_RETURNS, (AITER_ROW_ENDS,)),
+    # the generation before: q [B, next_n, H, D/2] only, per-row bounds as cu_ends
+    Target("aiter.scorer@cu_ends", "aiter", _AITER_PA, "paged_mxfp4_mqa_logits", "function",
+           _SCORER_HEAD + ("cu_ends",), _SCORER_RETURNS, (AITER_CU_ENDS,)),
+    Target("aiter.topk", "aiter", "aiter.ops.topk", "top_k_per_row_decode", "function",
+           ("logits", "next_n", "seqLens", "indices", "numRows", "stride0", "stride1", "k"),
+           "None", (AITER_CU_ENDS, AITER_ROW_ENDS)),
+)
+
+
+# --- vLLM's Triton kernels run outside vLLM (the Triton-from-upstream backend) --------------
+# (the ROCm pooling kernel is vllm.rocm.compress_pool_kernel above)
+
+VLLM_TRITON: tuple[Target, ...] = ()
+
+
+TABLE: tuple[Target, ...] = VLLM_ROCM + AITER + VLLM_TRITON
+_BY_KEY = {t.key: t for t in TABLE}
+
+
+def target(key: str) -> Target:
+    try:
+        return _BY_KEY[key]
+    except KeyError:
+        raise KeyError(f"no upstream target {key!r} (known: {', '.join(sorted(_BY_KEY))})") from None
+
+
+def targets(package: str | None = None, *, kind: str | None = None) -> tuple[Target, ...]:
+    return tuple(t for t in TABLE if (package is None or t.package == package)
+                 and (kind is None or t.kind == kind))
+
+
+def group(key: str) -> tuple[Target, ...]:
+    """`key` and its alternatives (`key@...`), in table order: the first present wins."""
+    members = tuple(t for t in TABLE if t.group == key.split("@", 1)[0])
+    if not members:
+        raise KeyError(f"no upstream target {key!r} (known: {', '.join(sorted(_BY_KEY))})")
+    return members
+
+
+def newest(package: str) -> str:
+    """The newest release of `package` the table was read from ("0.33.0")."""
+    tags = [v.split("==", 1)[1] for t in TABLE for v in t.versions if v.startswith(package + "==")]
+    if not tags:
+        raise KeyError(f"the table names no {package} release")
+    return max(tags, key=lambda v: tuple(int(x) if x.isdigit() else 0 for x in v.split(".")))
+
+
+def validate(table: tuple[Target, ...] = TABLE) -> list[str]:
+    """Problems with the table itself (duplicate keys, unknown kinds): [] when sound."""
+    errs, seen = [], set()
+    for t in table:
+        if t.key in seen:
+            errs.append(f"{t.key}: duplicate key")
+        seen.add(t.key)
+        if t.package not in PACKAGES:
+            errs.append(f"{t.key}: package {t.package!r} is not one of {PACKAGES}")
+        if t.kind not in KINDS:
+            errs.append(f"{t.key}: kind {t.kind!r} is not one of {KINDS}")
+        if not t.module.startswith(t.package + ".") and t.module != t.package:
+            errs.append(f"{t.key}: module {t.module} is not in package {t.package}")
+        if not t.versions:
+            errs.append(f"{t.key}: no versions")
+        if t.params.count("*") > 1:
+            errs.append(f"{t.key}: more than one '*' in params")
+        if any(p.endswith(":constexpr") for p in t.params) and t.kind != "triton_jit":
+            errs.append(f"{t.key}: constexpr marks on a {t.kind}")
+        if "@" in t.key and t.group not in seen | {u.key for u in table}:
+            errs.append(f"{t.key}: an alternative of {t.group}, which is not in the table")
+    return errs
