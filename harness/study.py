@@ -308,6 +308,8 @@ def add_parser(sub) -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--report-dir", default=None)
     ap.add_argument("--readme", default=None, help="also write the README summary section to this file")
+    ap.add_argument("--from-json", default=None, metavar="STUDY_JSON",
+                    help="re-render the reports of a saved study.json (its run's numbers and machine) instead of running")
 
 
 def run(args) -> int:
@@ -315,6 +317,8 @@ def run(args) -> int:
     import os
 
     from . import study_report
+    if args.from_json:
+        return _rerender(args)
     cfg = load_config(args.study, Path(args.study_file))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.partition(":")[0] not in ("cpu", "cuda"):
@@ -347,6 +351,26 @@ def run(args) -> int:
             "needle_depths": cfg.needle_depths, "needle_margins": cfg.needle_margins,
             "tolerance": cfg.tolerance, "dump": bool(args.dump)}
     paths = study_report.render(result, out, title=f"mxval study: {cfg.name}", meta=meta)
+    md = study_report.summary_markdown(result, meta)
+    print(md)
+    print(f"\nreports: {', '.join(paths.values())}")
+    if args.readme:
+        Path(args.readme).write_text(md + "\n")
+    return 0
+
+
+def _rerender(args) -> int:
+    import json
+
+    from . import study_report
+    try:
+        saved = json.loads(Path(args.from_json).read_text())
+        meta = saved["meta"]
+        result = {k: saved[k] for k in ("rows", "needles", "inputs", "merges")}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--from-json: {args.from_json}: not a study.json ({e})") from None
+    out = Path(args.report_dir or Path(args.from_json).parent)
+    paths = study_report.render(result, out, title=f"mxval study: {meta.get('study', '?')}", meta=meta)
     md = study_report.summary_markdown(result, meta)
     print(md)
     print(f"\nreports: {', '.join(paths.values())}")

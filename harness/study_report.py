@@ -1,5 +1,5 @@
 """Reports of `mxval study`: per-distribution tables with intervals, the margin sweep, the
-known-bug controls, and a decision section whose every sentence is computed from the run.
+known-bug controls, and a decision section whose every claim is computed from the run.
 
 Intervals: the unit of replication is the seed (it redraws outlier channels, key subspace,
 norm weight, head-weight projection, queries, keys and values), so a cell is the mean over
@@ -447,10 +447,12 @@ def needle_table(needles, merged, meta, longest, *, full=False) -> list[str]:
             continue
         g = _pooled(nd, ["distribution", "variant", "margin"])
         ex = nd[nd.variant == "exact"].groupby(["distribution", "margin"])["rank_median"].median()
-        variants = [v for v in _cost_variants(nd, merged)] + \
-                   ([v for v in VARIANTS if VARIANTS[v].kind == "bug" and v in set(nd.variant)] if full else [])
+        costs = _cost_variants(nd, merged)
+        variants = costs + [v for v in VARIANTS if VARIANTS[v].kind == "bug" and v in set(nd.variant)] if full \
+            else [v for v in costs if v in (FP8, MX, MXH)] or costs
         lines += ["", f"Needles kept at {_ctx(ctx)} (share of n needles, pooled over seeds and depths; "
-                      "first row: the needles' median exact rank):", "",
+                      "first row: the needles' median exact rank"
+                      + ("" if full else "; every variant and context in study.md") + "):", "",
                   "| distribution | variant | n | " + " | ".join(f"{m:.0%}" for m in margins) + " |",
                   "|---" * (3 + len(margins)) + "|"]
         for d in _dist_order(nd, meta):

@@ -357,3 +357,13 @@ def test_study_of_a_captured_dump():
     assert res["inputs"][0]["k_block_crest"] > 1
     md = study.summary_markdown(res, _meta(dump=True, distributions=["k_natural.safetensors"]))
     assert "| mxfp4 | cost |" in md and "crest" in md
+
+
+def test_reports_re_render_from_a_saved_run(tmp_path, capsys):
+    first, again = tmp_path / "a.md", tmp_path / "b.md"
+    assert study.main(["study", "--study", "quick", "--device", "cpu", "--report-dir", str(tmp_path / "r"),
+                       "--readme", str(first)]) == 0
+    assert study.main(["study", "--from-json", str(tmp_path / "r" / "study.json"), "--readme", str(again)]) == 0
+    assert first.read_text() == again.read_text() and "### Decision" in first.read_text()
+    with pytest.raises(ValueError, match="not a study.json"):
+        study.main(["study", "--from-json", str(first)])
