@@ -149,7 +149,7 @@ def test_the_study_draws_once_per_distribution_and_seed(monkeypatch):
     real = getattr(study, "draw", None)
     monkeypatch.setattr(study, "draw", lambda *a, **kw: calls.append(kw["entries"]) or real(*a, **kw),
                         raising=False)
-    res = study.run_study(_cfg(study.Distribution(), ["exact"], context_tokens=[8192, 16384], seeds=2, rows=2))
+    res = study.run_study(_compat([study.Distribution()], ["exact"], context_tokens=[8192, 16384], seeds=2))
     assert calls == [4096, 4096]                 # the longest context; the shorter is its prefix
     assert len(res["inputs"]) == 2
 
