@@ -49,12 +49,12 @@ selftest: $(ENV_STAMP)
 	$(MXVAL) selftest --report-dir reports/selftest
 
 bench: $(ENV_STAMP)
-	$(PY) -m harness.bench
+	$(PY) -m harness.bench.reference
 
 # GPU benchmark of the Triton kernels at V4-Pro shapes -> reports/bench-gpu.md
 BENCH_GPU_OUT ?= reports/bench-gpu.md
 bench-gpu: $(ENV_STAMP)
-	$(PY) -m harness.bench_gpu --out $(BENCH_GPU_OUT)
+	$(PY) -m harness.bench.gpu --out $(BENCH_GPU_OUT)
 
 study: $(ENV_STAMP)
 	$(MXVAL) study --report-dir reports/study

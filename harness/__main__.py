@@ -1,6 +1,6 @@
 """`python -m harness` is the `mxval` command."""
 import sys
 
-from .cli import main
+from harness.commands.cli import main
 
 sys.exit(main())

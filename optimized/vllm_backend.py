@@ -22,7 +22,7 @@ import torch
 from reference import layout
 from reference.formats import ROUNDING_PATHS
 from reference.k_writer import check_mxfp4_k_writer
-from reference.pooling import _check as check_pool_args
+from reference.pooling import check_pool_args
 from reference.q_quant import check_q_args
 from reference.topk import check_topk_args
 from reference import checks

@@ -74,7 +74,7 @@ def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return torch.where(all_neg_zero, -c.abs(), c).float()
 
 
-def _check(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio):
+def check_pool_args(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio):
     dims = checks.Dims()
     dims.check("state_cache", state_cache, torch.float32, ("blocks", "block_size", "4D"))
     if state_cache.shape[-1] % 4:
@@ -95,7 +95,7 @@ def compress_pool(*, state_cache, block_table, positions, req_index, kv_slot_map
                   compress_ratio: int = 4, rounding: str = "rocm") -> dict:
     """Pooled row of every boundary token that writes (slot >= 0); other rows are NaN.
     ROCm split path and DeepSeek: bf16 [T, D]; CUDA fused path: the fp32 rows [T, D]."""
-    _check(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio)
+    check_pool_args(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio)
     checks.choice("rounding", rounding, ROUNDING_PATHS)
     d = state_cache.shape[-1] // 4
     sel = boundary_mask(positions, compress_ratio) & (kv_slot_mapping >= 0)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fake_upstream as fk
-from harness.upstream_cmd import check_definition
+from harness.commands.upstream_cmd import check_definition
 from optimized import BackendUnavailable, OP_NAMES, aiter_backend, common, get_backend, upstream, vllm_backend
 from reference import layout
 
@@ -66,7 +66,7 @@ def test_every_fake_matches_its_table_entry(key):
 
 
 def test_every_target_the_adapters_and_the_hook_use_has_a_fake():
-    from harness import capture
+    from harness.io import capture
     used = set(aiter_backend.FUNCTIONS.values()) | set(vllm_backend.FUNCTIONS.values())
     used |= {k for h in capture.HOOKS for k, _ in h.maps} | set(capture.CACHED_LOOKUPS)
     keys = {t.key for k in used for t in upstream.group(k)}

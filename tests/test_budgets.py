@@ -3,10 +3,10 @@ import math
 
 import pytest
 
-from harness import budgets as B
-from harness.cases import Catalog
+from harness.run import budgets as B
+from harness.run.cases import Catalog
 from harness.diff import ALWAYS_FAIL
-from harness.runner import run_case
+from harness.run.runner import run_case
 
 
 def write(tmp_path, text):

@@ -10,11 +10,11 @@ import torch
 
 import fake_upstream as fk
 import reference
-from harness import capture
-from harness.capture import (AITER_K_WRITER, AITER_Q_QUANT, VLLM_COMPRESS_POOL, VLLM_COMPRESS_POOL_KERNEL, ArgMap,
+from harness.io import capture
+from harness.io.capture import (AITER_K_WRITER, AITER_Q_QUANT, VLLM_COMPRESS_POOL, VLLM_COMPRESS_POOL_KERNEL, ArgMap,
                              Selection, Target, install, set_context, uninstall, wrap)
-from harness.dumps import read_dump
-from harness.replay import replay_dump
+from harness.io.dumps import read_dump
+from harness.run.replay import replay_dump
 from optimized import upstream
 from test_dumps import make_layer
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import reference
-from harness.cases import Catalog, CaseError, SeqSpec
-from harness.inputs import build, geometry
+from harness.run.cases import Catalog, CaseError, SeqSpec
+from harness.run.inputs import build, geometry
 from reference import layout
 from reference.checks import NonFiniteInput
 

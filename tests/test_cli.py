@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import reference
-from harness.cli import main
+from harness.commands.cli import main
 from optimized import Backend, register
 from reference import layout
 from reference.k_writer import writer_mask

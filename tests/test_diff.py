@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import reference
-from harness.diff import (ALWAYS_FAIL, MAX_FINDINGS, DiffReport, _writer_slots, diff_logits, diff_op,
+from harness.diff import (ALWAYS_FAIL, MAX_FINDINGS, DiffReport, writer_slots, diff_logits, diff_op,
                           diff_pages, diff_pooled, diff_q, diff_topk, higher_is_better)
 from reference import layout
 from reference.fp8 import fp8_slot_offsets
@@ -26,7 +26,7 @@ def layer():
 def kw(layer):
     """K writer record with its written slots and their flat byte offsets."""
     r = layer["k_norm_rope_mxfp4_cache"]
-    slots = _writer_slots(r.inputs, r.scalars)
+    slots = writer_slots(r.inputs, r.scalars)
     vo, so = layout.slot_byte_offsets(slots, PS, D, SHUF, r.inputs["kv_cache"].shape[1])
     return r, slots, vo, so
 
@@ -200,7 +200,7 @@ def test_findings_capped_and_counted(kw):
 
 def test_fp8_pages(layer):
     r = layer["k_norm_rope_fp8_cache"]
-    slots = _writer_slots(r.inputs, r.scalars)
+    slots = writer_slots(r.inputs, r.scalars)
     stride = r.inputs["kv_cache"].shape[1]
     vo, so = fp8_slot_offsets(slots, PS, D, stride)
     exp = r.outputs["kv_cache"]
@@ -254,9 +254,9 @@ def test_pooled(layer):
 
 
 def test_fp8_signed_zero_class():
-    from harness.diff import _SZ, _nibble_class
-    c = _nibble_class(torch.tensor([0x80, 0x00, 0x81]), torch.tensor([0x00, 0x80, 0x01]), sign_bit=0x80)
-    assert c.tolist()[:2] == [_SZ, _SZ] and c.tolist()[2] != _SZ
+    from harness.diff.pages import NIB_SIGNED_ZERO, nibble_class
+    c = nibble_class(torch.tensor([0x80, 0x00, 0x81]), torch.tensor([0x00, 0x80, 0x01]), sign_bit=0x80)
+    assert c.tolist()[:2] == [NIB_SIGNED_ZERO, NIB_SIGNED_ZERO] and c.tolist()[2] != NIB_SIGNED_ZERO
 
 
 def test_pooled_ulp_across_zero():

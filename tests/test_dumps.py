@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 import reference
-from harness.dumps import OP_FIELDS, Dump, DumpError, OpRecord, read_dump, record_problem, write_dump
+from harness.io.dumps import OP_FIELDS, Dump, DumpError, OpRecord, read_dump, record_problem, write_dump
 from helpers import sample_path
 from reference.rope import cos_sin_cache
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import reference
-from harness.dumps import DumpError, OpRecord, read_dump, write_dump
-from harness.replay import record_op, replay_dump, replay_file, replay_op
+from harness.io.dumps import DumpError, OpRecord, read_dump, write_dump
+from harness.run.replay import record_op, replay_dump, replay_file, replay_op
 from optimized import Backend
 from reference import layout
 from helpers import sample_path

@@ -9,10 +9,10 @@ import torch
 from rich.console import Console
 
 import reference
-from harness import report
-from harness.budgets import load, verdict
-from harness.cases import Catalog
-from harness.runner import run_case
+from harness.io import report
+from harness.run.budgets import load, verdict
+from harness.run.cases import Catalog
+from harness.run.runner import run_case
 from optimized import Backend, register
 from reference import layout
 from reference.k_writer import writer_mask

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import reference
-from harness.budgets import load, verdict
-from harness.cases import Catalog
-from harness.runner import run_case, run_cases
+from harness.run.budgets import load, verdict
+from harness.run.cases import Catalog
+from harness.run.runner import run_case, run_cases
 from optimized import Backend, register
 from reference import layout
 from reference.k_writer import writer_mask

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from harness.cases import Catalog
-from harness.cli import main
+from harness.run.cases import Catalog
+from harness.commands.cli import main
 from optimized.faults import FAULTS
 
 

@@ -2,7 +2,7 @@
 a CPU): CI's end-to-end check that `mxval validate` passes and writes every report."""
 import json
 
-from harness.cli import main
+from harness.commands.cli import main
 from optimized import auto_backend_name, get_backend
 
 

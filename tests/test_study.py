@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from harness import study
+from harness.commands import study
 from helpers import sample_path
 
 QUICK = dict(heads=8, rows=4, seeds=2, context_tokens=[8192], needle_depths=[0.5], needle_margins=[0.05])
@@ -82,7 +82,7 @@ def test_row_metrics_have_teeth():
 
 
 def test_attention_error_is_at_the_model_scale_and_has_teeth():
-    from harness.study_metrics import SparseAttention
+    from harness.commands.study_metrics import SparseAttention
     d = 128
     scores = torch.tensor([[[4.0, 2.0, 0.0, -2.0]]]) * math.sqrt(d)     # q.k; D**-0.5 brings them to 4, 2, 0, -2
     values = torch.eye(4)
@@ -127,7 +127,7 @@ def test_head_weights_are_a_signed_projection():
 
 def test_outliers_shared_by_q_and_k_is_a_named_option():
     assert "outliers_on" in {f.name for f in dataclasses.fields(study.Distribution)}
-    from harness.study_inputs import channel_ratio
+    from harness.commands.study_inputs import channel_ratio
     k_only = _inputs(study.Distribution(outlier_channels=2, outlier_scale=64.0))
     shared = _inputs(study.Distribution(outlier_channels=2, outlier_scale=64.0, outliers_on="qk"))
     assert channel_ratio(k_only["k"]) > 10 and channel_ratio(shared["k"]) > 10
@@ -192,7 +192,7 @@ def test_fnuz_rows_are_merged_with_the_reason(tmp_path):
 
 def test_cross_flavour_fp8_read_is_a_bug_variant():
     assert {"fp8-fn-read-fnuz", "fp8-fnuz-read-fn"} <= set(study.VARIANTS)
-    from harness.study_variants import VARIANTS, key_side
+    from harness.commands.study_variants import VARIANTS, key_side
     fn_fnuz, fnuz_fn, fp8 = (VARIANTS[n] for n in ("fp8-fn-read-fnuz", "fp8-fnuz-read-fn", "fp8-e4m3fn"))
     assert fn_fnuz.kind == fnuz_fn.kind == "bug"
     k = torch.randn(4, 128).to(torch.bfloat16).float()

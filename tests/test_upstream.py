@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import upstream_cmd as uc
-from harness.cli import main
+from harness.commands import upstream_cmd as uc
+from harness.commands.cli import main
 from optimized import upstream
 from optimized.upstream import Target
 

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from reference import checks
 from reference.formats import ROUNDING_PATHS
-from reference.pooling import _check as check_pool_args  # the reference's argument checks
+from reference.pooling import check_pool_args
 from reference.pooling import boundary_mask, gather_windows
 
 from ..common import on_device

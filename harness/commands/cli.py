@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _stderr_console():
+def stderr_console():
     from rich.console import Console
     return Console(stderr=True)
 
@@ -71,8 +71,8 @@ def _backend(name: str):
 
 
 def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: Optional[str], quiet: bool) -> int:
-    from . import report
-    from .budgets import verdict
+    from harness.io import report
+    from harness.run.budgets import verdict
     rows = [verdict(r, budgets, r.get("suite_for_budgets", suite)) for r in rows]
     df = report.frame(rows)
     meta["budget_warnings"] = [f"budget {k!r} in {budgets.path} matched no metric of this run"
@@ -103,10 +103,10 @@ def _meta(command: str, be, requested: str, started: float) -> dict:
 # --- validate --------------------------------------------------------------------------------
 
 def cmd_validate(args) -> int:
-    from . import budgets as B
-    from .cases import Catalog
-    from .inputs import geometry
-    from .runner import run_cases
+    from harness.run import budgets as B
+    from harness.run.cases import Catalog
+    from harness.run.inputs import geometry
+    from harness.run.runner import run_cases
     t0 = time.time()
     catalog = Catalog(args.cases_dir)
     suite, cases = catalog.select(args.suite, args.case)
@@ -119,7 +119,7 @@ def cmd_validate(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("{task.fields[last]}"),
-                  console=_stderr_console(), transient=True, disable=args.quiet) as bar:
+                  console=stderr_console(), transient=True, disable=args.quiet) as bar:
         task = bar.add_task(f"{suite} on {be.name}", total=len(cases), last="")
         rows = run_cases(cases, be.name, jobs=args.jobs,
                          progress=lambda r: bar.update(task, advance=1, last=f"{r['case']}: {r['outcome']}"))
@@ -132,12 +132,12 @@ def cmd_validate(args) -> int:
 # --- diff ------------------------------------------------------------------------------------
 
 def _dump_row(path: str, reports, backend: str, seconds: float) -> dict:
-    from .runner import MAX_FINDINGS, _jsonable
+    from harness.run.runner import MAX_FINDINGS, jsonable
     metrics, findings, summaries = {}, [], {}
     for rep in reports:
         for k, v in rep.metrics.items():
             metrics[f"{rep.op}.{k}"] = float(v)
-        findings += [{"stage": rep.op, "step": 0, **_jsonable(f)} for f in rep.findings[:MAX_FINDINGS]]
+        findings += [{"stage": rep.op, "step": 0, **jsonable(f)} for f in rep.findings[:MAX_FINDINGS]]
         summaries[rep.op] = [rep.summary()]
     nonfinite = [r for r in reports if r.metrics.get("nonfinite_inputs")]
     outcome = "nonfinite_input" if nonfinite else "ok"
@@ -149,9 +149,9 @@ def _dump_row(path: str, reports, backend: str, seconds: float) -> dict:
 
 
 def cmd_diff(args) -> int:
-    from . import budgets as B
-    from .dumps import read_dump
-    from .replay import replay_dump
+    from harness.run import budgets as B
+    from harness.io.dumps import read_dump
+    from harness.run.replay import replay_dump
     t0 = time.time()
     budgets = B.load(args.budgets)
     be = _backend(args.backend) if args.backend else None
@@ -172,10 +172,10 @@ def cmd_diff(args) -> int:
 # --- dump ------------------------------------------------------------------------------------
 
 def cmd_dump(args) -> int:
-    from .cases import Catalog
-    from .dumps import OpRecord, write_dump
-    from .inputs import build
-    from .runner import run_case
+    from harness.run.cases import Catalog
+    from harness.io.dumps import OpRecord, write_dump
+    from harness.run.inputs import build
+    from harness.run.runner import run_case
     catalog = Catalog(args.cases_dir)
     case = catalog.case(args.case)
     be = _backend(args.backend)
@@ -208,8 +208,8 @@ def cmd_dump(args) -> int:
 
 def cmd_cases(args) -> int:
     from rich.table import Table
-    from .cases import Catalog
-    from .report import wide_console
+    from harness.run.cases import Catalog
+    from harness.io.report import wide_console
     catalog = Catalog(args.cases_dir)
     con = wide_console()
     for name, s in catalog.suites.items():
@@ -250,13 +250,13 @@ def cmd_backends(args) -> int:
         why = be.available()
         t.add_row(name, "[red]unavailable[/]" if why else "[green]available[/]", str(be.device),
                   why or be.description)
-    from .report import wide_console
+    from harness.io.report import wide_console
     wide_console().print(t)
     return EXIT_OK
 
 
 def cmd_report(args) -> int:
-    from . import report
+    from harness.io import report
     df, meta = report.load(args.dir)
     out = args.report_dir or args.dir
     paths = report.write_all(df, meta, out)
@@ -323,7 +323,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
     for name in PLUGIN_COMMANDS:
         try:
-            mod = importlib.import_module(f"harness.{name}")
+            mod = importlib.import_module(f"harness.commands.{name}")
         except ModuleNotFoundError as e:
             if e.name != f"harness.{name}":
                 raise
@@ -340,9 +340,9 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from optimized import BackendUnavailable
-    from .budgets import BudgetError
-    from .cases import CaseError
-    from .dumps import DumpError
+    from harness.run.budgets import BudgetError
+    from harness.run.cases import CaseError
+    from harness.io.dumps import DumpError
     try:
         ap, run = build_parser()
         args = ap.parse_args(argv)

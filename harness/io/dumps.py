@@ -170,14 +170,14 @@ def _check_scalar(kind: str, v) -> Optional[str]:
     return None if v in options else f"expected one of {', '.join(options)}, got {v!r}"
 
 
-def _json_scalar(v):
+def json_scalar(v):
     """Python value as JSON keeps it (tuples -> lists, 0-d tensors -> numbers)."""
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         return v.item()
     if isinstance(v, tuple):
-        return [_json_scalar(x) for x in v]
+        return [json_scalar(x) for x in v]
     if isinstance(v, list):
-        return [_json_scalar(x) for x in v]
+        return [json_scalar(x) for x in v]
     return v
 
 
@@ -412,7 +412,7 @@ def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "dee
     seen: set[int] = set()
     meta_ops = {}
     for key, rec in ops.items():
-        rec = OpRecord(rec.op, {k: _json_scalar(v) for k, v in rec.scalars.items()},
+        rec = OpRecord(rec.op, {k: json_scalar(v) for k, v in rec.scalars.items()},
                        rec.inputs, rec.outputs)
         if key != rec.op:
             _fail(path, f"ops key {key!r} differs from its record's op {rec.op!r}")

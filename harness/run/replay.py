@@ -23,8 +23,8 @@ from reference.checks import NonFiniteInput
 from reference.fp8 import paged_fp8_mqa_logits_fp64
 from reference.scoring import paged_mxfp4_mqa_logits_fp64
 
-from .diff import DiffReport, diff_op
-from .dumps import Dump, DumpError, OpRecord, _json_scalar, read_dump, record_problem
+from harness.diff import DiffReport, diff_op
+from harness.io.dumps import Dump, DumpError, OpRecord, json_scalar, read_dump, record_problem
 
 # The scorer's reference in fp64: logits_diff is measured against the true scores.
 FP64_SCORERS = {
@@ -37,7 +37,7 @@ _SCORERS = tuple(FP64_SCORERS)
 def record_op(op: str, inputs: dict, scalars: dict, outputs: dict) -> OpRecord:
     """An OpRecord of one op call, detached to the CPU and validated against OP_FIELDS
     (ValueError naming the problem). Pass the pool as it was BEFORE the call in `inputs`."""
-    rec = OpRecord(op, {k: _json_scalar(v) for k, v in scalars.items()},
+    rec = OpRecord(op, {k: json_scalar(v) for k, v in scalars.items()},
                    {k: v.detach().to("cpu").clone() for k, v in inputs.items()},
                    {k: v.detach().to("cpu").clone() for k, v in outputs.items()})
     problem = record_problem(rec)

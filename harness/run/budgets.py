@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .cases import BUDGETS_FILE, CASES_DIR, tomllib
+from harness.run.cases import BUDGETS_FILE, CASES_DIR, tomllib
 
 CHAIN_PREFIX = "chain"
 
@@ -72,7 +72,7 @@ def _num(v) -> bool:
 
 
 def _limit(path, where: str, key: str, v) -> Limit:
-    from .diff import higher_is_better
+    from harness.diff import higher_is_better
     if v == "off":
         return OFF
     # A NaN limit compares False with everything, so it would pass any value.
@@ -111,7 +111,7 @@ class Budgets:
 
     def check(self, metrics: dict, suite: str, case: str) -> list[dict]:
         """Every exceeded limit: {metric, value, limit, why}."""
-        from .diff import ALWAYS_FAIL
+        from harness.diff import ALWAYS_FAIL
         out = []
         for key, value in sorted(metrics.items(), key=lambda kv: (kv[0].startswith(CHAIN_PREFIX + "."), kv[0])):
             lim = self.limit(key, suite, case)

@@ -14,8 +14,8 @@ import json
 import math
 from pathlib import Path
 
-from .study_metrics import t975
-from .study_variants import VARIANTS
+from harness.commands.study_metrics import t975
+from harness.commands.study_variants import VARIANTS
 
 FP8, MX, MXH = "fp8-e4m3fn", "mxfp4", "mxfp4+H"
 STATS = (("k_block_crest", "key 32-block crest factor (amax/RMS)"),

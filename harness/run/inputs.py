@@ -19,7 +19,7 @@ from reference.formats import ModelPreset, preset as get_preset
 from reference.pooling import state_rows, write_state
 from reference.rope import cos_sin_cache
 
-from .cases import PLANT_VALUES, Case, CaseError
+from harness.run.cases import PLANT_VALUES, Case, CaseError
 
 # Pools above this many bytes are filled on the device (the GPU suite's > 2 GiB pools).
 _CPU_POOL_LIMIT = 1 << 28

@@ -3,7 +3,7 @@
 Each wrapped op, on a chosen layer and step, clones its inputs before the call (in-place
 outputs such as the K pool are cloned BEFORE and AFTER), calls the real op with the very
 same arguments, and returns its result untouched; the clones become one dump per (layer,
-step) (harness.dumps format), which `mxval diff FILE` replays anywhere. Capture problems
+step) (harness.io.dumps format), which `mxval diff FILE` replays anywhere. Capture problems
 are logged once and never reach the op: capturing cannot change what the op computes.
 
 Enable it (the environment is read at install() time):
@@ -13,9 +13,9 @@ Enable it (the environment is read at install() time):
     export MXVAL_CAPTURE_STEPS=0-3,300             # or "all" (default); ranges inclusive
     # then, before vLLM imports its model code, in every process that runs the model:
     #   a sitecustomize.py on PYTHONPATH holding
-    #       import harness.capture; harness.capture.install()
+    #       import harness.io.capture; harness.io.capture.install()
     #   or for one process:
-    python -c "import harness.capture as c; c.install(); from vllm.entrypoints.cli.main import main; main()" \
+    python -c "import harness.io.capture as c; c.install(); from vllm.entrypoints.cli.main import main; main()" \
         serve deepseek-ai/DeepSeek-V4-Pro --enforce-eager ...
 
 Run with `--enforce-eager`: a replayed HIP/CUDA graph never enters the Python wrappers
@@ -23,7 +23,7 @@ Run with `--enforce-eager`: a replayed HIP/CUDA graph never enters the Python wr
 
 Layer and step. The model integration says where it is:
 
-    import harness.capture as capture
+    import harness.io.capture as capture
     capture.set_context(layer=self.layer_idx, step=step)     # before the indexer runs
 
 Without that, `MXVAL_CAPTURE_AUTO_LAYERS=N` (N indexer layers per forward: 30 in V4-Pro)
@@ -442,8 +442,8 @@ def _source() -> str:
 
 
 def _write(key: tuple, calls: dict) -> None:
-    from .dumps import write_dump
-    from .replay import record_op
+    from harness.io.dumps import write_dump
+    from harness.run.replay import record_op
     layer, step = key
     records = {}
     for op, (ins, scalars, outs) in calls.items():

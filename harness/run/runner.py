@@ -25,8 +25,8 @@ from optimized import Backend, BackendUnavailable, get_backend
 from reference import fp8 as ref_fp8, layout, scoring
 from reference.checks import NonFiniteInput
 
-from .cases import Case
-from .inputs import CaseInputs, build
+from harness.run.cases import Case
+from harness.run.inputs import CaseInputs, build
 
 CHAIN = "chain"
 # The scorer's reference in fp64: the diff compares the backend's fp32 logits to the true
@@ -65,15 +65,15 @@ def aggregate(name: str, values: list[float]) -> float:
     return sum(vals)
 
 
-def _jsonable(x):
+def jsonable(x):
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return _jsonable(dataclasses.asdict(x))
+        return jsonable(dataclasses.asdict(x))
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, torch.Tensor):
-        return _jsonable(x.tolist())
+        return jsonable(x.tolist())
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, (str, int, float, bool)) or x is None:
@@ -105,7 +105,7 @@ class _Collector:
             n = self.per_stage_findings.get(stage, 0)
             self.per_stage_findings[stage] = n + 1
             if n < MAX_FINDINGS:
-                d = _jsonable(f)
+                d = jsonable(f)
                 d = d if isinstance(d, dict) else {"text": d}
                 self.findings.append({"stage": stage, "step": step, **d})
 
@@ -199,7 +199,7 @@ def _recall_rows(actual: torch.Tensor, expected: torch.Tensor, lengths: torch.Te
 # --- the chain --------------------------------------------------------------------------
 
 def _diff_op():
-    from .diff import diff_op
+    from harness.diff import diff_op
     return diff_op
 
 

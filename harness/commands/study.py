@@ -3,7 +3,7 @@
 Byte-exactness says a kernel does what the reference does; it does not say whether MXFP4
 keys still select the right tokens, nor what a wrong selection costs the attention. The
 study scores the same queries and keys with every variant of the indexer (named
-configurations of the reference, NUMERICS.md §7, §8; harness/study_variants.py) and
+configurations of the reference, NUMERICS.md §7, §8; harness/commands/study_variants.py) and
 measures, per query row, against the exact bf16 indexer:
 
 * top-k recall with the tie rule of §6 (and Jaccard, and the rank of the exact k-th key);
@@ -15,8 +15,8 @@ measures, per query row, against the exact bf16 indexer:
   kept? Only where selection happens (contexts of more than top-k entries).
 
 Inputs are drawn per (distribution, seed) once, at the longest context; shorter contexts
-are its prefixes (harness/study_inputs.py). Tables give the mean over seeds and the 95 %
-t-interval of the seeds' means (harness/study_report.py).
+are its prefixes (harness/commands/study_inputs.py). Tables give the mean over seeds and the 95 %
+t-interval of the seeds' means (harness/commands/study_report.py).
 """
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ from reference.formats import preset
 from reference.k_writer import group_start, k_values
 from reference.q_quant import fold_weights, q_values
 
-from .study_inputs import Distribution, draw, input_stats, make_inputs, make_needles  # noqa: F401
-from .study_metrics import (ExactTopK, SparseAttention, head_scores, indexer_logits, needles_kept,  # noqa: F401
+from harness.commands.study_inputs import Distribution, draw, input_stats, make_inputs, make_needles  # noqa: F401
+from harness.commands.study_metrics import (ExactTopK, SparseAttention, head_scores, indexer_logits, needles_kept,  # noqa: F401
                             row_metrics, select)
-from .study_report import render, summary_markdown  # noqa: F401
-from .study_variants import VARIANTS, Variant, key_side, ordered, query_side  # noqa: F401
+from harness.commands.study_report import render, summary_markdown  # noqa: F401
+from harness.commands.study_variants import VARIANTS, Variant, key_side, ordered, query_side  # noqa: F401
 
 
 @dataclass
@@ -206,7 +206,7 @@ def run_study(cfg: StudyConfig, *, device: str = "cpu", progress=None) -> dict:
 
 # --- configuration ------------------------------------------------------------------------
 
-STUDY_FILE = Path(__file__).resolve().parent.parent / "cases" / "study.toml"
+STUDY_FILE = Path(__file__).resolve().parents[2] / "cases" / "study.toml"
 
 
 def load_config(name: str, path: Path = STUDY_FILE) -> StudyConfig:
@@ -237,7 +237,7 @@ def study_dump(path: str, cfg: StudyConfig, *, device: str = "cpu") -> dict:
     """Real activations: keys from a dump's K-writer inputs (pooled rows -> norm -> RoPE),
     queries and head weights from its Q-quant inputs when present (generated otherwise);
     values are generated. Every query row scores every captured entry."""
-    from harness.dumps import read_dump
+    from harness.io.dumps import read_dump
     from reference.k_writer import writer_mask
     dump = read_dump(path)
     kop = dump.ops.get("k_norm_rope_mxfp4_cache") or dump.ops.get("k_norm_rope_fp8_cache")
@@ -316,7 +316,7 @@ def run(args) -> int:
     import datetime
     import os
 
-    from . import study_report
+    from harness.commands import study_report
     if args.from_json:
         return _rerender(args)
     cfg = load_config(args.study, Path(args.study_file))
@@ -362,7 +362,7 @@ def run(args) -> int:
 def _rerender(args) -> int:
     import json
 
-    from . import study_report
+    from harness.commands import study_report
     try:
         saved = json.loads(Path(args.from_json).read_text())
         meta = saved["meta"]

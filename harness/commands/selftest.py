@@ -102,7 +102,7 @@ class FaultResult:
     def worst(self) -> dict[str, dict]:
         """metric -> the violation {metric, value, limit, why, case} furthest on the bad
         side over the fault's runs (NaN counts as the worst)."""
-        from .diff import higher_is_better
+        from harness.diff import higher_is_better
         out: dict[str, dict] = {}
         for r in self.rows:
             for v in r["violations"]:
@@ -151,11 +151,11 @@ def run(args) -> int:
     import torch
 
     from optimized import faults as F
-    from . import budgets as B
-    from .cases import Catalog
-    from .cli import EXIT_FAIL, EXIT_OK, UsageError, _stderr_console
-    from .inputs import geometry
-    from .runner import run_cases
+    from harness.run import budgets as B
+    from harness.run.cases import Catalog
+    from harness.commands.cli import EXIT_FAIL, EXIT_OK, UsageError, stderr_console
+    from harness.run.inputs import geometry
+    from harness.run.runner import run_cases
 
     t0 = time.time()
     quick = args.quick
@@ -220,7 +220,7 @@ def run(args) -> int:
         kind, who, _ = item
         groups.setdefault(who.backend_name if kind == "fault" else who, []).append(item)
     with Progress(TextColumn("[bold]selftest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[last]}"), console=_stderr_console(), transient=True,
+                  TextColumn("{task.fields[last]}"), console=stderr_console(), transient=True,
                   disable=args.quiet) as bar:
         task = bar.add_task("selftest", total=len(plan), last="")
         for name, items in groups.items():
@@ -295,7 +295,7 @@ def _meta(args, backends, t0, seeds, quick) -> dict:
 
     import torch
 
-    from .cli import machine
+    from harness.commands.cli import machine
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         import triton
@@ -438,7 +438,7 @@ def markdown(results, budgets, verdict, meta) -> str:
 def write_report(out: Path, results, correct_rows, verdict, meta, md, budgets) -> None:
     """The usual report files (report.json/.md/.html, junit.xml, metrics.csv) over every run,
     plus selftest.md and selftest.json. A fault run passes when a budget catches it."""
-    from . import report
+    from harness.io import report
     rows = []
     for res in results.values():
         for r in res.rows:

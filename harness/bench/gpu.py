@@ -9,7 +9,7 @@ in-place production kernel does not make). Also measures, for docs/triton-notes.
 often the upstream-style shortcuts (fp32 norm sum + approximate rsqrt + FMA; fp32 exp in
 the pooling) change bytes. Writes a markdown table (default reports/bench-gpu.md).
 
-    python -m harness.bench_gpu [--out reports/bench-gpu.md] [--quick]
+    python -m harness.bench.gpu [--out reports/bench-gpu.md] [--quick]
 """
 from __future__ import annotations
 

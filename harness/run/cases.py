@@ -26,7 +26,7 @@ try:
 except ImportError:            # Python 3.10
     import tomli as tomllib    # type: ignore[no-redef]
 
-CASES_DIR = Path(__file__).resolve().parent.parent / "cases"
+CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 BUDGETS_FILE = "budgets.toml"
 
 MXFP4_CHAIN = ("compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant",

@@ -1,0 +1,191 @@
+"""Scores: logits against the fp64 reference, and top-k sets with the tie tolerance."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .report import Collector, DiffReport
+
+def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, clean: bool,
+                op: str = "paged_mxfp4_mqa_logits", worst_rows: int = 10,
+                row_threshold: float = 1e-12) -> DiffReport:
+    """Scorer logits [Rw, W] against the reference (fp64 preferred) on the valid region
+    (column < row_ends[r]). logits_diff = 1 - 2*sum(xy)/sum(x^2+y^2) in fp64, computed as
+    sum((x-y)^2)/sum(x^2+y^2), the same quantity without the cancellation; 0 when both are
+    all zero. logits_max_rel_err is over entries whose expected value is not 0.
+    logits_nonfinite: NaN/inf in the valid region (never a pass). When `clean`,
+    logits_inf_pattern_mismatch counts columns >= row_end that are not -inf.
+    logits_rows_differing: rows whose own difference exceeds `row_threshold` (fp32 rounding
+    of fp64 scores stays far below the default 1e-12); findings list the worst of them."""
+    if actual.dim() != 2 or actual.shape != expected_fp64.shape:
+        raise ValueError(f"actual: shape {list(actual.shape)} differs from expected "
+                         f"{list(expected_fp64.shape)}")
+    x, y = actual.cpu().double(), expected_fp64.cpu().double()
+    rw, w = x.shape
+    ends = torch.as_tensor(row_ends).cpu().long().reshape(-1)
+    if ends.numel() != rw:
+        raise ValueError(f"row_ends: {ends.numel()} entries for {rw} rows")
+    if rw and int(ends.max()) > w:
+        raise ValueError(f"row_ends: a row ends at {int(ends.max())}, past the logits width {w}")
+    valid = torch.arange(w)[None, :] < ends[:, None]
+    fin = torch.isfinite(x) & torch.isfinite(y)
+    nonfinite = valid & ~fin
+    good = valid & fin
+    xv, yv = torch.where(good, x, 0.0), torch.where(good, y, 0.0)
+    den = float((xv * xv + yv * yv).sum())
+    num = float(((xv - yv) ** 2).sum())
+    err = (xv - yv).abs()
+    rel = torch.where(good & (yv != 0), err / yv.abs().clamp_min(1e-300), 0.0)
+    metrics = {"logits_diff": num / den if den > 0 else 0.0,
+               "logits_max_abs_err": float(err.max()) if err.numel() else 0.0,
+               "logits_max_rel_err": float(rel.max()) if rel.numel() else 0.0,
+               "logits_nonfinite": int(nonfinite.sum())}
+    col = Collector()
+    if clean:
+        bad_inf = ~valid & ~(torch.isinf(x) & (x < 0))
+        metrics["logits_inf_pattern_mismatch"] = int(bad_inf.sum())
+        for r in bad_inf.any(1).nonzero().flatten().tolist():
+            col.count("inf_pattern")
+            c = int(bad_inf[r].nonzero()[0])
+            if not col.keep({"class": "inf_pattern", "row": r, "row_end": int(ends[r]), "col": c,
+                             "actual": float(x[r, c]),
+                             "where": f"row {r} (row_end {int(ends[r])}): column {c} is {float(x[r, c])!r}, "
+                                      f"expected -inf ({int(bad_inf[r].sum())} such columns)"}):
+                pass
+    for r in nonfinite.any(1).nonzero().flatten().tolist():
+        col.count("nonfinite")
+        c = int(nonfinite[r].nonzero()[0])
+        col.keep({"class": "nonfinite", "row": r, "row_end": int(ends[r]), "col": c,
+                  "actual": float(x[r, c]), "expected": float(y[r, c]),
+                  "where": f"row {r} column {c}: {float(x[r, c])!r}, expected {float(y[r, c])!r}"})
+    row_num = ((xv - yv) ** 2).sum(1)
+    row_den = (xv * xv + yv * yv).sum(1)
+    row_diff = torch.where(row_den > 0, row_num / row_den.clamp_min(1e-300), 0.0)
+    bad_rows = (row_diff > row_threshold).nonzero().flatten()
+    metrics["logits_rows_differing"] = bad_rows.numel()
+    col.count("row_differs", bad_rows.numel())
+    for r in bad_rows[row_diff[bad_rows].argsort(descending=True)][:worst_rows].tolist():
+        c = int(err[r].argmax())
+        rn, rd = float(row_num[r]), float(row_den[r])
+        col.keep({"class": "row_differs", "row": r, "row_end": int(ends[r]), "col": c,
+                  "actual": float(x[r, c]), "expected": float(y[r, c]), "abs_err": float(err[r, c]),
+                  "row_diff": rn / rd if rd > 0 else 0.0,
+                  "where": f"row {r} (row_end {int(ends[r])}) column {c}: {float(x[r, c])!r}, expected "
+                           f"{float(y[r, c])!r} (abs err {float(err[r, c]):.3g}, row diff "
+                           f"{(rn / rd if rd > 0 else 0.0):.3g})"})
+    col.total = max(col.total, len(col.kept))
+    return col.report(op, metrics)
+
+
+# --- top-k ---------------------------------------------------------------------------------
+
+def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: int, *,
+              tol: Optional[float] = None, op: str = "topk") -> DiffReport:
+    """Top-k indices [Rw, k] against reference scores [Rw, W].
+
+    Rows with length <= k must read 0..len-1 then -1. Longer rows are sets with a tie
+    rule: an index is acceptable when its reference score >= the reference k-th score
+    minus tol; tol defaults per row to 1e-4 * max|score| over the row's valid region (the
+    tolerance of vLLM's top-k test). Metrics:
+      topk_rows_not_exact_frac  rows whose set differs from the reference's own top-k set
+                                (ties may make this non-zero legitimately; budget it as such)
+      topk_recall_min           min over rows of acceptable distinct indices / min(len, k)
+      topk_jaccard_min          min over rows of m / (|returned| + |reference| - m), m acceptable
+      topk_padding_errors       rows: short rows not 0..len-1 then -1; long rows holding -1
+      topk_duplicates           repeated indices (other than -1)
+      topk_out_of_range         indices < -1 or >= the row's length
+      topk_below_threshold      distinct in-range indices of long rows failing the tie rule"""
+    idx = indices.cpu().long()
+    s = ref_logits_fp64.cpu().double()
+    rw, w = s.shape
+    if idx.dim() != 2 or idx.shape[0] != rw or idx.shape[1] != k:
+        raise ValueError(f"indices: expected shape [{rw}, {k}], got {list(idx.shape)}")
+    lens = torch.as_tensor(lengths).cpu().long().reshape(-1)
+    if lens.numel() != rw:
+        raise ValueError(f"lengths: {lens.numel()} entries for {rw} rows")
+    if rw and int(lens.max()) > w:
+        raise ValueError(f"lengths: a row has length {int(lens.max())}, past the logits width {w}")
+    cols = torch.arange(w)
+    valid_cols = cols[None, :] < lens[:, None]
+    nan_scores = int((torch.isnan(s) & valid_cols).sum())
+    masked = torch.where(valid_cols, s, -math.inf)
+    masked = torch.where(torch.isnan(masked), -math.inf, masked)
+    short = lens <= k
+    kcols = torch.arange(k)
+    want_short = torch.where(kcols[None, :] < lens[:, None], kcols[None, :], -1)
+    oor = (idx < -1) | (idx >= lens[:, None])
+    # duplicates: equal neighbours after sorting, -1 excluded
+    srt = idx.sort(1).values
+    dup_mask = torch.zeros_like(idx, dtype=torch.bool)
+    dup_mask[:, 1:] = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != -1)
+    dups = dup_mask.sum(1)
+    first = ~dup_mask                                     # on the sorted view
+    s_in = (srt >= 0) & (srt < lens[:, None]) & first
+    distinct_returned = ((srt != -1) & first).sum(1)
+    # tie rule on long rows
+    kk = min(k, w)
+    topv, topi = torch.topk(masked, kk, dim=1) if w else (torch.zeros(rw, 0), torch.zeros(rw, 0, dtype=torch.long))
+    kth = topv[:, -1] if kk else torch.zeros(rw, dtype=torch.float64)
+    finite_abs = torch.where(valid_cols & torch.isfinite(s), s.abs(), 0.0)
+    row_tol = (finite_abs.amax(1) * 1e-4) if tol is None else torch.full((rw,), float(tol), dtype=torch.float64)
+    sc = masked.gather(1, srt.clamp(0, max(w - 1, 0))) if w else torch.zeros_like(srt, dtype=torch.float64)
+    acceptable = s_in & torch.where(short[:, None], torch.ones_like(s_in), sc >= (kth - row_tol)[:, None])
+    m = acceptable.sum(1)
+    below = (s_in & ~acceptable & ~short[:, None]).sum(1)
+    ref_size = torch.minimum(lens, torch.tensor(k))
+    recall = torch.where(ref_size > 0, m.double() / ref_size.clamp_min(1).double(), 1.0)
+    union = distinct_returned + ref_size - m
+    jacc = torch.where(union > 0, m.double() / union.clamp_min(1).double(), 1.0)
+    pad_err = torch.where(short, (idx != want_short).any(1), (idx == -1).any(1))
+    ref_sorted = torch.where(kcols[None, :kk] < ref_size[:, None], topi, -1).sort(1).values if kk else topi
+    exact_long = (srt[:, :kk] == ref_sorted).all(1) & (dups == 0) if kk else torch.ones(rw, dtype=torch.bool)
+    exact = torch.where(short, ~pad_err, exact_long & ~pad_err)
+    col = Collector()
+    for r in (~exact | (below > 0) | (dups > 0) | oor.any(1)).nonzero().flatten().tolist():
+        L = int(lens[r])
+        kinds = []
+        if bool(pad_err[r]):
+            kinds.append("padding")
+        if int(dups[r]):
+            kinds.append("duplicates")
+        if bool(oor[r].any()):
+            kinds.append("out_of_range")
+        if int(below[r]):
+            kinds.append("below_threshold")
+        if not kinds:
+            kinds.append("tie_swap")          # a different set, every index within the tie rule
+        for kd in kinds:
+            col.count(kd)
+        detail = f"row {r} (length {L}, k {k}): {', '.join(kinds)}"
+        f = {"class": kinds[0], "classes": kinds, "row": r, "length": L,
+             "recall": float(recall[r]), "duplicates": int(dups[r]),
+             "out_of_range": int(oor[r].sum()), "below_threshold": int(below[r])}
+        if not bool(short[r]) and kk:
+            bad = srt[r][s_in[r] & ~acceptable[r]][:5].tolist()
+            f.update({"kth_score": float(kth[r]), "tol": float(row_tol[r]), "first_below": bad,
+                      "first_below_scores": [float(s[r, j]) for j in bad]})
+            if bad:
+                detail += (f"; e.g. index {bad[0]} scores {float(s[r, bad[0]]):.6g} < k-th "
+                           f"{float(kth[r]):.6g} - tol {float(row_tol[r]):.3g}")
+        else:
+            wrong = (idx[r] != want_short[r]).nonzero().flatten()[:1].tolist()
+            if wrong:
+                c = wrong[0]
+                detail += f"; position {c} holds {int(idx[r, c])}, expected {int(want_short[r, c])}"
+        f["where"] = detail
+        col.keep(f)
+    metrics = {"topk_rows_not_exact_frac": float((~exact).sum()) / rw if rw else 0.0,
+               "topk_recall_min": float(recall.min()) if rw else 1.0,
+               "topk_jaccard_min": float(jacc.min()) if rw else 1.0,
+               "topk_padding_errors": int(pad_err.sum()),
+               "topk_duplicates": int(dups.sum()),
+               "topk_out_of_range": int(oor.sum()),
+               "topk_below_threshold": int(below.sum())}
+    notes = []
+    if nan_scores:
+        metrics["nonfinite_inputs"] = nan_scores
+        notes.append(f"{nan_scores} NaN reference score(s) in the valid region")
+    return col.report(op, metrics, notes)
+
