@@ -15,16 +15,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-OP_NAMES = (
-    "compress_pool",
-    "k_norm_rope_mxfp4_cache",
-    "q_rope_mxfp4_quant",
-    "paged_mxfp4_mqa_logits",
-    "topk",
-    "k_norm_rope_fp8_cache",
-    "q_rope_fp8_quant",
-    "paged_fp8_mqa_logits",
-)
+from reference.ops import OP_NAMES  # noqa: F401  (re-exported: the ops a backend may implement)
 
 
 class BackendUnavailable(RuntimeError):

@@ -47,7 +47,7 @@ class Fault:
         return f"fault:{self.name}"
 
     def backend(self) -> Backend:
-        ops = dict(reference.OPS)
+        ops = dict(reference.FUNCTIONS)
         ops.update(self.make_ops())
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         return Backend(self.backend_name, f"FAULT ({self.bug_class}): {self.description}", ops,

@@ -7,4 +7,4 @@ from . import Backend
 def make_backend() -> Backend:
     import torch
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    return Backend("reference", "pure-torch reference (reference/)", dict(reference.OPS), device=dev)
+    return Backend("reference", "pure-torch reference (reference/)", dict(reference.FUNCTIONS), device=dev)

@@ -8,20 +8,15 @@ from .checks import NonFiniteInput
 from .formats import PRESETS, ROUNDING_PATHS, ModelPreset, preset
 from .fp8 import k_norm_rope_fp8_cache, paged_fp8_mqa_logits, q_rope_fp8_quant
 from .k_writer import k_norm_rope_mxfp4_cache
+from .ops import OP_NAMES, OPS
 from .pooling import compress_pool
 from .q_quant import q_rope_mxfp4_quant
 from .scoring import paged_mxfp4_mqa_logits
 from .topk import topk
 
-OPS = {
-    "compress_pool": compress_pool,
-    "k_norm_rope_mxfp4_cache": k_norm_rope_mxfp4_cache,
-    "q_rope_mxfp4_quant": q_rope_mxfp4_quant,
-    "paged_mxfp4_mqa_logits": paged_mxfp4_mqa_logits,
-    "topk": topk,
-    "k_norm_rope_fp8_cache": k_norm_rope_fp8_cache,
-    "q_rope_fp8_quant": q_rope_fp8_quant,
-    "paged_fp8_mqa_logits": paged_fp8_mqa_logits,
-}
+# The reference functions by op name (the op table's `fn` column).
+FUNCTIONS = {name: op.fn for name, op in OPS.items()}
 
-__all__ = ["OPS", "NonFiniteInput", "PRESETS", "ROUNDING_PATHS", "ModelPreset", "preset", *OPS]
+__all__ = ["FUNCTIONS", "OPS", "OP_NAMES", "NonFiniteInput", "PRESETS", "ROUNDING_PATHS", "ModelPreset", "preset",
+           "compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk",
+           "k_norm_rope_fp8_cache", "q_rope_fp8_quant", "paged_fp8_mqa_logits"]

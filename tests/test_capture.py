@@ -16,7 +16,7 @@ from harness.io.capture import (AITER_K_WRITER, AITER_Q_QUANT, VLLM_COMPRESS_POO
 from harness.io.dumps import read_dump
 from harness.run.replay import replay_dump
 from optimized import upstream
-from test_dumps import make_layer
+from helpers import make_layer
 
 V033, V8E4F, ROW_ENDS, CU_ENDS = "vllm==0.33.0", "vllm@8e4f5df9", "aiter:row_ends", "aiter:cu_ends"
 EXACT = {"page_bytes_mismatched": 0, "page_bytes_outside_owned_changed": 0, "pooled_max_ulp": 0,
@@ -331,7 +331,7 @@ def test_wrap_generic_function_with_out_argument(monkeypatch, env):
 
     def topk_into(logits, lengths, k, out):
         calls.append(1)
-        out.copy_(reference.OPS["topk"](logits=logits, lengths=lengths, k=k)["indices"])
+        out.copy_(reference.OPS["topk"].fn(logits=logits, lengths=lengths, k=k)["indices"])
         return None
 
     rec = make_layer(8)["topk"]

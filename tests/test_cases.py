@@ -135,4 +135,4 @@ def test_planted_nonfinite_lands_where_the_first_step_reads(catalog):
                 if op == "compress_pool" else
                 dict(q=t.q, positions=t.positions, cos_sin_cache=inp.cos_sin_cache, weights=t.weights))
         with pytest.raises(NonFiniteInput):
-            reference.OPS[op](**args, **inp.scalars(op))
+            reference.OPS[op].fn(**args, **inp.scalars(op))

@@ -235,7 +235,7 @@ def _register_flipper(name: str, hits: list):
             pool[page, so[1]] += 1
             hits.append((page, entry))
         return {"kv_cache": pool}
-    ops = dict(reference.OPS, k_norm_rope_mxfp4_cache=kw)
+    ops = dict(reference.FUNCTIONS, k_norm_rope_mxfp4_cache=kw)
     register(name, lambda: Backend(name, "test: bumps one scale byte per call", ops))
 
 
@@ -279,3 +279,18 @@ def test_listing_commands(capsys):
     assert rc == 0 and "smoke-rowend-k" in out and "full-pool-2gib" in out
     rc, out, err = mxval(capsys, "backends")
     assert rc == 0 and "reference" in out and "auto" in out
+
+
+def test_a_bug_is_exit_3_not_a_usage_error(tmp_path, monkeypatch, capsys):
+    """An unexpected exception inside a command is an internal error (exit 3, one line naming
+    it), its traceback saved in the report directory; bad input stays exit 2."""
+    from harness.commands import cli
+
+    def broken(*a, **k):
+        raise ValueError("boom from deep inside")
+    monkeypatch.setattr("harness.run.runner.run_cases", broken)
+    rc = cli.main(["validate", "--case", "smoke-chunk-edges", "--backend", "reference",
+                   "--report-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 3 and len(err) == 1 and "internal error ValueError: boom from deep inside" in err[0]
+    assert "boom from deep inside" in (tmp_path / "r" / "internal-error.txt").read_text()

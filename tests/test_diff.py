@@ -11,7 +11,7 @@ from harness.diff import (ALWAYS_FAIL, MAX_FINDINGS, DiffReport, writer_slots, d
 from reference import layout
 from reference.fp8 import fp8_slot_offsets
 from reference.scoring import paged_mxfp4_mqa_logits_fp64
-from test_dumps import make_layer
+from helpers import make_layer
 
 PS, D = 64, 128
 SHUF = [32, 16, 2]

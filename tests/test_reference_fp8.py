@@ -13,7 +13,7 @@ D, PS = 128, 64
 
 def exact_pow2_scale(amax: float, fmax: float) -> float:
     """2**ceil(log2(fp32(max(amax, 1e-4) / fmax))) in exact arithmetic."""
-    from test_reference_mxfp4 import round_fp32
+    from helpers import round_fp32
     ratio = round_fp32(max(Fraction(amax), Fraction(float(torch.tensor(1e-4)))) / Fraction(fmax))
     e = ratio.numerator.bit_length() - ratio.denominator.bit_length()
     if Fraction(2) ** e > ratio:

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import round_fp32
+
 from reference import mxfp4
 from reference.formats import E8M0_ZERO_BLOCK
 
@@ -107,18 +109,6 @@ def test_powers_of_two_tiny_and_huge():
 
 
 # --- the e8m0 exponent against exact integer arithmetic --------------------------------
-
-def round_fp32(fr: Fraction) -> Fraction:
-    """Round a positive rational to fp32, nearest-even, with subnormals."""
-    e = fr.numerator.bit_length() - fr.denominator.bit_length()
-    if Fraction(2) ** e > fr:
-        e -= 1
-    quantum = Fraction(2) ** (max(e, -126) - 23)
-    q, rem = divmod(fr, quantum)
-    if rem * 2 > quantum or (rem * 2 == quantum and q % 2):
-        q += 1
-    return q * quantum
-
 
 def exact_e8m0(amax: float) -> int:
     """The contract's rule in exact arithmetic: ratio = fp32(max(amax, 6*2**-126) * fp32(1/6)),

@@ -10,7 +10,7 @@ from harness.run.replay import record_op, replay_dump, replay_file, replay_op
 from optimized import Backend
 from reference import layout
 from helpers import sample_path
-from test_dumps import make_layer
+from helpers import make_layer
 
 EXACT = {"page_bytes_mismatched": 0, "page_bytes_outside_owned_changed": 0, "pooled_max_ulp": 0,
          "q_bytes_mismatched": 0, "q_scale_bytes_mismatched": 0, "weights_max_ulp": 0,
@@ -81,7 +81,7 @@ def test_rejected_inputs_are_a_dump_error(layer):
 
 
 def _backend(name, **ops) -> Backend:
-    return Backend(name, "test", {**reference.OPS, **ops})
+    return Backend(name, "test", {**reference.FUNCTIONS, **ops})
 
 
 def test_backend_replay_reproduces_and_differs(dump_path):
@@ -91,7 +91,7 @@ def test_backend_replay_reproduces_and_differs(dump_path):
         assert any("backend 'reference'" in n for n in r.notes)
 
     def bad_q(**kw):
-        out = reference.OPS["q_rope_mxfp4_quant"](**kw)
+        out = reference.OPS["q_rope_mxfp4_quant"].fn(**kw)
         out["q_fp4"][2, 1, 5] ^= 0x0F
         return out
 
@@ -104,7 +104,7 @@ def test_backend_replay_reproduces_and_differs(dump_path):
 def test_backend_writing_in_place_cannot_change_the_recorded_pool(dump_path):
     """A kernel that updates kv_cache in place: the diff still uses the recorded `before`."""
     def in_place(**kw):
-        out = reference.OPS["k_norm_rope_mxfp4_cache"](**kw)
+        out = reference.OPS["k_norm_rope_mxfp4_cache"].fn(**kw)
         kw["kv_cache"].copy_(out["kv_cache"])
         return {"kv_cache": kw["kv_cache"]}
 
@@ -116,7 +116,7 @@ def test_backend_writing_in_place_cannot_change_the_recorded_pool(dump_path):
 
 
 def test_backend_missing_op_never_passes(dump_path):
-    be = Backend("partial", "test", {"topk": reference.OPS["topk"]})
+    be = Backend("partial", "test", {"topk": reference.FUNCTIONS["topk"]})
     reps = {r.op: r for r in replay_dump(read_dump(dump_path), be)}
     assert reps["topk"].ok(EXACT)
     assert reps["compress_pool"].metrics["op_unsupported"] == 1 and not reps["compress_pool"].ok({})

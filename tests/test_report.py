@@ -30,7 +30,7 @@ def _flip(**a):
 
 @pytest.fixture(scope="module")
 def frame():
-    register("test-report-flip", lambda: Backend("test-report-flip", "t", dict(reference.OPS, k_norm_rope_mxfp4_cache=_flip)))
+    register("test-report-flip", lambda: Backend("test-report-flip", "t", dict(reference.FUNCTIONS, k_norm_rope_mxfp4_cache=_flip)))
     cat, b = Catalog(), load()
     rows = [run_case(cat.case("smoke-rowend-k"), "reference"),
             run_case(cat.case("smoke-chunk-edges"), "test-report-flip"),

@@ -21,7 +21,7 @@ def cat():
 
 
 def backend(name, **ops):
-    register(name, lambda: Backend(name, "test backend", dict(reference.OPS, **ops)))
+    register(name, lambda: Backend(name, "test backend", dict(reference.FUNCTIONS, **ops)))
     return name
 
 

@@ -1,10 +1,10 @@
 """The Triton backend through the Triton interpreter (CPU, CI) against the reference, on
-small cases that hold the spec's edge cases (tests/test_triton_cases.py)."""
+small cases that hold the spec's edge cases (tests/helpers.py)."""
 import pytest
 import torch
 
 from optimized import OP_NAMES, get_backend
-from test_triton_cases import cases, compare
+from helpers import cases, compare
 
 CASES = cases()
 
@@ -30,13 +30,13 @@ def test_matches_reference(be, op, kw):
 
 
 def test_rejects_what_it_does_not_implement(be):
-    from test_triton_cases import k_writer_case, q_case
+    from helpers import k_writer_case, q_case
     with pytest.raises(ValueError, match="hadamard"):
         be.k_norm_rope_mxfp4_cache(**k_writer_case(), hadamard=True)
     with pytest.raises(ValueError, match="scale_rule"):
         be.q_rope_mxfp4_quant(**q_case(), scale_rule="rceil")
     from reference.checks import NonFiniteInput
-    from test_triton_cases import topk_case
+    from helpers import topk_case
     kw = topk_case()
     kw["logits"][0, 5] = float("-inf")
     with pytest.raises(NonFiniteInput, match="logits"):
@@ -87,7 +87,7 @@ def test_interpreter_works_after_triton_was_imported_compiled():
     code = ("import os; os.environ.pop('TRITON_INTERPRET', None); import triton, triton.language\n"
             "import sys; sys.path.insert(0, 'tests')\n"
             "from optimized import get_backend\n"
-            "from test_triton_cases import q_case, compare\n"
+            "from helpers import q_case, compare\n"
             "be = get_backend('triton-interpret'); kw = q_case(tokens=2, heads=2)\n"
             "assert compare('q_rope_mxfp4_quant', be.q_rope_mxfp4_quant(**kw), kw) == []\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

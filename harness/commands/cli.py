@@ -17,12 +17,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+from harness.errors import InputError
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 # Subcommands other modules add: `add_parser(subparsers)` and `run(args) -> int`.
 PLUGIN_COMMANDS = ("selftest", "study", "upstream_cmd")
 
 
-class UsageError(ValueError):
+class UsageError(InputError):
     """A bad argument or input file; the message is the one line printed."""
 
 
@@ -340,9 +342,6 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from optimized import BackendUnavailable
-    from harness.run.budgets import BudgetError
-    from harness.run.cases import CaseError
-    from harness.io.dumps import DumpError
     try:
         ap, run = build_parser()
         args = ap.parse_args(argv)
@@ -352,7 +351,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if isinstance(getattr(args, attr, None), str):
                 _check_writable_path(flag, getattr(args, attr), is_dir=False)
         return int(run[args.cmd](args) or 0)
-    except (UsageError, CaseError, BudgetError, DumpError, BackendUnavailable) as e:
+    except (InputError, BackendUnavailable) as e:
         print(f"mxval: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -360,17 +359,41 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 130
     except SystemExit as e:           # --help
         return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
-    except Exception as e:
+    except OSError as e:              # a file or directory named on the command line
+        print(f"mxval: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:            # a bug in mxval or in a backend, never the user's input
         if os.environ.get("MXVAL_DEBUG"):
             raise
         tb = e.__traceback__
         while tb and tb.tb_next:
             tb = tb.tb_next
         where = f" ({os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})" if tb else ""
-        kind = "" if isinstance(e, (ValueError, OSError)) else f"internal error {type(e).__name__}: "
-        print(f"mxval: {kind}{_one_line(e)}{where if kind else ''}", file=sys.stderr)
-        return EXIT_USAGE
+        saved = _save_traceback(e, locals().get("args"))
+        print(f"mxval: internal error {type(e).__name__}: {_one_line(e)}{where}; traceback in {saved} "
+              "(MXVAL_DEBUG=1 shows it)", file=sys.stderr)
+        return EXIT_INTERNAL
 
+
+def _save_traceback(e: BaseException, args) -> str:
+    """Write the traceback next to the run's report (or to a temporary file): the user gets
+    one line, the developer who gets the bug report gets the whole story."""
+    import tempfile
+    import traceback
+    text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    target = getattr(args, "report_dir", None)
+    try:
+        if target:
+            Path(target).mkdir(parents=True, exist_ok=True)
+            path = Path(target) / "internal-error.txt"
+            path.write_text(text)
+            return str(path)
+    except OSError:
+        pass
+    fd, name = tempfile.mkstemp(prefix="mxval-internal-error-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return name
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from harness.diff.ops import label as op_label
+
 SUITE = "selftest"
 DEFAULT_SEEDS = 20
 QUICK_SEEDS = 4
@@ -45,11 +47,12 @@ def with_seed(case, i: int):
 def correct_backends(requested: Optional[list[str]]) -> tuple[list[str], list[str]]:
     """(backends to run, notes on those left out). Default: the reference, plus compiled
     Triton when it runs here, else the Triton interpreter when it does."""
+    from harness.commands.cli import UsageError
     from optimized import BackendUnavailable, get_backend
     if requested:
         for name in requested:
             if name.startswith("fault:"):
-                raise ValueError(f"--backend: {name} is a fault, not a correct backend")
+                raise UsageError(f"--backend: {name} is a fault, not a correct backend")
             get_backend(name)                      # one line naming what is missing
         return list(dict.fromkeys(requested)), []
     names, notes = ["reference"], []
@@ -325,10 +328,6 @@ def matrix_columns(results: dict[str, FaultResult]) -> list[str]:
     return _ordered(cols)
 
 
-OP_LABELS = {"compress_pool": "pooling", "k_norm_rope_mxfp4_cache": "K writer",
-             "k_norm_rope_fp8_cache": "K writer (fp8)", "q_rope_mxfp4_quant": "Q quant",
-             "q_rope_fp8_quant": "Q quant (fp8)", "paged_mxfp4_mqa_logits": "scorer",
-             "paged_fp8_mqa_logits": "scorer (fp8)", "topk": "top-k"}
 
 
 def _limit_text(budgets, metric: str, case: str = "") -> str:
@@ -377,7 +376,7 @@ def print_matrix(results, budgets, verdict, backends, correct_rows, console=None
         style = {"caught": "green", "not run": "yellow"}.get(_status(res), "bold red")
         cells = [f"[bold red]{_val(worst[m]['value'])}[/]" if m in worst else "[dim]·[/]" for m in cols]
         t.add_row(res.fault.name, f"[{style}]{_status(res)}[/]", *cells,
-                  ", ".join(OP_LABELS.get(o, o) for o in res.fault.ops))
+                  ", ".join(op_label(o) for o in res.fault.ops))
     con.print(t)
     for res in results.values():
         if res.skipped:
@@ -423,7 +422,7 @@ def markdown(results, budgets, verdict, meta) -> str:
              "|---|---|---|---|" + "---:|" * len(cols)]
     for res in results.values():
         worst = res.worst()
-        ops = ", ".join(OP_LABELS.get(o, o) for o in res.fault.ops)
+        ops = ", ".join(op_label(o) for o in res.fault.ops)
         lines.append(f"| `{res.fault.name}` | {res.fault.bug_class} | {ops} | {_status(res)} | "
                      + " | ".join(f"**{_val(worst[m]['value'])}**" if m in worst else "·" for m in cols)
                      + " |")

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from harness.errors import StudyConfigError
+
 from reference.formats import preset
 from reference.k_writer import group_start, k_values
 from reference.q_quant import fold_weights, q_values
@@ -56,16 +58,16 @@ class StudyConfig:
 
     def __post_init__(self):
         if self.rows < 1 or self.seeds < 1:
-            raise ValueError("rows and seeds must be at least 1")
+            raise StudyConfigError("rows and seeds must be at least 1")
         if not self.context_tokens or any(int(c) != c or c < 1 for c in self.context_tokens):
-            raise ValueError(f"context_tokens must be positive integers, got {self.context_tokens}")
+            raise StudyConfigError(f"context_tokens must be positive integers, got {self.context_tokens}")
         if any(not 0 <= dp <= 1 for dp in self.needle_depths):
-            raise ValueError(f"needle_depths must lie in [0, 1], got {self.needle_depths}")
+            raise StudyConfigError(f"needle_depths must lie in [0, 1], got {self.needle_depths}")
         if any(not 0 < m < 1 for m in self.needle_margins):
-            raise ValueError(f"needle_margins must lie in (0, 1), got {self.needle_margins}")
+            raise StudyConfigError(f"needle_margins must lie in (0, 1), got {self.needle_margins}")
         bad = [v for v in self.variants if v not in VARIANTS]
         if bad:
-            raise ValueError(f"unknown variant(s) {bad} (known: {', '.join(VARIANTS)})")
+            raise StudyConfigError(f"unknown variant(s) {bad} (known: {', '.join(VARIANTS)})")
         preset(self.model)
 
     @property
@@ -214,20 +216,20 @@ def load_config(name: str, path: Path = STUDY_FILE) -> StudyConfig:
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"{path}: cannot read study file: {e}") from None
+        raise StudyConfigError(f"{path}: cannot read study file: {e}") from None
     studies = data.get("study", {})
     if name not in studies:
-        raise ValueError(f"{path}: no study named {name!r} (known: {', '.join(studies)})")
+        raise StudyConfigError(f"{path}: no study named {name!r} (known: {', '.join(studies)})")
     s = dict(studies[name])
     dists = data.get("distribution", {})
     names = s.pop("distributions", ["normal"])
     unknown = [n for n in names if n not in dists]
     if unknown:
-        raise ValueError(f"{path}: study {name!r} names unknown distribution(s) {unknown}")
+        raise StudyConfigError(f"{path}: study {name!r} names unknown distribution(s) {unknown}")
     try:
         return StudyConfig(name=name, distributions=[Distribution(name=n, **dists[n]) for n in names], **s)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: study {name!r}: {e}") from None
+        raise StudyConfigError(f"{path}: study {name!r}: {e}") from None
 
 
 # --- a captured dump ----------------------------------------------------------------------
@@ -242,13 +244,13 @@ def study_dump(path: str, cfg: StudyConfig, *, device: str = "cpu") -> dict:
     dump = read_dump(path)
     kop = dump.ops.get("k_norm_rope_mxfp4_cache") or dump.ops.get("k_norm_rope_fp8_cache")
     if kop is None:
-        raise ValueError(f"{path}: the study needs a K-writer op (k_norm_rope_*_cache) in the dump")
+        raise StudyConfigError(f"{path}: the study needs a K-writer op (k_norm_rope_*_cache) in the dump")
     i, s = kop.inputs, kop.scalars
     sel = writer_mask(i["positions"], i["slot_mapping"], s["compress_ratio"])
     k = k_values(i["k"][sel], group_start(i["positions"][sel], s["compress_ratio"]), i["cos_sin_cache"],
                  i["norm_weight"], s["norm_eps"])
     if k.shape[0] < 2:
-        raise ValueError(f"{path}: the K-writer op writes {k.shape[0]} entries; the study needs at least 2")
+        raise StudyConfigError(f"{path}: the K-writer op writes {k.shape[0]} entries; the study needs at least 2")
     qop = dump.ops.get("q_rope_mxfp4_quant") or dump.ops.get("q_rope_fp8_quant")
     p = preset(cfg.model)
     if qop is not None:
@@ -322,9 +324,9 @@ def run(args) -> int:
     cfg = load_config(args.study, Path(args.study_file))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.partition(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"--device: expected cpu or cuda, got {device!r}")
+        raise StudyConfigError(f"--device: expected cpu or cuda, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device: {device} requested but torch sees no CUDA/ROCm GPU")
+        raise StudyConfigError(f"--device: {device} requested but torch sees no CUDA/ROCm GPU")
     out = Path(args.report_dir or f"reports/study-{cfg.name}")
     t0 = time.time()
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -368,7 +370,7 @@ def _rerender(args) -> int:
         meta = saved["meta"]
         result = {k: saved[k] for k in ("rows", "needles", "inputs", "merges")}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--from-json: {args.from_json}: not a study.json ({e})") from None
+        raise StudyConfigError(f"--from-json: {args.from_json}: not a study.json ({e})") from None
     out = Path(args.report_dir or Path(args.from_json).parent)
     paths = study_report.render(result, out, title=f"mxval study: {meta.get('study', '?')}", meta=meta)
     md = study_report.summary_markdown(result, meta)

@@ -25,6 +25,8 @@ import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from harness.errors import InputError
 from typing import Optional
 
 from optimized import upstream
@@ -33,7 +35,7 @@ EXIT_OK, EXIT_DRIFT, EXIT_USAGE = 0, 1, 2
 COMMAND = "upstream"
 
 
-class UpstreamError(ValueError):
+class UpstreamError(InputError):
     """Unusable input: the one line printed before exit 2."""
 
 

@@ -1,9 +1,12 @@
 """One entry point for a whole op: `diff_op` picks the stage's differ from the op table."""
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
+
+from reference.ops import OPS
 
 from .pages import diff_pages
 from .report import DiffReport
@@ -31,35 +34,70 @@ def _shape_report(op: str, actual: dict, expected: dict) -> Optional[DiffReport]
                       findings, [])
 
 
+def _diff_pool(op, inputs, scalars, actual, expected):
+    from reference.pooling import boundary_mask
+    rows = boundary_mask(inputs["positions"].cpu(), scalars["compress_ratio"]) & \
+        (inputs["kv_slot_mapping"].cpu() >= 0)
+    return diff_pooled(actual["pooled"], expected["pooled"], rows, op=op)
+
+
+def _diff_k_pages(op, inputs, scalars, actual, expected):
+    fp8 = OPS[op].format == "fp8"
+    return diff_pages(actual["kv_cache"], expected["kv_cache"], inputs["kv_cache"],
+                      page_size=scalars["page_size"], head_dim=inputs["k"].shape[1],
+                      shuffle=None if fp8 else scalars.get("shuffle"),
+                      written_slots=writer_slots(inputs, scalars), fmt=OPS[op].format,
+                      fp8_dtype=scalars.get("fp8_dtype", "e4m3fn"), op=op)
+
+
+def _diff_q(op, inputs, scalars, actual, expected):
+    return diff_q(actual, expected, op=op)
+
+
+def _diff_scores(op, inputs, scalars, actual, expected):
+    return diff_logits(actual["logits"], expected["logits"], inputs["row_ends"],
+                       clean=bool(scalars.get("clean_logits", False)), op=op)
+
+
+def _diff_topk(op, inputs, scalars, actual, expected):
+    if "indices" not in actual:
+        return _shape_report(op, actual, {"indices": torch.empty(0)})
+    return diff_topk(actual["indices"], inputs["logits"], inputs["lengths"], scalars["k"], op=op)
+
+
+@dataclass(frozen=True)
+class StageView:
+    """The harness's columns of the op table, per stage: how to diff it, what to call it."""
+    differ: Callable
+    label: str
+    checks_shape: bool = True          # top-k validates its own output (width k, not the reference's)
+
+
+STAGE_VIEWS: dict[str, StageView] = {
+    "pooling": StageView(_diff_pool, "pooling"),
+    "k_writer": StageView(_diff_k_pages, "K writer"),
+    "q_quant": StageView(_diff_q, "Q quant"),
+    "scorer": StageView(_diff_scores, "scorer"),
+    "topk": StageView(_diff_topk, "top-k", checks_shape=False),
+}
+
+
+def label(op: str) -> str:
+    """A short human name of `op` (its stage, and the format where two ops share a stage)."""
+    o = OPS[op]
+    return STAGE_VIEWS[o.stage].label + (" (fp8)" if o.format == "fp8" else "")
+
+
 def diff_op(op: str, inputs: dict, scalars: dict, actual: dict, expected: dict) -> DiffReport:
     """Diff one op's outputs (`actual` against `expected`, both dicts of DUMPS.md out names)
     on the inputs that produced them; written slots, compared rows and row ends come from
     the inputs. For the scorer, `expected["logits"]` may be fp64 (preferred) or f32. For
     top-k, the reference scores are `inputs["logits"]` and `expected` is not used."""
-    from harness.io.dumps import OP_FIELDS
-    if op not in OP_FIELDS:
-        raise ValueError(f"op: unknown op {op!r} (known: {', '.join(OP_FIELDS)})")
-    if op != "topk":
+    if op not in OPS:
+        raise ValueError(f"op: unknown op {op!r} (known: {', '.join(OPS)})")
+    view = STAGE_VIEWS[OPS[op].stage]
+    if view.checks_shape:
         shape_rep = _shape_report(op, actual, expected)
         if shape_rep:
             return shape_rep
-    if op == "compress_pool":
-        from reference.pooling import boundary_mask
-        rows = boundary_mask(inputs["positions"].cpu(), scalars["compress_ratio"]) & \
-            (inputs["kv_slot_mapping"].cpu() >= 0)
-        return diff_pooled(actual["pooled"], expected["pooled"], rows, op=op)
-    if op in ("k_norm_rope_mxfp4_cache", "k_norm_rope_fp8_cache"):
-        fp8 = op == "k_norm_rope_fp8_cache"
-        return diff_pages(actual["kv_cache"], expected["kv_cache"], inputs["kv_cache"],
-                          page_size=scalars["page_size"], head_dim=inputs["k"].shape[1],
-                          shuffle=None if fp8 else scalars.get("shuffle"),
-                          written_slots=writer_slots(inputs, scalars), fmt="fp8" if fp8 else "mxfp4",
-                          fp8_dtype=scalars.get("fp8_dtype", "e4m3fn"), op=op)
-    if op in ("q_rope_mxfp4_quant", "q_rope_fp8_quant"):
-        return diff_q(actual, expected, op=op)
-    if op in ("paged_mxfp4_mqa_logits", "paged_fp8_mqa_logits"):
-        return diff_logits(actual["logits"], expected["logits"], inputs["row_ends"],
-                           clean=bool(scalars.get("clean_logits", False)), op=op)
-    if "indices" not in actual:
-        return _shape_report(op, actual, {"indices": torch.empty(0)})
-    return diff_topk(actual["indices"], inputs["logits"], inputs["lengths"], scalars["k"], op=op)
+    return view.differ(op, inputs, scalars, actual, expected)

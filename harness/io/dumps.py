@@ -2,9 +2,9 @@
 
 A dump is one safetensors file: tensors `<op>/in/<arg>` and `<op>/out/<name>`, and one
 metadata key `mxval` holding JSON (format, version, source, model, layer, step, and the
-scalar arguments of each op). `OP_FIELDS` is the one table of what each op carries; the
+scalar arguments of each op). the op table (`reference.ops.OPS`, its `fields`) says what each op carries; the
 reader and the writer both validate against it, so a file that `read_dump` accepts can be
-handed to `reference.OPS[op](**inputs, **scalars)` as it is.
+handed to `reference.OPS[op].fn(**inputs, **scalars)` as it is.
 
     dump = read_dump("layer12_step300.safetensors")     # DumpError: one line, file + problem
     rec = dump.ops["k_norm_rope_mxfp4_cache"]           # OpRecord(op, scalars, inputs, outputs)
@@ -21,12 +21,15 @@ from typing import Optional
 
 import torch
 
+from harness.errors import InputError
+from reference.ops import OPS, OpSpec
+
 FORMAT = "mxval-dump"
 VERSION = 1
 META_KEY = "mxval"
 
 
-class DumpError(ValueError):
+class DumpError(InputError):
     """A dump that cannot be used; the message is one line naming the file and the problem."""
 
 
@@ -43,106 +46,6 @@ class Dump:
     path: Optional[str]
     meta: dict                       # the whole `mxval` JSON object
     ops: dict[str, OpRecord] = field(default_factory=dict)
-
-
-# --- the field table ------------------------------------------------------------------
-
-U8 = (torch.uint8,)
-I32 = (torch.int32,)
-INT = (torch.int32, torch.int64)
-F32 = (torch.float32,)
-BF16 = (torch.bfloat16,)
-FLT = (torch.bfloat16, torch.float32)
-
-
-@dataclass(frozen=True)
-class Field:
-    """dtypes allowed, and the shape as named dims. A dim is an int, a name ("T"), or a
-    linear expression of one name: "D/2", "D/32", "4*D", "B+1"."""
-    dtypes: tuple
-    shape: tuple
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    inputs: dict
-    outputs: dict
-    scalars: dict                    # required: name -> kind (see _SCALAR_KINDS)
-    optional: dict = field(default_factory=dict)   # study switches the reference accepts
-
-
-_K_IN = {
-    "k": Field(BF16, ("T", "D")),
-    "positions": Field(INT, ("T",)),
-    "cos_sin_cache": Field(F32, ("max_pos", "R")),
-    "norm_weight": Field(FLT, ("D",)),
-    "slot_mapping": Field(INT, ("T",)),
-    "kv_cache": Field(U8, ("P", "page_bytes")),
-}
-_Q_IN = {
-    "q": Field(BF16, ("T", "H", "D")),
-    "positions": Field(INT, ("T",)),
-    "cos_sin_cache": Field(F32, ("max_pos", "R")),
-    "weights": Field(FLT, ("T", "H")),
-}
-_PAGED_IN = {
-    "weights": Field(F32, ("Rw", "H")),
-    "kv_cache": Field(U8, ("P", "page_bytes")),
-    "query_start_loc": Field(INT, ("B+1",)),
-    "context_lens": Field(INT, ("B",)),
-    "block_table": Field(INT, ("B", "max_pages")),
-    "row_ends": Field(INT, ("Rw",)),
-}
-_LOGITS_OUT = {"logits": Field(F32, ("Rw", "W"))}
-_K_SCALARS = {"norm_eps": "float", "compress_ratio": "int+", "page_size": "int+"}
-_STUDY_K = {"rounding": "rounding", "hadamard": "bool"}
-
-OP_FIELDS: dict[str, OpSpec] = {
-    "compress_pool": OpSpec(
-        inputs={
-            "state_cache": Field(F32, ("num_blocks", "block_size", "4*D")),
-            "block_table": Field(INT, ("num_reqs", "max_blocks")),
-            "positions": Field(INT, ("T",)),
-            "req_index": Field(INT, ("T",)),
-            "kv_slot_mapping": Field(INT, ("T",)),
-        },
-        outputs={"pooled": Field(BF16, ("T", "D"))},
-        scalars={"compress_ratio": "int+"}),
-    "k_norm_rope_mxfp4_cache": OpSpec(
-        inputs=_K_IN,
-        outputs={"kv_cache": Field(U8, ("P", "page_bytes"))},
-        scalars={**_K_SCALARS, "shuffle": "shuffle"},
-        optional={**_STUDY_K, "scale_rule": "scale_rule"}),
-    "q_rope_mxfp4_quant": OpSpec(
-        inputs=_Q_IN,
-        outputs={"q_fp4": Field(U8, ("T", "H", "D/2")), "q_scale": Field(U8, ("T", "H", "D/32")),
-                 "weights": Field(F32, ("T", "H"))},
-        scalars={"weights_scale": "float"},
-        optional={"hadamard": "bool", "scale_rule": "scale_rule"}),
-    "paged_mxfp4_mqa_logits": OpSpec(
-        inputs={"q_fp4": Field(U8, ("Rw", "H", "D/2")), "q_scale": Field(U8, ("Rw", "H", "D/32")),
-                **_PAGED_IN},
-        outputs=_LOGITS_OUT,
-        scalars={"page_size": "int+", "shuffle": "shuffle", "clean_logits": "bool"}),
-    "topk": OpSpec(
-        inputs={"logits": Field(F32, ("Rw", "W")), "lengths": Field(INT, ("Rw",))},
-        outputs={"indices": Field(I32, ("Rw", "k"))},
-        scalars={"k": "int+"}),
-    "k_norm_rope_fp8_cache": OpSpec(
-        inputs={**_K_IN, "k": Field(FLT, ("T", "D"))},     # f32 for the CUDA fused rounding
-        outputs={"kv_cache": Field(U8, ("P", "page_bytes"))},
-        scalars={**_K_SCALARS, "fp8_dtype": "fp8_dtype"},
-        optional=_STUDY_K),
-    "q_rope_fp8_quant": OpSpec(
-        inputs=_Q_IN,
-        outputs={"q_fp8": Field(U8, ("T", "H", "D")), "weights": Field(F32, ("T", "H"))},
-        scalars={"weights_scale": "float", "fp8_dtype": "fp8_dtype"},
-        optional={"hadamard": "bool"}),
-    "paged_fp8_mqa_logits": OpSpec(
-        inputs={"q_fp8": Field(U8, ("Rw", "H", "D")), **_PAGED_IN},
-        outputs=_LOGITS_OUT,
-        scalars={"page_size": "int+", "fp8_dtype": "fp8_dtype", "clean_logits": "bool"}),
-}
 
 
 # --- scalars --------------------------------------------------------------------------
@@ -244,11 +147,11 @@ def _op_problem(op: str, spec: OpSpec, dims: _Dims, scalars: dict) -> Optional[s
 
 
 def record_problem(rec: OpRecord) -> Optional[str]:
-    """None when the record fits OP_FIELDS, else the first problem (one line, no file name)."""
+    """None when the record fits the op table, else the first problem (one line, no file name)."""
     op = rec.op
-    if op not in OP_FIELDS:
-        return f"unknown op {op!r} (known: {', '.join(OP_FIELDS)})"
-    spec = OP_FIELDS[op]
+    if op not in OPS:
+        return f"unknown op {op!r} (known: {', '.join(OPS)})"
+    spec = OPS[op].fields
     if not isinstance(rec.scalars, dict):
         return f"{META_KEY}.ops.{op}: expected an object of scalars, got {rec.scalars!r}"
     for name, kind in spec.scalars.items():
@@ -360,8 +263,8 @@ def _parse_meta(path, header: dict) -> dict:
     if not isinstance(ops, dict) or not ops:
         _fail(path, f"{META_KEY}.ops: expected a non-empty object of op scalars, got {ops!r}")
     for op in ops:
-        if op not in OP_FIELDS:
-            _fail(path, f"unknown op {op!r} (known: {', '.join(OP_FIELDS)})")
+        if op not in OPS:
+            _fail(path, f"unknown op {op!r} (known: {', '.join(OPS)})")
     return m
 
 
@@ -383,7 +286,7 @@ def read_dump(path) -> Dump:
                     _fail(path, f"unexpected tensor name {name!r} (expected <op>/in/<arg> or <op>/out/<name>)")
                 op, io, arg = parts
                 if op not in records:
-                    if op in OP_FIELDS:
+                    if op in OPS:
                         _fail(path, f"tensor {name} belongs to op {op}, which {META_KEY}.ops does not list")
                     _fail(path, f"unknown op {op!r} in tensor {name}")
                 (records[op].inputs if io == "in" else records[op].outputs)[arg] = f.get_tensor(name)
@@ -402,7 +305,7 @@ def read_dump(path) -> Dump:
 
 def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "deepseek-v4-pro",
                layer: Optional[int] = None, step: Optional[int] = None) -> str:
-    """Validate `ops` against OP_FIELDS and write them as one dump (atomically: a reader
+    """Validate `ops` against the op table and write them as one dump (atomically: a reader
     never sees half a file). Returns the path."""
     from safetensors.torch import save_file
     path = os.fspath(path)

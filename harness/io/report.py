@@ -19,6 +19,8 @@ from xml.etree import ElementTree as ET
 
 import pandas as pd
 
+from harness.errors import ReportError
+
 SCHEMA = "mxval-report"
 SCHEMA_VERSION = 1
 COLUMNS = ["case", "suite", "backend", "status", "ok", "reason", "seconds", "context", "shape",
@@ -115,25 +117,25 @@ def to_json(df: pd.DataFrame, meta: dict) -> dict:
 
 
 def load(report_dir) -> tuple[pd.DataFrame, dict]:
-    """(DataFrame, run meta) from DIR/report.json. ValueError (one line) on a bad file."""
+    """(DataFrame, run meta) from DIR/report.json. ReportError (one line) on a bad file."""
     path = Path(report_dir) / "report.json"
     try:
         data = json.loads(path.read_text())
     except OSError as e:
-        raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
+        raise ReportError(f"{path}: cannot read: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raise ReportError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: not an mxval report (schema {data.get('schema') if isinstance(data, dict) else None!r})")
+        raise ReportError(f"{path}: not an mxval report (schema {data.get('schema') if isinstance(data, dict) else None!r})")
     if data.get("version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: unknown report version {data.get('version')!r}")
+        raise ReportError(f"{path}: unknown report version {data.get('version')!r}")
     if not isinstance(data.get("cases"), list):
-        raise ValueError(f"{path}: 'cases' must be a list")
+        raise ReportError(f"{path}: 'cases' must be a list")
     bad = next((i for i, c in enumerate(data["cases"]) if not isinstance(c, dict)), None)
     if bad is not None:
-        raise ValueError(f"{path}: cases[{bad}] must be an object, got {data['cases'][bad]!r}")
+        raise ReportError(f"{path}: cases[{bad}] must be an object, got {data['cases'][bad]!r}")
     if not isinstance(data.get("run", {}), dict):
-        raise ValueError(f"{path}: 'run' must be an object")
+        raise ReportError(f"{path}: 'run' must be an object")
     return frame(data["cases"]), data.get("run", {})
 
 

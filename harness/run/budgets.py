@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from harness.errors import InputError
 from harness.run.cases import BUDGETS_FILE, CASES_DIR, tomllib
 
 CHAIN_PREFIX = "chain"
 
 
-class BudgetError(ValueError):
+class BudgetError(InputError):
     """An unreadable or malformed budgets file; the message names the file and the problem."""
 
 

@@ -26,20 +26,20 @@ try:
 except ImportError:            # Python 3.10
     import tomli as tomllib    # type: ignore[no-redef]
 
+from harness.errors import InputError
+from reference.ops import OP_NAMES, chain, format_of
+
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 BUDGETS_FILE = "budgets.toml"
 
-MXFP4_CHAIN = ("compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant",
-               "paged_mxfp4_mqa_logits", "topk")
-FP8_CHAIN = ("compress_pool", "k_norm_rope_fp8_cache", "q_rope_fp8_quant",
-             "paged_fp8_mqa_logits", "topk")
+MXFP4_CHAIN = chain("mxfp4")
 DISTRIBUTIONS = ("normal", "outlier_channels", "heavy_tails", "zero_rows", "neg_zero", "tiny",
                  "e2m1_midpoints", "pow2_boundary")
 PLANT_TENSORS = ("state_kv", "state_score", "q", "weights")
 PLANT_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
-class CaseError(ValueError):
+class CaseError(InputError):
     """A case or suite file is malformed; the message names the file and the problem."""
 
 
@@ -152,7 +152,6 @@ def _case(raw: dict, defaults: dict, suite: str, file: Path) -> Case:
     if extra:
         raise CaseError(f"{where}: unknown key(s) {sorted(extra)}")
     kw = dict(merged)
-    from optimized import OP_NAMES
     from reference.formats import PRESETS
     if kw.get("preset", "deepseek-v4-pro") not in PRESETS:
         raise CaseError(f"{where}: unknown preset {kw['preset']!r} (known: {', '.join(PRESETS)})")
@@ -160,10 +159,10 @@ def _case(raw: dict, defaults: dict, suite: str, file: Path) -> Case:
     bad = [o for o in ops if o not in OP_NAMES]
     if bad or not ops:
         raise CaseError(f"{where}: unknown op(s) {bad} (known: {', '.join(OP_NAMES)})")
-    chain = FP8_CHAIN if any("fp8" in o for o in ops) else MXFP4_CHAIN
-    if any(o not in chain for o in ops):
+    ops_chain = chain(format_of(ops))
+    if any(o not in ops_chain for o in ops):
         raise CaseError(f"{where}: ops {list(ops)} mix the MXFP4 and FP8 chains")
-    kw["ops"] = tuple(o for o in chain if o in ops)
+    kw["ops"] = tuple(o for o in ops_chain if o in ops)
     seqs = kw.get("seqs", [16])
     if not isinstance(seqs, list) or not seqs:
         raise CaseError(f"{where}: seqs must be a non-empty list")

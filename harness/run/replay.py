@@ -20,18 +20,10 @@ import torch
 
 import reference
 from reference.checks import NonFiniteInput
-from reference.fp8 import paged_fp8_mqa_logits_fp64
-from reference.scoring import paged_mxfp4_mqa_logits_fp64
 
 from harness.diff import DiffReport, diff_op
 from harness.io.dumps import Dump, DumpError, OpRecord, json_scalar, read_dump, record_problem
 
-# The scorer's reference in fp64: logits_diff is measured against the true scores.
-FP64_SCORERS = {
-    "paged_mxfp4_mqa_logits": paged_mxfp4_mqa_logits_fp64,
-    "paged_fp8_mqa_logits": paged_fp8_mqa_logits_fp64,
-}
-_SCORERS = tuple(FP64_SCORERS)
 
 
 def record_op(op: str, inputs: dict, scalars: dict, outputs: dict) -> OpRecord:
@@ -65,11 +57,11 @@ def replay_op(rec: OpRecord, backend=None, *, path: Optional[str] = None) -> Dif
     """Replay one record; see the module docstring. `backend`: None (the reference), a
     backend name, or an optimized.Backend."""
     op = rec.op
-    extra = {"width": rec.outputs["logits"].shape[1]} if op in _SCORERS else {}
+    extra = {"width": rec.outputs["logits"].shape[1]} if reference.OPS[op].fp64 else {}
     where = f"{path or '<dump>'}: {op}"
     try:
         if backend is None:
-            fn = FP64_SCORERS.get(op, reference.OPS[op])
+            fn = (reference.OPS[op].fp64 or reference.OPS[op].fn)
             expected = _call(fn, rec, "cpu", extra)
             actual, label = rec.outputs, "recorded output vs the reference"
         else:

@@ -22,17 +22,17 @@ import torch
 
 import reference
 from optimized import Backend, BackendUnavailable, get_backend
-from reference import fp8 as ref_fp8, layout, scoring
+from reference import fp8 as ref_fp8, layout
+from reference.ops import op_of
 from reference.checks import NonFiniteInput
 
+from harness.diff import diff_op
 from harness.run.cases import Case
 from harness.run.inputs import CaseInputs, build
 
 CHAIN = "chain"
-# The scorer's reference in fp64: the diff compares the backend's fp32 logits to the true
-# scores of the quantized operands, not to another fp32 rounding of them.
-FP64_LOGITS = {"paged_mxfp4_mqa_logits": scoring.paged_mxfp4_mqa_logits_fp64,
-               "paged_fp8_mqa_logits": ref_fp8.paged_fp8_mqa_logits_fp64}
+# Scorers are judged against the op table's fp64 scores: the diff compares the backend's fp32
+# logits to the true scores of the quantized operands, not to another fp32 rounding of them.
 MAX_FINDINGS = 12        # per stage and case, in the report; the counts are in the metrics
 MAX_MAP_POINTS = 4000
 MAX_RECALL_POINTS = 1500
@@ -198,17 +198,9 @@ def _recall_rows(actual: torch.Tensor, expected: torch.Tensor, lengths: torch.Te
 
 # --- the chain --------------------------------------------------------------------------
 
-def _diff_op():
-    from harness.diff import diff_op
-    return diff_op
-
-
 def _ops(inp: CaseInputs):
-    fp8 = inp.geo.fmt == "fp8"
-    kw = "k_norm_rope_fp8_cache" if fp8 else "k_norm_rope_mxfp4_cache"
-    qq = "q_rope_fp8_quant" if fp8 else "q_rope_mxfp4_quant"
-    sc = "paged_fp8_mqa_logits" if fp8 else "paged_mxfp4_mqa_logits"
-    return kw, qq, sc
+    """The K writer, Q quant and scorer of the case's chain, from the op table."""
+    return tuple(op_of(inp.geo.fmt, stage) for stage in ("k_writer", "q_quant", "scorer"))
 
 
 def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -226,17 +218,17 @@ class ChainRun:
         self.col = _Collector()
         self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
                               "recall_rows": []}
-        self.diff_op = _diff_op()
+        self.diff_op = diff_op
 
     def _stage(self, op: str, step: int, ins: dict, *, diff_as: Optional[str] = None) -> dict:
         """Reference and backend on `ins`; diff; the backend's outputs. Ops outside the
         case's chain run through the reference only (they feed the ops under test)."""
         scalars = self.inp.scalars(op)
         try:
-            if op in FP64_LOGITS and op in self.case.ops:
-                expected = {"logits": FP64_LOGITS[op](**ins, **scalars)}
+            if reference.OPS[op].fp64 and op in self.case.ops:
+                expected = {"logits": reference.OPS[op].fp64(**ins, **scalars)}
             else:
-                expected = reference.OPS[op](**ins, **scalars)
+                expected = reference.OPS[op].fn(**ins, **scalars)
         except NonFiniteInput as e:
             if self.inp.planted:
                 raise NonFiniteStage(op, step, e) from None
@@ -282,8 +274,8 @@ class ChainRun:
             elif op.startswith("paged_"):
                 self.details["logit_log10_err"] += _logit_errors(actual["logits"], expected["logits"],
                                                                  ins["row_ends"])
-        except Exception:   # plots are a convenience; the metrics are the verdict
-            pass
+        except Exception as e:   # plots are a convenience; the metrics are the verdict, but say so
+            self.details.setdefault("plot_errors", []).append(f"{op}: {type(e).__name__}: {e}")
 
     def run(self) -> None:
         inp, ops = self.inp, self.case.ops
@@ -298,7 +290,7 @@ class ChainRun:
                                              positions=h.positions, req_index=h.req_index,
                                              kv_slot_mapping=h.slot_mapping,
                                              **inp.scalars("compress_pool"))["pooled"]
-            pool_b = reference.OPS[kw](k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
+            pool_b = reference.OPS[kw].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
                                        norm_weight=inp.norm_weight, slot_mapping=h.slot_mapping,
                                        kv_cache=pool_b, **inp.scalars(kw))["kv_cache"]
         pool_start = pool_b
@@ -318,7 +310,7 @@ class ChainRun:
                 ins = dict(k=pooled_b, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
                            norm_weight=inp.norm_weight, slot_mapping=st.slot_mapping, kv_cache=pool_b)
                 pool_b = self._stage(kw, i, ins)["kv_cache"]
-                chain_pool = reference.OPS[kw](**{**ins, "k": pooled_ref, "kv_cache": chain_pool},
+                chain_pool = reference.OPS[kw].fn(**{**ins, "k": pooled_ref, "kv_cache": chain_pool},
                                                **inp.scalars(kw))["kv_cache"]
                 chain_k.append(pooled_ref)
                 chain_pos.append(st.positions)
@@ -336,8 +328,8 @@ class ChainRun:
             qk = ("q_fp8",) if inp.geo.fmt == "fp8" else ("q_fp4", "q_scale")
             sins = dict({n: q_b[n] for n in qk}, weights=q_b["weights"], kv_cache=pool_b, **geo_ins)
             logits_b = self._stage(sc, i, sins)["logits"]
-            q_ref = reference.OPS[qq](**qins, **inp.scalars(qq))
-            chain_logits = FP64_LOGITS[sc](**dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"],
+            q_ref = reference.OPS[qq].fn(**qins, **inp.scalars(qq))
+            chain_logits = reference.OPS[sc].fp64(**dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"],
                                                   kv_cache=chain_pool, **geo_ins), **inp.scalars(sc))
             # 5. top-k of the backend's logits
             tins = dict(logits=logits_b, lengths=st.row_ends)

@@ -1,0 +1,173 @@
+"""The op table: every indexer op of the contract, declared once (docs/spec/DUMPS.md).
+
+Each `Op` names its stage, its cache format, its reference function, the exact-scores
+variant the harness compares a scorer against, its place in the chain, and the fields a
+dump of it carries. Everything that lists ops (backends, dumps, cases, runner, replay, the
+diff engine, the selftest) reads this table; the harness adds its own columns (differ,
+label) in harness/diff/ops.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .fp8 import k_norm_rope_fp8_cache, paged_fp8_mqa_logits, paged_fp8_mqa_logits_fp64, q_rope_fp8_quant
+from .k_writer import k_norm_rope_mxfp4_cache
+from .pooling import compress_pool
+from .q_quant import q_rope_mxfp4_quant
+from .scoring import paged_mxfp4_mqa_logits, paged_mxfp4_mqa_logits_fp64
+from .topk import topk
+
+# --- the field table ------------------------------------------------------------------
+
+U8 = (torch.uint8,)
+I32 = (torch.int32,)
+INT = (torch.int32, torch.int64)
+F32 = (torch.float32,)
+BF16 = (torch.bfloat16,)
+FLT = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Field:
+    """dtypes allowed, and the shape as named dims. A dim is an int, a name ("T"), or a
+    linear expression of one name: "D/2", "D/32", "4*D", "B+1"."""
+    dtypes: tuple
+    shape: tuple
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    inputs: dict
+    outputs: dict
+    scalars: dict                    # required: name -> kind (kinds: see harness/io/dumps.py check_scalar)
+    optional: dict = field(default_factory=dict)   # study switches the reference accepts
+
+
+_K_IN = {
+    "k": Field(BF16, ("T", "D")),
+    "positions": Field(INT, ("T",)),
+    "cos_sin_cache": Field(F32, ("max_pos", "R")),
+    "norm_weight": Field(FLT, ("D",)),
+    "slot_mapping": Field(INT, ("T",)),
+    "kv_cache": Field(U8, ("P", "page_bytes")),
+}
+_Q_IN = {
+    "q": Field(BF16, ("T", "H", "D")),
+    "positions": Field(INT, ("T",)),
+    "cos_sin_cache": Field(F32, ("max_pos", "R")),
+    "weights": Field(FLT, ("T", "H")),
+}
+_PAGED_IN = {
+    "weights": Field(F32, ("Rw", "H")),
+    "kv_cache": Field(U8, ("P", "page_bytes")),
+    "query_start_loc": Field(INT, ("B+1",)),
+    "context_lens": Field(INT, ("B",)),
+    "block_table": Field(INT, ("B", "max_pages")),
+    "row_ends": Field(INT, ("Rw",)),
+}
+_LOGITS_OUT = {"logits": Field(F32, ("Rw", "W"))}
+_K_SCALARS = {"norm_eps": "float", "compress_ratio": "int+", "page_size": "int+"}
+_STUDY_K = {"rounding": "rounding", "hadamard": "bool"}
+
+_FIELDS: dict[str, OpSpec] = {
+    "compress_pool": OpSpec(
+        inputs={
+            "state_cache": Field(F32, ("num_blocks", "block_size", "4*D")),
+            "block_table": Field(INT, ("num_reqs", "max_blocks")),
+            "positions": Field(INT, ("T",)),
+            "req_index": Field(INT, ("T",)),
+            "kv_slot_mapping": Field(INT, ("T",)),
+        },
+        outputs={"pooled": Field(BF16, ("T", "D"))},
+        scalars={"compress_ratio": "int+"}),
+    "k_norm_rope_mxfp4_cache": OpSpec(
+        inputs=_K_IN,
+        outputs={"kv_cache": Field(U8, ("P", "page_bytes"))},
+        scalars={**_K_SCALARS, "shuffle": "shuffle"},
+        optional={**_STUDY_K, "scale_rule": "scale_rule"}),
+    "q_rope_mxfp4_quant": OpSpec(
+        inputs=_Q_IN,
+        outputs={"q_fp4": Field(U8, ("T", "H", "D/2")), "q_scale": Field(U8, ("T", "H", "D/32")),
+                 "weights": Field(F32, ("T", "H"))},
+        scalars={"weights_scale": "float"},
+        optional={"hadamard": "bool", "scale_rule": "scale_rule"}),
+    "paged_mxfp4_mqa_logits": OpSpec(
+        inputs={"q_fp4": Field(U8, ("Rw", "H", "D/2")), "q_scale": Field(U8, ("Rw", "H", "D/32")),
+                **_PAGED_IN},
+        outputs=_LOGITS_OUT,
+        scalars={"page_size": "int+", "shuffle": "shuffle", "clean_logits": "bool"}),
+    "topk": OpSpec(
+        inputs={"logits": Field(F32, ("Rw", "W")), "lengths": Field(INT, ("Rw",))},
+        outputs={"indices": Field(I32, ("Rw", "k"))},
+        scalars={"k": "int+"}),
+    "k_norm_rope_fp8_cache": OpSpec(
+        inputs={**_K_IN, "k": Field(FLT, ("T", "D"))},     # f32 for the CUDA fused rounding
+        outputs={"kv_cache": Field(U8, ("P", "page_bytes"))},
+        scalars={**_K_SCALARS, "fp8_dtype": "fp8_dtype"},
+        optional=_STUDY_K),
+    "q_rope_fp8_quant": OpSpec(
+        inputs=_Q_IN,
+        outputs={"q_fp8": Field(U8, ("T", "H", "D")), "weights": Field(F32, ("T", "H"))},
+        scalars={"weights_scale": "float", "fp8_dtype": "fp8_dtype"},
+        optional={"hadamard": "bool"}),
+    "paged_fp8_mqa_logits": OpSpec(
+        inputs={"q_fp8": Field(U8, ("Rw", "H", "D")), **_PAGED_IN},
+        outputs=_LOGITS_OUT,
+        scalars={"page_size": "int+", "fp8_dtype": "fp8_dtype", "clean_logits": "bool"}),
+}
+
+
+
+STAGES = ("pooling", "k_writer", "q_quant", "scorer", "topk")   # chain order
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    stage: str                        # one of STAGES
+    format: Optional[str]             # "mxfp4" | "fp8" | None (shared by both chains)
+    fn: Callable                      # the reference: fn(**inputs, **scalars) -> {out name: tensor}
+    fields: OpSpec                    # what a dump of it carries
+    fp64: Optional[Callable] = None   # exact scores (scorers): what their logits are judged against
+
+    @property
+    def chain_pos(self) -> int:
+        return STAGES.index(self.stage)
+
+
+_OPS = (
+    Op("compress_pool", "pooling", None, compress_pool, _FIELDS["compress_pool"]),
+    Op("k_norm_rope_mxfp4_cache", "k_writer", "mxfp4", k_norm_rope_mxfp4_cache, _FIELDS["k_norm_rope_mxfp4_cache"]),
+    Op("q_rope_mxfp4_quant", "q_quant", "mxfp4", q_rope_mxfp4_quant, _FIELDS["q_rope_mxfp4_quant"]),
+    Op("paged_mxfp4_mqa_logits", "scorer", "mxfp4", paged_mxfp4_mqa_logits, _FIELDS["paged_mxfp4_mqa_logits"],
+       fp64=paged_mxfp4_mqa_logits_fp64),
+    Op("topk", "topk", None, topk, _FIELDS["topk"]),
+    Op("k_norm_rope_fp8_cache", "k_writer", "fp8", k_norm_rope_fp8_cache, _FIELDS["k_norm_rope_fp8_cache"]),
+    Op("q_rope_fp8_quant", "q_quant", "fp8", q_rope_fp8_quant, _FIELDS["q_rope_fp8_quant"]),
+    Op("paged_fp8_mqa_logits", "scorer", "fp8", paged_fp8_mqa_logits, _FIELDS["paged_fp8_mqa_logits"],
+       fp64=paged_fp8_mqa_logits_fp64),
+)
+OPS: dict[str, Op] = {op.name: op for op in _OPS}
+OP_NAMES: tuple[str, ...] = tuple(OPS)
+FORMATS = ("mxfp4", "fp8")
+
+
+def chain(fmt: str) -> tuple[str, ...]:
+    """The ops of one format's chain, in chain order (pooling ... top-k)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    return tuple(sorted((o.name for o in _OPS if o.format in (fmt, None)), key=lambda n: OPS[n].chain_pos))
+
+
+def op_of(fmt: str, stage: str) -> str:
+    """The op that does `stage` in `fmt`'s chain."""
+    (name,) = [n for n in chain(fmt) if OPS[n].stage == stage]
+    return name
+
+
+def format_of(ops) -> str:
+    """The chain format a set of ops belongs to (fp8 when any op is an fp8 op)."""
+    return "fp8" if any(OPS[o].format == "fp8" for o in ops) else "mxfp4"

@@ -1,0 +1,33 @@
+"""The op table is complete: every layer that handles an op reads it, and every op has a
+reference, dump fields, a chain place, a differ and a label."""
+import optimized
+import reference
+from harness.diff.ops import STAGE_VIEWS, label
+from harness.io import dumps
+from reference.ops import OPS, STAGES, chain, format_of, op_of
+
+
+def test_every_op_has_every_column():
+    assert set(reference.FUNCTIONS) == set(OPS) == set(optimized.OP_NAMES)
+    for name, op in OPS.items():
+        assert op.stage in STAGES and op.stage in STAGE_VIEWS
+        assert callable(op.fn) and op.fields.outputs, name
+        assert (op.fp64 is not None) == (op.stage == "scorer"), name
+        assert label(name)
+
+
+def test_each_chain_has_one_op_per_stage_in_order():
+    for fmt in ("mxfp4", "fp8"):
+        ops = chain(fmt)
+        assert [OPS[o].stage for o in ops] == list(STAGES)
+        assert format_of(ops) == fmt and all(op_of(fmt, OPS[o].stage) == o for o in ops)
+
+
+def test_the_reference_backend_serves_exactly_the_table():
+    be = optimized.get_backend("reference")
+    assert all(be.supports(o) for o in OPS)
+
+
+def test_an_op_missing_from_the_table_is_unknown_to_the_dump_reader():
+    rec = dumps.OpRecord("k_norm_rope_mxfp4_cache_v2", {}, {}, {})
+    assert "unknown op" in dumps.record_problem(rec)
