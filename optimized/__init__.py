@@ -6,7 +6,7 @@ plus `name`, `description`, `device` and `available()` (None when usable, else t
 The harness only ever talks to this interface and never knows which backend runs.
 
     from optimized import get_backend
-    be = get_backend("auto")          # aiter/vLLM on ROCm, triton on CUDA, triton-interpret on CPU
+    be = get_backend("auto")          # aiter on ROCm, triton on a GPU, triton-interpret on a CPU
     out = be.q_rope_mxfp4_quant(q=q, positions=pos, cos_sin_cache=cs, weights=w, weights_scale=s)
 """
 from __future__ import annotations

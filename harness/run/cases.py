@@ -21,10 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-try:
-    import tomllib
-except ImportError:            # Python 3.10
-    import tomli as tomllib    # type: ignore[no-redef]
+import tomllib
 
 from harness.errors import InputError
 from reference.ops import OP_NAMES, chain, format_of
