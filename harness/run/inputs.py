@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from reference import layout
-from reference.formats import ModelPreset, preset as get_preset
+from reference.formats import E2M1_VALUES, ModelPreset, preset as get_preset
 from reference.pooling import state_rows, write_state
 from reference.rope import cos_sin_cache
 
@@ -26,7 +26,7 @@ _CPU_POOL_LIMIT = 1 << 28
 _GARBAGE = 1000.0       # never-read state rows: a kernel reading a wrong row shows up large
 
 E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_GRID = E2M1_VALUES
 # 6 * 2**k in bf16 and its bf16 neighbours: the amax values where the e8m0 scale steps.
 POW2_EDGES = (6.0, 6.03125, 5.96875)
 
