@@ -1,0 +1,68 @@
+"""The scorer's e2m1 decoders (select chain, exponent-field trick, inline PTX) against
+the reference dequantization, on every byte and every finite scale byte; and the
+scorer's logits with each decoder (interpreter here; compiled in test_gpu_triton.py)."""
+import pytest
+import torch
+
+from reference import mxfp4
+
+from test_triton_cases import compare, logits_case
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from optimized import get_backend
+    get_backend("triton-interpret")           # fixes the interpreter mode before the import
+    from optimized.triton_kernels import scoring
+    return scoring
+
+
+def all_bytes_and_scales(device="cpu"):
+    b = torch.arange(256, dtype=torch.int32).repeat(256)[: 256 * 255]
+    e = torch.arange(255, dtype=torch.int32).repeat_interleave(256)
+    n = 1 << (b.numel() - 1).bit_length()
+    pad = n - b.numel()
+    b = torch.cat((b, b[:pad])).to(torch.uint8)
+    e = torch.cat((e, e[:pad])).to(torch.uint8)
+    return b.to(device), e.to(device)
+
+
+def expected(b, e):
+    """fp32 [N, 2]: the reference's dequantized (even, odd) values (fp64 -> fp32 is exact
+    here; 6 * 2**127 overflows to inf in both). Zeros compare equal whatever their sign:
+    a dot cannot tell them apart."""
+    blocks = b.view(-1, 1).repeat(1, 16).cpu()              # one 32-element block per byte
+    vals = mxfp4.dequantize_mxfp4(blocks, e.view(-1, 1).cpu(), torch.float64)
+    return vals[:, :2].float()
+
+
+@pytest.mark.parametrize("decode", [0, 1, 2])
+def test_decoder_is_exact_on_every_byte_and_scale(kernels, decode):
+    b, e = all_bytes_and_scales()
+    got = kernels.decode_probe(b, e, decode)
+    want = expected(b, e)
+    same = (got == want) | (got.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} values differ, first at byte/scale " \
+        f"{[int(b[i]) for i in (~same.all(1)).nonzero()[:1].flatten()]}"
+
+
+def test_decoder_probe_has_teeth(kernels):
+    b, e = all_bytes_and_scales()
+    want = expected(b, e)
+    got = kernels.decode_probe(b, (e.int() + 1).clamp_max(254).to(torch.uint8), 1)
+    assert not torch.equal(got, want)
+
+
+@pytest.mark.parametrize("decode", [0, 1, 2])
+def test_logits_with_each_decoder(kernels, decode):
+    kw = dict(logits_case(seqs=((3, 70), (1, 33))), clean_logits=True)
+    from reference.scoring import check_mxfp4_scorer
+    shuf, _, width = check_mxfp4_scorer(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"],
+                                        kw["query_start_loc"], kw["context_lens"], kw["block_table"],
+                                        kw["row_ends"], kw["page_size"], kw["shuffle"], None)
+    (qv, qs, w, kc, bt, ends), tiles, config, _ = kernels.prepare(
+        "cpu", kw["query_start_loc"], kw["row_ends"], kw["weights"].shape[1], kw["q_fp4"], kw["q_scale"],
+        kw["weights"], kw["kv_cache"], kw["block_table"])
+    out = kernels.launch(qv, qs, w, kc, bt, tiles, ends, width=width, page_size=kw["page_size"],
+                         shuffle=shuf, clean_logits=True, config=config, decode=decode)
+    assert compare("paged_mxfp4_mqa_logits", {"logits": out}, kw) == []
