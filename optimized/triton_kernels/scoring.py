@@ -214,11 +214,11 @@ def row_tiles(query_start_loc: torch.Tensor, bm: int) -> torch.Tensor:
 def pick_config(rows_per_seq: int, heads: int) -> tuple[int, int, int, int]:
     """(BM rows per program, BN entries per block, warps, pipeline stages): decode rows
     stand alone (N = H); prefill rows of one sequence share each decoded K block
-    (N = BM * H <= 256, the widest tensor-core tile)."""
+    (N = BM * H <= 128)."""
     hp = max(16, triton.next_power_of_2(heads))
     if rows_per_seq <= 1:
         return 1, 64, 4, 3
-    bm = max(1, min(triton.next_power_of_2(rows_per_seq), 256 // hp))
+    bm = max(1, min(triton.next_power_of_2(rows_per_seq), 128 // hp))
     return bm, 64, 4, 3
 
 
