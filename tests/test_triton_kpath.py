@@ -23,7 +23,7 @@ def test_pooling_any_block_size(be, block_size, rounding):
     assert compare("compress_pool", be.compress_pool(**kw), kw) == []
 
 
-@pytest.mark.parametrize("tile", [(16, 4, 4), (8, 2, 2), (32, 8, 4)])
+@pytest.mark.parametrize("tile", [(16, 4, 4, 128), (8, 2, 2, 64), (32, 8, 4, 32), (16, 1, 1, 64)])
 def test_pooling_tilings(be, tile):
     from optimized.triton_kernels import pooling
     kw = pool_case(seed=3, tokens=40, block_size=8, reqs=2)

@@ -53,9 +53,15 @@ def test_decoder_probe_has_teeth(kernels):
     assert not torch.equal(got, want)
 
 
-@pytest.mark.parametrize("decode", [0, 1, 2])
-def test_logits_with_each_decoder(kernels, decode):
-    kw = dict(logits_case(seqs=((3, 70), (1, 33))), clean_logits=True)
+@pytest.mark.parametrize("decode,words,page_size,shuffle,bn", [
+    (0, False, 32, (32, 16, 2), 64), (1, False, 32, (32, 16, 2), 64), (2, False, 32, (32, 16, 2), 64),
+    (2, True, 64, (32, 16, 2), 64), (2, True, 64, (16, 16, 4), 64), (2, True, 64, None, 64),
+    (2, True, 128, (32, 16, 2), 64), (2, False, 64, (32, 16, 2), 64)])
+def test_logits_with_each_decoder(kernels, decode, words, page_size, shuffle, bn):
+    """Each e2m1 decoder, and the scale bytes read as whole-page words (preshuffled in
+    both layouts aiter picks, and natural) or byte by byte."""
+    kw = dict(logits_case(seqs=((3, 170), (1, 33)), page_size=page_size, pad=8, shuffle=shuffle),
+              clean_logits=True)
     from reference.scoring import check_mxfp4_scorer
     shuf, _, width = check_mxfp4_scorer(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"],
                                         kw["query_start_loc"], kw["context_lens"], kw["block_table"],
@@ -63,6 +69,8 @@ def test_logits_with_each_decoder(kernels, decode):
     (qv, qs, w, kc, bt, ends), tiles, config, _ = kernels.prepare(
         "cpu", kw["query_start_loc"], kw["row_ends"], kw["weights"].shape[1], kw["q_fp4"], kw["q_scale"],
         kw["weights"], kw["kv_cache"], kw["block_table"])
+    assert kernels.scale_words(kc, page_size, 128, bn, shuf) or not words
     out = kernels.launch(qv, qs, w, kc, bt, tiles, ends, width=width, page_size=kw["page_size"],
-                         shuffle=shuf, clean_logits=True, config=config, decode=decode)
+                         shuffle=shuf, clean_logits=True, config=(config[0], bn, config[2], config[3]),
+                         decode=decode, words=words)
     assert compare("paged_mxfp4_mqa_logits", {"logits": out}, kw) == []

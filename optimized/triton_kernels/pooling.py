@@ -31,22 +31,23 @@ def _exp(x, FAST: tl.constexpr):
 @triton.jit
 def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr,
                  T, block_size, table_stride, row_stride, block_stride,
-                 D: tl.constexpr, DP: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr,
-                 OUT_BF16: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, SPAN2: tl.constexpr,
+                 D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr,
+                 OUT_BF16: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, BD: tl.constexpr, SPAN2: tl.constexpr,
                  FAST_EXP: tl.constexpr):
-    """Tokens pid*BT .. pid*BT+BT-1: NaN rows for those that write nothing; the others,
-    G at a time (compacted by rank, so no lane computes for a token that does not
-    write), pooled over their [2r, D] windows held as [WP, G, D] (the window axis in
-    registers: the reductions stay inside each thread)."""
+    """Tokens pid*BT .. pid*BT+BT-1, channels BD*program_id(1) ..: NaN rows for the tokens
+    that write nothing; the others, G at a time (compacted by rank, so no lane computes
+    for a token that does not write), pooled over their [2r, BD] windows held as
+    [WP, G, BD] (the window axis in registers: the reductions stay inside each thread;
+    fp64 needs many registers, so fewer channels per program means more programs per SM)."""
     pid = tl.program_id(0)
     toks = pid * BT + tl.arange(0, BT)
     inr = toks < T
     pos = tl.load(pos_ptr + toks, mask=inr, other=0).to(tl.int64)
     slot = tl.load(slot_ptr + toks, mask=inr, other=-1)
     act = inr & (slot >= 0) & ((pos + 1) % RATIO == 0)
-    d = tl.arange(0, DP)                                # D rounded up to a power of two
+    d = tl.program_id(1) * BD + tl.arange(0, BD)         # BD: a power of two
     dm = d < D
-    nan = tl.full([BT, DP], float("nan"), tl.float32)
+    nan = tl.full([BT, BD], float("nan"), tl.float32)
     orow = toks.to(tl.int64)[:, None] * D + d[None, :]
     nmask = (inr & ~act)[:, None] & dm[None, :]
     if OUT_BF16:
@@ -104,22 +105,26 @@ def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr,
             tl.store(out_ptr + grow, c, mask=gmask)
 
 
+TILE = (16, 2, 2, 64)   # tokens per program, tokens pooled at once, warps, channels per program
+
+
 def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, *, compress_ratio,
-           out_bf16=True, fast_exp=False, tile=(16, 4, 4)):
+           out_bf16=True, fast_exp=False, tile=None):
     """Pooled rows [T, D] (bf16, or fp32 for the CUDA path); NaN where a token writes
-    nothing. `tile` = (tokens per program, tokens pooled at once, warps)."""
+    nothing. `tile` (measurement only): see TILE."""
     t = positions.shape[0]
     d = state_cache.shape[-1] // 4
     dev = state_cache.device
     out = torch.empty((t, d), dtype=torch.bfloat16 if out_bf16 else torch.float32, device=dev)
     if t:
-        bt, g, warps = tile
+        bt, g, warps, bd = tile or TILE
+        bd = min(bd, triton.next_power_of_2(d))
         sc = state_cache
-        _pool_kernel[(triton.cdiv(t, bt),)](
+        _pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
             sc, block_table, positions, req_index, kv_slot_mapping,
             out.view(torch.int16) if out_bf16 else out, t, sc.shape[1], block_table.stride(0),
-            sc.stride(1), sc.stride(0), D=d, DP=triton.next_power_of_2(d), RATIO=compress_ratio,
-            WP=triton.next_power_of_2(2 * compress_ratio), OUT_BF16=out_bf16, BT=bt, G=g,
+            sc.stride(1), sc.stride(0), D=d, RATIO=compress_ratio,
+            WP=triton.next_power_of_2(2 * compress_ratio), OUT_BF16=out_bf16, BT=bt, G=g, BD=bd,
             SPAN2=sc.shape[1] >= 2 * compress_ratio - 1,
             FAST_EXP=fast_exp, num_warps=warps, **LAUNCH)
     return out

@@ -33,7 +33,6 @@ from .interp import e2m1_pair_operands, mma_operand
 from .numerics import e2m1_value, e8m0_value, fp8_value
 
 BN = 64          # entries per block
-TARGET_PROGRAMS = 2048
 _TWO_126: tl.constexpr = tl.constexpr(2.0 ** 126)
 
 
@@ -80,7 +79,8 @@ def _decode_qt(qv_ptr, qs_ptr, row0, nrows, H, BM: tl.constexpr, HP: tl.constexp
 
 @triton.jit
 def _k_block_mxfp4(cache_ptr, start, t, jm, PAGE: tl.constexpr, TB: tl.constexpr, NB: tl.constexpr,
-                   SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr, DECODE: tl.constexpr):
+                   SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr, DECODE: tl.constexpr,
+                   WORDS: tl.constexpr):
     """(even, odd) [BN, TB] tensor-core operands of entries t of the pages at byte offsets
     `start`. DECODE: 0 select chain, 1 exponent-field trick, 2 inline PTX (NVIDIA)."""
     mm = tl.arange(0, TB)
@@ -97,8 +97,24 @@ def _k_block_mxfp4(cache_ptr, start, t, jm, PAGE: tl.constexpr, TB: tl.constexpr
         soff = (PAGE * TB + grp * (SHUF_N * NB) + (sidx[None, :] % SHUF_L) * (SHUF_N * S_HI)
                 + lane * S_HI + sidx[None, :] // SHUF_L)
     kb = tl.load(cache_ptr + start + voff, mask=jm[:, None], other=0)
-    ks = e8m0_value(tl.load(cache_ptr + start + soff, mask=jm[:, None], other=127).to(tl.int32))
     BN: tl.constexpr = t.shape[0]
+    if WORDS:
+        t0 = tl.min(t, axis=0)
+        # The block's scale bytes are one contiguous run of the page (whole lane groups):
+        # loaded as 32-bit words they take the asynchronous copy path with the values
+        # (byte loads cannot), then are unshuffled in registers.
+        NW: tl.constexpr = BN * NB // 4
+        wp = (cache_ptr + start + PAGE * TB + t0 * NB).to(tl.pointer_type(tl.int32))
+        w = tl.load(wp + tl.arange(0, NW))
+        sb = (w[:, None] >> (8 * tl.arange(0, 4))[None, :]) & 0xFF                  # [NW, 4]
+        if SHUF_N == 0:
+            sb = tl.reshape(sb, (BN, NB))
+        else:
+            sb = tl.reshape(tl.permute(tl.reshape(sb, (BN // SHUF_N, SHUF_L, SHUF_N, NB // SHUF_L)), (0, 2, 3, 1)),
+                            (BN, NB))                       # [group, s % L, lane, s // L] -> [t, s]
+        ks = e8m0_value(sb)
+    else:
+        ks = e8m0_value(tl.load(cache_ptr + start + soff, mask=jm[:, None], other=127).to(tl.int32))
     ks = tl.reshape(tl.broadcast_to(ks[:, :, None], (BN, NB, 16)), (BN, TB))
     if DECODE == 2:
         return e2m1_pair_operands(kb, ks, True)
@@ -113,7 +129,7 @@ def _logits_kernel(qv_ptr, qs_ptr, w_ptr, cache_ptr, table_ptr, tile_ptr, end_pt
                    BM: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                    SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
                    FP8: tl.constexpr, FNUZ: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr,
-                   DECODE: tl.constexpr):
+                   DECODE: tl.constexpr, WORDS: tl.constexpr):
     TB: tl.constexpr = D // 2
     NB: tl.constexpr = D // 32
     # a block of BN entries lies in one page: one table read, and the gathered bytes are
@@ -161,7 +177,8 @@ def _logits_kernel(qv_ptr, qs_ptr, w_ptr, cache_ptr, table_ptr, tile_ptr, end_pt
                 ke = mma_operand(ke)
                 ko = mma_operand(ko)
             else:
-                ke, ko = _k_block_mxfp4(cache_ptr, start, t, jm, PAGE, TB, NB, SHUF_N, SHUF_DT, SHUF_L, DECODE)
+                ke, ko = _k_block_mxfp4(cache_ptr, start, t, jm, PAGE, TB, NB, SHUF_N, SHUF_DT, SHUF_L, DECODE,
+                                        WORDS)
             s = tl.dot(ke, qe, out_dtype=tl.float32)                           # [BN, BM*HP]
             s = tl.dot(ko, qo, acc=s, out_dtype=tl.float32)
             if FP8:
@@ -199,6 +216,13 @@ def decode_probe(packed: torch.Tensor, scale_bytes: torch.Tensor, decode: int) -
     return out
 
 
+def scale_words(kv_cache: torch.Tensor, page_size: int, d: int, bn: int, shuf) -> bool:
+    """A block's scale bytes load as aligned 32-bit words when the block is whole lane
+    groups of one page and every page's scale bytes start on a 4-byte boundary."""
+    return (page_size % bn == 0 and (shuf is None or bn % shuf.n == 0) and kv_cache.stride(0) % 4 == 0
+            and kv_cache.data_ptr() % 4 == 0 and (page_size * d // 2) % 4 == 0 and (bn * d // 32) % 4 == 0)
+
+
 def decode_mode() -> int:
     """2 (inline PTX) on NVIDIA GPUs, else 1; the interpreter runs mode 2 as plain Triton."""
     return 2 if torch.version.hip is None else 1
@@ -223,10 +247,11 @@ def pick_config(rows_per_seq: int, heads: int) -> tuple[int, int, int, int]:
 
 
 def launch(q_vals, q_scales, weights, kv_cache, block_table, tiles, row_ends, *, width, page_size,
-           shuffle, clean_logits, fp8_dtype=None, config=None, nsplit=None, decode=None):
+           shuffle, clean_logits, fp8_dtype=None, config=None, nsplit=None, decode=None, words=None):
     """fp32 logits [Rw, width]; past each row's end -inf when clean_logits, else unwritten.
     `tiles` from row_tiles(query_start_loc, config[0]). `decode` (measurement only): the
-    e2m1 decoder, default `decode_mode()`."""
+    e2m1 decoder, default `decode_mode()`; `words`: the scale-word loads, default
+    `scale_words(...)`."""
     rw, h = weights.shape
     d = q_vals.shape[2] if fp8_dtype else q_vals.shape[2] * 2
     dev = weights.device
@@ -234,11 +259,15 @@ def launch(q_vals, q_scales, weights, kv_cache, block_table, tiles, row_ends, *,
     out = fill((rw, width), float("-inf"), dtype=torch.float32, device=dev)
     if rw == 0 or width == 0:
         return out
-    bm, bn, warps, stages = config or (1, BN, 4, 3)
+    bm, bn, warps, stages, *rest = config or (1, BN, 4, 3)
+    regs = {"maxnreg": rest[0]} if rest and rest[0] else {}     # (measurement) register cap
     shuf = layout.as_shuffle(shuffle)
     n_tiles = tiles.shape[0]
     if nsplit is None:
-        nsplit = max(1, min(triton.cdiv(width, bn), triton.cdiv(TARGET_PROGRAMS, n_tiles)))
+        # decode: 16 programs per row (measured on an H200: 16, 32, 64 splits within 5%);
+        # prefill: ~2 programs per row tile, 2 per SM and more, balance the causal tail
+        target = 1024 if bm == 1 else 4096
+        nsplit = max(1, min(triton.cdiv(width, bn), triton.cdiv(target, n_tiles)))
     hp = max(16, triton.next_power_of_2(h))
     # FMA contraction stays on here: the decoder only multiplies by powers of two, and the
     # score sums it fuses are measured by the contract's metric (an FMA rounds less).
@@ -247,8 +276,9 @@ def launch(q_vals, q_scales, weights, kv_cache, block_table, tiles, row_ends, *,
         row_ends, out, h, width, kv_cache.stride(0), block_table.stride(0), out.stride(0),
         BM=bm, HP=hp, D=d, PAGE=page_size, SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1,
         SHUF_L=shuf.l if shuf else 1, FP8=fp8_dtype is not None, FNUZ=fp8_dtype == "e4m3fnuz",
-        BN=bn, NSPLIT=nsplit, DECODE=decode_mode() if decode is None else decode, num_warps=warps,
-        num_stages=stages)
+        BN=bn, NSPLIT=nsplit, DECODE=decode_mode() if decode is None else decode,
+        WORDS=(not fp8_dtype and scale_words(kv_cache, page_size, d, bn, shuf)) if words is None else words,
+        num_warps=warps, num_stages=stages, **regs)
     return out
 
 
