@@ -321,21 +321,26 @@ def _scorers(row, sweeps, results, quick, bw):
         kw = scorer_inputs(seqs, rows, ctx, causal)
         width = kw["block_table"].shape[1] * 64
 
-        def call(cfg):
-            tiles = tile_cache.setdefault(cfg[0], scoring.row_tiles(kw["query_start_loc"].cpu(), cfg[0]).cuda())
-            return scoring.launch(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"], kw["block_table"],
-                                  tiles, kw["row_ends"], width=width, page_size=64, shuffle=[32, 16, 2],
-                                  clean_logits=False, config=cfg)
-        tile_cache = {}
         default = scoring.pick_config(rows, 64)
+        configs = list(dict.fromkeys([default, *CONFIGS[name]]))
+        # row tiles built before timing: a host copy cannot run inside a graph capture
+        tile_cache = {c[0]: scoring.row_tiles(kw["query_start_loc"].cpu(), c[0]).cuda() for c in configs}
+
+        def call(cfg, words=False):
+            return scoring.launch(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"], kw["block_table"],
+                                  tile_cache[cfg[0]], kw["row_ends"], width=width, page_size=64, shuffle=[32, 16, 2],
+                                  clean_logits=False, config=cfg, words=words)
         sweep = {}
-        for cfg in dict.fromkeys([default, *CONFIGS[name]]):
+        for cfg, words in [(c, False) for c in configs] + [(default, True)]:
+            label = cfg if not words else f"{cfg} + scale words"
             try:
-                sweep[cfg] = _bench(lambda: call(cfg), graph=True)
+                sweep[label] = _bench(lambda: call(cfg, words), graph=True)
             except Exception as e:  # noqa: BLE001 - a tiling this triton cannot build is noted
-                sweep[cfg] = f"{type(e).__name__}"
+                sweep[label] = f"{type(e).__name__}"
         sweeps[name] = (default, sweep)
         t, tg = _bench(lambda: call(default)), sweep[default]
+        if not isinstance(tg, float):
+            raise RuntimeError(f"the default tiling {default} failed: {tg}")
         got = call(default)
         tor = _bench(lambda: torch_dequant_matmul(kw))
         ref = None

@@ -145,7 +145,7 @@ def test_scorer_decoders_are_exact_compiled(be, decode):
     assert bool(same.all()), f"{int((~same).sum())} decoded values differ"
 
 
-def _scorer_variant(kw, config, decode):
+def _scorer_variant(kw, config, decode, words=False):
     from optimized.triton_kernels import scoring
     from reference.scoring import check_mxfp4_scorer
     shuf, _, width = check_mxfp4_scorer(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"],
@@ -155,16 +155,17 @@ def _scorer_variant(kw, config, decode):
     tiles = scoring.row_tiles(kw["query_start_loc"], config[0]).cuda()
     return scoring.launch(cu["q_fp4"], cu["q_scale"], cu["weights"], cu["kv_cache"], cu["block_table"], tiles,
                           cu["row_ends"], width=width, page_size=kw["page_size"], shuffle=shuf,
-                          clean_logits=True, config=config, decode=decode).cpu()
+                          clean_logits=True, config=config, decode=decode, words=words).cpu()
 
 
 @needs_gpu
-@pytest.mark.parametrize("config,decode", [((1, 64, 4, 3), 2), ((1, 64, 4, 3), 1), ((2, 64, 4, 3), 2),
-                                           ((4, 128, 8, 2), 2), ((1, 64, 4, 3, 96), 2)])
-def test_scorer_tilings_and_decoders(be, config, decode):
+@pytest.mark.parametrize("config,decode,words", [((1, 64, 4, 3), 2, False), ((1, 64, 4, 3), 2, True),
+                                                 ((1, 64, 4, 3), 1, True), ((2, 64, 4, 3), 2, True),
+                                                 ((4, 128, 8, 2), 2, False), ((1, 64, 4, 3, 96), 2, False)])
+def test_scorer_tilings_and_decoders(be, config, decode, words):
     kw = dict(logits_case(seed=9, heads=64, page_size=64, pad=8, seqs=((5, 700), (1, 333), (3, 64))),
               clean_logits=True)
-    assert compare("paged_mxfp4_mqa_logits", {"logits": _scorer_variant(kw, config, decode)}, kw) == []
+    assert compare("paged_mxfp4_mqa_logits", {"logits": _scorer_variant(kw, config, decode, words)}, kw) == []
 
 
 @needs_gpu
@@ -188,8 +189,9 @@ def test_scorer_extreme_scale_bytes(be, scales):
                                               shuffle=kw["shuffle"])
     else:
         kw["q_scale"] = torch.full_like(kw["q_scale"], 127 + 100)
-    for decode in (1, 2):
-        assert compare("paged_mxfp4_mqa_logits", {"logits": _scorer_variant(kw, (1, 64, 4, 3), decode)}, kw) == []
+    for decode, words in ((1, False), (2, False), (2, True)):
+        got = _scorer_variant(kw, (1, 64, 4, 3), decode, words)
+        assert compare("paged_mxfp4_mqa_logits", {"logits": got}, kw) == [], (decode, words)
 
 
 @needs_gpu
@@ -208,7 +210,7 @@ def test_topk_kernels_compiled(be, resident):
 def test_pooling_tilings_compiled(be, tile):
     from optimized.triton_kernels import pooling
     for bs in (4, 64):
-        kw = pool_case(seed=bs, tokens=1024, block_size=bs, reqs=3)
+        kw = pool_case(seed=bs, tokens=1024, block_size=bs, reqs=4)
         args = [kw[n].cuda() for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
         got = pooling.launch(*args, compress_ratio=4, tile=tile).cpu()
         assert compare("compress_pool", {"pooled": got}, kw) == []

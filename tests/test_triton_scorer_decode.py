@@ -24,7 +24,9 @@ def all_bytes_and_scales(device="cpu"):
     pad = n - b.numel()
     b = torch.cat((b, b[:pad])).to(torch.uint8)
     e = torch.cat((e, e[:pad])).to(torch.uint8)
-    return b.to(device), e.to(device)
+    # shuffled, so that elements a decoder may handle together have different scales
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    return b[perm].to(device), e[perm].to(device)
 
 
 def expected(b, e):

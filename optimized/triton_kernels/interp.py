@@ -91,7 +91,8 @@ def exp_f64(x):
 
 
 # e2m1 pair decode for the scorer's tensor-core operands. Compiled for NVIDIA: two packed
-# bytes per call; each nibble's 3 magnitude bits are placed where a bf16's exponent and
+# bytes per call ($2), each with its own block scale ($3, $4: Triton does not promise which
+# two elements share a call, so they may come from different blocks or entries); each nibble's 3 magnitude bits are placed where a bf16's exponent and
 # first mantissa bit are (that spells e2m1 * 2**-126 for every code, 0.5 as the subnormal
 # 2**-127), the sign bit at bit 15, two bf16 per register; then two packed multiplies,
 # by 2**126 and by the block scale (both powers of two: exact, subnormals kept).
@@ -99,7 +100,7 @@ _E2M1_PTX: tl.constexpr = tl.constexpr("""
 {
 .reg .b32 x, t, u, s, c;
 mov.b32 c, 0x7E807E80;
-cvt.rn.bf16x2.f32 s, $3, $3;
+cvt.rn.bf16x2.f32 s, $4, $3;
 prmt.b32 x, $2, 0, 0x4140;
 shl.b32 t, x, 6; and.b32 t, t, 0x01C001C0; shl.b32 u, x, 12; and.b32 u, u, 0x80008000; or.b32 t, t, u;
 mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $0, t, s;

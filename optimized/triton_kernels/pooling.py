@@ -105,7 +105,9 @@ def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr,
             tl.store(out_ptr + grow, c, mask=gmask)
 
 
-TILE = (16, 2, 2, 64)   # tokens per program, tokens pooled at once, warps, channels per program
+# tokens per program, tokens pooled at once, warps, channels per program (H200: the
+# fastest of the tilings timed; 64 channels per program measured 11% slower)
+TILE = (16, 2, 2, 128)
 
 
 def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, *, compress_ratio,

@@ -250,8 +250,8 @@ def launch(q_vals, q_scales, weights, kv_cache, block_table, tiles, row_ends, *,
            shuffle, clean_logits, fp8_dtype=None, config=None, nsplit=None, decode=None, words=None):
     """fp32 logits [Rw, width]; past each row's end -inf when clean_logits, else unwritten.
     `tiles` from row_tiles(query_start_loc, config[0]). `decode` (measurement only): the
-    e2m1 decoder, default `decode_mode()`; `words`: the scale-word loads, default
-    `scale_words(...)`."""
+    e2m1 decoder, default `decode_mode()`; `words` (measurement only): load the scale
+    bytes as page words where `scale_words(...)` allows (off by default: not yet timed)."""
     rw, h = weights.shape
     d = q_vals.shape[2] if fp8_dtype else q_vals.shape[2] * 2
     dev = weights.device
@@ -277,7 +277,7 @@ def launch(q_vals, q_scales, weights, kv_cache, block_table, tiles, row_ends, *,
         BM=bm, HP=hp, D=d, PAGE=page_size, SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1,
         SHUF_L=shuf.l if shuf else 1, FP8=fp8_dtype is not None, FNUZ=fp8_dtype == "e4m3fnuz",
         BN=bn, NSPLIT=nsplit, DECODE=decode_mode() if decode is None else decode,
-        WORDS=(not fp8_dtype and scale_words(kv_cache, page_size, d, bn, shuf)) if words is None else words,
+        WORDS=bool(words and not fp8_dtype and scale_words(kv_cache, page_size, d, bn, shuf)),
         num_warps=warps, num_stages=stages, **regs)
     return out
 
