@@ -17,6 +17,9 @@ compiled, it is the plain primitive. Faults handled (seen with triton 3.6/3.7):
   TRITON_INTERPRET=1 is re-imported by __init__._triton_for_interpreter
 * `not tensor` is a Python bool, device_assert never fires, out-of-bounds stores are not
   caught: the kernels use `== 0`, and the wrappers check arguments on the host.
+* every program and every nested @triton.jit call costs milliseconds of Python, whatever
+  its tile size (numpy does the element work): launchers take `tile(compiled,
+  interpreted)`, wide tiles when interpreted, so one validation run launches few programs.
 
 `INTERPRETED` is read once, when this module is imported: the backend factory sets
 TRITON_INTERPRET before importing the kernel modules (see __init__.py).
@@ -33,6 +36,11 @@ INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0")
 # Compiled Triton contracts a*b - c*d into an FMA by default, which changes the RoPE bits
 # (the contract rounds each product to fp32). The interpreter has no such option.
 LAUNCH: dict = {} if INTERPRETED else {"enable_fp_fusion": False}
+
+def tile(compiled, interpreted):
+    """A launcher's tiling: `interpreted` under the interpreter, else `compiled`."""
+    return interpreted if INTERPRETED else compiled
+
 
 if not INTERPRETED:
     from triton.language.extra import libdevice as _libdevice

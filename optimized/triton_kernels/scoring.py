@@ -29,7 +29,7 @@ from reference import layout
 from reference.scoring import check_mxfp4_scorer
 
 from ..common import on_device
-from .interp import e2m1_pair_operands, mma_operand
+from .interp import e2m1_pair_operands, mma_operand, tile
 from .numerics import e2m1_value, e8m0_value, fp8_value
 
 BN = 64          # entries per block
@@ -240,10 +240,11 @@ def pick_config(rows_per_seq: int, heads: int) -> tuple[int, int, int, int]:
     stand alone (N = H); prefill rows of one sequence share each decoded K block
     (N = BM * H <= 128)."""
     hp = max(16, triton.next_power_of_2(heads))
+    bn = tile(64, 256)
     if rows_per_seq <= 1:
-        return 1, 64, 4, 3
+        return 1, bn, 4, 3
     bm = max(1, min(triton.next_power_of_2(rows_per_seq), 128 // hp))
-    return bm, 64, 4, 3
+    return bm, bn, 4, 3
 
 
 def launch(q_vals, q_scales, weights, kv_cache, block_table, tiles, row_ends, *, width, page_size,
@@ -266,7 +267,7 @@ def launch(q_vals, q_scales, weights, kv_cache, block_table, tiles, row_ends, *,
     if nsplit is None:
         # decode: 16 programs per row (measured on an H200: 16, 32, 64 splits within 5%);
         # prefill: ~2 programs per row tile, 2 per SM and more, balance the causal tail
-        target = 1024 if bm == 1 else 4096
+        target = tile(1024 if bm == 1 else 4096, 1)
         nsplit = max(1, min(triton.cdiv(width, bn), triton.cdiv(target, n_tiles)))
     hp = max(16, triton.next_power_of_2(h))
     # FMA contraction stays on here: the decoder only multiplies by powers of two, and the

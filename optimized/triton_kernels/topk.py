@@ -21,6 +21,7 @@ import reference
 from reference.topk import check_topk_args
 
 from ..common import on_device
+from .interp import tile
 
 BLOCK = 1024
 RESIDENT = 32768
@@ -154,9 +155,10 @@ def _topk_kernel(x_ptr, len_ptr, out_ptr, stride, K: tl.constexpr, BLOCK: tl.con
             eq_off += tl.sum(eq, axis=0)
 
 
-def launch(logits, lengths, k, resident=None):
+def launch(logits, lengths, k, resident=None, chunk=None):
     """int32 [Rw, k]. `resident` (measurement only): force the in-register (True) or the
-    streaming (False) kernel; default: in registers when the row fits RESIDENT columns."""
+    streaming (False) kernel; default: in registers when the row fits RESIDENT columns.
+    `chunk` (tests): columns per step of the writing pass."""
     rw, width = logits.shape
     out = torch.empty(rw, k, dtype=torch.int32, device=logits.device)
     if rw == 0:
@@ -164,8 +166,9 @@ def launch(logits, lengths, k, resident=None):
     block = triton.next_power_of_2(max(width, 1))
     if resident if resident is not None else block <= RESIDENT:
         warps = max(4, min(16, block // 2048))
+        out_block = chunk or tile(min(BLOCK, triton.next_power_of_2(k)), block)   # writing-pass chunk
         _topk_resident_kernel[(rw,)](logits, lengths, out, logits.stride(0), K=k, BLOCK=block,
-                                     OUT_BLOCK=min(BLOCK, triton.next_power_of_2(k)), num_warps=warps)
+                                     OUT_BLOCK=out_block, num_warps=warps)
     else:
         _topk_kernel[(rw,)](logits, lengths, out, logits.stride(0), K=k, BLOCK=BLOCK)
     return out
