@@ -1,12 +1,18 @@
 """Benchmark of the reference at V4-Pro shapes (`make bench`, `python -m harness.bench`).
 
-Two workloads, each run in its own subprocess so that its peak RSS is its own:
+Workloads, each run in its own subprocess so that its peak RSS is its own:
 * k_path: pool -> norm -> RoPE -> MXFP4 -> preshuffled store for one 16384-token prefill
   chunk (4096 compressed entries), i.e. compress_pool + k_norm_rope_mxfp4_cache;
 * scoring: paged_mxfp4_mqa_logits + topk(1024) for 64 decode rows at 128k context
   (64 sequences x 32768 entries, block tables permuted over one shared pool, preshuffled
   pages), next to a plain fp32 matmul of the same FLOPs timed in the same process, and
-  an accuracy check of the scores against a dense fp64 loop on a few sequences.
+  an accuracy check of the scores against a dense fp64 loop on a few sequences;
+* scoring_wide: the same with every block's scale byte random over 12 binades (queries
+  and keys): no fp32 proof holds, the exact fp64 core scores it;
+* user_waits: `mxval validate --suite default --backend auto -j 2` (what `make validate`
+  runs) and `mxval diff` of a synthetic V4-Pro decode-step dump (every op, 64 rows x
+  32768 entries), each timed as a fresh process the way a user waits for it
+  (`--skip-waits` leaves them out).
 
 Times are the best of several repeats (other work on the machine only ever adds time).
 Writes reports/bench-reference.md (machine named) and prints it. Runs on CUDA as well
