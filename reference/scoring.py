@@ -52,27 +52,29 @@ def weighted_relu_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> t
 # (`column_cores`). The operands have 2 significant bits, so a TF32 or bf16-input GEMM
 # with fp32 accumulation is exact too.
 
-@functools.lru_cache(maxsize=4)
-def _pair_lut(device: torch.device) -> torch.Tensor:
-    """[65536, 4] f32: the e2m1 values of the two packed bytes behind each int16 value
+@functools.lru_cache(maxsize=8)
+def _pair_lut(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[65536, 4]: the e2m1 values of the two packed bytes behind each int16 value
     (byte order taken from the machine, so any endianness works)."""
-    e2m1 = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
+    e2m1 = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=dtype)
     byte_lut = torch.stack((e2m1[torch.arange(256) & 15], e2m1[torch.arange(256) >> 4]), -1)
     words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     mem = words.view(torch.uint8).view(-1, 2).long()
-    lut = torch.empty(65536, 4, dtype=torch.float32)
+    lut = torch.empty(65536, 4, dtype=dtype)
     lut[words.int() & 0xFFFF] = torch.cat((byte_lut[mem[:, 0]], byte_lut[mem[:, 1]]), -1)
     return lut.to(device)
 
 
-def dequantize_mxfp4_f32(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Exact fp32 dequantization for scale bytes in [2, 252] (others give subnormals, inf or
-    NaN; the exact core sends those entries to fp64)."""
+def dequantize_mxfp4_f32(packed: torch.Tensor, scales: torch.Tensor,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Exact dequantization for scale bytes in [2, 252] (others give subnormals, inf or
+    NaN; the exact core sends those entries to the generic fp64 one). `dtype` fp64: the
+    same values, read from an fp64 table (no fp32 pass)."""
     nb = scales.shape[-1]
     words = packed.contiguous().view(torch.int16).reshape(-1).int() & 0xFFFF
-    vals = _pair_lut(packed.device).index_select(0, words).view(*scales.shape, MX_BLOCK)
+    vals = _pair_lut(packed.device, dtype).index_select(0, words).view(*scales.shape, MX_BLOCK)
     pow2 = (scales.int().clamp(1, 254) << 23).view(torch.float32)        # 2**(e - 127)
-    return vals.mul_(pow2.unsqueeze(-1)).view(*scales.shape[:-1], nb * MX_BLOCK)
+    return vals.mul_(pow2.to(dtype).unsqueeze(-1)).view(*scales.shape[:-1], nb * MX_BLOCK)
 
 
 def _block_exponents(packed: torch.Tensor, scales: torch.Tensor):
@@ -195,13 +197,16 @@ def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
         else:
             if q32 is None:
                 q32, w64 = dequantize_mxfp4_f32(q_packed, q_scale), w.double()
-            k32 = dequantize_mxfp4_f32(kp, ks)
-            if core == CORE_F32:
-                res = _dense(q32, k32, w64)
-            elif core == CORE_F64:
-                res = _dense(q32.double(), k32.double(), w64)
+            if core == CORE_BLOCKS:
+                res = _blockwise_f32(q32, dequantize_mxfp4_f32(kp, ks), w64, nb)
             else:
-                res = _blockwise_f32(q32, k32, w64, nb)
+                # keys dequantized a chunk at a time, so the matmul reads them from cache
+                qx = q32 if core == CORE_F32 else q32.double()
+                dt = torch.float32 if core == CORE_F32 else torch.float64
+                res = torch.empty(rw, kp.shape[0], dtype=torch.float64, device=q_packed.device)
+                for c0 in range(0, kp.shape[0], _KEY_CHUNK):
+                    kc = dequantize_mxfp4_f32(kp[c0:c0 + _KEY_CHUNK], ks[c0:c0 + _KEY_CHUNK], dt)
+                    res[:, c0:c0 + _KEY_CHUNK] = _dense(qx, kc, w64)
         if whole:
             return res
         out[:, cols] = res
@@ -225,6 +230,8 @@ def _dense(q32, k32, w64) -> torch.Tensor:
     return out
 
 
+# keys per chunk of the matmul cores (4096 x 128 fp64 = 4 MB)
+_KEY_CHUNK = 4096
 # columns per chunk of the blockwise core: its fp32 and fp64 block scores stay in cache
 _BLOCK_COLS = 1024
 
