@@ -47,30 +47,34 @@ def weighted_relu_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> t
 # any order, is then an integer multiple of 2**Emin below nb*4608 * 2**Emax, which fp32
 # holds exactly when the block exponents of the pair span few enough binades and stay in
 # fp32's normal range. Those columns come from a plain fp32 matmul and are bit-identical
-# to the fp64 dot; the others (rare on real data) are recomputed in fp64. The operands have
-# 2 significant bits, so a TF32 or bf16-input GEMM with fp32 accumulation is exact too.
+# to the fp64 dot; wider spreads (up to 38 binades) from an fp64 matmul of the same
+# operands, wider still from per-block fp32 dots (exact for any spread) summed in fp64
+# (`column_cores`). The operands have 2 significant bits, so a TF32 or bf16-input GEMM
+# with fp32 accumulation is exact too.
 
-@functools.lru_cache(maxsize=4)
-def _pair_lut(device: torch.device) -> torch.Tensor:
-    """[65536, 4] f32: the e2m1 values of the two packed bytes behind each int16 value
+@functools.lru_cache(maxsize=8)
+def _pair_lut(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[65536, 4]: the e2m1 values of the two packed bytes behind each int16 value
     (byte order taken from the machine, so any endianness works)."""
-    e2m1 = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
+    e2m1 = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=dtype)
     byte_lut = torch.stack((e2m1[torch.arange(256) & 15], e2m1[torch.arange(256) >> 4]), -1)
     words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     mem = words.view(torch.uint8).view(-1, 2).long()
-    lut = torch.empty(65536, 4, dtype=torch.float32)
+    lut = torch.empty(65536, 4, dtype=dtype)
     lut[words.int() & 0xFFFF] = torch.cat((byte_lut[mem[:, 0]], byte_lut[mem[:, 1]]), -1)
     return lut.to(device)
 
 
-def dequantize_mxfp4_f32(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Exact fp32 dequantization for scale bytes in [2, 252] (others give subnormals, inf or
-    NaN; the exact core sends those entries to fp64)."""
+def dequantize_mxfp4_f32(packed: torch.Tensor, scales: torch.Tensor,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Exact dequantization for scale bytes in [2, 252] (others give subnormals, inf or
+    NaN; the exact core sends those entries to the generic fp64 one). `dtype` fp64: the
+    same values, read from an fp64 table (no fp32 pass)."""
     nb = scales.shape[-1]
     words = packed.contiguous().view(torch.int16).reshape(-1).int() & 0xFFFF
-    vals = _pair_lut(packed.device).index_select(0, words).view(*scales.shape, MX_BLOCK)
+    vals = _pair_lut(packed.device, dtype).index_select(0, words).view(*scales.shape, MX_BLOCK)
     pow2 = (scales.int().clamp(1, 254) << 23).view(torch.float32)        # 2**(e - 127)
-    return vals.mul_(pow2.unsqueeze(-1)).view(*scales.shape[:-1], nb * MX_BLOCK)
+    return vals.mul_(pow2.to(dtype).unsqueeze(-1)).view(*scales.shape[:-1], nb * MX_BLOCK)
 
 
 def _block_exponents(packed: torch.Tensor, scales: torch.Tensor):
@@ -94,60 +98,170 @@ def _live_blocks(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return live
 
 
-def exact_f32_columns(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
-    """Bool [J]: key columns whose dots with every query head are exact in fp32."""
+# Cores of the fast exact scorer, in order of preference (each column takes the first
+# whose exactness is proved for it; exact cores give identical values).
+CORE_F32, CORE_F64, CORE_BLOCKS, CORE_FP64_GENERIC = 0, 1, 2, 3
+
+
+def column_cores(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
+    """int8 [J]: the core each key column is scored with.
+
+    * CORE_F32: one fp32 matmul is exact: the pair's block exponents span few enough
+      binades (24 - 15 = 9 bits of headroom for 128 products below 144 * 2**E) and stay
+      inside fp32's normal range;
+    * CORE_F64: one fp64 matmul of the same (fp32-exact) operands is exact: 53 - 15 = 38
+      binades, no range limit;
+    * CORE_BLOCKS: per-block fp32 dots are exact (all 32 products of a block share one
+      scale: an integer below 2**13 times 2**(eq+ek-256), exact while eq + ek is in
+      [107, 371]), summed over the blocks in fp64;
+    * CORE_FP64_GENERIC: the rest (NaN or extreme scale bytes).
+    Scale bytes must be in [2, 252] for the fp32 dequantization to be exact. The cheap
+    test counts every block as live; only columns it rejects are scanned for dead
+    (all-zero) blocks, whose scale bytes do not matter."""
     nb = q_scale.shape[-1]
-    max_spread = 24 - (nb * 4608 - 1).bit_length()
-    qlo, qhi, qok, qlive = (t.reshape(-1) for t in _block_exponents(q_packed, q_scale))
     j = k_scale.shape[0]
+    dev = k_scale.device
+    cores = torch.full((j,), CORE_FP64_GENERIC, dtype=torch.int8, device=dev)
+    qlo, qhi, qok, qlive = (t.reshape(-1) for t in _block_exponents(q_packed, q_scale))
     if not bool(qok.all()):
-        return torch.zeros(j, dtype=torch.bool, device=k_scale.device)
+        return cores
     if bool(qlive.any()):
         q_spread = int((qhi - qlo)[qlive].max())
         q_lo, q_hi = int(qlo[qlive].min()), int(qhi[qlive].max())
     else:                     # all-zero queries: every product is 0, no range to respect
         q_spread, q_lo, q_hi = 0, 1 << 20, -(1 << 20)
+    spread32 = 24 - (nb * 4608 - 1).bit_length()
+    spread64 = 53 - (nb * 4608 - 1).bit_length()
 
-    def fits(lo, hi):
-        return ((hi - lo) + q_spread <= max_spread) & (lo + q_lo >= 130) & (hi + q_hi <= 368)
+    def assign(idx, lo, hi, ok, dead):
+        f32 = ok & (dead | (((hi - lo) + q_spread <= spread32) & (lo + q_lo >= 130) & (hi + q_hi <= 368)))
+        f64 = ok & (dead | ((hi - lo) + q_spread <= spread64))
+        blocks = ok & (dead | ((lo + q_lo >= 107) & (hi + q_hi <= 371)))
+        c = torch.where(f32, CORE_F32, torch.where(f64, CORE_F64, torch.where(blocks, CORE_BLOCKS,
+                                                                                 CORE_FP64_GENERIC)))
+        cores[idx] = c.to(torch.int8)
 
-    # Counting every block as live is conservative and skips the code scan; only the
-    # columns that fail it (zero blocks, wide spreads) are looked at closely.
     e = k_scale.int()
-    exact = fits(e.amin(-1), e.amax(-1)) & (e >= 2).all(-1) & (e <= 252).all(-1)
-    rest = (~exact).nonzero().flatten()
+    everyone = torch.arange(j, device=dev)
+    assign(everyone, e.amin(-1), e.amax(-1), (e >= 2).all(-1) & (e <= 252).all(-1),
+           torch.zeros(j, dtype=torch.bool, device=dev))
+    rest = (cores > CORE_F64).nonzero().flatten()
     if rest.numel():
         klo, khi, kok, klive = _block_exponents(k_packed[rest], k_scale[rest])
-        exact[rest] = kok & (fits(klo, khi) | ~klive)
-    return exact
+        before = cores[rest].clone()
+        assign(rest, klo, khi, kok, ~klive)
+        cores[rest] = torch.minimum(cores[rest], before)
+    return cores
+
+
+def exact_f32_columns(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
+    """Bool [J]: key columns whose dots with every query head are exact in fp32."""
+    return column_cores(q_packed, q_scale, k_packed, k_scale) == CORE_F32
+
+
+def exact_f64_columns(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
+    """Bool [J]: key columns whose dots are exact in fp64 from the fp32-exact operands."""
+    return column_cores(q_packed, q_scale, k_packed, k_scale) <= CORE_F64
+
+
+def blockwise_f32_columns(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
+    """Bool [J]: key columns whose per-block dots are exact in fp32 (any spread)."""
+    return column_cores(q_packed, q_scale, k_packed, k_scale) <= CORE_BLOCKS
 
 
 def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
     """Same values as `weighted_relu_logits` on the dequantized operands (fp64 [Rw, J]),
-    from fp32 matmuls wherever `exact_f32_columns` proves the dots exact."""
+    each column from its `column_cores` core: exact dots wherever the core's proof holds
+    (fp32 or fp64 matmul, or per-block fp32 dots summed in fp64: those are exact up to 40
+    binades between a pair's blocks, beyond that only the 3 block additions round);
+    relu and the weighted head sum in fp64. The fp64 matmul is about as fast as the fp32
+    one on a CPU (the scorer streams keys), so wide scale spreads cost little."""
     rw, h = q_scale.shape[:2]
+    nb = q_scale.shape[-1]
     j = k_scale.shape[0]
     out = torch.empty(rw, j, dtype=torch.float64, device=q_packed.device)
     if rw == 0 or j == 0:
         return out
-    fast = exact_f32_columns(q_packed, q_scale, k_packed, k_scale)
-    if bool(fast.any()):
-        q32 = dequantize_mxfp4_f32(q_packed, q_scale)
-        k32 = dequantize_mxfp4_f32(k_packed, k_scale)
-        w64 = w.double()
-        jc = max(1, min(j, _TILE_ELEMS // h))
-        rc = max(1, _TILE_ELEMS // (h * jc))
-        for r0 in range(0, rw, rc):
-            qr = q32[r0:r0 + rc]
-            wr = w64[r0:r0 + rc].unsqueeze(1)
-            for j0 in range(0, j, jc):
-                s = torch.matmul(qr, k32[j0:j0 + jc].T).clamp_min_(0).double()
-                out[r0:r0 + rc, j0:j0 + jc] = torch.bmm(wr, s).squeeze(1)
-    slow = (~fast).nonzero().flatten()
-    if slow.numel():
-        out[:, slow] = weighted_relu_logits(mxfp4.dequantize_mxfp4(q_packed, q_scale, torch.float64),
-                                            mxfp4.dequantize_mxfp4(k_packed[slow], k_scale[slow],
-                                                                   torch.float64), w)
+    cores = column_cores(q_packed, q_scale, k_packed, k_scale)
+    q32 = w64 = None
+    for core in (CORE_F32, CORE_F64, CORE_BLOCKS, CORE_FP64_GENERIC):
+        sel = cores == core
+        if not bool(sel.any()):
+            continue
+        whole = bool(sel.all())
+        cols = None if whole else sel.nonzero().flatten()
+        kp, ks = (k_packed, k_scale) if whole else (k_packed[cols], k_scale[cols])
+        if core == CORE_FP64_GENERIC:
+            res = weighted_relu_logits(mxfp4.dequantize_mxfp4(q_packed, q_scale, torch.float64),
+                                       mxfp4.dequantize_mxfp4(kp, ks, torch.float64), w)
+        else:
+            if q32 is None:
+                q32, w64 = dequantize_mxfp4_f32(q_packed, q_scale), w.double()
+            if core == CORE_BLOCKS:
+                res = _blockwise_f32(q32, dequantize_mxfp4_f32(kp, ks), w64, nb)
+            else:
+                # keys dequantized a chunk at a time, so the matmul reads them from cache
+                qx = q32 if core == CORE_F32 else q32.double()
+                dt = torch.float32 if core == CORE_F32 else torch.float64
+                res = torch.empty(rw, kp.shape[0], dtype=torch.float64, device=q_packed.device)
+                for c0 in range(0, kp.shape[0], _KEY_CHUNK):
+                    kc = dequantize_mxfp4_f32(kp[c0:c0 + _KEY_CHUNK], ks[c0:c0 + _KEY_CHUNK], dt)
+                    res[:, c0:c0 + _KEY_CHUNK] = _dense(qx, kc, w64)
+        if whole:
+            return res
+        out[:, cols] = res
+    return out
+
+
+def _dense(q32, k32, w64) -> torch.Tensor:
+    """fp64 [Rw, J] from fp32 or fp64 dots that are exact (the caller proved it), relu
+    and the weighted head sum in fp64; tiled so that per-head scores never fill memory."""
+    rw, h = q32.shape[:2]
+    j = k32.shape[0]
+    out = torch.empty(rw, j, dtype=torch.float64, device=q32.device)
+    jc = max(1, min(j, _TILE_ELEMS // h))
+    rc = max(1, _TILE_ELEMS // (h * jc))
+    for r0 in range(0, rw, rc):
+        qr = q32[r0:r0 + rc]
+        wr = w64[r0:r0 + rc].unsqueeze(1)
+        for j0 in range(0, j, jc):
+            s = torch.matmul(qr, k32[j0:j0 + jc].T).clamp_min_(0).to(torch.float64)
+            out[r0:r0 + rc, j0:j0 + jc] = torch.bmm(wr, s).squeeze(1)
+    return out
+
+
+# keys per chunk of the matmul cores (4096 x 128 fp64 = 4 MB)
+_KEY_CHUNK = 4096
+# columns per chunk of the blockwise core: its fp32 and fp64 block scores stay in cache
+_BLOCK_COLS = 1024
+
+
+def _blockwise_f32(q32, k32, w64, nb: int) -> torch.Tensor:
+    """fp64 [Rw, J]: per row, one batched fp32 matmul over the nb blocks ([nb, H, 32] x
+    [nb, 32, jc]: each block's dot exact, the caller proved it), the blocks summed in
+    fp64, then relu and the weighted head sum in fp64."""
+    rw, h, d = q32.shape
+    j = k32.shape[0]
+    blk = d // nb
+    out = torch.empty(rw, j, dtype=torch.float64, device=q32.device)
+    kb = k32.view(j, nb, blk).permute(1, 2, 0)                        # [nb, 32, J]
+    d32 = torch.empty(nb, h, min(j, _BLOCK_COLS), dtype=torch.float32, device=q32.device)
+    d64 = torch.empty(nb, h, min(j, _BLOCK_COLS), dtype=torch.float64, device=q32.device)
+    for r in range(rw):
+        qb = q32[r].view(h, nb, blk).transpose(0, 1)                  # [nb, H, 32]
+        wr = w64[r].view(1, h)
+        for j0 in range(0, j, _BLOCK_COLS):
+            jc = min(_BLOCK_COLS, j - j0)
+            if jc == d32.shape[2]:
+                a64 = d64
+                torch.bmm(qb, kb[:, :, j0:j0 + jc], out=d32)
+                a64.copy_(d32)
+            else:
+                a64 = torch.bmm(qb, kb[:, :, j0:j0 + jc]).double()
+            s = a64[0]
+            for b in range(1, nb):                                   # block order, fp64
+                s = s + a64[b]
+            out[r, j0:j0 + jc] = (wr @ s.clamp_min_(0)).squeeze(0)
     return out
 
 

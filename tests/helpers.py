@@ -337,3 +337,38 @@ def round_fp32(fr: Fraction) -> Fraction:
     if rem * 2 > quantum or (rem * 2 == quantum and q % 2):
         q += 1
     return q * quantum
+
+
+# --- inputs of the fast kernel paths (interpreter and compiled) ---
+
+def tie_case():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 700, generator=g)
+    x[0, :300] = 2.0                        # 300 ties across the k-th value
+    x[1] = 0.0
+    x[1, ::3] = -0.0                        # all zeros, mixed signs: every column ties
+    x[2] = torch.arange(700).float()        # distinct: the search can stop at exactly k
+    x[3, 10:] = -3.4e38
+    lens = torch.tensor([700, 650, 700, 400, 64, 63])
+    return dict(logits=x, lengths=lens, k=64)
+
+
+def all_bytes_and_scales(device="cpu"):
+    b = torch.arange(256, dtype=torch.int32).repeat(256)[: 256 * 255]
+    e = torch.arange(255, dtype=torch.int32).repeat_interleave(256)
+    n = 1 << (b.numel() - 1).bit_length()
+    pad = n - b.numel()
+    b = torch.cat((b, b[:pad])).to(torch.uint8)
+    e = torch.cat((e, e[:pad])).to(torch.uint8)
+    # shuffled, so that elements a decoder may handle together have different scales
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    return b[perm].to(device), e[perm].to(device)
+
+
+def expected(b, e):
+    """fp32 [N, 2]: the reference's dequantized (even, odd) values (fp64 -> fp32 is exact
+    here; 6 * 2**127 overflows to inf in both). Zeros compare equal whatever their sign:
+    a dot cannot tell them apart."""
+    blocks = b.view(-1, 1).repeat(1, 16).cpu()              # one 32-element block per byte
+    vals = mxfp4.dequantize_mxfp4(blocks, e.view(-1, 1).cpu(), torch.float64)
+    return vals[:, :2].float()

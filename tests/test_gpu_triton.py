@@ -126,3 +126,104 @@ def test_decode_shape_scorer_and_topk(be):
     lens = kw["row_ends"]
     idx = be.topk(logits=got, lengths=lens, k=1024)["indices"]
     assert compare("topk", {"indices": idx}, dict(logits=got.cpu(), lengths=lens, k=1024)) == []
+
+
+# --- the fast paths, compiled --------------------------------------------------------------
+
+@needs_gpu
+@pytest.mark.parametrize("decode", [0, 1, 2])
+def test_scorer_decoders_are_exact_compiled(be, decode):
+    """Every byte under every finite scale byte, subnormal operands included (the inline
+    PTX path multiplies packed bf16 pairs; a flush to zero would show here)."""
+    from optimized.triton_kernels import scoring
+    from helpers import all_bytes_and_scales, expected
+    b, e = all_bytes_and_scales("cuda")
+    got = scoring.decode_probe(b, e, decode).cpu()
+    want = expected(b, e)
+    same = (got == want) | (got.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} decoded values differ"
+
+
+def _scorer_variant(kw, config, decode, words=False):
+    from optimized.triton_kernels import scoring
+    from reference.scoring import check_mxfp4_scorer
+    shuf, _, width = check_mxfp4_scorer(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"],
+                                        kw["query_start_loc"], kw["context_lens"], kw["block_table"],
+                                        kw["row_ends"], kw["page_size"], kw["shuffle"], None)
+    cu = {k: v.cuda() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    tiles = scoring.row_tiles(kw["query_start_loc"], config[0]).cuda()
+    return scoring.launch(cu["q_fp4"], cu["q_scale"], cu["weights"], cu["kv_cache"], cu["block_table"], tiles,
+                          cu["row_ends"], width=width, page_size=kw["page_size"], shuffle=shuf,
+                          clean_logits=True, config=config, decode=decode, words=words).cpu()
+
+
+@needs_gpu
+@pytest.mark.parametrize("config,decode,words", [((1, 64, 4, 3), 2, False), ((1, 64, 4, 3), 2, True),
+                                                 ((1, 64, 4, 3), 1, True), ((2, 64, 4, 3), 2, True),
+                                                 ((4, 128, 8, 2), 2, False), ((1, 64, 4, 3, 96), 2, False)])
+def test_scorer_tilings_and_decoders(be, config, decode, words):
+    kw = dict(logits_case(seed=9, heads=64, page_size=64, pad=8, seqs=((5, 700), (1, 333), (3, 64))),
+              clean_logits=True)
+    assert compare("paged_mxfp4_mqa_logits", {"logits": _scorer_variant(kw, config, decode, words)}, kw) == []
+
+
+@needs_gpu
+@pytest.mark.parametrize("scales", ["tiny", "wide"])
+def test_scorer_extreme_scale_bytes(be, scales):
+    """K blocks at scale bytes 0..4 (bf16 subnormal operands) or spread over 1..252, random
+    codes, normal queries: the tensor cores must keep every operand exactly."""
+    g = torch.Generator().manual_seed(21)
+    kw = dict(logits_case(seed=10, heads=64, page_size=64, pad=8, seqs=((3, 300), (1, 200))), clean_logits=True)
+    pool = kw["kv_cache"]
+    entries = pool.shape[0] * 64
+    packed = torch.randint(0, 256, (entries, D // 2), dtype=torch.uint8, generator=g)
+    lo, hi = (0, 5) if scales == "tiny" else (1, 253)
+    sc = torch.randint(lo, hi, (entries, D // 32), dtype=torch.uint8, generator=g)
+    kw["kv_cache"] = layout.write_entries(pool, torch.arange(entries), packed, sc, page_size=64,
+                                          shuffle=kw["shuffle"])
+    if scales == "wide":   # keep every product and logit inside fp32's range
+        kw["q_scale"] = torch.full_like(kw["q_scale"], 127 - 60)
+        kw["kv_cache"] = layout.write_entries(kw["kv_cache"], torch.arange(entries), packed,
+                                              (sc.int() // 2 + 63).to(torch.uint8), page_size=64,
+                                              shuffle=kw["shuffle"])
+    else:
+        kw["q_scale"] = torch.full_like(kw["q_scale"], 127 + 100)
+    for decode, words in ((1, False), (2, False), (2, True)):
+        got = _scorer_variant(kw, (1, 64, 4, 3), decode, words)
+        assert compare("paged_mxfp4_mqa_logits", {"logits": got}, kw) == [], (decode, words)
+
+
+@needs_gpu
+@pytest.mark.parametrize("resident", [True, False])
+def test_topk_kernels_compiled(be, resident):
+    from optimized.triton_kernels import topk
+    from helpers import tie_case
+    from helpers import topk_case
+    for kw in (tie_case(), topk_case(k=1024, width=12000)):
+        idx = topk.launch(kw["logits"].cuda(), kw["lengths"].cuda(), kw["k"], resident=resident).cpu()
+        assert compare("topk", {"indices": idx}, kw) == []
+
+
+@needs_gpu
+@pytest.mark.parametrize("tile", [(16, 2, 2, 64), (16, 2, 2, 128), (16, 1, 1, 32)])
+def test_pooling_tilings_compiled(be, tile):
+    from optimized.triton_kernels import pooling
+    for bs in (4, 64):
+        kw = pool_case(seed=bs, tokens=1024, block_size=bs, reqs=4)
+        args = [kw[n].cuda() for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
+        got = pooling.launch(*args, compress_ratio=4, tile=tile).cpu()
+        assert compare("compress_pool", {"pooled": got}, kw) == []
+
+
+@needs_gpu
+@pytest.mark.parametrize("tile", [(32, 8, 4), (128, 32, 8)])
+def test_k_writer_tilings_compiled(be, tile):
+    from optimized.triton_kernels import k_writer
+    from helpers import k_writer_case
+    kw = k_writer_case(tokens=384, pages=16)
+    want = reference.k_norm_rope_mxfp4_cache(**kw)["kv_cache"]
+    out = kw["kv_cache"].cuda()
+    k_writer.launch(kw["k"].cuda(), kw["positions"].cuda(), kw["cos_sin_cache"].cuda(), kw["norm_weight"].cuda(),
+                    kw["slot_mapping"].cuda(), out, norm_eps=kw["norm_eps"], compress_ratio=4,
+                    page_size=kw["page_size"], shuffle=kw["shuffle"], tile=tile)
+    assert torch.equal(out.cpu(), want)

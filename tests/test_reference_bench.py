@@ -27,3 +27,40 @@ def test_table_names_the_machine_and_judges_targets():
     res["cpu"]["scoring"]["max_rel_err_vs_fp64"] = 1e-9                  # inaccurate scores fail
     scoring_row = next(l for l in bench.table(info, res).splitlines() if l.startswith("| cpu | scoring"))
     assert scoring_row.endswith("| no |")
+
+
+def test_table_judges_the_wide_scales_and_the_users_wait():
+    info = {"cpu": "Some CPU", "cores": 2, "torch_threads": 2, "torch": "2.x", "python": "3.x", "load": 0.5}
+    score = {"score_s": 1.0, "ratio": 3.0, "peak_score_gib": 0.5, "max_rel_err_vs_fp64": 0.0, "topk_valid": True,
+             "mm_loop_s": 0.3, "mm_bmm_s": 0.4, "mm_same_s": 0.2, "ratio_same": 5.0, "fast_fraction": 0.0,
+             "gflop": 34.4, "import_rss_gib": 0.2, "baseline_s": 0.3, "cores": {"fp32": 0.0, "fp64": 1.0}}
+    waits = {"dump_mb": 430.0, "validate": {"wall_s": 30.0, "rc": 0, "load_before": 0.1, "load_after": 1.0},
+             "diff": {"wall_s": 12.0, "rc": 0, "load_before": 0.1, "load_after": 1.0}}
+    res = {"cpu": {"scoring_wide": dict(score, ratio=5.0), "user_waits": waits}}
+    rows = [l for l in bench.table(info, res).splitlines() if l.startswith("| cpu")]
+    assert "12 binades" in rows[0] and rows[0].endswith("| no |")            # 5x > 4x
+    assert "make validate" in rows[1] and rows[1].endswith("| yes |")
+    assert "mxval diff" in rows[2] and rows[2].endswith("| no |")              # 12 s > 10 s
+    waits["validate"]["rc"] = 1
+    waits["validate"]["tail"] = ["FAIL: 1 fail"]
+    row = [l for l in bench.table(info, res).splitlines() if "make validate" in l][0]
+    assert row.endswith("| no |") and "exit 1" in row
+
+
+def test_decode_step_dump_replays_clean(tmp_path):
+    """The synthetic decode step is a valid dump whose outputs the reference reproduces."""
+    from harness.dumps import read_dump
+    from harness.replay import replay_dump
+    path = bench.decode_step_dump(tmp_path / "step.safetensors", seqs=2, entries=256, heads=4)
+    d = read_dump(path)
+    assert set(d.ops) == {"compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant",
+                          "paged_mxfp4_mqa_logits", "topk"}
+    reports = replay_dump(d)
+    assert len(reports) == 5
+    counts = {k: v for r in reports for k, v in r.metrics.items()
+              if k.endswith(("mismatched", "differing", "errors", "duplicates", "nonfinite"))}
+    assert counts and not any(counts.values()), counts
+    assert reports[3].metrics["logits_diff"] <= 1e-12
+    # teeth: a captured output that the reference does not reproduce shows
+    d.ops["topk"].outputs["indices"][0, 0] = -1
+    assert replay_dump(d)[-1].metrics["topk_padding_errors"] > 0

@@ -194,3 +194,75 @@ def test_topk_rejects_nan_in_valid_region():
     reference.topk(logits=logits, lengths=torch.tensor([6, 5]), k=2)          # NaN past the end: fine
     with pytest.raises(reference.NonFiniteInput, match="logits"):
         reference.topk(logits=logits, lengths=torch.tensor([6, 6]), k=2)
+
+
+def test_cores_by_scale_spread_and_their_exactness(gen):
+    """Each column goes to the first core proved exact for it: narrow spreads to one fp32
+    matmul, wide (here 12 binades per side) to one fp64 matmul, wider than 38 binades to
+    per-block fp32 dots summed in fp64, NaN/extreme bytes to the generic fp64 dot; the
+    exact cores agree with the exact rational logits."""
+    kq, sq = rand_entries(gen, 2, h=H)
+    sq = torch.randint(115, 127, sq.shape, generator=gen).to(torch.uint8)       # 12 binades
+    kk, sk = rand_entries(gen, 40)
+    sk[10:20] = torch.randint(115, 127, (10, D // 32), generator=gen).to(torch.uint8)
+    sk[20:30, 0], sk[20:30, 1:] = 150, 105                                     # 45 binades
+    sk[30:35, 2] = 253                                                          # fp32 cannot hold it
+    cores = scoring.column_cores(kq, sq, kk, sk)
+    assert (cores[:10] == scoring.CORE_F64).all()          # q alone spans 12: no fp32 proof
+    assert (cores[10:20] == scoring.CORE_F64).all()
+    assert (cores[20:30] == scoring.CORE_BLOCKS).all()
+    assert (cores[30:35] == scoring.CORE_FP64_GENERIC).all()
+    narrow = scoring.column_cores(kq, torch.full_like(sq, 120), kk[:10], sk[:10])
+    assert (narrow == scoring.CORE_F32).all()
+    w = torch.randn(2, H, generator=gen)
+    got = scoring.mxfp4_relu_logits(kq, sq, kk, sk, w)
+    q64 = mxfp4.dequantize_mxfp4(kq, sq, torch.float64)
+    k64 = mxfp4.dequantize_mxfp4(kk, sk, torch.float64)
+    for r in range(2):
+        for jj in (0, 12, 25, 31):
+            ex = exact_logit(q64[r], k64[jj], w[r])
+            bound = sum(abs(float(w[r, h])) * max(float(q64[r, h] @ k64[jj]), 0.0) for h in range(H)) * 2.0 ** -50
+            assert abs(Fraction(float(got[r, jj])) - ex) <= Fraction(bound) + Fraction(2) ** -1074, (r, jj)
+    # the dots themselves: exact on the fp64 and block cores
+    q32 = scoring.dequantize_mxfp4_f32(kq, sq)
+    k32 = scoring.dequantize_mxfp4_f32(kk[:30], sk[:30])
+    exact_dots = torch.tensor([[[float(sum((Fraction(a) * Fraction(b) for a, b in zip(q64[r, h].tolist(),
+                                                                                       k64[jj].tolist())), Fraction(0)))
+                                 for jj in range(30)] for h in range(H)] for r in range(2)], dtype=torch.float64)
+    f64_dots = q32.double() @ k32.double().T
+    assert torch.equal(f64_dots[..., :20], exact_dots[..., :20])
+    # teeth: one fp32 matmul rounds on these spreads
+    f32_dots = (q32 @ k32.T).double()
+    assert not torch.equal(f32_dots[..., :20], exact_dots[..., :20])
+    # 39 binades: past the fp64 proof, the block core's dots are still exact
+    sq1 = torch.full_like(sq, 120)
+    sk1 = torch.full((6, D // 32), 111, dtype=torch.uint8)
+    sk1[:, 0] = 150
+    assert (scoring.column_cores(kq, sq1, kk[:6], sk1) == scoring.CORE_BLOCKS).all()
+    q1, k1 = scoring.dequantize_mxfp4_f32(kq, sq1), scoring.dequantize_mxfp4_f32(kk[:6], sk1)
+    blk = (q1.view(2, H, 4, 32).transpose(1, 2) @ k1.view(6, 4, 32).permute(1, 2, 0)).double().sum(1)
+    q1e, k1e = mxfp4.dequantize_mxfp4(kq, sq1, torch.float64), mxfp4.dequantize_mxfp4(kk[:6], sk1, torch.float64)
+    exact1 = torch.tensor([[[float(sum((Fraction(a) * Fraction(b) for a, b in zip(q1e[r, h].tolist(), k1e[jj].tolist())),
+                                       Fraction(0))) for jj in range(6)] for h in range(H)] for r in range(2)],
+                          dtype=torch.float64)
+    assert torch.equal(blk, exact1)
+
+
+def test_cores_give_the_generic_values(gen):
+    """Whatever core a column takes, the logits equal the generic fp64 core's (past 40
+    binades, where neither dot is exactly representable, to fp64 accuracy)."""
+    kq, sq = rand_entries(gen, 3, h=H)
+    kk, sk = rand_entries(gen, 900)
+    sk[::5] = torch.randint(110, 122, (180, D // 32), generator=gen).to(torch.uint8)
+    sk[::17, 1] = 165
+    sk[::23, 2] = 254
+    w = torch.randn(3, H, generator=gen)
+    cores = scoring.column_cores(kq, sq, kk, sk)
+    assert set(cores.tolist()) == {0, 1, 2, 3}
+    plain = scoring.weighted_relu_logits(mxfp4.dequantize_mxfp4(kq, sq, torch.float64),
+                                         mxfp4.dequantize_mxfp4(kk, sk, torch.float64), w)
+    got = scoring.mxfp4_relu_logits(kq, sq, kk, sk, w)
+    exact = cores != scoring.CORE_BLOCKS
+    assert torch.allclose(got[:, exact], plain[:, exact], rtol=1e-15, atol=0)
+    scale = plain[:, ~exact].abs().amax(1, keepdim=True)
+    assert bool(((got[:, ~exact] - plain[:, ~exact]).abs() <= 1e-13 * scale).all())

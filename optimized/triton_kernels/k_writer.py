@@ -1,7 +1,7 @@
 """Fused K writer: norm -> RoPE -> MXFP4 (or FP8) -> paged store (NUMERICS.md §2, §5, §7).
 
-One program handles BT tokens; tokens that do not write (slot < 0 or not a boundary)
-are masked, so no host-side compaction or sync is needed. Only the bytes of the written
+One program handles TILE tokens; the ones that write (slot >= 0 and a boundary) are
+compacted on the device, BT at a time, so no host-side compaction or sync is needed. Only the bytes of the written
 entries are stored: the pool is cloned first, so every other byte keeps its value.
 """
 from __future__ import annotations
@@ -14,12 +14,13 @@ from reference import layout
 from reference.formats import FP8_FLAVOURS
 from reference.k_writer import check_mxfp4_k_writer
 
-from .interp import LAUNCH, bf16_round, widen_bf16
+from .interp import LAUNCH, bf16_round, tile, widen_bf16
 from .numerics import (ROUNDING_CODES, SCALE_RULE_CODES, fp8_encode,
                        mxfp4_encode_pairs, pow2_scale, rms_norm_pairs, rope_pairs)
 from ..common import on_device, reject_hadamard, scale_rule_code
 
-BT = 16
+# tokens per program, tokens written at once (H200: 32, 8 the fastest of 6 timed)
+TILE, BT = tile((32, 8), (512, 128))
 
 
 @triton.jit
@@ -29,92 +30,107 @@ def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
                      SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
                      K_BF16: tl.constexpr, ROUNDING: tl.constexpr, QUANT_FP8: tl.constexpr,
                      FNUZ: tl.constexpr, FMAX: tl.constexpr, RULE: tl.constexpr,
-                     BT: tl.constexpr, FAST_NORM: tl.constexpr):
+                     TILE: tl.constexpr, BT: tl.constexpr, FAST_NORM: tl.constexpr):
     TB: tl.constexpr = D // 2
     NB: tl.constexpr = D // 32
     NOPE2: tl.constexpr = (D - R) // 2
     pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
-    in_range = rows < T
-    pos = tl.load(pos_ptr + rows, mask=in_range, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + rows, mask=in_range, other=-1).to(tl.int64)
-    active = in_range & (slot >= 0) & ((pos + 1) % RATIO == 0)
-    m = tl.arange(0, TB)
-    base = rows.to(tl.int64)[:, None] * D + 2 * m[None, :]
-    amask = active[:, None]
-    if K_BF16:
-        e = widen_bf16(tl.load(k_ptr + base, mask=amask, other=0))
-        o = widen_bf16(tl.load(k_ptr + base + 1, mask=amask, other=0))
-    else:
-        e = tl.load(k_ptr + base, mask=amask, other=0.0)
-        o = tl.load(k_ptr + base + 1, mask=amask, other=0.0)
-        if ROUNDING == 2:  # deepseek rounds the pooled row to bf16 before the norm
-            e = bf16_round(e)
-            o = bf16_round(o)
-    w_e = tl.load(w_ptr + 2 * m)[None, :]
-    w_o = tl.load(w_ptr + 2 * m + 1)[None, :]
-    ne, no = rms_norm_pairs(e, o, w_e, w_o, eps, D, FAST_NORM)
-
-    g = (pos // RATIO) * RATIO                          # RoPE at the group's first position
-    is_rope = m[None, :] >= NOPE2
-    mr = tl.where(m >= NOPE2, m - NOPE2, 0)
-    cs_off = g[:, None] * cs_stride + mr[None, :]
-    cmask = amask & is_rope
-    cos = tl.load(cs_ptr + cs_off, mask=cmask, other=1.0)
-    sin = tl.load(cs_ptr + cs_off + R // 2, mask=cmask, other=0.0)
-    if ROUNDING == 1:      # cuda fused: fp32 through norm and RoPE, one bf16 round at the end
-        ye, yo = rope_pairs(ne, no, cos, sin, is_rope, False, False)
-        ye = bf16_round(ye)
-        yo = bf16_round(yo)
-    else:                  # rocm / deepseek: bf16 after the norm and after RoPE
-        ye, yo = rope_pairs(bf16_round(ne), bf16_round(no), cos, sin, is_rope, True, ROUNDING == 0)
-
-    page = slot // PAGE
-    t = slot % PAGE
-    start = page * page_stride
-    if QUANT_FP8:
-        amax = tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=1)
-        s = pow2_scale(amax, FMAX)
-        ve = tl.minimum(tl.maximum(tl.div_rn(ye, s[:, None]), -FMAX), FMAX)
-        vo = tl.minimum(tl.maximum(tl.div_rn(yo, s[:, None]), -FMAX), FMAX)
-        voff = start[:, None] + t[:, None] * D + 2 * m[None, :]
-        tl.store(cache_ptr + voff, fp8_encode(ve, FNUZ).to(tl.uint8), mask=amask)
-        tl.store(cache_ptr + voff + 1, fp8_encode(vo, FNUZ).to(tl.uint8), mask=amask)
-        sb = s.to(tl.int32, bitcast=True)
-        k4 = tl.arange(0, 4)
-        soff = start[:, None] + PAGE * D + t[:, None] * 4 + k4[None, :]
-        sbytes = (sb[:, None] >> (8 * k4[None, :])) & 0xFF     # little-endian fp32
-        tl.store(cache_ptr + soff, sbytes.to(tl.uint8), mask=amask)
-    else:
-        packed, e8 = mxfp4_encode_pairs(ye, yo, BT, TB, RULE)
-        sidx = tl.arange(0, NB)
-        if SHUF_N == 0:
-            voff = t[:, None] * TB + m[None, :]
-            soff = PAGE * TB + t[:, None] * NB + sidx[None, :]
+    # The tile's tokens that write are compacted (by rank) into groups of BT, so no lane
+    # works for a token that writes nothing (3 of 4 in a prefill chunk).
+    toks = pid * TILE + tl.arange(0, TILE)
+    t_in = toks < T
+    t_pos = tl.load(pos_ptr + toks, mask=t_in, other=0).to(tl.int64)
+    t_slot = tl.load(slot_ptr + toks, mask=t_in, other=-1)
+    t_act = t_in & (t_slot >= 0) & ((t_pos + 1) % RATIO == 0)
+    rank = tl.cumsum(t_act.to(tl.int32), axis=0) - 1
+    n_act = tl.sum(t_act.to(tl.int32), axis=0)
+    gi = tl.arange(0, BT)
+    for g0 in range(0, n_act, BT):
+        pick = t_act[None, :] & (rank[None, :] == (g0 + gi)[:, None])          # [BT, TILE]
+        rows = tl.sum(tl.where(pick, toks[None, :], 0), axis=1)
+        active = (g0 + gi) < n_act
+        pos = tl.load(pos_ptr + rows, mask=active, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + rows, mask=active, other=0).to(tl.int64)
+        m = tl.arange(0, TB)
+        base = rows.to(tl.int64)[:, None] * D + 2 * m[None, :]
+        amask = active[:, None]
+        if K_BF16:
+            # one 32-bit word per pair (little-endian: the even element in the low half)
+            word = tl.load(k_ptr + base // 2, mask=amask, other=0)
+            e = widen_bf16(word)
+            o = widen_bf16(word >> 16)
         else:
-            grp = t // SHUF_N
-            lane = t % SHUF_N
-            voff = (grp[:, None] * (SHUF_N * TB) + (m[None, :] // SHUF_DT) * (SHUF_N * SHUF_DT)
-                    + lane[:, None] * SHUF_DT + (m[None, :] % SHUF_DT))
-            S_HI: tl.constexpr = NB // SHUF_L
-            soff = (PAGE * TB + grp[:, None] * (SHUF_N * NB) + (sidx[None, :] % SHUF_L) * (SHUF_N * S_HI)
-                    + lane[:, None] * S_HI + sidx[None, :] // SHUF_L)
-        tl.store(cache_ptr + start[:, None] + voff, packed.to(tl.uint8), mask=amask)
-        tl.store(cache_ptr + start[:, None] + soff, e8.to(tl.uint8), mask=amask)
+            e = tl.load(k_ptr + base, mask=amask, other=0.0)
+            o = tl.load(k_ptr + base + 1, mask=amask, other=0.0)
+            if ROUNDING == 2:  # deepseek rounds the pooled row to bf16 before the norm
+                e = bf16_round(e)
+                o = bf16_round(o)
+        w_e = tl.load(w_ptr + 2 * m)[None, :]
+        w_o = tl.load(w_ptr + 2 * m + 1)[None, :]
+        ne, no = rms_norm_pairs(e, o, w_e, w_o, eps, D, FAST_NORM)
+
+        g = (pos // RATIO) * RATIO                          # RoPE at the group's first position
+        is_rope = m[None, :] >= NOPE2
+        mr = tl.where(m >= NOPE2, m - NOPE2, 0)
+        cs_off = g[:, None] * cs_stride + mr[None, :]
+        cmask = amask & is_rope
+        cos = tl.load(cs_ptr + cs_off, mask=cmask, other=1.0)
+        sin = tl.load(cs_ptr + cs_off + R // 2, mask=cmask, other=0.0)
+        if ROUNDING == 1:      # cuda fused: fp32 through norm and RoPE, one bf16 round at the end
+            ye, yo = rope_pairs(ne, no, cos, sin, is_rope, False, False)
+            ye = bf16_round(ye)
+            yo = bf16_round(yo)
+        else:                  # rocm / deepseek: bf16 after the norm and after RoPE
+            ye, yo = rope_pairs(bf16_round(ne), bf16_round(no), cos, sin, is_rope, True, ROUNDING == 0)
+
+        page = slot // PAGE
+        t = slot % PAGE
+        start = page * page_stride
+        if QUANT_FP8:
+            amax = tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=1)
+            s = pow2_scale(amax, FMAX)
+            ve = tl.minimum(tl.maximum(tl.div_rn(ye, s[:, None]), -FMAX), FMAX)
+            vo = tl.minimum(tl.maximum(tl.div_rn(yo, s[:, None]), -FMAX), FMAX)
+            voff = start[:, None] + t[:, None] * D + 2 * m[None, :]
+            tl.store(cache_ptr + voff, fp8_encode(ve, FNUZ).to(tl.uint8), mask=amask)
+            tl.store(cache_ptr + voff + 1, fp8_encode(vo, FNUZ).to(tl.uint8), mask=amask)
+            sb = s.to(tl.int32, bitcast=True)
+            k4 = tl.arange(0, 4)
+            soff = start[:, None] + PAGE * D + t[:, None] * 4 + k4[None, :]
+            sbytes = (sb[:, None] >> (8 * k4[None, :])) & 0xFF     # little-endian fp32
+            tl.store(cache_ptr + soff, sbytes.to(tl.uint8), mask=amask)
+        else:
+            packed, e8 = mxfp4_encode_pairs(ye, yo, BT, TB, RULE)
+            sidx = tl.arange(0, NB)
+            if SHUF_N == 0:
+                voff = t[:, None] * TB + m[None, :]
+                soff = PAGE * TB + t[:, None] * NB + sidx[None, :]
+            else:
+                grp = t // SHUF_N
+                lane = t % SHUF_N
+                voff = (grp[:, None] * (SHUF_N * TB) + (m[None, :] // SHUF_DT) * (SHUF_N * SHUF_DT)
+                        + lane[:, None] * SHUF_DT + (m[None, :] % SHUF_DT))
+                S_HI: tl.constexpr = NB // SHUF_L
+                soff = (PAGE * TB + grp[:, None] * (SHUF_N * NB) + (sidx[None, :] % SHUF_L) * (SHUF_N * S_HI)
+                        + lane[:, None] * S_HI + sidx[None, :] // SHUF_L)
+            tl.store(cache_ptr + start[:, None] + voff, packed.to(tl.uint8), mask=amask)
+            tl.store(cache_ptr + start[:, None] + soff, e8.to(tl.uint8), mask=amask)
 
 
 def launch(k, positions, cos_sin_cache, norm_weight, slot_mapping, out_cache, *, norm_eps,
            compress_ratio, page_size, shuffle, rounding="rocm", fp8_dtype=None, scale_rule="ceil",
-           variant=None):
+           variant=None, tile=None):
     """Write into `out_cache` in place (all tensors on the kernel's device, checked).
     `variant` (measurement only): "fast-norm" (fp32 sum, approximate rsqrt), "fma" (fp
-    contraction left on), or "fast-norm+fma": what upstream kernels likely do."""
+    contraction left on), or "fast-norm+fma": what upstream kernels likely do. `tile`
+    (measurement only): (tokens per program, tokens written at once, warps)."""
     t, d = k.shape
     r = cos_sin_cache.shape[1]
     shuf = layout.as_shuffle(shuffle)
     fmax = FP8_FLAVOURS[fp8_dtype][1] if fp8_dtype else 448.0
-    k_arg = k.contiguous().view(torch.int16) if k.dtype == torch.bfloat16 else k.contiguous()
-    grid = (triton.cdiv(t, BT),)
+    k_arg = k.contiguous().view(torch.int32) if k.dtype == torch.bfloat16 else k.contiguous()
+    tile_t, bt, warps = tile or (TILE, BT, 4)
+    grid = (triton.cdiv(t, tile_t),)
     if t == 0:
         return out_cache
     _k_writer_kernel[grid](
@@ -124,7 +140,7 @@ def launch(k, positions, cos_sin_cache, norm_weight, slot_mapping, out_cache, *,
         SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1, SHUF_L=shuf.l if shuf else 1,
         K_BF16=k.dtype == torch.bfloat16, ROUNDING=ROUNDING_CODES[rounding],
         QUANT_FP8=fp8_dtype is not None, FNUZ=fp8_dtype == "e4m3fnuz", FMAX=fmax,
-        RULE=SCALE_RULE_CODES.get(scale_rule, 0), BT=BT,
+        RULE=SCALE_RULE_CODES.get(scale_rule, 0), TILE=tile_t, BT=bt, num_warps=warps,
         FAST_NORM=bool(variant and "fast-norm" in variant),
         **({} if variant and "fma" in variant else LAUNCH))
     return out_cache
