@@ -49,8 +49,8 @@ def test_table_judges_the_wide_scales_and_the_users_wait():
 
 def test_decode_step_dump_replays_clean(tmp_path):
     """The synthetic decode step is a valid dump whose outputs the reference reproduces."""
-    from harness.dumps import read_dump
-    from harness.replay import replay_dump
+    from harness.io.dumps import read_dump
+    from harness.run.replay import replay_dump
     path = bench.decode_step_dump(tmp_path / "step.safetensors", seqs=2, entries=256, heads=4)
     d = read_dump(path)
     assert set(d.ops) == {"compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant",
