@@ -26,7 +26,7 @@ def rms_norm_pairs(e, o, w_e, w_o, eps, D: tl.constexpr, FAST: tl.constexpr = Fa
     """(x * rsqrt(sum(x*x)/D + eps)) * w, fp32. The sum of squares is accumulated in fp64
     (exact for bf16 rows) and rounded once; rsqrt is 1/sqrt in fp64 (IEEE sqrt and divide),
     rounded once to fp32: the same bits as the reference on every device.
-    FAST (measurement only, see harness/bench_gpu.py): fp32 tree sum and the hardware's
+    FAST (measurement only, see harness/bench/gpu.py): fp32 tree sum and the hardware's
     approximate rsqrt, as upstream kernels likely do."""
     if FAST:
         ss32 = tl.sum(e * e, axis=1) + tl.sum(o * o, axis=1)
