@@ -214,7 +214,7 @@ def decode_step_dump(path, seqs=64, entries=32768, heads=64, seed=0) -> str:
     import torch
     import reference
     from reference import preset, rope
-    from .dumps import OpRecord, write_dump
+    from harness.io.dumps import OpRecord, write_dump
     p = preset("deepseek-v4-pro")
     d, r, bs, ps = p.head_dim, p.compress_ratio, 256, p.page_size
     g = torch.Generator().manual_seed(seed)
