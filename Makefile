@@ -20,7 +20,7 @@ else
 endif
 MXVAL := $(PY) -m harness
 
-.PHONY: env test test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
+.PHONY: env lint test test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
 
 env: $(ENV_STAMP)
 
@@ -33,9 +33,15 @@ $(VENV)/.mxval-installed: pyproject.toml constraints.txt
 	$(PY) tools/ensure_env.py
 	touch $@
 
-# CPU suite: unit tests, the Triton backend through the interpreter, the smoke suite and
-# the CI part of the selftest (they are tests under tests/).
-test: $(ENV_STAMP)
+# Lint (pyproject [tool.ruff]: real errors). The venv always has ruff; a
+# system stack without it (a GPU image, no network) says so and goes on to the tests.
+lint: $(ENV_STAMP)
+	@if $(PY) -m ruff --version >/dev/null 2>&1; then $(PY) -m ruff check . ; \
+	else echo "mxval: ruff is not installed in this Python: lint skipped"; fi
+
+# CPU suite: lint, unit tests, the Triton backend through the interpreter, the smoke suite
+# and the CI part of the selftest (they are tests under tests/).
+test: $(ENV_STAMP) lint
 	$(PY) -m pytest -q -m "not gpu and not slow" $(if $(shell $(PY) -c 'import xdist' 2>/dev/null && echo y),-n $(JOBS))
 
 # GPU suite: compiled Triton against the reference (an NVIDIA or AMD GPU).

@@ -56,7 +56,7 @@ def test_interpreter_bf16_round_is_nearest_even(be):
     @triton.jit
     def k(x_ptr, o_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
-        tl.store(o_ptr + i, bf16_bits(tl.load(x_ptr + i)))
+        tl.store(o_ptr + i, bf16_bits(tl.load(x_ptr + i)))  # noqa: F821 - bound above
 
     bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x3F807FFF, 0xBF818000, 0x00008000,
                          0x7F7FFFFF, 0x3F800001], dtype=torch.int64).to(torch.int32)

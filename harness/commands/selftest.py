@@ -408,9 +408,9 @@ def markdown(results, budgets, verdict, meta) -> str:
     n_faults = len(results)
     n_caught = sum(1 for r in results.values() if r.caught)
     lines = ["Every fault below is a backend built from the reference with one stage broken "
-             f"(`optimized/faults.py`); `mxval selftest` runs each on the cases that can expose it "
-             f"and reports the worst value of every metric that broke its budget "
-             f"(`cases/budgets.toml`; `·` = within budget).",
+             "(`optimized/faults.py`); `mxval selftest` runs each on the cases that can expose it "
+             "and reports the worst value of every metric that broke its budget "
+             "(`cases/budgets.toml`; `·` = within budget).",
              "",
              f"**{n_caught}/{n_faults} faults caught; {verdict['false_alarms']} false alarms** in "
              + ", ".join(f"{n} runs of `{be}`" for be, n in verdict["correct_runs"].items())

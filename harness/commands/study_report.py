@@ -599,7 +599,7 @@ def summary_markdown(result: dict, meta: dict) -> str:
     longest = int(sel.context_tokens.max()) if not sel.empty else None
     lines += ["", "### Decision", ""] + decision_lines(rows, needles, inputs, meta)
     lines += ["", "### Recall and output error, per distribution",
-              "", f"Cost variants only (the known bugs are below). `exact` is 1 and 0 by definition."]
+              "", "Cost variants only (the known bugs are below). `exact` is 1 and 0 by definition."]
     lines += distribution_tables(rows, inputs, merged, meta)
     if longest is not None and not needles.empty:
         lines += ["", "### Needles: margin sweep and depth", "",
