@@ -24,6 +24,10 @@ import time
 
 import torch
 
+from reference import layout
+
+ENTRY = layout.entry_bytes(128)          # bytes of one MXFP4 key (D = 128)
+
 BF16_TFLOPS = 790e12      # dense bf16 tensor-core rate measured on an H200 (8192^3 matmul, random data)
 # scorer tilings (BM rows, BN entries, warps, stages[, register cap]) timed beside the
 # default pick_config choice
@@ -51,7 +55,7 @@ def copy_bandwidth() -> float:
     a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     ms = _bench(lambda: b.copy_(a))
-    del a, b
+    a = b = None                     # free the 4 GiB before the next benchmark
     return 2 * (1 << 31) / (ms * 1e-3)
 
 
@@ -72,7 +76,8 @@ def k_path_inputs(tokens=16384, seed=0):
     boundary = (pos + 1) % r == 0
     slots = torch.where(boundary, pos // r, -1)
     entries = tokens // r
-    pool = torch.randint(0, 256, (entries // p.page_size, p.page_size * 68), generator=g, dtype=torch.uint8)
+    pool = torch.randint(0, 256, (entries // p.page_size, layout.page_bytes(p.page_size, p.head_dim)),
+                         generator=g, dtype=torch.uint8)
     cs = rope.cos_sin_cache(tokens, p.rope_dim, p.rope_base, yarn_factor=p.yarn_factor,
                             yarn_original_max_pos=p.yarn_original_max_pos)
     cuda = lambda t: t.cuda()
@@ -94,7 +99,7 @@ def scorer_inputs(seqs: int, rows_per_seq: int, context_tokens: int, causal: boo
     entries = context_tokens // p.compress_ratio
     pages_per = entries // ps
     torch.manual_seed(seed)
-    pool = torch.randint(0, 256, (seqs * pages_per, ps * 68), dtype=torch.uint8, device="cuda")
+    pool = torch.randint(0, 256, (seqs * pages_per, layout.page_bytes(ps, 128)), dtype=torch.uint8, device="cuda")
     pool[:, ps * 64:] = torch.randint(118, 130, (seqs * pages_per, ps * 4), dtype=torch.uint8, device="cuda")
     table = torch.randperm(seqs * pages_per, device="cuda").view(seqs, pages_per).to(torch.int32)
     rw = seqs * rows_per_seq
@@ -116,8 +121,8 @@ def scorer_inputs(seqs: int, rows_per_seq: int, context_tokens: int, causal: boo
 def torch_dequant_matmul(kw, row_chunk=512):
     """What a straightforward torch implementation does: gather and dequantize the keys to
     bf16, dequantize q, bf16 matmul with fp32 output, relu, weight, sum over heads."""
-    from reference import layout
-    lut = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
+    from reference.formats import E2M1_VALUES
+    lut = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)],
                        device="cuda", dtype=torch.bfloat16)
     ps, shuf = kw["page_size"], kw["shuffle"]
     vo = layout.value_offsets(torch.arange(ps, device="cuda"), ps, 128, shuf)      # [ps, 64]
@@ -158,7 +163,7 @@ def measure_variants(n=1 << 20, seed=1):
     cs = rope.cos_sin_cache(32768 * 4, 64, 160000.0, yarn_factor=16.0).cuda()
     w = (1 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16).cuda()
     slots = torch.arange(n, device="cuda")
-    base = torch.zeros(n // 64, 64 * 68, dtype=torch.uint8, device="cuda")
+    base = torch.zeros(n // 64, layout.page_bytes(64, 128), dtype=torch.uint8, device="cuda")
     args = (k, pos, cs, w, slots)
     common = dict(norm_eps=1e-6, compress_ratio=4, page_size=64, shuffle=[32, 16, 2])
     exact = k_writer.launch(*args, base.clone(), **common)
@@ -289,9 +294,9 @@ def _k_path(row, bw, sweeps):
     state_bytes = pool_kw["state_cache"].numel() * 4
     ent = 4096
     row("pooling", "16384 tokens, D=128, r=4", t_pool, g_pool, (state_bytes + 16384 * 256) / bw * 1e3, ref_pool)
-    row("K writer", "4096 entries of 16384 tokens", t_kw, g_kw, (ent * 256 + ent * 68) / bw * 1e3, ref_k)
+    row("K writer", "4096 entries of 16384 tokens", t_kw, g_kw, (ent * 256 + ent * ENTRY) / bw * 1e3, ref_k)
     row("K path (pool + writer)", "16384-token prefill chunk", t_pool + t_kw, g_pool + g_kw,
-        (state_bytes + 16384 * 256 + ent * 68) / bw * 1e3, ref_pool + ref_k)
+        (state_bytes + 16384 * 256 + ent * ENTRY) / bw * 1e3, ref_pool + ref_k)
 
 
 def _q_quant(row, bw):
@@ -354,7 +359,7 @@ def _scorers(row, sweeps, results, quick, bw):
         flops = 2 * 64 * 128 * float(kw["row_ends"].double().sum())
         floor = max(nbytes / bw, flops / BF16_TFLOPS) * 1e3
         row(name, f"{seqs * rows} rows x {ctx // 4 // 1024}k entries, H=64", t, tg, floor, ref, tor)
-        del kw, ref64
+        kw = ref64 = None            # free the pages before the next shape
 
 
 def _top_k(row, bw, sweeps):
@@ -430,7 +435,7 @@ def _write_report(out, lines, results, sweeps, notes, var, pd, failures):
         lines += ["", "## Upstream-style shortcuts (measured on this GPU)", "",
                   "| variant of the exact K writer | bytes differing | per million entries |", "|---|---|---|"]
         for v, (nd, n) in var.items():
-            lines.append(f"| {v} | {nd} of {n * 68} | {nd / n * 1e6:.0f} |")
+            lines.append(f"| {v} | {nd} of {n * ENTRY} | {nd / n * 1e6:.0f} |")
     lines += ["", "## Tilings and variants (from a graph); the default is the op's choice", ""]
     fmt = lambda v: f"{v * 1e3:.1f} us" if isinstance(v, float) else f"failed ({v})"
     for name, (default, sweep) in sweeps.items():

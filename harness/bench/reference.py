@@ -58,7 +58,7 @@ def _best(fn, repeats, dev):
 def _k_path(dev, repeats):
     import torch
     import reference
-    from reference import preset, rope
+    from reference import layout, preset, rope
     p = preset("deepseek-v4-pro")
     g = torch.Generator().manual_seed(0)
     tokens, d, r, bs = 16384, p.head_dim, p.compress_ratio, 64
@@ -69,7 +69,7 @@ def _k_path(dev, repeats):
     req = torch.zeros(tokens, dtype=torch.int32, device=dev)
     slots = torch.where((pos + 1) % r == 0, pos // r, -1)
     pages = tokens // r // p.page_size
-    pool = torch.randint(0, 256, (pages, 4352), dtype=torch.uint8, generator=g).to(dev)
+    pool = torch.randint(0, 256, (pages, layout.page_bytes(p.page_size, d)), dtype=torch.uint8, generator=g).to(dev)
     cs = rope.cos_sin_cache(tokens, p.rope_dim, p.rope_base, yarn_factor=p.yarn_factor,
                             yarn_original_max_pos=p.yarn_original_max_pos).to(dev)
     w = (torch.rand(d, generator=g) + 0.5).bfloat16().to(dev)

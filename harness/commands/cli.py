@@ -75,7 +75,7 @@ def _backend(name: str):
 def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: Optional[str], quiet: bool) -> int:
     from harness.io import report
     from harness.run.budgets import verdict
-    rows = [verdict(r, budgets, r.get("suite_for_budgets", suite)) for r in rows]
+    rows = [verdict(r, budgets, suite) for r in rows]
     df = report.frame(rows)
     meta["budget_warnings"] = [f"budget {k!r} in {budgets.path} matched no metric of this run"
                                for k in budgets.unused(report.metric_columns(df), suite, list(df["case"]))]

@@ -1,4 +1,4 @@
-"""mxval's own Triton implementation of the indexer ops (issue 3), written from NUMERICS.md.
+"""mxval's own Triton implementation of the indexer ops, written from NUMERICS.md.
 
 Two backends share these kernels:
 * `triton`: compiled, on a CUDA or ROCm GPU (inputs may arrive on the CPU; outputs go
@@ -15,7 +15,6 @@ import sys
 
 from optimized import Backend
 
-_STAGES = ("pooling", "k_writer", "q_quant", "scoring", "topk", "fp8")
 _DESC = "mxval Triton kernels (optimized/triton_kernels)"
 
 

@@ -127,7 +127,7 @@ def launch(k, positions, cos_sin_cache, norm_weight, slot_mapping, out_cache, *,
     t, d = k.shape
     r = cos_sin_cache.shape[1]
     shuf = layout.as_shuffle(shuffle)
-    fmax = FP8_FLAVOURS[fp8_dtype][1] if fp8_dtype else 448.0
+    fmax = FP8_FLAVOURS[fp8_dtype][1] if fp8_dtype else 0.0   # FMAX: read by the FP8 path only
     k_arg = k.contiguous().view(torch.int32) if k.dtype == torch.bfloat16 else k.contiguous()
     tile_t, bt, warps = tile or (TILE, BT, 4)
     grid = (triton.cdiv(t, tile_t),)
@@ -140,7 +140,7 @@ def launch(k, positions, cos_sin_cache, norm_weight, slot_mapping, out_cache, *,
         SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1, SHUF_L=shuf.l if shuf else 1,
         K_BF16=k.dtype == torch.bfloat16, ROUNDING=ROUNDING_CODES[rounding],
         QUANT_FP8=fp8_dtype is not None, FNUZ=fp8_dtype == "e4m3fnuz", FMAX=fmax,
-        RULE=SCALE_RULE_CODES.get(scale_rule, 0), TILE=tile_t, BT=bt, num_warps=warps,
+        RULE=SCALE_RULE_CODES[scale_rule], TILE=tile_t, BT=bt, num_warps=warps,
         FAST_NORM=bool(variant and "fast-norm" in variant),
         **({} if variant and "fma" in variant else LAUNCH))
     return out_cache

@@ -18,7 +18,6 @@ _ONE_SIXTH: tl.constexpr = tl.constexpr(1.0 / 6.0)          # rounded to fp32 in
 # constexpr codes for the host wrappers
 ROUNDING_CODES = {"rocm": 0, "cuda": 1, "deepseek": 2}
 SCALE_RULE_CODES = {"ceil": 0, "ocp-floor": 1, "even": 2}
-FP8_CODES = {"e4m3fn": 0, "e4m3fnuz": 1}
 
 
 @triton.jit

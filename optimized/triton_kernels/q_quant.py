@@ -66,7 +66,7 @@ def launch(q, positions, cos_sin_cache, *, fp8_dtype=None, scale_rule="ceil"):
         out = torch.empty(t, h, d // 2, dtype=torch.uint8, device=dev)
         scale = torch.empty(t, h, d // 32, dtype=torch.uint8, device=dev)
     if n:
-        fmax = FP8_FLAVOURS[fp8_dtype][1] if fp8_dtype else 448.0
+        fmax = FP8_FLAVOURS[fp8_dtype][1] if fp8_dtype else 0.0   # FMAX: read by the FP8 path only
         _q_quant_kernel[(triton.cdiv(n, BR),)](
             q.contiguous().view(torch.int16), positions.contiguous(), cos_sin_cache.contiguous(), out, scale,
             n, h, cos_sin_cache.stride(0), D=d, R=cos_sin_cache.shape[1],
