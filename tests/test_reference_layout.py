@@ -63,9 +63,10 @@ def test_choose_shuffle_rule():
     assert layout.choose_shuffle(96, 31).as_list() == [16, 16, 4]
 
 
+@pytest.mark.parametrize("pad", [40, 13])                              # 13: rows not 8-byte aligned
 @pytest.mark.parametrize("page_size,d,shuffle", CASES)
-def test_write_read_roundtrip_with_padding(gen, page_size, d, shuffle):
-    pages, stride = 3, layout.page_bytes(page_size, d) + 40            # padded pages
+def test_write_read_roundtrip_with_padding(gen, page_size, d, shuffle, pad):
+    pages, stride = 3, layout.page_bytes(page_size, d) + pad           # padded pages
     pool = torch.randint(0, 256, (pages, stride), dtype=torch.uint8, generator=gen)
     slots = torch.randperm(pages * page_size, generator=gen)[: page_size + 3]
     packed = torch.randint(0, 256, (slots.numel(), d // 2), dtype=torch.uint8, generator=gen)
