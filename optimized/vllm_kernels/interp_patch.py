@@ -5,10 +5,11 @@ vLLM's kernels use them: `x.to(tl.bfloat16).to(tl.float32)` (the bf16 round trip
 `.to(tl.float8e4nv)` (the FP8 writers), bf16 loads widened to fp32. The interpreter
 (triton 3.6 / 3.7) converts floats with its own bit routine `_convert_float`, which
 truncates fp32 -> bf16 (no round to nearest even), mangles bf16 subnormals and gets ~2% of
-fp32 -> fp8 conversions wrong. `install()` replaces that routine, for the float pairs
+fp32 -> fp8 conversions wrong; `tl.sum` of all -0.0 terms gives +0.0 (numpy's sum starts
+from +0.0). `install()` replaces that routine, for the float pairs
 below, by torch's conversions (IEEE round to nearest even; fp8 e4m3fn saturating to +-448
 for finite inputs, as the GPU's cvt.rn.satfinite does), and leaves every other pair to the
-original. inline_asm (the e2m1 helper) is replaced by the loader, not here.
+original, and makes `tl.sum` keep the sign of an all -0.0 sum. inline_asm (the e2m1 helper) is replaced by the loader, not here.
 
 The patch is process wide and only changes the interpreter (compiled kernels never call
 it); `installed()` says whether it is in.
@@ -68,6 +69,25 @@ def install() -> None:
 
     interp._convert_float = _convert_float
     _STATE["orig"] = orig
+
+    # tl.sum: the interpreter calls np.sum, which starts from +0.0, so a sum whose terms
+    # are all -0.0 comes out +0.0; IEEE addition (and the GPU's reduction, which starts
+    # from the first term) gives -0.0 (vLLM's pooling of an all -0.0 window).
+    reduce_ops = interp.ReduceOps
+    orig_sum = reduce_ops.sum
+
+    def _sum(self, input):
+        out = orig_sum(self, input)
+        data = input.handle.data
+        if data.dtype.kind == "f" and data.size:
+            neg0 = np.all((data == 0) & np.signbit(data), axis=self.axis, keepdims=self.keep_dims)
+            if np.any(neg0):
+                res = np.where(neg0, np.array(-0.0, dtype=out.handle.data.dtype), out.handle.data)
+                out = self.to_tensor(np.asarray(res, dtype=out.handle.data.dtype), input.dtype)
+        return out
+
+    reduce_ops.sum = _sum
+    _STATE["orig_sum"] = orig_sum
 
 
 def installed() -> bool:
