@@ -264,6 +264,14 @@ class Loader:
         if m.name in stack:
             raise LoadError(f"{m.rel}: circular imports between kernel modules ({' -> '.join(stack)})")
         ns: dict = {"__name__": f"mxval_vllm.{m.name}", "__builtins__": builtins}
+        # triton's interpreter wants triton.language among every jit function's globals,
+        # used or not: bind tl / triton wherever the module imports them
+        for alias in ("tl", "triton"):
+            node = m.defs.get(alias)
+            if isinstance(node, ast.ImportFrom) and _resolve_from(m.name, False, node) in TRITON_MODULES:
+                ns[alias] = self.tl if alias == "tl" else self.triton
+            elif isinstance(node, ast.Import) and alias == "triton":
+                ns[alias] = self.triton
         for alias, (target, orig) in m.imports.items():
             if target == "<triton>":
                 ns[alias] = self.tl if orig in ("tl", "language") else self.triton
