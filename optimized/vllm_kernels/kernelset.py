@@ -20,7 +20,7 @@ from .source import KernelSource, SourceError, find_source
 K_KEYS = launch.K_KEYS
 Q_KEYS = launch.Q_KEYS
 POOL_KEY = launch.POOL_KEY
-HELPER_MODULE = "vllm.models.deepseek_v4.common.ops.fused_indexer_q"
+HELPER_MODULE = upstream.target("vllm.cuda.q_mxfp4").module     # where _fp32x2_to_fp4x2 lives
 
 
 class KernelSetError(RuntimeError):

@@ -118,7 +118,7 @@ def q_quant(fmt: str, *, q, positions, cos_sin_cache, weights, softmax_scale: fl
 
 
 def pool(*, state_cache, block_table, positions, req_index, kv_slot_mapping, out, compress_ratio: int):
-    """vllm.models.deepseek_v4.amd.rocm.compress_pool (the dispatcher): grid (pooled_k rows,),
+    """vLLM's ROCm `compress_pool` dispatcher (table key vllm.rocm.compress_pool): grid (pooled_k rows,),
     HEAD_SIZE = pooled_k.shape[1], STATE_WIDTH = the compressor's state width (2D), num_warps 1."""
     kw = dict(state_cache_ptr=state_cache, state_cache_stride0=state_cache.stride(0),
               state_cache_stride1=state_cache.stride(1), token_to_req_indices_ptr=req_index,
