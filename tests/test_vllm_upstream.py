@@ -80,8 +80,9 @@ def test_fused_k_writer_matches_the_reference_cuda_chain(cuda_be, fmt):
 
 def test_fused_writer_turns_nope_minus_zero_into_plus_zero(cuda_be):
     """A finding (NUMERICS.md): vLLM's CUDA writer puts the NoPE dims through the RoPE formula
-    with cos = 1, sin = 0 (masked loads), so an even NoPE element -0.0 becomes -0 - (-0 * 0)
-    = +0.0 (nibble 0x0 instead of 0x8); the reference's cuda path leaves NoPE untouched."""
+    with cos = 1, sin = 0 (masked loads), so an even NoPE element -0.0 next to an odd -0.0
+    becomes -0 - (-0 * 0) = +0.0 (nibble 0x0 instead of 0x8); the reference's cuda path
+    leaves NoPE untouched (docs/vllm-kernels.md)."""
     ins = _fused_inputs("mxfp4")
     sc = ins["state_cache"].clone()
     sc[..., :H.D] = -0.0                                         # every kv row: -0.0 (scores unchanged)
