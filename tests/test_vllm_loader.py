@@ -15,7 +15,13 @@ from optimized.vllm_kernels.loader import KernelRef, LoadError, Loader, Replacem
 from optimized.vllm_kernels.source import KernelSource, SourceError, find_source
 from reference.mxfp4 import e2m1_codes
 
-triton_kernels._triton_for_interpreter()          # the synthetic kernels run interpreted
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    """The synthetic kernels run interpreted (set when the tests run, not at collection, so
+    a `-m gpu` session that collects this file keeps compiled Triton)."""
+    triton_kernels._triton_for_interpreter()
 
 A = '''\
 from vllm.triton_utils import tl, triton
@@ -278,8 +284,13 @@ def test_launch_builders_bind_exactly_the_kernel_parameters():
 def test_interp_patch_rounds_like_the_gpu_where_the_interpreter_does_not():
     import triton.language as tl
     from triton.runtime import interpreter as interp
-    interp_patch.install()
-    orig = interp_patch._STATE["orig"]
+    orig = interp._convert_float
+    with interp_patch.active():
+        _check_casts(interp, orig, tl)
+    assert interp._convert_float is orig                  # restored after the block
+
+
+def _check_casts(interp, orig, tl):
     # fp32 -> bf16: a value just above a tie rounds up; the interpreter's own routine truncates
     x = np.array([1.0 + 2 ** -8 + 2 ** -20, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8 + 2 ** -20), 1e-39],
                  dtype=np.float32)
@@ -299,7 +310,6 @@ def test_interp_patch_rounds_like_the_gpu_where_the_interpreter_does_not():
 
 
 def test_interp_patch_keeps_the_sign_of_an_all_negative_zero_sum(tree):
-    interp_patch.install()
     (tree / "vllm" / "kern" / "c.py").write_text(textwrap.dedent('''\
         from vllm.triton_utils import tl, triton
 
@@ -315,4 +325,7 @@ def test_interp_patch_keeps_the_sign_of_an_all_negative_zero_sum(tree):
     x = torch.tensor([[-0.0, -0.0, 1.0, -0.0], [-0.0, 0.0, -1.0, -0.0]])
     y = torch.ones(4)
     k[(1,)](x, y, R=2, C=4)
+    assert torch.signbit(y).tolist() == [False] * 4                # the interpreter as it is: +0.0
+    with interp_patch.active():
+        k[(1,)](x, y, R=2, C=4)
     assert torch.signbit(y).tolist() == [True, False, False, True] and torch.equal(y, torch.zeros(4))

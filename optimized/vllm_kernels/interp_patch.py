@@ -6,15 +6,18 @@ vLLM's kernels use them: `x.to(tl.bfloat16).to(tl.float32)` (the bf16 round trip
 (triton 3.6 / 3.7) converts floats with its own bit routine `_convert_float`, which
 truncates fp32 -> bf16 (no round to nearest even), mangles bf16 subnormals and gets ~2% of
 fp32 -> fp8 conversions wrong; `tl.sum` of all -0.0 terms gives +0.0 (numpy's sum starts
-from +0.0). `install()` replaces that routine, for the float pairs
+from +0.0). `active()` replaces that routine, for the float pairs
 below, by torch's conversions (IEEE round to nearest even; fp8 e4m3fn saturating to +-448
 for finite inputs, as the GPU's cvt.rn.satfinite does), and leaves every other pair to the
 original, and makes `tl.sum` keep the sign of an all -0.0 sum. inline_asm (the e2m1 helper) is replaced by the loader, not here.
 
-The patch is process wide and only changes the interpreter (compiled kernels never call
-it); `installed()` says whether it is in.
+The patch is scoped: `active()` puts it in for the duration of a block (the vLLM backends
+launch their kernels inside it) and restores the interpreter afterwards; it only changes
+the interpreter (compiled kernels never call it).
 """
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -53,11 +56,9 @@ def convert(data: np.ndarray, src, dst) -> "np.ndarray | None":
     return out.view(_NP_UINT[db]).reshape(data.shape)
 
 
-def install() -> None:
+def _patched():
     from triton.runtime import interpreter as interp
-    if _STATE.get("orig") is not None:
-        return
-    orig = interp._convert_float
+    orig, orig_sum = interp._convert_float, interp.ReduceOps.sum
 
     def _convert_float(input, input_dtype, output_dtype, rounding_mode):
         rtz = rounding_mode is not None and "RTZ" in str(rounding_mode)
@@ -67,15 +68,9 @@ def install() -> None:
                 return out
         return orig(input, input_dtype, output_dtype, rounding_mode)
 
-    interp._convert_float = _convert_float
-    _STATE["orig"] = orig
-
     # tl.sum: the interpreter calls np.sum, which starts from +0.0, so a sum whose terms
     # are all -0.0 comes out +0.0; IEEE addition (and the GPU's reduction, which starts
     # from the first term) gives -0.0 (vLLM's pooling of an all -0.0 window).
-    reduce_ops = interp.ReduceOps
-    orig_sum = reduce_ops.sum
-
     def _sum(self, input):
         out = orig_sum(self, input)
         data = input.handle.data
@@ -86,9 +81,26 @@ def install() -> None:
                 out = self.to_tensor(np.asarray(res, dtype=out.handle.data.dtype), input.dtype)
         return out
 
-    reduce_ops.sum = _sum
-    _STATE["orig_sum"] = orig_sum
+    return interp, (orig, orig_sum), (_convert_float, _sum)
+
+
+@contextlib.contextmanager
+def active():
+    """The patch, in force while the block runs (vLLM's kernels are launched inside it;
+    mxval's own interpreter kernels, which work around the faults themselves, and their
+    tests see the interpreter as it is)."""
+    interp, (orig, orig_sum), (conv, sm) = _patched()
+    if _STATE.get("depth", 0):
+        yield
+        return
+    interp._convert_float, interp.ReduceOps.sum = conv, sm
+    _STATE["depth"] = 1
+    try:
+        yield
+    finally:
+        interp._convert_float, interp.ReduceOps.sum = orig, orig_sum
+        _STATE["depth"] = 0
 
 
 def installed() -> bool:
-    return _STATE.get("orig") is not None
+    return bool(_STATE.get("depth"))

@@ -62,9 +62,6 @@ def kernel_set(*, interpreted: bool, path: Optional[str] = None,
         src = find_source(path)
     except SourceError as e:
         raise KernelSetError(str(e)) from None
-    if interpreted:
-        from . import interp_patch
-        interp_patch.install()
     native = not interpreted and e2m1.runs_unmodified(_capability())
     replace = {} if native else {
         (HELPER_MODULE, e2m1.HELPER): Replacement(e2m1.EMULATION_SOURCE, "optimized/vllm_kernels/e2m1.py",
@@ -80,7 +77,27 @@ def kernel_set(*, interpreted: bool, path: Optional[str] = None,
             launch.check_kernel(k, loaded.params[ref])
     except (LoadError, launch.LaunchDrift, SourceError) as e:
         raise KernelSetError(str(e)) from None
-    ks = KernelSet(src, interpreted, "unmodified" if native else "emulated",
-                   {k: loaded.kernels[r] for k, r in refs.items()}, loaded.files)
+    kernels = {k: loaded.kernels[r] for k, r in refs.items()}
+    # the installed vllm on an sm_100 GPU: its own (imported) kernel objects, unmodified;
+    # the source was loaded above all the same, for the parameter checks
+    imported = _import_installed(refs) if native and src.kind == "installed" else None
+    ks = KernelSet(src, interpreted, "unmodified" if native else "emulated", imported or kernels,
+                   {m: (f + " (imported)" if imported else f) for m, f in loaded.files.items()})
     _CACHE[src_key] = ks
     return ks
+
+
+def _import_installed(refs: dict) -> Optional[dict]:
+    """The kernels as the installed vllm defines them (imported; sm_100 only, where nothing
+    is replaced); None when importing fails (then the source files are loaded instead)."""
+    import importlib
+    out = {}
+    try:
+        for key, ref in refs.items():
+            obj = importlib.import_module(ref.module)
+            for part in ref.name.split("."):
+                obj = getattr(obj, part)
+            out[key] = obj
+    except Exception:
+        return None
+    return out

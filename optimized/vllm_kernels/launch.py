@@ -135,7 +135,12 @@ def run(kernel, built, *, interpreted: bool) -> None:
     grid, kw, opts = built
     if grid[0] == 0:
         return
-    kernel[grid](**kw, **({} if interpreted else opts))
+    if interpreted:
+        from . import interp_patch
+        with interp_patch.active():
+            kernel[grid](**kw)
+    else:
+        kernel[grid](**kw, **opts)
 
 
 __all__ = ["LaunchDrift", "check_kernel", "check_args", "fused_k", "q_quant", "pool", "run", "torch"]

@@ -2,8 +2,9 @@
 
 1. an explicit directory (`find_source(path)` or $MXVAL_VLLM_SRC): a checkout, an
    installed package directory, or a tree that holds `vllm/`;
-2. the installed vllm, when `import vllm` would find it (its source files are read; vllm
-   itself is imported only by `installed_module`, on request);
+2. the installed vllm, when `import vllm` would find it: on an sm_100 GPU its modules are
+   imported and the kernels taken as they are (kernelset.py); elsewhere its source files
+   are read, as for a directory, so the e2m1 helper can be replaced;
 3. the release fetched by `mxval upstream fetch` (~/.cache/mxval/upstream/vllm-<v>/).
 
 `KernelSource.describe()` is the one line every result carries.
