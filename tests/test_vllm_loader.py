@@ -329,3 +329,23 @@ def test_interp_patch_keeps_the_sign_of_an_all_negative_zero_sum(tree):
     with interp_patch.active():
         k[(1,)](x, y, R=2, C=4)
     assert torch.signbit(y).tolist() == [True, False, False, True] and torch.equal(y, torch.zeros(4))
+
+
+# --- what a backend cannot do is skipped with its reason -------------------------------------
+
+def test_the_runner_skips_a_case_the_backend_cannot_do():
+    import reference
+    from optimized import Backend, register
+    from harness.run.cases import Catalog
+    from harness.run.runner import run_case
+
+    def limits(op, scalars):
+        return "no FP8 here" if "fp8_dtype" in scalars else None
+
+    register("test-limited", lambda: Backend("test-limited", "reference with a limit", dict(reference.FUNCTIONS),
+                                             limits=limits))
+    cat = Catalog()
+    row = run_case(cat.case("smoke-fp8"), "test-limited")
+    assert row["outcome"] == "skipped" and row["reason"] == "backend test-limited: no FP8 here"
+    row = run_case(cat.case("smoke-inf-q"), "test-limited")          # an MXFP4 case runs
+    assert row["outcome"] == "nonfinite_input"

@@ -154,3 +154,18 @@ def test_drifted_kernel_makes_the_backend_unavailable(fetched, tmp_path, monkeyp
     f.write_text(text.replace("kv_cache_block_size", "kv_cache_blocks"))
     with pytest.raises(kernelset.KernelSetError, match="drifted.*kv_cache_blocks"):
         kernelset.kernel_set(interpreted=True, path=str(root))
+
+
+def test_q_quant_takes_vllms_two_scales(cuda_be):
+    """With softmax_scale and head_scale, the weights are (w * softmax_scale) * head_scale
+    as vLLM's kernel computes them; without, one multiply by weights_scale."""
+    qc = H.q_case(seed=3, tokens=4, heads=4)
+    ss, hs = 128 ** -0.5, 4 ** -0.5
+    got = cuda_be.ops["q_rope_mxfp4_quant"](**dict(qc, weights_scale=ss * hs), softmax_scale=ss, head_scale=hs)
+    w = qc["weights"].float()
+    want = (w * torch.tensor(ss, dtype=torch.float32)) * torch.tensor(hs, dtype=torch.float32)
+    assert torch.equal(got["weights"], want)
+    with pytest.raises(ValueError, match="both or neither"):
+        cuda_be.ops["q_rope_mxfp4_quant"](**qc, softmax_scale=ss)
+    with pytest.raises(ValueError, match="not softmax_scale"):
+        cuda_be.ops["q_rope_mxfp4_quant"](**dict(qc, weights_scale=0.5), softmax_scale=ss, head_scale=hs)
