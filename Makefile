@@ -20,7 +20,7 @@ else
 endif
 MXVAL := $(PY) -m harness
 
-.PHONY: env lint test test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
+.PHONY: env lint test test-upstream test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
 
 env: $(ENV_STAMP)
 
@@ -42,7 +42,14 @@ lint: $(ENV_STAMP)
 # CPU suite: lint, unit tests, the Triton backend through the interpreter, the smoke suite
 # and the CI part of the selftest (they are tests under tests/).
 test: $(ENV_STAMP) lint
-	$(PY) -m pytest -q -m "not gpu and not slow" $(if $(shell $(PY) -c 'import xdist' 2>/dev/null && echo y),-n $(JOBS))
+	$(PY) -m pytest -q -m "not gpu and not slow and not upstream" $(if $(shell $(PY) -c 'import xdist' 2>/dev/null && echo y),-n $(JOBS))
+
+# vLLM's real kernels (loaded from the fetched release, never imported) through the Triton
+# interpreter on smoke-size cases: fetches the wheel once (no dependencies; cached in
+# ~/.cache/mxval/upstream), then runs the tests marked `upstream`.
+test-upstream: $(ENV_STAMP)
+	$(MXVAL) upstream fetch
+	$(PY) -m pytest -q -m "upstream and not gpu"
 
 # GPU suite: compiled Triton against the reference (an NVIDIA or AMD GPU).
 test-gpu: $(ENV_STAMP)

@@ -29,12 +29,19 @@ class Backend:
     ops: dict[str, Callable] = field(default_factory=dict)
     device: str = "cpu"                       # where it wants its input tensors
     reason: Optional[str] = None              # why it is unavailable; None when usable
+    # (op, scalars) -> why this backend cannot run the op with those scalars (the case is
+    # skipped with that reason, not failed); None when it can
+    limits: Optional[Callable[[str, dict], Optional[str]]] = None
+    source: str = ""                          # where its upstream code was loaded from ("" = mxval's own)
 
     def available(self) -> Optional[str]:
         return self.reason
 
     def supports(self, op: str) -> bool:
         return op in self.ops
+
+    def cannot(self, op: str, scalars: dict) -> Optional[str]:
+        return self.limits(op, scalars) if self.limits else None
 
     def __getattr__(self, op: str) -> Callable:
         if op in OP_NAMES:
@@ -54,6 +61,10 @@ _FACTORIES: dict[str, str] = {
     "triton-interpret": "optimized.triton_kernels:make_interpreter_backend",
     "aiter": "optimized.aiter_backend:make_backend",
     "vllm": "optimized.vllm_backend:make_backend",
+    "vllm-cuda": "optimized.vllm_triton_backend:make_cuda_backend",
+    "vllm-cuda-interpret": "optimized.vllm_triton_backend:make_cuda_interpret_backend",
+    "vllm-rocm": "optimized.vllm_triton_backend:make_rocm_backend",
+    "vllm-rocm-interpret": "optimized.vllm_triton_backend:make_rocm_interpret_backend",
 }
 _EXTRA: dict[str, Callable[[], Backend]] = {}
 

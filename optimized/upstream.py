@@ -176,7 +176,67 @@ AITER: tuple[Target, ...] = (
 # --- vLLM's Triton kernels run outside vLLM (the Triton-from-upstream backend) --------------
 # (the ROCm pooling kernel is vllm.rocm.compress_pool_kernel above)
 
-VLLM_TRITON: tuple[Target, ...] = ()
+_VLLM_FUSED_K = "vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache"
+_VLLM_FUSED_Q = "vllm.models.deepseek_v4.common.ops.fused_indexer_q"
+_VLLM_ATTN_COMMON = "vllm.v1.attention.ops.common"
+_C = ":constexpr"
+_FUSED_K_PARAMS = ("state_cache_ptr", "state_cache_stride0", "state_cache_stride1", "token_to_req_indices_ptr",
+                   "positions_ptr", "slot_mapping_ptr", "block_table_ptr", "block_table_stride", "block_size",
+                   "rms_norm_weight_ptr", "rms_norm_eps", "cos_sin_cache_ptr", "cos_sin_stride", "k_cache_ptr",
+                   "kv_slot_mapping_ptr", "kv_cache_block_size",
+                   *(n + _C for n in ("HEAD_SIZE", "TRITON_BLOCK_SIZE", "STATE_WIDTH", "COMPRESS_RATIO", "OVERLAP",
+                                      "ROPE_HEAD_DIM", "FP8_MAX", "QUANT_BLOCK", "TOKEN_STRIDE", "SCALE_DIM",
+                                      "KV_BLOCK_STRIDE", "MX_SCALE")))
+_Q_HEAD = ("pos_ptr", "index_q_ptr", "index_q_stride0", "index_q_stride1", "index_q_cos_sin_ptr",
+           "index_q_cos_sin_stride", "INDEX_Q_HALF_ROT_DIM" + _C)
+_Q_WEIGHTS = ("index_weights_ptr", "index_weights_stride", "index_weights_softmax_scale",
+              "index_weights_head_scale", "index_weights_out_ptr", "index_weights_out_stride")
+_Q_LAUNCH = ("positions", "index_q", "index_q_cos_sin_cache", "index_weights", "index_weights_softmax_scale",
+             "index_weights_head_scale")
+_K_LAUNCH_CLASS = "FusedKVCompressNormRopeInsertIndexerTritonKernel"
+
+# vLLM's CUDA indexer path: the kernels mxval loads from source (optimized.vllm_kernels) and
+# the launcher code its launch arguments are written from (pinned, so a changed launch rule
+# is drift in `mxval upstream check`, not a silent wrong launch).
+VLLM_TRITON: tuple[Target, ...] = (
+    Target("vllm.cuda.k_mxfp4", "vllm", _VLLM_FUSED_K, "_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn",
+           "triton_jit", _FUSED_K_PARAMS, "None", (VLLM_033,)),
+    Target("vllm.cuda.k_fp8", "vllm", _VLLM_FUSED_K, "_fused_kv_compress_norm_rope_insert_indexer_attn",
+           "triton_jit", _FUSED_K_PARAMS, "None", (VLLM_033,)),
+    Target("vllm.cuda.k_launch", "vllm", _VLLM_FUSED_K, f"{_K_LAUNCH_CLASS}.__call__", "method",
+           ("*", "state_cache", "num_actual", "token_to_req_indices", "positions", "slot_mapping", "block_table",
+            "block_size", "state_width", "cos_sin_cache", "kv_cache", "k_cache_metadata", "pdl_kwargs", "head_dim",
+            "rope_head_dim", "compress_ratio", "overlap", "use_fp4_cache", "rms_norm_weight", "rms_norm_eps",
+            "quant_block", "token_stride", "scale_dim"),
+           "LaunchSpec; (num_actual,); TRITON_BLOCK_SIZE=triton.next_power_of_2(head_dim); FP8_MAX=448.0; "
+           "KV_BLOCK_STRIDE=kv_cache.stride(0); kv_cache_block_size=kv_cache.shape[1]; "
+           "kv_slot_mapping_ptr=k_cache_metadata.slot_mapping; num_warps=1", (VLLM_033,)),
+    Target("vllm.cuda.k_dispatch", "vllm", _VLLM_FUSED_K, f"{_K_LAUNCH_CLASS}.dispatch", "method",
+           ("*", "dtype", "use_fp4_cache", "head_dim", "rope_head_dim", "compress_ratio", "cache_block_size",
+            "cache_alignment"),
+           "CompileKey; compress_ratio == 4; 32 if use_fp4_cache else 128; "
+           "head_dim // 2 if use_fp4_cache else head_dim; head_dim // quant_block if use_fp4_cache else 4; "
+           "head_dim * (1 + overlap); "
+           "mx_scale=not use_fp4_cache and mqa_logits_use_mx_scales()", (VLLM_033,)),
+    Target("vllm.cuda.q_mxfp4", "vllm", _VLLM_FUSED_Q, "FusedIndexerQRopeMxFp4TritonKernel.kernel", "triton_jit",
+           _Q_HEAD + ("index_q_mxfp4_ptr", "index_q_mxfp4_stride0", "index_q_mxfp4_stride1", "index_q_scale_ptr",
+                      "index_q_scale_stride0", "index_q_scale_stride1", "INDEX_Q_HEAD_DIM" + _C,
+                      "MXFP4_BLOCK" + _C) + _Q_WEIGHTS, "None", (VLLM_033,)),
+    Target("vllm.cuda.q_mxfp4_launch", "vllm", _VLLM_FUSED_Q, "FusedIndexerQRopeMxFp4TritonKernel.__call__",
+           "method", _Q_LAUNCH + ("index_q_packed", "index_q_scale", "index_weights_out"),
+           "LaunchSpec; (num_tokens, num_index_q_heads); INDEX_Q_HALF_ROT_DIM=index_q_cos_sin_cache.shape[-1] // 2; "
+           "MXFP4_BLOCK=MXFP4_BLOCK_SIZE; enable_fp_fusion=True; num_warps=1", (VLLM_033,)),
+    Target("vllm.cuda.q_fp8", "vllm", _VLLM_FUSED_Q, "FusedIndexerQRopeQuantTritonKernel.kernel", "triton_jit",
+           _Q_HEAD + ("index_q_fp8_ptr", "index_q_fp8_stride0", "index_q_fp8_stride1", "INDEX_Q_HEAD_DIM" + _C)
+           + _Q_WEIGHTS + ("FP8_MAX" + _C, "USE_FNUZ" + _C, "USE_EXPLICIT_FMA" + _C), "None", (VLLM_033,)),
+    Target("vllm.cuda.q_fp8_launch", "vllm", _VLLM_FUSED_Q, "FusedIndexerQRopeQuantTritonKernel.__call__",
+           "method", _Q_LAUNCH + ("index_q_fp8", "index_weights_out", "*", "fp8_max", "use_fnuz"),
+           "LaunchSpec; (num_tokens, num_index_q_heads); USE_EXPLICIT_FMA=current_platform.is_rocm(); "
+           "enable_fp_fusion=True; num_warps=1", (VLLM_033,)),
+    # the jit helper the FP8 writer calls with MX_SCALE (imported from another module)
+    Target("vllm.cuda.pack_ue8m0_x4", "vllm", _VLLM_ATTN_COMMON, "pack_ue8m0_x4", "triton_jit", ("scale",),
+           "value", (VLLM_033,)),
+)
 
 
 TABLE: tuple[Target, ...] = VLLM_ROCM + AITER + VLLM_TRITON

@@ -60,8 +60,14 @@ def _def_text(t: Target, *, drop_clause: bool = False) -> str:
             body.append(f"    _ = {c}")
         except SyntaxError:
             body.append(f"    f({c})")
+    if head == "value":
+        body.append("    return 0")
     deco = "@triton.jit\n" if t.kind == "triton_jit" else ""
-    return f"{deco}def {t.name}({', '.join(args)}){ann}:\n" + "\n".join(body or ["    pass"]) + "\n"
+    cls, _, name = t.name.rpartition(".")
+    if cls:                                  # a class member: a method, or a @staticmethod kernel
+        deco = "@staticmethod\n" + deco if t.kind == "triton_jit" else deco
+        args = args if t.kind == "triton_jit" else ["self", *args]
+    return f"{deco}def {name}({', '.join(args)}){ann}:\n" + "\n".join(body or ["    pass"]) + "\n"
 
 
 def write_tree(root: Path, package: str, versions: tuple[str, ...], *, edit=None, skip=()) -> Path:
@@ -74,7 +80,17 @@ def write_tree(root: Path, package: str, versions: tuple[str, ...], *, edit=None
         text = _def_text(t)
         if edit is not None:
             text = edit(t.key, text)
-        files.setdefault(uc.module_files(t.module)[0], []).append(text)
+        cls = t.name.rpartition(".")[0]
+        defs = files.setdefault(uc.module_files(t.module)[0], [])
+        if cls:                              # members of one class go into one class statement
+            at = next((i for i, d in enumerate(defs) if d.startswith(f"class {cls}:")), None)
+            member = "".join("    " + ln if ln.strip() else ln for ln in text.splitlines(keepends=True))
+            if at is None:
+                defs.append(f"class {cls}:\n" + member)
+            else:
+                defs[at] += "\n" + member
+        else:
+            defs.append(text)
     for rel, defs in files.items():
         p = root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +129,8 @@ def test_the_older_generations_bind_as_alternatives(tmp_path, capsys):
     v = write_tree(tmp_path / "v", "vllm", (upstream.VLLM_8E4F,))
     (v / "vllm/v1/attention/ops/rocm_paged_mxfp4_indexer.py").unlink()
     write_tree(tmp_path / "v", "vllm", (upstream.VLLM_033,), skip=tuple(
-        t.key for t in upstream.targets("vllm") if t.module != "vllm.v1.attention.ops.rocm_paged_mxfp4_indexer"))
+        t.key for t in upstream.targets("vllm") if t.module != "vllm.v1.attention.ops.rocm_paged_mxfp4_indexer"
+        and t not in upstream.VLLM_TRITON))
     a = write_tree(tmp_path / "a", "aiter", (upstream.AITER_CU_ENDS,), skip=("aiter.scorer",))
     res = {r.target.key: r.verdict for r in uc.check({"vllm": uc.DirSource("vllm", v),
                                                       "aiter": uc.DirSource("aiter", a)})}

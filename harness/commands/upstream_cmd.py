@@ -260,7 +260,7 @@ def _find_in(source, module, rel, text, t, depth):
         tree = ast.parse(text, filename=rel)
     except SyntaxError as e:
         return None, f"{rel}: cannot parse ({e.msg}, line {e.lineno})"
-    cls_name, _, meth = t.name.partition(".") if t.kind == "method" else (t.name, "", "")
+    cls_name, _, meth = t.name.partition(".") if t.kind == "method" or "." in t.name else (t.name, "", "")
     node = _top_level(tree, cls_name)
     if isinstance(node, ast.ImportFrom) and depth < 4:
         target_mod, target_name = _resolve_from(module, rel.endswith("__init__.py"), node, cls_name)
@@ -272,7 +272,7 @@ def _find_in(source, module, rel, text, t, depth):
         return _find_in(source, target_mod, rel2, text2, sub, depth + 1)
     if node is None:
         return None, f"{rel} defines no {cls_name}"
-    if t.kind == "method":
+    if meth:
         if not isinstance(node, ast.ClassDef):
             return None, f"{rel}: {cls_name} is not a class"
         fn = next((n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -280,8 +280,10 @@ def _find_in(source, module, rel, text, t, depth):
         if fn is None:
             return None, f"{rel}: class {cls_name} has no method {meth}"
         found = read_definition(fn, rel, meth)
-        found.params = _params(fn.args, True)
-        found.kind = "method"
+        is_static = any(_dotted(d) == "staticmethod" for d in fn.decorator_list)
+        found.params = _params(fn.args, not is_static)
+        if found.kind != "triton_jit":            # a class's @staticmethod @triton.jit kernel stays one
+            found.kind = "method"
         return found, ""
     return read_definition(node, rel, t.name), ""
 

@@ -152,7 +152,7 @@ def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     from rich.table import Table
     console = console or wide_console()
     t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}",
-              show_lines=False)
+              caption=meta.get("backend_description") or None, show_lines=False)
     for col in ("case", "status", *[h for h, _, _ in HEADLINE], "chain≠", "s", "reason"):
         t.add_column(col, overflow="fold", max_width=60 if col == "reason" else None)
     for _, r in df.iterrows():
@@ -186,6 +186,7 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
              f"{s['pass']} pass · {s['fail']} fail · {s['error']} error · {s['nonfinite_input']} non-finite input "
              f"· {s['skipped']} skipped · {meta.get('machine', '')} · {meta.get('seconds', 0):.1f} s · "
              f"budgets `{(meta.get('budgets') or {}).get('path', '')}`", "",
+             *([f"backend: {meta['backend_description']}", ""] if meta.get("backend_description") else []),
              "| case | status | " + " | ".join(h for h, _, _ in HEADLINE) + " | chain≠ frac | reason |",
              "|---|---|" + "---|" * len(HEADLINE) + "---|---|"]
     for _, r in df.iterrows():
@@ -318,6 +319,7 @@ figure{{margin:1em 0}}details{{margin-top:2em}}</style></head><body>
 — {'OK' if s['ok'] else 'FAILED'}</h1>
 <p>{s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['nonfinite_input']} non-finite input, {s['skipped']} skipped ·
 {e(str(meta.get('machine', '')))} · {e(str(meta.get('started', '')))} · budgets {e(str((meta.get('budgets') or {}).get('path', '')))}</p>
+<p>backend: {e(str(meta.get('backend_description', '')))}</p>
 <table><tr>{''.join(f'<th>{e(c)}</th>' for c in cols)}</tr>{''.join(rows)}</table>
 {figs}
 {''.join(details)}

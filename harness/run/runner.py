@@ -389,6 +389,11 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
     try:
         inp = inputs if inputs is not None else build(case, be.device)
         row["planted"] = list(inp.planted)
+        why = next((w for w in (be.cannot(op, inp.scalars(op)) for op in case.ops) if w), None)
+        if why:
+            row.update(outcome="skipped", reason=f"backend {be.name}: {why}")
+            row["seconds"] = round(time.time() - t0, 3)
+            return row
         run = ChainRun(case, be, inp, recorder)
         run.run()
     except NonFiniteStage as e:

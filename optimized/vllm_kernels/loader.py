@@ -1,0 +1,349 @@
+"""Load vLLM's Triton kernels from source text without importing vllm.
+
+For each kernel asked for (`KernelRef(module, name)`, `name` may be `Class.kernel` for a
+`@staticmethod @triton.jit` in a class), the loader parses the module with `ast`, takes the
+function, and follows every global name it uses: a `@triton.jit` helper of the same module,
+a module constant, a name imported from another vLLM module (followed there), or `tl` /
+`triton` (bound to the real triton). A name that resolves to nothing, or to something
+that is not a jit function or a constant, is a `LoadError` naming the kernel, the name and
+the line: nothing runs half-resolved.
+
+The selected definitions are compiled in one fresh namespace per upstream module, at their
+upstream line numbers (the other lines blank, so tracebacks point at vLLM's lines), under a
+pseudo file registered in `linecache` (triton reads a kernel's source with `inspect`). A
+helper listed in `replace` is not taken from upstream: the given source is compiled in its
+place, after checking that upstream still defines it with the same parameters.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import linecache
+import textwrap
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+TRITON_MODULES = ("triton", "triton.language", "vllm.triton_utils")
+
+
+class LoadError(RuntimeError):
+    """A kernel cannot be loaded as written: one line saying which name and where."""
+
+
+@dataclass(frozen=True)
+class KernelRef:
+    module: str
+    name: str                        # "fn" or "Class.fn"
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.name}"
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    constexpr: bool
+    has_default: bool
+
+
+@dataclass(frozen=True)
+class Replacement:
+    source: str                      # Python source defining `name` (and any helpers it needs)
+    label: str                       # where it comes from, for the pseudo file name
+    params: tuple[str, ...]          # the upstream parameters it stands in for
+    must_contain: str = ""           # text the upstream body must still hold (what is replaced)
+
+
+@dataclass
+class Loaded:
+    kernels: dict                    # KernelRef -> JITFunction
+    params: dict                     # KernelRef -> tuple[Param, ...]
+    files: dict                      # module -> relative path it was read from
+    replaced: list                   # "module:name" replaced by our source
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Call):
+        return _dotted(node.func)
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    if isinstance(node, ast.Name):
+        return node.id
+    return ""
+
+
+def is_jit(fn: ast.AST) -> bool:
+    return any(_dotted(d).split(".")[-1] == "jit" for d in getattr(fn, "decorator_list", []))
+
+
+def _is_constexpr(ann: Optional[ast.AST]) -> bool:
+    return ann is not None and ast.unparse(ann).strip("'\"") in ("tl.constexpr", "triton.language.constexpr",
+                                                                  "constexpr")
+
+
+def params_of(fn: ast.FunctionDef) -> tuple[Param, ...]:
+    a = fn.args
+    pos = a.posonlyargs + a.args
+    n_def = len(a.defaults)
+    out = [Param(p.arg, _is_constexpr(p.annotation), i >= len(pos) - n_def) for i, p in enumerate(pos)]
+    out += [Param(p.arg, _is_constexpr(p.annotation), d is not None) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
+    return tuple(out)
+
+
+def free_names(fn: ast.AST) -> dict[str, int]:
+    """Global names a function (or a constant's value) reads -> first line using it."""
+    local: set[str] = set()
+    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = fn.args
+        local |= {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs}
+        local |= {p.arg for p in (a.vararg, a.kwarg) if p is not None}
+        roots = list(fn.body) + list(fn.decorator_list) + list(a.defaults) + [d for d in a.kw_defaults if d]
+        roots += [p.annotation for p in a.posonlyargs + a.args + a.kwonlyargs if p.annotation is not None]
+    else:
+        roots = [fn]
+    loads: dict[str, int] = {}
+    for root in roots:
+        for node in ast.walk(root):
+            if isinstance(node, ast.Name):
+                if isinstance(node.ctx, ast.Store) or isinstance(node.ctx, ast.Del):
+                    local.add(node.id)
+                else:
+                    loads.setdefault(node.id, node.lineno)
+            elif isinstance(node, (ast.FunctionDef, ast.Lambda)) and node is not fn:
+                raise LoadError(f"line {node.lineno}: nested functions are not supported by the loader")
+    return {n: ln for n, ln in loads.items() if n not in local}
+
+
+@dataclass
+class _Module:
+    name: str
+    rel: str
+    text: str
+    tree: ast.Module
+    defs: dict = field(default_factory=dict)      # top-level name -> node
+    needed: dict = field(default_factory=dict)    # name -> node (or Replacement)
+    imports: dict = field(default_factory=dict)   # alias -> (module, name)
+    ns: Optional[dict] = None
+
+
+def _resolve_from(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = module.split(".")
+    base = parts if is_pkg else parts[:-1]
+    if node.level > 1:
+        base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+class Loader:
+    """`read(module) -> (relative path, text)`; `replace`: {(module, name): Replacement}."""
+
+    def __init__(self, read: Callable[[str], tuple[str, str]], *, label: str = "vllm",
+                 replace: Optional[dict] = None):
+        import triton
+        import triton.language as tl
+        self.triton, self.tl = triton, tl
+        self.read, self.label = read, label
+        self.replace = dict(replace or {})
+        self.mods: dict[str, _Module] = {}
+        self.replaced: list[str] = []
+
+    # --- parsing and resolution --------------------------------------------------------
+
+    def _module(self, name: str) -> _Module:
+        if name not in self.mods:
+            try:
+                rel, text = self.read(name)
+            except LoadError:
+                raise
+            except Exception as e:
+                raise LoadError(f"{name}: cannot read its source ({e})") from None
+            try:
+                tree = ast.parse(text, filename=rel)
+            except SyntaxError as e:
+                raise LoadError(f"{rel}: cannot parse ({e.msg}, line {e.lineno})") from None
+            m = _Module(name, rel, text, tree)
+            for node in tree.body:            # the last definition wins, as at import
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    m.defs[node.name] = node
+                elif isinstance(node, ast.Assign):
+                    for t in node.targets:
+                        if isinstance(t, ast.Name):
+                            m.defs[t.id] = node
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
+                    m.defs[node.target.id] = node
+                elif isinstance(node, ast.ImportFrom):
+                    for a in node.names:
+                        m.defs[a.asname or a.name] = node
+                elif isinstance(node, ast.Import):
+                    for a in node.names:
+                        m.defs[(a.asname or a.name).split(".")[0]] = node
+            self.mods[name] = m
+        return self.mods[name]
+
+    def _function(self, m: _Module, name: str) -> ast.FunctionDef:
+        cls, _, meth = name.rpartition(".")
+        node = m.defs.get(cls or name)
+        if cls:
+            if not isinstance(node, ast.ClassDef):
+                raise LoadError(f"{m.rel}: no class {cls} (looking for {name})")
+            fn = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == meth), None)
+            if fn is None:
+                raise LoadError(f"{m.rel}: class {cls} has no {meth}")
+            return fn
+        if not isinstance(node, ast.FunctionDef):
+            what = "is not defined" if node is None else f"is a {type(node).__name__}, not a function"
+            raise LoadError(f"{m.rel}: {name} {what}")
+        return node
+
+    def _need(self, module: str, name: str, used_by: str, line: int) -> None:
+        m = self._module(module)
+        if name in m.needed or name in m.imports:
+            return
+        if name in ("tl", "triton") and name not in m.defs:
+            raise LoadError(f"{m.rel}:{line}: {used_by} uses {name}, which {m.rel} does not import")
+        node = m.defs.get(name)
+        if node is None:
+            if hasattr(builtins, name):
+                return
+            raise LoadError(f"{m.rel}:{line}: {used_by} uses {name!r}, which {m.rel} does not define "
+                            "(unresolved name)")
+        if isinstance(node, ast.ImportFrom):
+            target = _resolve_from(module, m.rel.endswith("__init__.py"), node)
+            orig = next(a.name for a in node.names if (a.asname or a.name) == name)
+            if target in TRITON_MODULES and orig in ("tl", "triton", "language"):
+                m.imports[name] = ("<triton>", orig)
+                return
+            if name in ("tl", "triton"):
+                raise LoadError(f"{m.rel}:{node.lineno}: {name} is imported from {target}, not from triton")
+            m.imports[name] = (target, orig)
+            self._need(target, orig, f"{module}:{name}", node.lineno)
+            return
+        if isinstance(node, ast.Import):
+            top = name
+            if top == "triton":
+                m.imports[name] = ("<triton>", "triton")
+                return
+            raise LoadError(f"{m.rel}:{line}: {used_by} uses module {name!r}; only triton / tl may be "
+                            "used by a kernel")
+        key = (module, name)
+        if key in self.replace:
+            rep = self.replace[key]
+            fn = self._function(m, name)
+            have = tuple(p.name for p in params_of(fn))
+            if not is_jit(fn) or have != rep.params or (rep.must_contain and rep.must_contain
+                                                       not in ast.get_source_segment(m.text, fn)):
+                raise LoadError(f"{m.rel}:{fn.lineno}: {name} is no longer the helper mxval replaces "
+                                f"(expected @triton.jit {name}({', '.join(rep.params)})"
+                                + (f" holding {rep.must_contain!r}" if rep.must_contain else "") + ")")
+            m.needed[name] = rep
+            self.replaced.append(f"{module}:{name}")
+            return
+        if isinstance(node, ast.FunctionDef):
+            if not is_jit(node):
+                raise LoadError(f"{m.rel}:{node.lineno}: {used_by} calls {name}, which is not a "
+                                "@triton.jit function")
+            m.needed[name] = node
+            for n, ln in free_names(node).items():
+                self._need(module, n, f"{module}:{name}", ln)
+            return
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            m.needed[name] = node
+            for n, ln in free_names(node.value).items():
+                self._need(module, n, f"{module}:{name}", ln)
+            return
+        raise LoadError(f"{m.rel}:{line}: {used_by} uses {name}, a {type(node).__name__}: only jit "
+                        "functions and constants can be loaded")
+
+    # --- compiling -------------------------------------------------------------------
+
+    def _materialize(self, m: _Module, stack=()) -> dict:
+        if m.ns is not None:
+            return m.ns
+        if m.name in stack:
+            raise LoadError(f"{m.rel}: circular imports between kernel modules ({' -> '.join(stack)})")
+        ns: dict = {"__name__": f"mxval_vllm.{m.name}", "__builtins__": builtins}
+        # triton's interpreter wants triton.language among every jit function's globals,
+        # used or not: bind tl / triton wherever the module imports them
+        for alias in ("tl", "triton"):
+            node = m.defs.get(alias)
+            if isinstance(node, ast.ImportFrom) and _resolve_from(m.name, False, node) in TRITON_MODULES:
+                ns[alias] = self.tl if alias == "tl" else self.triton
+            elif isinstance(node, ast.Import) and alias == "triton":
+                ns[alias] = self.triton
+        for alias, (target, orig) in m.imports.items():
+            if target == "<triton>":
+                ns[alias] = self.tl if orig in ("tl", "language") else self.triton
+            else:
+                other = self.mods[target]
+                ns[alias] = self._materialize(other, stack + (m.name,))[orig]
+        lines = m.text.splitlines(keepends=True)
+        out = ["\n"] * len(lines)
+        reps = []
+        for name, node in m.needed.items():
+            if isinstance(node, Replacement):
+                reps.append((name, node))
+                continue
+            if isinstance(node, _Segment):
+                first, seg = node.lineno, node.text.splitlines(keepends=True)
+            else:
+                first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+                seg = lines[first - 1:node.end_lineno]
+            out[first - 1:first - 1 + len(seg)] = seg
+        filename = f"<mxval {self.label}: {m.rel}>"
+        text = "".join(out)
+        linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+        try:
+            exec(compile(text, filename, "exec"), ns)
+        except Exception as e:
+            raise LoadError(f"{m.rel}: the selected definitions do not compile ({type(e).__name__}: {e})") from None
+        for name, rep in reps:
+            rfile = f"<mxval {rep.label} (replaces {m.rel}:{name})>"
+            linecache.cache[rfile] = (len(rep.source), None, rep.source.splitlines(keepends=True), rfile)
+            exec(compile(rep.source, rfile, "exec"), ns)
+            if name not in ns:
+                raise LoadError(f"{rep.label}: defines no {name}")
+        m.ns = ns
+        return ns
+
+    def load(self, refs) -> Loaded:
+        refs = list(refs)
+        params = {}
+        for ref in refs:
+            m = self._module(ref.module)
+            fn = self._function(m, ref.name)
+            if not is_jit(fn):
+                raise LoadError(f"{m.rel}:{fn.lineno}: {ref.name} is not a @triton.jit kernel")
+            params[ref] = params_of(fn)
+            for n, ln in free_names(fn).items():
+                self._need(ref.module, n, str(ref), ln)
+            if "." in ref.name:
+                self._class_kernels(m, ref.name, fn)
+            else:
+                m.needed[ref.name] = fn
+        kernels = {}
+        for ref in refs:
+            ns = self._materialize(self.mods[ref.module])
+            kernels[ref] = ns[ref.name.replace(".", "__")] if "." in ref.name else ns[ref.name]
+        return Loaded(kernels, params, {k: v.rel for k, v in self.mods.items()}, list(self.replaced))
+
+    def _class_kernels(self, m: _Module, qualname: str, fn: ast.FunctionDef) -> None:
+        """A `@staticmethod @triton.jit def kernel(...)` in a class: compiled at module level
+        as `Class__kernel` (two classes of one module both call theirs `kernel`)."""
+        flat = qualname.replace(".", "__")
+        lines = m.text.splitlines(keepends=True)
+        first = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
+        seg = textwrap.dedent("".join(lines[first - 1:fn.end_lineno])).splitlines(keepends=True)
+        seg = ["\n" if s.strip() == "@staticmethod" else s for s in seg]
+        i = next(i for i, s in enumerate(seg) if s.lstrip().startswith("def "))
+        seg[i] = seg[i].replace(f"def {fn.name}(", f"def {flat}(", 1)
+        m.needed[flat] = _Segment(first, fn.end_lineno, "".join(seg))
+
+
+@dataclass
+class _Segment:
+    """Pre-cut source lines (a class's kernel, dedented and renamed) at their upstream lines."""
+    lineno: int
+    end_lineno: int
+    text: str

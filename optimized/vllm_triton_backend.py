@@ -1,0 +1,279 @@
+"""Backends that run vLLM 0.33.0's own DeepSeek-V4 indexer Triton kernels, loaded from source
+by optimized.vllm_kernels (vllm itself is not imported):
+
+* `vllm-cuda`: vLLM's CUDA indexer path. The fused K writers (pool -> RMSNorm -> RoPE ->
+  MXFP4 or FP8 -> paged insert, natural page order) as the ops
+  `compress_norm_rope_{mxfp4,fp8}_cache`, and the fused Q quants
+  (`FusedIndexerQRope{MxFp4,Quant}TritonKernel`). vLLM scores and selects with DeepGEMM /
+  CUDA ops, not Triton: the scorer and top-k here are mxval's own Triton kernels.
+* `vllm-rocm`: vLLM's ROCm pooling kernel `_compress_pool_kernel` for `compress_pool`; the
+  K writer, Q quant, scorer and top-k from aiter when aiter is importable on a gfx950 GPU,
+  else mxval's own Triton kernels.
+
+Each also as `-interpret` (the Triton interpreter on the CPU). The description says where
+the kernels came from and whether vLLM's sm_100-only e2m1 helper was emulated.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from reference import checks
+from reference.formats import FP8_FLAVOURS, ROUNDING_PATHS
+from reference.pooling import check_pool_args
+from reference.q_quant import check_q_args
+
+from . import Backend
+from .common import on_device
+
+FUSED_OPS = ("compress_norm_rope_mxfp4_cache", "compress_norm_rope_fp8_cache")
+CUDA_FP8 = "e4m3fn"          # vLLM's CUDA kernels: tl.float8e4nv, FP8_MAX 448
+# the reference's numerics options of the fused op (notes: fused_api.md); the real kernel
+# computes what it computes whatever the case asks the reference for
+FUSED_OPTIONS = ("rope", "softmax")
+Q_OPTIONS = ("rope",)
+
+
+def _triton_mode(interpret: bool) -> Optional[str]:
+    """None when mxval's Triton kernels can run in this mode here, else why not."""
+    from . import triton_kernels as tk
+    be = tk.make_interpreter_backend() if interpret else tk.make_backend()
+    return be.available()
+
+
+def _mxval_triton_ops(device: str, names) -> dict:
+    from .triton_kernels import _ops
+    ops = _ops(device)
+    return {n: ops[n] for n in names}
+
+
+# --- checks the kernels need (they do not bounds-check; an interpreter store out of range is silent)
+
+def _check_fused(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight,
+                 kv_cache, compress_ratio, page_size, entry_bytes) -> None:
+    check_pool_args(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio)
+    d = state_cache.shape[-1] // 4
+    dims = checks.Dims()
+    dims.check("cos_sin_cache", cos_sin_cache, torch.float32, ("max_pos", "R"))
+    dims.check("norm_weight", norm_weight, (torch.bfloat16, torch.float32), ("D",))
+    dims.check("kv_cache", kv_cache, torch.uint8, ("P", "page_bytes"))
+    if norm_weight.shape[0] != d:
+        raise ValueError(f"norm_weight: {norm_weight.shape[0]} values, the state cache has D={d}")
+    r = cos_sin_cache.shape[1]
+    if r % 2 or r > d:
+        raise ValueError(f"cos_sin_cache: rope width R={r} must be even and at most D={d}")
+    if d & (d - 1):
+        raise ValueError(f"state_cache: vLLM's writers need a power-of-two head dim (TRITON_BLOCK_SIZE == D), got {d}")
+    checks.scalar("page_size", page_size, positive=True)
+    if kv_cache.shape[1] < page_size * entry_bytes:
+        raise ValueError(f"kv_cache: pages of {kv_cache.shape[1]} bytes hold fewer than page_size={page_size} "
+                         f"entries of {entry_bytes} bytes")
+    if compress_ratio != 4:
+        raise ValueError(f"compress_ratio: vLLM's fused writer overlaps windows only at ratio 4, got {compress_ratio}")
+    writes = ((positions.long() + 1) % compress_ratio == 0) & (kv_slot_mapping.long() >= 0)
+    if bool(writes.any()):
+        checks.int_range("kv_slot_mapping (written)", kv_slot_mapping[writes], 0, kv_cache.shape[0] * page_size)
+        checks.int_range("positions (written)", positions[writes], 0, cos_sin_cache.shape[0])
+
+
+def _q_scales(weights_scale: float, softmax_scale, head_scale) -> tuple[float, float]:
+    if (softmax_scale is None) != (head_scale is None):
+        raise ValueError("softmax_scale, head_scale: give both or neither")
+    if softmax_scale is None:
+        return float(weights_scale), 1.0          # bit-identical to one multiply by weights_scale
+    prod = float(torch.tensor(softmax_scale, dtype=torch.float32) * torch.tensor(head_scale, dtype=torch.float32))
+    if abs(prod - float(weights_scale)) > 1e-6 * abs(float(weights_scale)):
+        raise ValueError(f"weights_scale: {weights_scale} is not softmax_scale * head_scale = {prod}")
+    return float(softmax_scale), float(head_scale)
+
+
+def _no_hadamard(hadamard: bool, scale_rule: str = "ceil") -> None:
+    if hadamard:
+        raise ValueError("hadamard: vLLM's kernels do not rotate; use the reference backend for Hadamard studies")
+    if scale_rule != "ceil":
+        raise ValueError(f"scale_rule: vLLM's kernels compute 'ceil' (2^ceil(log2(amax/6))), got {scale_rule!r}")
+
+
+# --- the CUDA path -----------------------------------------------------------------------
+
+def make_cuda_ops(ks, device: str) -> dict:
+    from .vllm_kernels import launch
+    interp = ks.interpreted
+    ops: dict = {}
+
+    def fused(fmt: str):
+        key = launch.K_KEYS[fmt]
+        kernel = ks.kernels[key]
+        from reference import fp8 as ref_fp8, layout
+        entry = layout.entry_bytes if fmt == "mxfp4" else ref_fp8.entry_bytes
+
+        def op(*, state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight,
+               kv_cache, compress_ratio: int = 4, norm_eps: float = 1e-6, page_size: int = 64,
+               fp8_dtype: str = CUDA_FP8, **options) -> dict:
+            bad = sorted(set(options) - set(FUSED_OPTIONS))
+            if bad:
+                raise TypeError(f"unexpected keyword(s) {', '.join(bad)}")
+            if fmt == "fp8" and fp8_dtype != CUDA_FP8:
+                checks.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
+                raise ValueError(f"fp8_dtype: vLLM's CUDA FP8 writer stores e4m3fn (FP8_MAX 448), got {fp8_dtype!r}")
+            d = state_cache.shape[-1] // 4 if state_cache.dim() == 3 else 0
+            _check_fused(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache,
+                         norm_weight, kv_cache, compress_ratio, page_size, entry(d) if d else 1)
+            (sc, bt, pos, req, slots, cs, w), back = on_device(device, state_cache, block_table, positions,
+                                                             req_index, kv_slot_mapping, cos_sin_cache, norm_weight)
+            out = kv_cache.to(device, copy=True).contiguous()
+            launch.run(kernel, launch.fused_k(fmt, state_cache=sc.contiguous(), block_table=bt.contiguous(),
+                                              positions=pos.contiguous(), req_index=req.contiguous(),
+                                              kv_slot_mapping=slots.contiguous(), cos_sin_cache=cs.contiguous(),
+                                              norm_weight=w.contiguous(), norm_eps=norm_eps, kv_cache=out,
+                                              page_size=page_size, compress_ratio=compress_ratio),
+                       interpreted=interp)
+            return {"kv_cache": back(out, kv_cache)}
+        op.__name__ = f"compress_norm_rope_{fmt}_cache"
+        return op
+
+    ops["compress_norm_rope_mxfp4_cache"] = fused("mxfp4")
+    ops["compress_norm_rope_fp8_cache"] = fused("fp8")
+
+    def q_launch(fmt, q, positions, cos_sin_cache, weights, weights_scale, softmax_scale, head_scale):
+        check_q_args(q, positions, cos_sin_cache, weights, weights_scale)
+        if q.shape[2] % 32 or cos_sin_cache.shape[1] % 32:
+            raise ValueError("q: vLLM's MXFP4 Q kernel needs the NoPE and RoPE widths in whole 32-blocks")
+        ss, hs = _q_scales(weights_scale, softmax_scale, head_scale)
+        (qd, pd, cd, wd), back = on_device(device, q, positions, cos_sin_cache, weights)
+        t, h, d = q.shape
+        w_out = torch.empty((t, h), dtype=torch.float32, device=device)
+        if fmt == "mxfp4":
+            out = torch.empty((t, h, d // 2), dtype=torch.uint8, device=device)
+            scale = torch.empty((t, h, d // 32), dtype=torch.uint8, device=device)
+        else:
+            out, scale = torch.empty((t, h, d), dtype=torch.float8_e4m3fn, device=device), None
+        launch.run(ks.kernels[launch.Q_KEYS[fmt]],
+                   launch.q_quant(fmt, q=qd.contiguous(), positions=pd.contiguous(), cos_sin_cache=cd.contiguous(),
+                                  weights=wd.contiguous(), softmax_scale=ss, head_scale=hs, out=out, scale=scale,
+                                  weights_out=w_out), interpreted=interp)
+        return out, scale, w_out, back
+
+    def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float, hadamard: bool = False,
+                           scale_rule: str = "ceil", softmax_scale=None, head_scale=None, **options) -> dict:
+        _no_hadamard(hadamard, scale_rule)
+        if set(options) - set(Q_OPTIONS):
+            raise TypeError(f"unexpected keyword(s) {', '.join(sorted(set(options) - set(Q_OPTIONS)))}")
+        out, scale, w, back = q_launch("mxfp4", q, positions, cos_sin_cache, weights, weights_scale,
+                                       softmax_scale, head_scale)
+        return {"q_fp4": back(out, q), "q_scale": back(scale, q), "weights": back(w, weights)}
+
+    def q_rope_fp8_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float, fp8_dtype: str = CUDA_FP8,
+                         hadamard: bool = False, softmax_scale=None, head_scale=None, **options) -> dict:
+        _no_hadamard(hadamard)
+        if set(options) - set(Q_OPTIONS):
+            raise TypeError(f"unexpected keyword(s) {', '.join(sorted(set(options) - set(Q_OPTIONS)))}")
+        checks.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
+        if fp8_dtype != CUDA_FP8:
+            raise ValueError(f"fp8_dtype: vLLM's CUDA FP8 Q kernel is launched with e4m3fn here "
+                             f"(USE_FNUZ is its gfx942 variant), got {fp8_dtype!r}")
+        out, _, w, back = q_launch("fp8", q, positions, cos_sin_cache, weights, weights_scale,
+                                   softmax_scale, head_scale)
+        return {"q_fp8": back(out.view(torch.uint8), q), "weights": back(w, weights)}
+
+    ops["q_rope_mxfp4_quant"] = q_rope_mxfp4_quant
+    ops["q_rope_fp8_quant"] = q_rope_fp8_quant
+    ops.update(_mxval_triton_ops(device, ("paged_mxfp4_mqa_logits", "paged_fp8_mqa_logits", "topk")))
+    return ops
+
+
+def cuda_limits(op: str, scalars: dict) -> Optional[str]:
+    """Cases vLLM's CUDA kernels cannot do: skipped with this reason, not failed."""
+    if scalars.get("fp8_dtype", CUDA_FP8) != CUDA_FP8:
+        return f"vLLM's CUDA FP8 kernels store e4m3fn; {scalars['fp8_dtype']} is the ROCm gfx942 format"
+    if op in FUSED_OPS and scalars.get("compress_ratio", 4) != 4:
+        return "vLLM's fused writer overlaps windows only at compress ratio 4"
+    return None
+
+
+# --- the ROCm path -----------------------------------------------------------------------
+
+def make_rocm_ops(ks, device: str, *, interpret: bool) -> tuple[dict, str]:
+    from .vllm_kernels import launch
+    kernel = ks.kernels[launch.POOL_KEY]
+
+    def compress_pool(*, state_cache, block_table, positions, req_index, kv_slot_mapping,
+                      compress_ratio: int = 4, rounding: str = "rocm") -> dict:
+        checks.choice("rounding", rounding, ROUNDING_PATHS)
+        if rounding != "rocm":
+            raise ValueError(f"rounding: vLLM's ROCm pooling kernel stores bf16 rows ('rocm'), got {rounding!r}")
+        check_pool_args(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio)
+        if compress_ratio != launch.OVERLAP_RATIO:
+            raise ValueError(f"compress_ratio: vLLM's compressor overlaps windows only at ratio 4, got {compress_ratio}")
+        d = state_cache.shape[-1] // 4
+        if d & (d - 1):
+            raise ValueError(f"state_cache: the kernel's tl.arange(0, HEAD_SIZE) needs a power-of-two D, got {d}")
+        (sc, bt, pos, req, slots), back = on_device(device, state_cache, block_table, positions, req_index,
+                                                    kv_slot_mapping)
+        out = torch.full((positions.shape[0], d), float("nan"), dtype=torch.bfloat16, device=device)
+        launch.run(kernel, launch.pool(state_cache=sc.contiguous(), block_table=bt.contiguous(),
+                                       positions=pos.contiguous(), req_index=req.contiguous(),
+                                       kv_slot_mapping=slots.contiguous(), out=out, compress_ratio=compress_ratio),
+                   interpreted=ks.interpreted)
+        return {"pooled": back(out, state_cache)}
+
+    ops = {"compress_pool": compress_pool}
+    rest = ("k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk",
+            "k_norm_rope_fp8_cache", "q_rope_fp8_quant", "paged_fp8_mqa_logits")
+    if not interpret:
+        from . import aiter_backend
+        aiter = aiter_backend.make_backend()
+        if aiter.available() is None:
+            ops.update({n: aiter.ops[n] for n in rest if n in aiter.ops})
+            return ops, "aiter's K writer, Q quant, scorer and top-k"
+    ops.update(_mxval_triton_ops(device, rest))
+    return ops, "mxval's Triton K writer, Q quant, scorer and top-k (aiter is not usable here)"
+
+
+def rocm_limits(op: str, scalars: dict) -> Optional[str]:
+    if op == "compress_pool" and scalars.get("compress_ratio", 4) != 4:
+        return "vLLM's ROCm pooling kernel overlaps windows only at compress ratio 4"
+    return None
+
+
+# --- factories ---------------------------------------------------------------------------
+
+def _make(name: str, path: str, interpret: bool) -> Backend:
+    from .vllm_kernels.kernelset import KernelSetError, kernel_set
+    head = {"cuda": "vLLM 0.33.0's CUDA indexer path (fused K writers MXFP4/FP8 + fused Q quant) with "
+                    "mxval's Triton scorer and top-k (vLLM's are DeepGEMM/CUDA ops)",
+            "rocm": "vLLM 0.33.0's ROCm pooling kernel _compress_pool_kernel"}[path]
+    why = _triton_mode(interpret)
+    if why:
+        return Backend(name, head, reason=why)
+    device = "cpu" if interpret else "cuda"
+    try:
+        ks = kernel_set(interpreted=interpret)
+    except KernelSetError as e:
+        return Backend(name, head, reason=str(e))
+    if path == "cuda":
+        ops = make_cuda_ops(ks, device)
+        desc = f"{head}; {ks.note()}"
+        limits = cuda_limits
+    else:
+        ops, rest = make_rocm_ops(ks, device, interpret=interpret)
+        desc = f"{head} + {rest}; {ks.note().split(';')[0]}"
+        limits = rocm_limits
+    return Backend(name, desc, ops, device=device, limits=limits, source=ks.source.describe())
+
+
+def make_cuda_backend() -> Backend:
+    return _make("vllm-cuda", "cuda", False)
+
+
+def make_cuda_interpret_backend() -> Backend:
+    return _make("vllm-cuda-interpret", "cuda", True)
+
+
+def make_rocm_backend() -> Backend:
+    return _make("vllm-rocm", "rocm", False)
+
+
+def make_rocm_interpret_backend() -> Backend:
+    return _make("vllm-rocm-interpret", "rocm", True)
