@@ -12,7 +12,7 @@ import torch
 from optimized import triton_kernels
 from optimized.vllm_kernels import e2m1, interp_patch, launch
 from optimized.vllm_kernels.loader import KernelRef, LoadError, Loader, Replacement
-from optimized.vllm_kernels.source import KernelSource, SourceError, find_source
+from optimized.vllm_kernels.source import SourceError, find_source
 from reference.mxfp4 import e2m1_codes
 
 
