@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from harness.errors import InputError
+from harness.io.atomic import chmod_umask
 from reference.ops import OPS, OpSpec
 
 FORMAT = "mxval-dump"
@@ -339,6 +340,7 @@ def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "dee
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".mxval-", suffix=".safetensors", dir=directory)
     os.close(fd)
+    chmod_umask(tmp)                    # mkstemp's 0600 -> what the umask asks for
     try:
         save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta)})
         os.replace(tmp, path)
