@@ -429,9 +429,10 @@ class RunInterrupted(KeyboardInterrupt):
     """SIGINT during `run_cases`: `rows` are the finished cases' rows (in case order),
     `cancelled` the names of the cases that did not finish (queued or running)."""
 
-    def __init__(self, rows: list[dict], cancelled: list[str]):
+    def __init__(self, rows: list[dict], cancelled: list[str], done: Optional[list[int]] = None):
         super().__init__(f"interrupted: {len(rows)} case(s) finished, {len(cancelled)} cancelled")
         self.rows, self.cancelled = rows, cancelled
+        self.done = list(range(len(rows))) if done is None else done     # indices of `rows` in the cases
 
 
 def _visible_gpus() -> tuple[str, list[str]]:
@@ -628,7 +629,8 @@ def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
     except KeyboardInterrupt:
         _stop([w for w in workers if not isinstance(w, _Dead)])
         done = sorted(out)
-        raise RunInterrupted([out[i] for i in done], [c.name for i, c in enumerate(cases) if i not in out]) from None
+        raise RunInterrupted([out[i] for i in done], [c.name for i, c in enumerate(cases) if i not in out],
+                             done) from None
     except BaseException:
         _stop([w for w in workers if not isinstance(w, _Dead)])
         raise
