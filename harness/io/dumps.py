@@ -340,9 +340,9 @@ def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "dee
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".mxval-", suffix=".safetensors", dir=directory)
     os.close(fd)
-    chmod_umask(tmp)                    # mkstemp's 0600 -> what the umask asks for
     try:
         save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta)})
+        chmod_umask(tmp)                # mkstemp's (and save_file's) 0600 -> what the umask asks for
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
