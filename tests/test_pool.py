@@ -111,3 +111,13 @@ def test_a_worker_runs_under_its_gpu_environment(cases, tmp_path, monkeypatch):
     p.join(10)
     assert (i, row["case"], p.exitcode) == (0, cases[0].name, 0)
     assert seen.read_text() == "9 None"
+
+
+def test_spawned_workers_keep_the_same_books(cases, monkeypatch):
+    """The GPU path starts workers with spawn (a fresh interpreter, nothing inherited but the
+    environment): the same bookkeeping, on the CPU."""
+    monkeypatch.setenv(DIE_ENV, "smoke-fp8:kill")
+    rows = run_cases(cases[:3], "reference", jobs=2, start_method="spawn")
+    assert [r["case"] for r in rows] == FAST[:3]
+    assert [r["outcome"] for r in rows] == ["ok", "ok", "error"]
+    assert "killed by SIGKILL" in rows[2]["reason"]

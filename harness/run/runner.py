@@ -548,10 +548,11 @@ def _stop(workers: list, *, grace: float = STOP_GRACE_S) -> None:
 
 
 def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
-              progress: Optional[Callable[[dict], None]] = None) -> list[dict]:
+              progress: Optional[Callable[[dict], None]] = None, start_method: Optional[str] = None) -> list[dict]:
     """Rows of every case, in case order. `jobs > 1` runs cases in mxval's worker pool:
     forked on the CPU (so backends registered at run time are inherited), spawned on GPUs
-    with each worker pinned to one visible device, round-robin. Ctrl-C: RunInterrupted."""
+    with each worker pinned to one visible device, round-robin (`start_method` overrides
+    fork/spawn: the tests run the GPU path's spawn on the CPU). Ctrl-C: RunInterrupted."""
     be = get_backend(backend_name)
     if jobs <= 1 or len(cases) <= 1:
         rows: list[dict] = []
@@ -567,7 +568,7 @@ def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
     from collections import deque
     from multiprocessing.connection import wait
     gpu = str(be.device) != "cpu" and torch.cuda.is_available()
-    ctx = mp.get_context("spawn" if gpu else "fork")
+    ctx = mp.get_context(start_method or ("spawn" if gpu else "fork"))
     var, devices = _visible_gpus() if gpu else ("", [])
     n = min(jobs, len(cases))
     threads = 1 if gpu else max(1, (os.cpu_count() or 1) // n)
