@@ -172,3 +172,14 @@ def test_files_follow_the_umask(tmp_path, capsys, mask):
     want = 0o666 & ~mask
     for f in [*(tmp_path / "r").iterdir(), Path(path)]:
         assert stat.S_IMODE(f.stat().st_mode) == want, (f.name, oct(f.stat().st_mode))
+
+
+def test_a_write_failing_at_the_end_still_shows_the_verdict(tmp_path, capsys, monkeypatch):
+    """Past the up-front check (a disk filling during the run): one line, exit 2, with the
+    verdict in it rather than hidden behind the errno."""
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(atomic, "write_bytes", full)
+    rc, out, err = validate(capsys, tmp_path / "r")
+    assert rc == 2
+    one_line(err, "No space left on device", "verdict: OK", "1 pass")

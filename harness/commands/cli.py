@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from harness.errors import InputError
+from harness.errors import InputError, ReportError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130
@@ -100,7 +100,12 @@ def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: Optio
                                for k in budgets.unused(report.metric_columns(df), suite, list(df["case"]))]
     meta["budgets"] = budgets.as_dict()
     out = Path(report_dir or Path("reports") / _run_name(meta["command"], suite, meta["backend"]))
-    paths = report.write_all(df, meta, out)
+    try:
+        paths = report.write_all(df, meta, out)
+    except OSError as e:           # checked writable before the run; a full disk still can't hide the verdict
+        s = report.summary(df, meta)
+        raise ReportError(f"{out}: cannot write the reports: {e.strerror or e} (verdict: {report.verdict_word(s)}, "
+                          f"{s['pass']} pass, {s['fail']} fail, {s['error']} error)") from None
     if not quiet:
         report.console_table(df, meta)
     print(f"reports: {out}/ ({', '.join(Path(p).name for p in paths.values())})")
