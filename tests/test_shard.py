@@ -226,3 +226,21 @@ def test_sharded_selftest_merges_into_the_unsharded_verdict(capsys, tmp_path):
     for key in ("faults", "false_alarms", "correct_runs", "ok", "seeds"):
         assert a[key] == b[key], key
     assert (tmp_path / "m" / "selftest.md").read_text() == (tmp_path / "full" / "selftest.md").read_text()
+
+
+def test_budget_warnings_of_the_merge_are_the_unsharded_runs(capsys, tmp_path):
+    """A [case.C] key matching nothing is only in scope in C's shard: the merge keeps its
+    warning (an intersection of the shards' warnings would drop it)."""
+    b = tmp_path / "b.toml"
+    b.write_text(Path("cases/budgets.toml").read_text() + '\n[case.smoke-rowend-k]\npage_bytes_mismatchd = 0\n')
+    common = ["validate", "--suite", "smoke", "--backend", "reference", "--budgets", b, "-q"]
+    mxval(capsys, *common, "--report-dir", tmp_path / "full")
+    for k in (1, 2):
+        mxval(capsys, *common, "--shard", f"{k}/2", "--report-dir", tmp_path / f"s{k}")
+    rc, out, err = mxval(capsys, "report", "--merge", tmp_path / "s1", tmp_path / "s2", "--report-dir", tmp_path / "m",
+                         "-q")
+    want = report_of(tmp_path / "full")["run"]["budget_warnings"]
+    assert any("page_bytes_mismatchd" in w for w in want)
+    assert report_of(tmp_path / "m")["run"]["budget_warnings"] == want
+    assert sum(any("mismatchd" in w for w in report_of(tmp_path / f"s{k}")["run"]["budget_warnings"])
+               for k in (1, 2)) == 1                                  # only one shard saw it
