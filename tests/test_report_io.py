@@ -183,3 +183,27 @@ def test_a_write_failing_at_the_end_still_shows_the_verdict(tmp_path, capsys, mo
     rc, out, err = validate(capsys, tmp_path / "r")
     assert rc == 2
     one_line(err, "No space left on device", "verdict: OK", "1 pass")
+
+
+def test_a_dir_in_use_by_a_running_mxval_is_refused_even_with_force(tmp_path, capsys, no_run):
+    import subprocess
+    import sys
+    d = tmp_path / "r"
+    d.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (d / report.LOCK).write_text(str(other.pid))
+        rc, out, err = validate(capsys, d, "--force")
+        assert rc == 2 and out == ""
+        one_line(err, str(d), "in use by a running mxval", str(other.pid))
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_dead_runs_lock_is_taken_over_and_released(tmp_path, capsys):
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / report.LOCK).write_text("999999999")
+    assert validate(capsys, d)[0] == 0
+    assert not (d / report.LOCK).exists()

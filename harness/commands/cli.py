@@ -425,7 +425,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         for attr, flag in (("output", "-o"), ("json", "--json"), ("markdown", "--markdown"), ("readme", "--readme")):
             if isinstance(getattr(args, attr, None), str):
                 _check_writable_path(flag, getattr(args, attr), is_dir=False)
-        return int(run[args.cmd](args) or 0)
+        try:
+            return int(run[args.cmd](args) or 0)
+        finally:
+            from harness.io.report import release_locks
+            release_locks()
     except (InputError, BackendUnavailable) as e:
         print(f"mxval: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE

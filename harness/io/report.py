@@ -449,4 +449,62 @@ def claim_dir(path, *, force: bool = False, arg: str = "--report-dir") -> Path:
         atomic.check_writable_dir(p)
     except OSError as e:
         raise ReportError(f"{arg}: {p}: cannot write there: {e.strerror or e}") from None
+    _lock(p, arg)
     return p
+
+
+LOCK = ".mxval-run.lock"
+_held: list[Path] = []
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock(d: Path, arg: str) -> None:
+    """One running mxval per report directory: a second run started into it while the first
+    runs is refused even with --force (it would overwrite the first's report when it ends).
+    The lock is the file `.mxval-run.lock` holding the pid, removed when the process ends;
+    one left by a process that died is taken over."""
+    import atexit
+    path = d / LOCK
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            try:
+                pid = int(path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid == os.getpid():
+                return
+            if pid and _pid_alive(pid):
+                raise ReportError(f"{arg}: {d} is in use by a running mxval (pid {pid})") from None
+            try:
+                path.unlink()                 # a dead run's lock
+            except FileNotFoundError:
+                pass
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        if not _held:
+            atexit.register(release_locks)
+        _held.append(path)
+        return
+    raise ReportError(f"{arg}: {d}: cannot take its lock {LOCK}")
+
+
+def release_locks() -> None:
+    while _held:
+        p = _held.pop()
+        try:
+            if p.read_text().strip() == str(os.getpid()):
+                p.unlink()
+        except OSError:
+            pass
