@@ -51,7 +51,7 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _run_and_interrupt(tmp_path, jobs: int, workers: int):
+def _run_and_interrupt(tmp_path, jobs: int, workers: int, sig=signal.SIGINT):
     if not Path("/proc/self/task").exists():
         pytest.skip("needs /proc to watch the workers")
     d = tmp_path / "r"
@@ -73,17 +73,18 @@ def _run_and_interrupt(tmp_path, jobs: int, workers: int):
     time.sleep(2.5)                          # the quick cases finish, the slow ones run
     kids |= _children(p.pid)
     t0 = time.time()
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     out, err = p.communicate(timeout=60)
     took = time.time() - t0
     return p.returncode, out, err, took, kids, d
 
 
-@pytest.mark.parametrize("jobs, workers", [(2, 2), (1, 0)])
-def test_sigint_stops_the_run_with_a_partial_report(tmp_path, jobs, workers):
-    rc, out, err, took, kids, d = _run_and_interrupt(tmp_path, jobs, workers)
+@pytest.mark.parametrize("jobs, workers, sig", [(2, 2, signal.SIGINT), (1, 0, signal.SIGINT), (2, 2, signal.SIGTERM)])
+def test_sigint_stops_the_run_with_a_partial_report(tmp_path, jobs, workers, sig):
+    """SIGTERM (a cancelled CI job, `timeout`) stops the run the same way."""
+    rc, out, err, took, kids, d = _run_and_interrupt(tmp_path, jobs, workers, sig)
     assert rc == 130, (out, err)
-    print(f"stopped {took:.2f} s after SIGINT")
+    print(f"stopped {took:.2f} s after {signal.Signals(sig).name}")
     assert took < STOP_WITHIN_S, took
     assert "interrupted" in err and "Traceback" not in err
     assert not [k for k in kids if _alive(k)]                   # every worker is gone
@@ -95,7 +96,7 @@ def test_sigint_stops_the_run_with_a_partial_report(tmp_path, jobs, workers):
     done = [c["case"] for c in data["cases"]]
     assert stopped["cancelled"], "nothing was left to cancel: the run finished before the signal"
     assert sorted(done + stopped["cancelled"]) == sorted(every)     # none lost, none twice
-    assert stopped["cases_done"] == len(done)
+    assert stopped["cases_done"] == len(done) and stopped["signal"] == signal.Signals(sig).name
     assert {"quick-1", "quick-2"} <= set(done)                    # what finished is kept
     assert "INTERRUPTED" in (d / "report.md").read_text()
     junit = (d / "junit.xml").read_text()

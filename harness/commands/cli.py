@@ -78,9 +78,29 @@ def claim_report_dir(args, name: str) -> Path:
     return out
 
 
+_SIGNAL = {"name": "SIGINT"}
+
+
 def interrupted_meta(e) -> dict:
     """`run.interrupted` of a partial report (harness.run.runner.RunInterrupted)."""
-    return {"signal": "SIGINT", "cases_done": len(e.rows), "cancelled": list(e.cancelled)}
+    return {"signal": _SIGNAL["name"], "cases_done": len(e.rows), "cancelled": list(e.cancelled)}
+
+
+def _on_sigterm(signum, frame):
+    """SIGTERM (a CI job cancelled, `timeout`) stops a run as Ctrl-C does: a partial report."""
+    _SIGNAL["name"] = "SIGTERM"
+    raise KeyboardInterrupt
+
+
+def _catch_sigterm():
+    """Installed only where nobody else handles SIGTERM, and only in the main thread."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _backend(name: str):
@@ -425,11 +445,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         for attr, flag in (("output", "-o"), ("json", "--json"), ("markdown", "--markdown"), ("readme", "--readme")):
             if isinstance(getattr(args, attr, None), str):
                 _check_writable_path(flag, getattr(args, attr), is_dir=False)
+        previous = _catch_sigterm()
+        _SIGNAL["name"] = "SIGINT"
         try:
             return int(run[args.cmd](args) or 0)
         finally:
             from harness.io.report import release_locks
             release_locks()
+            if previous is not None:
+                import signal
+                signal.signal(signal.SIGTERM, previous)
     except (InputError, BackendUnavailable) as e:
         print(f"mxval: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE

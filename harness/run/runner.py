@@ -474,6 +474,7 @@ def _worker_main(conn, env: dict, threads: int) -> None:
     until it gets None (or the parent goes away)."""
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)      # the parent's stop (a forked child inherits its handler)
     for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)
