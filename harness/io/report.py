@@ -98,6 +98,16 @@ def summary(df: pd.DataFrame, meta: Optional[dict] = None) -> dict:
     return out
 
 
+def part_note(meta: dict) -> str:
+    """' (shard K/N)' or ' (merged from N shards)' for the headings; '' for a whole run."""
+    sh = meta.get("shard")
+    if isinstance(sh, dict):
+        return f" (shard {sh.get('k')}/{sh.get('n')})"
+    if meta.get("merged_from"):
+        return f" (merged from {len(meta['merged_from'])} shards)"
+    return ""
+
+
 def verdict_word(s: dict) -> str:
     return "INTERRUPTED" if s.get("interrupted") else ("OK" if s["ok"] else "FAILED")
 
@@ -169,7 +179,8 @@ def wide_console():
 def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     from rich.table import Table
     console = console or wide_console()
-    t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}",
+    t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}"
+                    f"{part_note(meta)}",
               show_lines=False)
     for col in ("case", "status", *[h for h, _, _ in HEADLINE], "chain≠", "s", "reason"):
         t.add_column(col, overflow="fold", max_width=60 if col == "reason" else None)
@@ -201,7 +212,8 @@ def _where_lines(r, n: int = 6) -> list[str]:
 
 def markdown(df: pd.DataFrame, meta: dict) -> str:
     s = summary(df, meta)
-    lines = [f"### mxval {meta.get('command', '')}: `{meta.get('suite', '')}` on `{meta.get('backend', '')}` "
+    lines = [f"### mxval {meta.get('command', '')}: `{meta.get('suite', '')}` on `{meta.get('backend', '')}`"
+             f"{part_note(meta)} "
              f"— {'✅ OK' if s['ok'] else '❌ ' + verdict_word(s)}", "",
              *([f"**{_interrupt_note(meta)}**", ""] if s.get("interrupted") else []),
              f"{s['pass']} pass · {s['fail']} fail · {s['error']} error · {s['nonfinite_input']} non-finite input "
@@ -335,7 +347,7 @@ def html(df: pd.DataFrame, meta: dict) -> str:
 td,th{{border:1px solid #ccc;padding:3px 6px;text-align:left}}.pass{{color:green}}.fail,.error{{color:#c00;font-weight:bold}}
 .nonfinite_input{{color:#a0a}}.skipped{{color:#b80}}pre{{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:12px}}
 figure{{margin:1em 0}}details{{margin-top:2em}}</style></head><body>
-<h1>mxval {e(str(meta.get('command', '')))}: {e(str(meta.get('suite', '')))} on {e(str(meta.get('backend', '')))}
+<h1>mxval {e(str(meta.get('command', '')))}: {e(str(meta.get('suite', '')))} on {e(str(meta.get('backend', '')))}{e(part_note(meta))}
 — {verdict_word(s)}</h1>
 {f"<p class='fail'>{e(_interrupt_note(meta))}</p>" if s.get("interrupted") else ""}
 <p>{s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['nonfinite_input']} non-finite input, {s['skipped']} skipped ·
