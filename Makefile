@@ -56,10 +56,10 @@ test-gpu: $(ENV_STAMP)
 	$(PY) -m pytest -q -m gpu
 
 validate: $(ENV_STAMP)
-	$(MXVAL) validate --suite default --backend auto -j $(JOBS) --report-dir $(REPORT_DIR)
+	$(MXVAL) validate --suite default --backend auto -j $(JOBS) --report-dir $(REPORT_DIR) --force
 
 selftest: $(ENV_STAMP)
-	$(MXVAL) selftest --report-dir reports/selftest
+	$(MXVAL) selftest --report-dir reports/selftest --force
 
 bench: $(ENV_STAMP)
 	$(PY) -m harness.bench.reference
@@ -85,7 +85,7 @@ clean:
 
 # The fault x metric matrix of the selftest, spliced into README.md.
 readme-matrix: $(ENV_STAMP)
-	$(MXVAL) selftest --report-dir reports/selftest --markdown docs/selftest-matrix.md
+	$(MXVAL) selftest --report-dir reports/selftest --force --markdown docs/selftest-matrix.md
 	$(PY) tools/splice_readme.py matrix docs/selftest-matrix.md
 
 readme-study: $(ENV_STAMP)

@@ -22,6 +22,6 @@ make -s .mxval-env-system PYTHON=$py >/dev/null
 export PYTHONPATH=$PWD
 step test-gpu 130 $py -m pytest -q -m gpu
 step study 60 $py -m harness study --report-dir "$out/study"
-step validate 120 $py -m harness validate --suite full --backend triton -j 2 --report-dir "$out/validate"
-step selftest 110 $py -m harness selftest --backend triton --seeds 20 --json "$out/selftest.json" --report-dir "$out/selftest" -q
+step validate 120 $py -m harness validate --suite full --backend triton -j 2 --report-dir "$out/validate" --force
+step selftest 110 $py -m harness selftest --backend triton --seeds 20 --json "$out/selftest.json" --report-dir "$out/selftest" --force -q
 for f in test-gpu study validate selftest; do echo "== $f"; tail -n 25 "$out/$f.log"; done

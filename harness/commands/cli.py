@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from harness.errors import InputError
+from harness.errors import InputError, ReportError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130
 # Subcommands other modules add: `add_parser(subparsers)` and `run(args) -> int`.
 PLUGIN_COMMANDS = ("selftest", "study", "upstream_cmd")
 
@@ -64,6 +65,44 @@ def _check_writable_path(arg: str, path, *, is_dir: bool) -> None:
             break
 
 
+def claim_report_dir(args, name: str) -> Path:
+    """The run's report directory, before any work: `--report-dir` refused when it holds
+    another run's report (unless --force), else a fresh `reports/<name>-<time>-<pid>`;
+    either way proven writable. Remembered on `args` for the traceback of a crash."""
+    from harness.io import report
+    if getattr(args, "report_dir", None):
+        out = report.claim_dir(args.report_dir, force=getattr(args, "force", False))
+    else:
+        out = report.claim_dir(report.default_dir(name.replace(":", "_").replace("/", "_")))
+    args.claimed_report_dir = str(out)
+    return out
+
+
+_SIGNAL = {"name": "SIGINT"}
+
+
+def interrupted_meta(e) -> dict:
+    """`run.interrupted` of a partial report (harness.run.runner.RunInterrupted)."""
+    return {"signal": _SIGNAL["name"], "cases_done": len(e.rows), "cancelled": list(e.cancelled)}
+
+
+def _on_sigterm(signum, frame):
+    """SIGTERM (a CI job cancelled, `timeout`) stops a run as Ctrl-C does: a partial report."""
+    _SIGNAL["name"] = "SIGTERM"
+    raise KeyboardInterrupt
+
+
+def _catch_sigterm():
+    """Installed only where nobody else handles SIGTERM, and only in the main thread."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 def _backend(name: str):
     from optimized import BackendUnavailable, get_backend
     try:
@@ -81,10 +120,19 @@ def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: Optio
                                for k in budgets.unused(report.metric_columns(df), suite, list(df["case"]))]
     meta["budgets"] = budgets.as_dict()
     out = Path(report_dir or Path("reports") / _run_name(meta["command"], suite, meta["backend"]))
-    paths = report.write_all(df, meta, out)
+    try:
+        paths = report.write_all(df, meta, out)
+    except OSError as e:           # checked writable before the run; a full disk still can't hide the verdict
+        s = report.summary(df, meta)
+        raise ReportError(f"{out}: cannot write the reports: {e.strerror or e} (verdict: {report.verdict_word(s)}, "
+                          f"{s['pass']} pass, {s['fail']} fail, {s['error']} error)") from None
     if not quiet:
         report.console_table(df, meta)
     print(f"reports: {out}/ ({', '.join(Path(p).name for p in paths.values())})")
+    if meta.get("interrupted"):
+        print(f"mxval: interrupted: partial report ({len(rows)} case(s) finished, "
+              f"{len(meta['interrupted']['cancelled'])} cancelled)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_OK if report.summary(df)["ok"] else EXIT_FAIL
 
 
@@ -108,8 +156,10 @@ def cmd_validate(args) -> int:
     from harness.run import budgets as B
     from harness.run.cases import Catalog
     from harness.run.inputs import geometry
-    from harness.run.runner import run_cases
+    from harness.run import shard as S
+    from harness.run.runner import RunInterrupted, run_cases
     t0 = time.time()
+    part = S.parse(args.shard) if getattr(args, "shard", None) is not None else None
     catalog = Catalog(args.cases_dir)
     suite, cases = catalog.select(args.suite, args.case)
     budgets = B.load(args.budgets)
@@ -118,17 +168,33 @@ def cmd_validate(args) -> int:
     be = _backend(args.backend)
     if args.jobs < 1:
         raise UsageError(f"-j: expected a positive number of jobs, got {args.jobs}")
+    all_cases = cases
+    if part:
+        cases = S.pick(all_cases, *part, S.case_cost, lambda c: c.name)
+    out = claim_report_dir(args, f"validate-{suite}-{be.name}" + (f"-shard{part[0]}of{part[1]}" if part else ""))
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("{task.fields[last]}"),
                   console=stderr_console(), transient=True, disable=args.quiet) as bar:
         task = bar.add_task(f"{suite} on {be.name}", total=len(cases), last="")
-        rows = run_cases(cases, be.name, jobs=args.jobs,
-                         progress=lambda r: bar.update(task, advance=1, last=f"{r['case']}: {r['outcome']}"))
+        try:
+            rows = run_cases(cases, be.name, jobs=args.jobs,
+                             progress=lambda r: bar.update(task, advance=1, last=f"{r['case']}: {r['outcome']}"))
+            stopped = None
+        except RunInterrupted as e:
+            rows, stopped = e.rows, interrupted_meta(e)
     meta = _meta("validate", be, args.backend, t0)
     meta["suite"] = suite
     meta["cases"] = [c.name for c in cases]
-    return _finish(rows, meta, budgets, suite, args.report_dir, args.quiet)
+    if stopped:
+        meta["interrupted"] = stopped
+    if part:
+        meta["shard"] = S.identity(*part, command="validate", suite=suite, backend=be.name, budgets=budgets,
+                                   all_names=[c.name for c in all_cases], all_digest=S.case_digest(all_cases),
+                                   shard_names=[c.name for c in cases])
+        if not cases and not args.quiet:
+            print(f"shard {part[0]}/{part[1]}: no case of the {len(all_cases)} falls in this shard")
+    return _finish(rows, meta, budgets, suite, str(out), args.quiet)
 
 
 # --- diff ------------------------------------------------------------------------------------
@@ -158,6 +224,7 @@ def cmd_diff(args) -> int:
     budgets = B.load(args.budgets)
     be = _backend(args.backend) if args.backend else None
     dumps = [read_dump(p) for p in args.files]          # every file is checked before any runs
+    out = claim_report_dir(args, f"diff-diff-{be.name if be else 'reference'}")
     rows = []
     for d in dumps:
         t = time.time()
@@ -168,7 +235,7 @@ def cmd_diff(args) -> int:
     meta = _meta("diff", shown, args.backend or "reference", t0)
     meta["suite"] = "diff"
     meta["files"] = list(args.files)
-    return _finish(rows, meta, budgets, "diff", args.report_dir, args.quiet)
+    return _finish(rows, meta, budgets, "diff", str(out), args.quiet)
 
 
 # --- dump ------------------------------------------------------------------------------------
@@ -258,14 +325,26 @@ def cmd_backends(args) -> int:
 
 
 def cmd_report(args) -> int:
+    """Re-render DIR's reports from its report.json, which is never rewritten (copied as it
+    is into another --report-dir); `--merge DIR...` combines shard reports."""
     from harness.io import report
+    if getattr(args, "merge", False):
+        from harness.io.merge import merge_command
+        return merge_command(args)
+    if args.dir is None:
+        raise UsageError("report: give a report directory DIR (or --merge DIR...)")
+    src = Path(args.dir) / "report.json"
     df, meta = report.load(args.dir)
-    out = args.report_dir or args.dir
-    paths = report.write_all(df, meta, out)
+    out = Path(args.report_dir or args.dir)
+    if args.report_dir and not report._same_file(src.parent, out):
+        report.claim_dir(out, force=args.force)
+    paths = report.write_all(df, meta, out, json_source=src)
     if not args.quiet:
         report.console_table(df, meta)
     print(f"reports: {out}/ ({', '.join(Path(p).name for p in paths.values())})")
-    return EXIT_OK if report.summary(df)["ok"] else EXIT_FAIL
+    if meta.get("interrupted"):
+        return EXIT_INTERRUPTED
+    return EXIT_OK if report.summary(df, meta)["ok"] else EXIT_FAIL
 
 
 # --- parser and main ---------------------------------------------------------------------------
@@ -282,6 +361,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
             p.add_argument("--budgets", default=None, help="budgets TOML (default: cases/budgets.toml)")
         if report_dir:
             p.add_argument("--report-dir", default=None, help="where reports go (default: reports/<run>/)")
+            add_force(p)
         p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or console table")
 
     p = sub.add_parser("validate", help="run a suite or cases against a backend and apply budgets")
@@ -290,6 +370,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     g.add_argument("--case", action="append", default=None, metavar="NAME", help="a case (repeatable)")
     p.add_argument("--backend", default="auto", help="backend name (see `mxval backends`)")
     p.add_argument("-j", "--jobs", type=int, default=1, help="cases in parallel (processes)")
+    add_shard(p)
     common(p)
     run["validate"] = cmd_validate
 
@@ -317,9 +398,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     p.add_argument("--faults", action="store_true", help="also list the fault catalogue's broken backends")
     run["backends"] = cmd_backends
 
-    p = sub.add_parser("report", help="re-render the reports of a run directory")
-    p.add_argument("dir")
+    p = sub.add_parser("report", help="re-render the reports of a run directory (or merge shard reports)")
+    p.add_argument("dir", nargs="?", default=None)
+    p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                   help="combine the reports of `--shard K/N` runs into one (every format)")
     p.add_argument("--report-dir", default=None, help="write there instead of DIR")
+    add_force(p)
     p.add_argument("-q", "--quiet", action="store_true")
     run["report"] = cmd_report
 
@@ -333,6 +417,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         mod.add_parser(sub)
         run[getattr(mod, "COMMAND", name)] = mod.run
     return ap, run
+
+
+def add_force(p) -> None:
+    p.add_argument("--force", action="store_true",
+                   help="replace the report of another run in --report-dir (refused without it)")
+
+
+def add_shard(p) -> None:
+    p.add_argument("--shard", default=None, metavar="K/N",
+                   help="run only shard K of N (1-based; a deterministic, balanced slice) and "
+                        "record it for `mxval report --merge`")
 
 
 def _one_line(e: BaseException) -> str:
@@ -350,13 +445,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         for attr, flag in (("output", "-o"), ("json", "--json"), ("markdown", "--markdown"), ("readme", "--readme")):
             if isinstance(getattr(args, attr, None), str):
                 _check_writable_path(flag, getattr(args, attr), is_dir=False)
-        return int(run[args.cmd](args) or 0)
+        previous = _catch_sigterm()
+        _SIGNAL["name"] = "SIGINT"
+        try:
+            return int(run[args.cmd](args) or 0)
+        finally:
+            from harness.io.report import release_locks
+            release_locks()
+            if previous is not None:
+                import signal
+                signal.signal(signal.SIGTERM, previous)
     except (InputError, BackendUnavailable) as e:
         print(f"mxval: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("mxval: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except SystemExit as e:           # --help
         return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
     except OSError as e:              # a file or directory named on the command line
@@ -381,7 +485,7 @@ def _save_traceback(e: BaseException, args) -> str:
     import tempfile
     import traceback
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    target = getattr(args, "report_dir", None)
+    target = getattr(args, "claimed_report_dir", None) or getattr(args, "report_dir", None)
     try:
         if target:
             Path(target).mkdir(parents=True, exist_ok=True)
@@ -393,6 +497,8 @@ def _save_traceback(e: BaseException, args) -> str:
     fd, name = tempfile.mkstemp(prefix="mxval-internal-error-", suffix=".txt")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    from harness.io.atomic import chmod_umask
+    chmod_umask(name)
     return name
 
 if __name__ == "__main__":

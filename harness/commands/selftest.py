@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -146,7 +147,10 @@ def add_parser(sub) -> None:
                    help="write the matrix as Markdown (`make readme-matrix`)")
     p.add_argument("--cases-dir", default=None, help="directory of suite TOML files (default: cases/)")
     p.add_argument("--budgets", default=None, help="budgets TOML (default: cases/budgets.toml)")
-    p.add_argument("--report-dir", default=None, help="where reports go (default: reports/selftest-<time>/)")
+    p.add_argument("--report-dir", default=None, help="where reports go (default: reports/selftest-<time>-<pid>/)")
+    from harness.commands.cli import add_force, add_shard
+    add_force(p)
+    add_shard(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or console tables")
 
 
@@ -158,9 +162,12 @@ def run(args) -> int:
     from harness.run.cases import Catalog
     from harness.commands.cli import EXIT_FAIL, EXIT_OK, UsageError, stderr_console
     from harness.run.inputs import geometry
-    from harness.run.runner import run_cases
+    from harness.commands.cli import EXIT_INTERRUPTED, claim_report_dir, interrupted_meta
+    from harness.run import shard as S
+    from harness.run.runner import RunInterrupted, run_cases
 
     t0 = time.time()
+    part = S.parse(args.shard) if getattr(args, "shard", None) is not None else None
     quick = args.quick
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
     if seeds < 1:
@@ -215,26 +222,43 @@ def run(args) -> int:
             for i in range(n):
                 correct_plan.append(("correct", be, with_seed(c, i)))
     plan += correct_plan
+    all_plan = plan
+    if part:
+        plan = S.pick(all_plan, *part, lambda it: S.case_cost(it[2]), _label)
+    out = claim_report_dir(args, "selftest" + (f"-shard{part[0]}of{part[1]}" if part else ""))
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     correct_rows: list[dict] = []
     groups: dict[str, list] = {}          # backend name -> [(kind, who, case)], run together
     for item in plan:
-        kind, who, _ = item
-        groups.setdefault(who.backend_name if kind == "fault" else who, []).append(item)
+        groups.setdefault(_group(item), []).append(item)
     with Progress(TextColumn("[bold]selftest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[last]}"), console=stderr_console(), transient=True,
                   disable=args.quiet) as bar:
         task = bar.add_task("selftest", total=len(plan), last="")
+        stopped = None
+        finished: set[int] = set()
         for name, items in groups.items():
             bar.update(task, last=name)
-            rows = run_cases([c for _, _, c in items], name, jobs=args.jobs,
-                             progress=lambda r: bar.update(task, advance=1))
-            for (kind, who, case), row in zip(items, rows):
+            try:
+                rows = run_cases([c for _, _, c in items], name, jobs=args.jobs,
+                                 progress=lambda r: bar.update(task, advance=1))
+                done = items
+            except RunInterrupted as e:       # Ctrl-C: what finished is reported, marked partial
+                rows, done = e.rows, [items[i] for i in e.done]
+                stopped = interrupted_meta(e)
+            for item, row in zip(done, rows):
+                finished.add(id(item))
+                kind, who, case = item
                 row["selftest_case"] = case.name
                 row["seed"] = case.seed
+                row["label"] = _label(item)
                 row["violations"] = _violations(budgets, row.get("metrics"), case.name)
                 (results[who.name].rows if kind == "fault" else correct_rows).append(row)
+            if stopped:
+                stopped["cases_done"] = len(finished)
+                stopped["cancelled"] = [_label(x) for x in plan if id(x) not in finished]
+                break
 
     false_alarms = [r for r in correct_rows if _alarm(r)]
     skipped_correct = [r for r in correct_rows if r["outcome"] == "skipped"]
@@ -249,30 +273,59 @@ def run(args) -> int:
                               "violations": r["violations"]} for r in false_alarms],
         "left_out": notes + [f"{r['backend']} on {r['selftest_case']}: {r['reason']}" for r in skipped_correct],
         "quick": quick,
+        "correct_rows": len(correct_rows),
     }
     uncaught = [res.fault.name for res in results.values() if res.caught is False]
-    verdict["ok"] = not uncaught and not false_alarms and bool(correct_rows)
+    # a shard may hold no correct run; the merge asks for one over the whole run
+    verdict["ok"] = not uncaught and not false_alarms and (bool(correct_rows) or bool(part)) and not stopped
     meta = _meta(args, backends, t0, seeds, quick)
     verdict["machine"] = meta["machine"]
+    if stopped:
+        meta["interrupted"] = stopped
+        verdict["interrupted"] = True
+    if part:
+        meta["shard"] = S.identity(*part, command="selftest", suite=SUITE, backend=meta["backend"], budgets=budgets,
+                                   all_names=[_label(x) for x in all_plan],
+                                   all_digest=S.digest([[_label(x) for x in all_plan],
+                                                        S.case_digest(list(cases.values()))]),
+                                   shard_names=[_label(x) for x in plan])
+        verdict["shard"] = {"k": part[0], "n": part[1]}
 
     if not args.quiet:
         print_matrix(results, budgets, verdict, backends, correct_rows)
     md = markdown(results, budgets, verdict, meta)
-    out = Path(args.report_dir or Path("reports") / f"selftest-{time.strftime('%Y%m%d-%H%M%S')}")
     write_report(out, results, correct_rows, verdict, meta, md, budgets)
+    from harness.io import atomic
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(verdict, indent=1, default=str) + "\n")
+        atomic.write_text(args.json, json.dumps(verdict, indent=1, default=str) + "\n")
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(md)
+        atomic.write_text(args.markdown, md)
     print(f"selftest: {sum(1 for r in results.values() if r.caught)}/{len(results)} faults caught"
           + (f", {sum(1 for r in results.values() if r.caught is None)} not run" if any(
               r.caught is None for r in results.values()) else "")
           + (f" (NOT caught: {', '.join(uncaught)})" if uncaught else "")
           + f"; {len(false_alarms)} false alarm(s) in {len(correct_rows) - len(skipped_correct)} correct runs "
-          f"({', '.join(backends)}; {seeds} seeds); reports: {out}/")
+          f"({', '.join(backends)}; {seeds} seeds)"
+          + (f"; shard {part[0]}/{part[1]}: {len(plan)} of {len(all_plan)} runs" if part else "")
+          + f"; reports: {out}/")
+    if stopped:
+        print(f"mxval: interrupted: partial selftest report ({stopped['cases_done']} run(s) finished, "
+              f"{len(stopped['cancelled'])} cancelled)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_OK if verdict["ok"] else EXIT_FAIL
+
+
+def _label(item) -> str:
+    """A plan item's name in the report (unique within a run: case, seed, and fault or backend)."""
+    kind, who, case = item
+    return f"{case.name} [seed {case.seed}] " + (f"x {who.name}" if kind == "fault" else f"on {who}")
+
+
+def _group(item) -> str:
+    kind, who, _ = item
+    return who.backend_name if kind == "fault" else who
 
 
 def _alarm(row: dict) -> bool:
@@ -442,7 +495,7 @@ def write_report(out: Path, results, correct_rows, verdict, meta, md, budgets) -
     for res in results.values():
         for r in res.rows:
             rr = dict(r)
-            rr["case"] = f"{r['selftest_case']} [seed {r['seed']}] x {res.fault.name}"
+            rr["case"] = r.get("label") or f"{r['selftest_case']} [seed {r['seed']}] x {res.fault.name}"
             rr["description"] = f"fault {res.fault.name}: {res.fault.description}"
             caught = bool(r["violations"])
             rr["ok"] = caught
@@ -452,7 +505,7 @@ def write_report(out: Path, results, correct_rows, verdict, meta, md, budgets) -
             rows.append(rr)
     for r in correct_rows:
         rr = dict(r)
-        rr["case"] = f"{r['selftest_case']} [seed {r['seed']}] on {r['backend']}"
+        rr["case"] = r.get("label") or f"{r['selftest_case']} [seed {r['seed']}] on {r['backend']}"
         alarm = _alarm(r)
         rr["ok"] = not alarm
         rr["status"] = "skipped" if r["outcome"] == "skipped" else (
@@ -462,6 +515,112 @@ def write_report(out: Path, results, correct_rows, verdict, meta, md, budgets) -
         rows.append(rr)
     df = report.frame(rows)
     meta = dict(meta, budgets=budgets.as_dict(), selftest=verdict)
+    from harness.io import atomic
     report.write_all(df, meta, out)
-    (out / "selftest.md").write_text(md)
-    (out / "selftest.json").write_text(json.dumps(verdict, indent=1, default=str) + "\n")
+    atomic.write_text(out / "selftest.md", md)
+    atomic.write_text(out / "selftest.json", json.dumps(verdict, indent=1, default=str) + "\n")
+
+
+# --- merging the verdicts of `--shard K/N` runs (mxval report --merge) ----------------------
+
+def merge_verdicts(verdicts: list[dict]) -> dict:
+    """One selftest verdict from the shards' selftest.json verdicts: a fault is caught when
+    every one of its runs, in whichever shard, broke a budget; the worst value per metric
+    over all of them; false alarms and correct runs summed."""
+    from harness.diff import higher_is_better
+    faults: dict[str, dict] = {}
+    for v in verdicts:
+        for f in v.get("faults") or []:
+            m = faults.setdefault(f["name"], {**f, "runs": 0, "runs_caught": 0, "caught_by": [],
+                                              "values": {}, "outcomes": []})
+            m["runs"] += int(f.get("runs") or 0)
+            m["runs_caught"] += int(f.get("runs_caught") or 0)
+            m["caught_by"] = _ordered(set(m["caught_by"]) | set(f.get("caught_by") or []))
+            m["outcomes"] = sorted(set(m["outcomes"]) | set(f.get("outcomes") or []))
+            for metric, w in (f.get("values") or {}).items():
+                sign = -1.0 if higher_is_better(metric.removeprefix(CHAIN)) else 1.0
+
+                def bad(x):
+                    return float("inf") if x["value"] is None else sign * float(x["value"])
+                if metric not in m["values"] or bad(w) > bad(m["values"][metric]):
+                    m["values"][metric] = w
+    for m in faults.values():
+        m["caught"] = None if m["runs"] == 0 else m["runs_caught"] == m["runs"]
+        if m["runs"]:
+            m.pop("skipped", None)
+    first = verdicts[0] if verdicts else {}
+    correct: dict[str, int] = {}
+    for v in verdicts:
+        for be, n in (v.get("correct_runs") or {}).items():
+            correct[be] = correct.get(be, 0) + int(n)
+    left_out = list(dict.fromkeys(x for v in verdicts for x in v.get("left_out") or []))
+    out = {"faults": list(faults.values()), "seeds": first.get("seeds"),
+           "false_alarms": sum(int(v.get("false_alarms") or 0) for v in verdicts),
+           "correct_runs": correct,
+           "false_alarm_runs": [r for v in verdicts for r in v.get("false_alarm_runs") or []],
+           "left_out": left_out, "quick": first.get("quick"),
+           "correct_rows": sum(int(v.get("correct_rows") or 0) for v in verdicts),
+           "machine": "; ".join(sorted({str(v.get("machine")) for v in verdicts})),
+           "merged_shards": len(verdicts)}
+    out["ok"] = (not any(f["caught"] is False for f in faults.values()) and out["false_alarms"] == 0
+                 and out["correct_rows"] > 0)
+    return out
+
+
+class _MergedResult:
+    """A merged fault verdict with the face `markdown` reads (a FaultResult's)."""
+
+    def __init__(self, f: dict):
+        from types import SimpleNamespace
+        self.fault = SimpleNamespace(name=f["name"], bug_class=f.get("bug_class", ""), ops=f.get("ops") or [],
+                                     description=f.get("description", ""))
+        self.caught = f["caught"]
+        self.caught_by = list(f.get("caught_by") or [])
+        self.rows = [None] * int(f.get("runs") or 0)
+        self.runs_caught = [True] * int(f.get("runs_caught") or 0) + [False] * (len(self.rows) - int(f.get("runs_caught") or 0))
+        self.skipped = f.get("skipped", "")
+        self._values = f.get("values") or {}
+
+    def worst(self) -> dict:
+        return self._values
+
+
+class _LimitTexts:
+    """Budgets for the matrix heads when the run's budgets file is not here: the texts of
+    the limits the report recorded."""
+
+    def __init__(self, d: dict):
+        self.default = d.get("default") or {}
+
+    def limit(self, key: str, suite: str, case: str = ""):
+        from types import SimpleNamespace
+        bare = key.partition(".")[2] if key.startswith("x.") else key
+        text = self.default.get(key) or self.default.get(bare)
+        return SimpleNamespace(text=lambda: text) if text else None
+
+
+def write_merged_extras(out: Path, df, meta: dict) -> None:
+    """selftest.json and selftest.md of a merged selftest report."""
+    from harness.io import atomic
+    from harness.run import budgets as B
+    from harness.run import shard as S
+    verdict = meta["selftest"]
+    budgets = _LimitTexts(meta.get("budgets") or {})
+    try:
+        real = B.load((meta.get("budgets") or {}).get("path"))
+        if S.budgets_digest(real) == S.budgets_digest(_AsDict(meta.get("budgets") or {})):
+            budgets = real
+    except Exception:
+        pass
+    results = {f["name"]: _MergedResult(f) for f in verdict["faults"]}
+    md = markdown(results, budgets, verdict, {"machine": verdict.get("machine", "")})
+    atomic.write_text(out / "selftest.md", md)
+    atomic.write_text(out / "selftest.json", json.dumps(verdict, indent=1, default=str) + "\n")
+
+
+class _AsDict:
+    def __init__(self, d):
+        self.d = d
+
+    def as_dict(self):
+        return self.d

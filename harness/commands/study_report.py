@@ -732,10 +732,11 @@ def render(result: dict, out_dir: Path, *, title: str, meta: dict) -> dict:
     import pandas as pd
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(result["rows"]).to_csv(out_dir / "study.csv", index=False)
-    pd.DataFrame(result["needles"]).to_csv(out_dir / "study-needles.csv", index=False)
-    (out_dir / "study.json").write_text(json.dumps({"meta": meta, **result}, indent=1, default=str))
+    from harness.io import atomic                 # each file whole or not at all, umask modes
+    atomic.write_text(out_dir / "study.csv", pd.DataFrame(result["rows"]).to_csv(index=False))
+    atomic.write_text(out_dir / "study-needles.csv", pd.DataFrame(result["needles"]).to_csv(index=False))
     md = full_markdown(result, meta)
-    (out_dir / "study.md").write_text(f"# {title}\n\n{md}\n")
-    (out_dir / "study.html").write_text(_html(result, meta, title, md))
+    atomic.write_text(out_dir / "study.md", f"# {title}\n\n{md}\n")
+    atomic.write_text(out_dir / "study.html", _html(result, meta, title, md))
+    atomic.write_text(out_dir / "study.json", json.dumps({"meta": meta, **result}, indent=1, default=str))
     return {n: str(out_dir / n) for n in ("study.json", "study.md", "study.html", "study.csv", "study-needles.csv")}

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from harness.errors import InputError
+from harness.io.atomic import chmod_umask
 from reference.ops import OPS, OpSpec
 
 FORMAT = "mxval-dump"
@@ -341,6 +342,7 @@ def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "dee
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta)})
+        chmod_umask(tmp)                # mkstemp's (and save_file's) 0600 -> what the umask asks for
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

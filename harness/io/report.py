@@ -13,6 +13,7 @@ import html as _html
 import io
 import json
 import math
+import os
 from pathlib import Path
 from typing import Optional
 from xml.etree import ElementTree as ET
@@ -84,12 +85,39 @@ def _fmt(v) -> str:
     return f"{v:g}" if isinstance(v, (int, float)) else str(v)
 
 
-def summary(df: pd.DataFrame) -> dict:
+def summary(df: pd.DataFrame, meta: Optional[dict] = None) -> dict:
+    """Counts and the verdict. A run that was interrupted (`meta["interrupted"]`) is never
+    ok, whatever its finished cases say."""
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     out = {s: int(counts.get(s, 0)) for s in ("pass", "fail", "error", "nonfinite_input", "skipped")}
     out["cases"] = int(len(df))
     out["ok"] = bool(df["ok"].all()) if len(df) else True
+    if (meta or {}).get("interrupted"):
+        out["interrupted"] = True
+        out["ok"] = False
     return out
+
+
+def part_note(meta: dict) -> str:
+    """' (shard K/N)' or ' (merged from N shards)' for the headings; '' for a whole run."""
+    sh = meta.get("shard")
+    if isinstance(sh, dict):
+        return f" (shard {sh.get('k')}/{sh.get('n')})"
+    if meta.get("merged_from"):
+        return f" (merged from {len(meta['merged_from'])} shards)"
+    return ""
+
+
+def verdict_word(s: dict) -> str:
+    return "INTERRUPTED" if s.get("interrupted") else ("OK" if s["ok"] else "FAILED")
+
+
+def _interrupt_note(meta: dict) -> str:
+    i = meta.get("interrupted") or {}
+    if not i:
+        return ""
+    return (f"interrupted ({i.get('signal', 'SIGINT')}): {i.get('cases_done', 0)} case(s) finished, "
+            f"{len(i.get('cancelled') or [])} cancelled; this report is partial")
 
 
 # --- JSON (the persisted form) --------------------------------------------------------------
@@ -112,7 +140,7 @@ def to_json(df: pd.DataFrame, meta: dict) -> dict:
         d = {c: _clean(r[c]) for c in COLUMNS + OBJECT_COLUMNS}
         d["metrics"] = {c: _clean(r[c]) for c in metric_columns(df) if _num(r[c]) is not None}
         cases.append(d)
-    return {"schema": SCHEMA, "version": SCHEMA_VERSION, "run": meta, "summary": summary(df),
+    return {"schema": SCHEMA, "version": SCHEMA_VERSION, "run": meta, "summary": summary(df, meta),
             "cases": cases}
 
 
@@ -151,7 +179,8 @@ def wide_console():
 def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     from rich.table import Table
     console = console or wide_console()
-    t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}",
+    t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}"
+                    f"{part_note(meta)}",
               caption=meta.get("backend_description") or None, show_lines=False)
     for col in ("case", "status", *[h for h, _, _ in HEADLINE], "chain≠", "s", "reason"):
         t.add_column(col, overflow="fold", max_width=60 if col == "reason" else None)
@@ -162,8 +191,10 @@ def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
                   *[_fmt(headline(r, m, how)) for _, m, how in HEADLINE], _fmt(chain),
                   f"{_num(r['seconds']) or 0:.1f}", str(r["reason"] or ""))
     console.print(t)
-    s = summary(df)
-    verdict = "[green]OK[/]" if s["ok"] else "[bold red]FAILED[/]"
+    s = summary(df, meta)
+    verdict = "[green]OK[/]" if s["ok"] else f"[bold red]{verdict_word(s)}[/]"
+    if s.get("interrupted"):
+        console.print(f"[bold red]{_interrupt_note(meta)}[/]")
     console.print(f"{verdict}: {s['pass']} pass, {s['fail']} fail, {s['error']} error, "
                   f"{s['nonfinite_input']} non-finite input, {s['skipped']} skipped")
     for w in meta.get("budget_warnings") or []:
@@ -180,9 +211,11 @@ def _where_lines(r, n: int = 6) -> list[str]:
 
 
 def markdown(df: pd.DataFrame, meta: dict) -> str:
-    s = summary(df)
-    lines = [f"### mxval {meta.get('command', '')}: `{meta.get('suite', '')}` on `{meta.get('backend', '')}` "
-             f"— {'✅ OK' if s['ok'] else '❌ FAILED'}", "",
+    s = summary(df, meta)
+    lines = [f"### mxval {meta.get('command', '')}: `{meta.get('suite', '')}` on `{meta.get('backend', '')}`"
+             f"{part_note(meta)} "
+             f"— {'✅ OK' if s['ok'] else '❌ ' + verdict_word(s)}", "",
+             *([f"**{_interrupt_note(meta)}**", ""] if s.get("interrupted") else []),
              f"{s['pass']} pass · {s['fail']} fail · {s['error']} error · {s['nonfinite_input']} non-finite input "
              f"· {s['skipped']} skipped · {meta.get('machine', '')} · {meta.get('seconds', 0):.1f} s · "
              f"budgets `{(meta.get('budgets') or {}).get('path', '')}`", "",
@@ -289,7 +322,7 @@ def figures(df: pd.DataFrame) -> list[tuple[str, str]]:
 
 
 def html(df: pd.DataFrame, meta: dict) -> str:
-    s = summary(df)
+    s = summary(df, meta)
     e = _html.escape
     cols = ["case", "status", *[h for h, _, _ in HEADLINE], "seconds", "reason"]
     rows = []
@@ -315,8 +348,9 @@ def html(df: pd.DataFrame, meta: dict) -> str:
 td,th{{border:1px solid #ccc;padding:3px 6px;text-align:left}}.pass{{color:green}}.fail,.error{{color:#c00;font-weight:bold}}
 .nonfinite_input{{color:#a0a}}.skipped{{color:#b80}}pre{{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:12px}}
 figure{{margin:1em 0}}details{{margin-top:2em}}</style></head><body>
-<h1>mxval {e(str(meta.get('command', '')))}: {e(str(meta.get('suite', '')))} on {e(str(meta.get('backend', '')))}
-— {'OK' if s['ok'] else 'FAILED'}</h1>
+<h1>mxval {e(str(meta.get('command', '')))}: {e(str(meta.get('suite', '')))} on {e(str(meta.get('backend', '')))}{e(part_note(meta))}
+— {verdict_word(s)}</h1>
+{f"<p class='fail'>{e(_interrupt_note(meta))}</p>" if s.get("interrupted") else ""}
 <p>{s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['nonfinite_input']} non-finite input, {s['skipped']} skipped ·
 {e(str(meta.get('machine', '')))} · {e(str(meta.get('started', '')))} · budgets {e(str((meta.get('budgets') or {}).get('path', '')))}</p>
 <p>backend: {e(str(meta.get('backend_description', '')))}</p>
@@ -331,7 +365,7 @@ figure{{margin:1em 0}}details{{margin-top:2em}}</style></head><body>
 # --- JUnit -------------------------------------------------------------------------------------
 
 def junit(df: pd.DataFrame, meta: dict) -> str:
-    s = summary(df)
+    s = summary(df, meta)
     suite = ET.Element("testsuite", name=f"mxval.{meta.get('suite', '')}", tests=str(s["cases"]),
                        failures=str(s["fail"] + sum(1 for _, r in df.iterrows()
                                                      if r["status"] == "nonfinite_input" and not r["ok"])),
@@ -350,19 +384,141 @@ def junit(df: pd.DataFrame, meta: dict) -> str:
             ET.SubElement(tc, "failure", message=f"{st}: {r['reason']}").text = "\n".join(body + _where_lines(r))
         elif st == "nonfinite_input":
             ET.SubElement(tc, "system-out").text = f"expected non-finite input: {r['reason']}"
+    if s.get("interrupted"):
+        for name in (meta.get("interrupted") or {}).get("cancelled") or []:
+            tc = ET.SubElement(suite, "testcase", classname=f"mxval.{meta.get('suite', '')}", name=str(name))
+            ET.SubElement(tc, "error", message="cancelled: the run was interrupted")
+        suite.set("errors", str(s["error"] + len((meta.get("interrupted") or {}).get("cancelled") or [])))
+        suite.set("tests", str(s["cases"] + len((meta.get("interrupted") or {}).get("cancelled") or [])))
     return ET.tostring(suite, encoding="unicode")
 
 
 # --- all of them -------------------------------------------------------------------------------
 
-def write_all(df: pd.DataFrame, meta: dict, out_dir) -> dict[str, str]:
+REPORT_FILES = {"md": "report.md", "html": "report.html", "junit": "junit.xml", "csv": "metrics.csv",
+                "json": "report.json"}
+# A directory holding one of these holds another run's report.
+RUN_MARKERS = ("report.json", "selftest.json")
+
+
+def write_all(df: pd.DataFrame, meta: dict, out_dir, *, json_source: Optional[Path] = None) -> dict[str, str]:
+    """Every format into `out_dir`, each file written to a temporary name and renamed;
+    report.json last, so a report.json is only ever next to the files rendered from it.
+    `json_source`: the report.json these rows were read from (`mxval report`): it is
+    never rewritten, and copied byte for byte when `out_dir` is another directory."""
+    from harness.io import atomic
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html",
-             "junit": out / "junit.xml", "csv": out / "metrics.csv"}
-    paths["json"].write_text(json.dumps(to_json(df, meta), indent=1, default=str))
-    paths["md"].write_text(markdown(df, meta))
-    paths["html"].write_text(html(df, meta))
-    paths["junit"].write_text(junit(df, meta))
-    df[[c for c in COLUMNS if c in df.columns] + metric_columns(df)].to_csv(paths["csv"], index=False)
+    paths = {k: out / v for k, v in REPORT_FILES.items()}
+    atomic.write_text(paths["md"], markdown(df, meta))
+    atomic.write_text(paths["html"], html(df, meta))
+    atomic.write_text(paths["junit"], junit(df, meta))
+    atomic.write_text(paths["csv"], df[[c for c in COLUMNS if c in df.columns] + metric_columns(df)]
+                      .to_csv(index=False))
+    if json_source is None:
+        atomic.write_text(paths["json"], json.dumps(to_json(df, meta), indent=1, default=str))
+    elif not _same_file(json_source, paths["json"]):
+        atomic.write_bytes(paths["json"], Path(json_source).read_bytes())
     return {k: str(v) for k, v in paths.items()}
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve() or os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+# --- report directories ----------------------------------------------------------------------
+
+def default_dir(name: str, root="reports") -> Path:
+    """A fresh directory `<root>/<name>-<YYYYmmdd-HHMMSS>-<pid>[-n]`, created here: two runs
+    started in the same second (or one pid reused) never share one."""
+    import datetime
+    base = f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for n in range(1000):
+        p = Path(root) / (base if n == 0 else f"{base}-{n}")
+        try:
+            p.mkdir()
+        except FileExistsError:
+            continue
+        return p
+    raise ReportError(f"{root}: no free report directory name for {base}")
+
+
+def claim_dir(path, *, force: bool = False, arg: str = "--report-dir") -> Path:
+    """Before any work: refuse a directory that holds another run's report (unless `force`),
+    create it and prove a file can be written there. ReportError (one line, exit 2)."""
+    from harness.io import atomic
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ReportError(f"{arg}: {p} exists and is not a directory")
+    if p.is_dir() and not force:
+        held = [m for m in RUN_MARKERS if (p / m).exists()]
+        if held:
+            raise ReportError(f"{arg}: {p} holds another run's report ({held[0]}); pass --force to "
+                              f"replace it, or choose another directory")
+    try:
+        atomic.check_writable_dir(p)
+    except OSError as e:
+        raise ReportError(f"{arg}: {p}: cannot write there: {e.strerror or e}") from None
+    _lock(p, arg)
+    return p
+
+
+LOCK = ".mxval-run.lock"
+_held: list[Path] = []
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock(d: Path, arg: str) -> None:
+    """One running mxval per report directory: a second run started into it while the first
+    runs is refused even with --force (it would overwrite the first's report when it ends).
+    The lock is the file `.mxval-run.lock` holding the pid, removed when the process ends;
+    one left by a process that died is taken over."""
+    import atexit
+    path = d / LOCK
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            try:
+                pid = int(path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid == os.getpid():
+                return
+            if pid and _pid_alive(pid):
+                raise ReportError(f"{arg}: {d} is in use by a running mxval (pid {pid})") from None
+            try:
+                path.unlink()                 # a dead run's lock
+            except FileNotFoundError:
+                pass
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        if not _held:
+            atexit.register(release_locks)
+        _held.append(path)
+        return
+    raise ReportError(f"{arg}: {d}: cannot take its lock {LOCK}")
+
+
+def release_locks() -> None:
+    while _held:
+        p = _held.pop()
+        try:
+            if p.read_text().strip() == str(os.getpid()):
+                p.unlink()
+        except OSError:
+            pass

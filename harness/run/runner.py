@@ -415,66 +415,248 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
     return row
 
 
-# --- many cases ----------------------------------------------------------------------------
+# --- many cases: mxval's own worker pool -----------------------------------------------------
+#
+# One task at a time per worker, over a pipe: the parent always knows which case each
+# worker runs, so a worker that dies (os._exit, SIGKILL, the OOM killer, a device fault that
+# takes the process down) costs exactly its case, reported as an error row; the other
+# workers finish, a replacement worker takes the dead one's GPU, no case runs twice and
+# none is lost. Workers ignore SIGINT: Ctrl-C reaches the parent, which cancels the
+# queued cases, terminates the workers and raises RunInterrupted with the finished rows.
 
-_WORKER_DEVICE: Optional[str] = None
+# Test hook (tests/test_pool.py): the worker given this case dies before running it,
+# `NAME` by os._exit, `NAME:kill` by SIGKILL. Read only inside pool workers.
+DIE_ENV = "MXVAL_TEST_WORKER_DIE"
+STOP_GRACE_S = 2.0              # SIGTERM, then SIGKILL after this long
 
 
-def _init_worker(devices: list[str], counter, threads: int) -> None:
-    """Runs first in each worker: pin it to one GPU (before CUDA initializes) or to its
-    share of the CPU threads."""
-    global _WORKER_DEVICE
-    with counter.get_lock():
-        idx = counter.value
-        counter.value += 1
-    if devices:
-        _WORKER_DEVICE = devices[idx % len(devices)]
-        os.environ["CUDA_VISIBLE_DEVICES"] = _WORKER_DEVICE
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT during `run_cases`: `rows` are the finished cases' rows (in case order),
+    `cancelled` the names of the cases that did not finish (queued or running)."""
+
+    def __init__(self, rows: list[dict], cancelled: list[str], done: Optional[list[int]] = None):
+        super().__init__(f"interrupted: {len(rows)} case(s) finished, {len(cancelled)} cancelled")
+        self.rows, self.cancelled = rows, cancelled
+        self.done = list(range(len(rows))) if done is None else done     # indices of `rows` in the cases
+
+
+def _visible_gpus() -> tuple[str, list[str]]:
+    """(the variable that names the visible GPUs, their ids). HIP_VISIBLE_DEVICES wins on
+    ROCm when both are set, CUDA_VISIBLE_DEVICES elsewhere; neither set: every device."""
+    hip = bool(getattr(torch.version, "hip", None))
+    order = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if hip else ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+    for var in order:
+        env = os.environ.get(var)
+        if env:
+            return var, [d.strip() for d in env.split(",") if d.strip()]
+    return order[0], [str(i) for i in range(torch.cuda.device_count())]
+
+
+def worker_env(slot: int, var: str, devices: list[str]) -> dict[str, Optional[str]]:
+    """The environment changes of worker `slot`: one GPU each, round-robin over `devices`
+    (None: unset the variable). No devices (the CPU): no change."""
+    if not devices:
+        return {}
+    other = "CUDA_VISIBLE_DEVICES" if var == "HIP_VISIBLE_DEVICES" else "HIP_VISIBLE_DEVICES"
+    return {var: devices[slot % len(devices)], other: None}
+
+
+def _maybe_die(case_name: str) -> None:
+    spec = os.environ.get(DIE_ENV)
+    if not spec:
+        return
+    name, _, how = spec.partition(":")
+    if name != case_name:
+        return
+    if how == "kill":
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(71)
+
+
+def _worker_main(conn, env: dict, threads: int) -> None:
+    """A pool worker: pinned to its GPU before CUDA initializes, then one case per message
+    until it gets None (or the parent goes away)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)      # the parent's stop (a forked child inherits its handler)
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     torch.set_num_threads(max(1, threads))
+    parent = os.getppid()
+    while True:
+        try:
+            while not conn.poll(1.0):
+                if os.getppid() != parent:       # the parent died without telling us
+                    return
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        i, case, backend_name = msg
+        _maybe_die(case.name)
+        try:
+            row = run_case(case, backend_name)
+        except Exception as e:     # run_case catches its own; this is a last line
+            row = _error_row(case, backend_name, f"worker failed: {type(e).__name__}: {e}")
+        conn.send((i, row))
 
 
-def _visible_gpus() -> list[str]:
-    env = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("HIP_VISIBLE_DEVICES")
-    if env:
-        return [d.strip() for d in env.split(",") if d.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())]
+def _error_row(c: Case, backend_name: str, reason: str) -> dict:
+    return {"case": c.name, "suite": c.suite, "backend": backend_name, "outcome": "error", "reason": reason,
+            "metrics": {}, "findings": [], "summaries": {}, "details": {}, "planted": [], "seconds": 0.0,
+            "expect_nonfinite": c.expect_nonfinite, "context": context_of(c), "shape": c.summary(),
+            "description": c.description}
+
+
+def _death(proc) -> str:
+    import signal
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    return f"exited with code {code}"
+
+
+class _Worker:
+    def __init__(self, ctx, slot: int, env: dict, threads: int):
+        self.slot, self.env = slot, env
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, env, threads), daemon=True,
+                                name=f"mxval-worker-{slot}")
+        self.proc.start()
+        child.close()
+        self.busy: Optional[int] = None
+
+    def where(self) -> str:
+        gpu = next((v for v in self.env.values() if v is not None), None)
+        return f"worker {self.slot} (pid {self.proc.pid}{', GPU ' + gpu if gpu else ''})"
+
+
+def _stop(workers: list, *, grace: float = STOP_GRACE_S) -> None:
+    for w in workers:
+        if w.proc.is_alive():
+            w.proc.terminate()
+    deadline = time.time() + grace
+    for w in workers:
+        w.proc.join(max(0.0, deadline - time.time()))
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join(1.0)
+        w.conn.close()
 
 
 def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
-              progress: Optional[Callable[[dict], None]] = None) -> list[dict]:
-    """Rows of every case, in case order. `jobs > 1` runs cases in worker processes: forked
-    on the CPU (so backends registered at run time are inherited), spawned on GPUs with
-    each worker pinned to one visible device."""
+              progress: Optional[Callable[[dict], None]] = None, start_method: Optional[str] = None) -> list[dict]:
+    """Rows of every case, in case order. `jobs > 1` runs cases in mxval's worker pool:
+    forked on the CPU (so backends registered at run time are inherited), spawned on GPUs
+    with each worker pinned to one visible device, round-robin (`start_method` overrides
+    fork/spawn: the tests run the GPU path's spawn on the CPU). Ctrl-C: RunInterrupted."""
     be = get_backend(backend_name)
     if jobs <= 1 or len(cases) <= 1:
-        rows = []
-        for c in cases:
-            rows.append(run_case(c, backend_name))
-            if progress:
-                progress(rows[-1])
+        rows: list[dict] = []
+        try:
+            for c in cases:
+                rows.append(run_case(c, backend_name))
+                if progress:
+                    progress(rows[-1])
+        except KeyboardInterrupt:
+            raise RunInterrupted(rows, [c.name for c in cases[len(rows):]]) from None
         return rows
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    from collections import deque
+    from multiprocessing.connection import wait
     gpu = str(be.device) != "cpu" and torch.cuda.is_available()
-    ctx = mp.get_context("spawn" if gpu else "fork")
-    devices = _visible_gpus() if gpu else []
-    threads = 1 if gpu else max(1, (os.cpu_count() or 1) // jobs)
-    counter = ctx.Value("i", 0)
+    ctx = mp.get_context(start_method or ("spawn" if gpu else "fork"))
+    var, devices = _visible_gpus() if gpu else ("", [])
+    n = min(jobs, len(cases))
+    threads = 1 if gpu else max(1, (os.cpu_count() or 1) // n)
+    queue = deque(range(len(cases)))
     out: dict[int, dict] = {}
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
-                             initargs=(devices, counter, threads)) as pool:
-        futs = {pool.submit(run_case, c, backend_name): i for i, c in enumerate(cases)}
-        from concurrent.futures import as_completed
-        for f in as_completed(futs):
-            i = futs[f]
+    workers: list[_Worker] = []
+
+    def finished(i: int, row: dict) -> None:
+        out[i] = row
+        if progress:
+            progress(row)
+
+    def feed(w: _Worker) -> None:
+        while queue:
+            i = queue.popleft()
             try:
-                out[i] = f.result()
-            except Exception as e:   # a worker died (out of memory, a kernel crash)
-                c = cases[i]
-                out[i] = {"case": c.name, "suite": c.suite, "backend": backend_name, "outcome": "error",
-                          "reason": f"worker failed: {type(e).__name__}: {e}", "metrics": {},
-                          "expect_nonfinite": c.expect_nonfinite, "context": context_of(c),
-                          "shape": c.summary(), "description": c.description}
-            if progress:
-                progress(out[i])
+                w.conn.send((i, cases[i], backend_name))
+            except (BrokenPipeError, OSError):
+                queue.appendleft(i)          # never received: it runs elsewhere
+                return
+            w.busy = i
+            return
+        w.busy = None
+
+    try:
+        for slot in range(n):
+            workers.append(_Worker(ctx, slot, worker_env(slot, var, devices), threads))
+            feed(workers[-1])
+        while len(out) < len(cases):
+            live = [w for w in workers if w.proc is not None]
+            ready = set(wait([w.conn for w in live] + [w.proc.sentinel for w in live], timeout=1.0))
+            for w in live:
+                if w.conn in ready:
+                    try:
+                        i, row = w.conn.recv()
+                    except (EOFError, OSError):
+                        pass                         # gone: reaped below once it has exited
+                    else:
+                        w.busy = None
+                        finished(i, row)
+                        feed(w)
+                        if w.busy is not None:
+                            continue
+                if w.proc.is_alive():
+                    continue
+                w.proc.join()
+                if w.busy is not None:
+                    c = cases[w.busy]
+                    finished(w.busy, _error_row(c, be.name, f"{w.where()} died while running this case: "
+                                                                 f"{_death(w.proc)}"))
+                    w.busy = None
+                w.conn.close()
+                if queue:
+                    nw = _Worker(ctx, w.slot, w.env, threads)
+                    workers[workers.index(w)] = nw
+                    feed(nw)
+                else:
+                    workers[workers.index(w)] = _Dead(w)
+    except KeyboardInterrupt:
+        _stop([w for w in workers if not isinstance(w, _Dead)])
+        done = sorted(out)
+        raise RunInterrupted([out[i] for i in done], [c.name for i, c in enumerate(cases) if i not in out],
+                             done) from None
+    except BaseException:
+        _stop([w for w in workers if not isinstance(w, _Dead)])
+        raise
+    for w in workers:
+        if not isinstance(w, _Dead):
+            try:
+                w.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+    live = [w for w in workers if not isinstance(w, _Dead)]
+    deadline = time.time() + 5.0
+    for w in live:
+        w.proc.join(max(0.0, deadline - time.time()))
+    _stop(live)
     return [out[i] for i in range(len(cases))]
+
+
+class _Dead:
+    """A slot whose worker died when nothing was left to run."""
+
+    def __init__(self, w: _Worker):
+        self.slot, self.env, self.proc, self.busy = w.slot, w.env, None, None
