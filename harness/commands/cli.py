@@ -72,20 +72,47 @@ def _backend(name: str):
         raise UsageError(f"--backend: {e}") from None
 
 
-def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: Optional[str], quiet: bool) -> int:
+def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: Optional[str], quiet: bool,
+            run_keys: dict) -> int:
     from harness.io import report
     from harness.run.budgets import verdict
     rows = [verdict(r, budgets, suite) for r in rows]
     df = report.frame(rows)
-    meta["budget_warnings"] = [f"budget {k!r} in {budgets.path} matched no metric of this run"
-                               for k in budgets.unused(report.metric_columns(df), suite, list(df["case"]))]
     meta["budgets"] = budgets.as_dict()
+    meta["budgets_off"] = budgets.disabled(run_keys, suite)
     out = Path(report_dir or Path("reports") / _run_name(meta["command"], suite, meta["backend"]))
     paths = report.write_all(df, meta, out)
     if not quiet:
         report.console_table(df, meta)
     print(f"reports: {out}/ ({', '.join(Path(p).name for p in paths.values())})")
     return EXIT_OK if report.summary(df)["ok"] else EXIT_FAIL
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cap_jobs(requested: int, items: int, device: str) -> tuple[int, dict]:
+    """-j N capped at the number of items to run and of CPUs (GPUs for a GPU backend):
+    (jobs, {requested, used, cap}); the cap is printed by the caller and kept in the report."""
+    import torch
+    if requested < 1:
+        raise UsageError(f"-j: expected a positive number of jobs, got {requested}")
+    gpu = device != "cpu" and torch.cuda.is_available()
+    units, what = (torch.cuda.device_count(), "GPU(s)") if gpu else (_cpus(), "CPU(s)")
+    jobs = max(1, min(requested, items, units))
+    cap = ""
+    if jobs < requested:
+        cap = f"{items} case(s)" if items <= units else f"{units} {what}"
+    return jobs, {"requested": requested, "used": jobs, "cap": cap}
+
+
+def say_cap(info: dict) -> None:
+    if info["cap"]:
+        print(f"note: -j {info['requested']} capped at {info['used']} ({info['cap']})", file=sys.stderr)
 
 
 def _meta(command: str, be, requested: str, started: float) -> dict:
@@ -110,25 +137,29 @@ def cmd_validate(args) -> int:
     from harness.run.inputs import geometry
     from harness.run.runner import run_cases
     t0 = time.time()
+    from harness.diff.metrics import run_keys
     catalog = Catalog(args.cases_dir)
     suite, cases = catalog.select(args.suite, args.case)
     budgets = B.load(args.budgets)
+    keys = {c.name: run_keys(c.ops) for c in cases}
+    budgets.check_run(keys, suite, known_cases=catalog.by_name, known_suites=set(catalog.suites) | {"diff", "cases"})
     for c in cases:
         geometry(c)
     be = _backend(args.backend)
-    if args.jobs < 1:
-        raise UsageError(f"-j: expected a positive number of jobs, got {args.jobs}")
+    jobs, jobs_info = cap_jobs(args.jobs, len(cases), str(be.device))
+    say_cap(jobs_info)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("{task.fields[last]}"),
                   console=stderr_console(), transient=True, disable=args.quiet) as bar:
         task = bar.add_task(f"{suite} on {be.name}", total=len(cases), last="")
-        rows = run_cases(cases, be.name, jobs=args.jobs,
+        rows = run_cases(cases, be.name, jobs=jobs,
                          progress=lambda r: bar.update(task, advance=1, last=f"{r['case']}: {r['outcome']}"))
     meta = _meta("validate", be, args.backend, t0)
     meta["suite"] = suite
     meta["cases"] = [c.name for c in cases]
-    return _finish(rows, meta, budgets, suite, args.report_dir, args.quiet)
+    meta["jobs"] = jobs_info
+    return _finish(rows, meta, budgets, suite, args.report_dir, args.quiet, keys)
 
 
 # --- diff ------------------------------------------------------------------------------------
@@ -154,10 +185,27 @@ def cmd_diff(args) -> int:
     from harness.run import budgets as B
     from harness.io.dumps import read_dump
     from harness.run.replay import replay_dump
+    from harness.diff.metrics import run_keys
+    from harness.run.cases import Catalog
     t0 = time.time()
     budgets = B.load(args.budgets)
     be = _backend(args.backend) if args.backend else None
+    seen: dict[str, str] = {}
+    for p in args.files:                                # a report row is named by its file name
+        name = os.path.basename(p)
+        if name in seen:
+            raise UsageError(f"{p}: same file name as {seen[name]} (each file is one report row, named by "
+                             "its file name: rename one)")
+        seen[name] = p
     dumps = [read_dump(p) for p in args.files]          # every file is checked before any runs
+    keys = {os.path.basename(d.path): run_keys(d.ops, chain=False) for d in dumps}
+    try:
+        catalog = Catalog()
+        known_cases, known_suites = set(catalog.by_name), set(catalog.suites)
+    except InputError:
+        known_cases, known_suites = set(), set()
+    budgets.check_run(keys, "diff", known_cases=known_cases, known_suites=known_suites | {"cases"},
+                      what="file")
     rows = []
     for d in dumps:
         t = time.time()
@@ -168,7 +216,7 @@ def cmd_diff(args) -> int:
     meta = _meta("diff", shown, args.backend or "reference", t0)
     meta["suite"] = "diff"
     meta["files"] = list(args.files)
-    return _finish(rows, meta, budgets, "diff", args.report_dir, args.quiet)
+    return _finish(rows, meta, budgets, "diff", args.report_dir, args.quiet, keys)
 
 
 # --- dump ------------------------------------------------------------------------------------
@@ -285,9 +333,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or console table")
 
     p = sub.add_parser("validate", help="run a suite or cases against a backend and apply budgets")
-    g = p.add_argument_group("what to run")
+    g = p.add_argument_group("what to run").add_mutually_exclusive_group()
     g.add_argument("--suite", default=None, help="suite name (default: default)")
-    g.add_argument("--case", action="append", default=None, metavar="NAME", help="a case (repeatable)")
+    g.add_argument("--case", action="append", default=None, metavar="NAME",
+                   help="a case (repeatable; not with --suite)")
     p.add_argument("--backend", default="auto", help="backend name (see `mxval backends`)")
     p.add_argument("-j", "--jobs", type=int, default=1, help="cases in parallel (processes)")
     common(p)
@@ -335,6 +384,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return ap, run
 
 
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    """Arguments argparse lets through but that would mean something else: an empty value
+    (`--suite ""` would run the default suite) is a usage error naming the flag."""
+    parsers = [ap]
+    for act in ap._actions:
+        if isinstance(act, argparse._SubParsersAction) and getattr(args, act.dest, None) in act.choices:
+            parsers.append(act.choices[getattr(args, act.dest)])
+    for parser in parsers:
+        for act in parser._actions:
+            v = getattr(args, act.dest, None)
+            vals = v if isinstance(v, list) else [v]
+            if any(isinstance(x, str) and not x.strip() for x in vals):
+                flag = act.option_strings[-1] if act.option_strings else act.metavar or act.dest
+                raise UsageError(f"{flag}: empty value")
+
+
 def _one_line(e: BaseException) -> str:
     s = str(e).strip()
     return s.splitlines()[0] if s else type(e).__name__
@@ -345,6 +410,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         ap, run = build_parser()
         args = ap.parse_args(argv)
+        check_args(ap, args)
         if getattr(args, "report_dir", None):
             _check_writable_path("--report-dir", args.report_dir, is_dir=True)
         for attr, flag in (("output", "-o"), ("json", "--json"), ("markdown", "--markdown"), ("readme", "--readme")):

@@ -172,6 +172,9 @@ def run(args) -> int:
     for c in cases.values():
         geometry(c)
     budgets = B.load(args.budgets)
+    from harness.diff.metrics import run_keys
+    budgets.check_run({c.name: run_keys(c.ops) for c in cases.values()}, SUITE,
+                      known_cases=catalog.by_name, known_suites=set(catalog.suites) | {"diff", "cases"})
     faults = list(F.FAULTS.values())
     if args.fault:
         unknown = [n for n in args.fault if n not in F.FAULTS]
@@ -215,6 +218,9 @@ def run(args) -> int:
             for i in range(n):
                 correct_plan.append(("correct", be, with_seed(c, i)))
     plan += correct_plan
+    from harness.commands.cli import say_cap, cap_jobs
+    jobs, jobs_info = cap_jobs(args.jobs, max(1, len(plan)), "cuda" if torch.cuda.is_available() else "cpu")
+    say_cap(jobs_info)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     correct_rows: list[dict] = []
@@ -228,7 +234,7 @@ def run(args) -> int:
         task = bar.add_task("selftest", total=len(plan), last="")
         for name, items in groups.items():
             bar.update(task, last=name)
-            rows = run_cases([c for _, _, c in items], name, jobs=args.jobs,
+            rows = run_cases([c for _, _, c in items], name, jobs=jobs,
                              progress=lambda r: bar.update(task, advance=1))
             for (kind, who, case), row in zip(items, rows):
                 row["selftest_case"] = case.name
