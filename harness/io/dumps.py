@@ -61,6 +61,9 @@ def _check_scalar(kind: str, v) -> Optional[str]:
     if kind == "float":
         ok = (_is_int(v) or isinstance(v, float)) and v == v and abs(v) != float("inf")
         return None if ok else f"expected a finite number, got {v!r}"
+    if kind == "float+":
+        ok = (_is_int(v) or isinstance(v, float)) and v == v and abs(v) != float("inf") and v > 0
+        return None if ok else f"expected a finite number > 0, got {v!r}"
     if kind == "int+":
         return None if _is_int(v) and v > 0 else f"expected a positive integer, got {v!r}"
     if kind == "bool":
