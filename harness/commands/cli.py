@@ -260,7 +260,12 @@ def cmd_cases(args) -> int:
     from rich.table import Table
     from harness.run.cases import Catalog
     from harness.io.report import wide_console
+    from harness.run.inputs import geometry
     catalog = Catalog(args.cases_dir)
+    if args.suite and args.suite not in catalog.suites:
+        raise UsageError(f"--suite: unknown suite {args.suite!r} (known: {', '.join(catalog.suites)})")
+    for c in catalog.by_name.values():        # shapes too: a case that cannot run is an error here
+        geometry(c)
     con = wide_console()
     for name, s in catalog.suites.items():
         if args.suite and name != args.suite:
@@ -275,8 +280,6 @@ def cmd_cases(args) -> int:
             t.add_row(c.name, c.suite, f"{c.fmt}:{ops}", c.summary(), c.requires or "",
                       c.description)
         con.print(t)
-    if args.suite and args.suite not in catalog.suites:
-        raise UsageError(f"--suite: unknown suite {args.suite!r} (known: {', '.join(catalog.suites)})")
     return EXIT_OK
 
 
