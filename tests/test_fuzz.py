@@ -410,6 +410,8 @@ ARGV = [
     (["dump", "--case", "smoke-rowend-k", "-o", ""], "-o"), (["dump", "--case", "smoke-rowend-k", "--step", "-1"], "--step"),
     (["cases", "--suite", ""], "--suite"), (["cases", "--suite", "nope"], "nope"), (["report", ""], "dir"),
     (["selftest", "--fault", ""], "--fault"), (["selftest", "-j", "0"], "-j"), (["study", "--study", ""], "--study"),
+    (["selftest", "--quick", "--large"], "not with --quick"), (["study", "--from-json", "x.json", "--device", "cpu"],
+                                                              "not with --from-json"),
 ]
 
 

@@ -162,6 +162,8 @@ def run(args) -> int:
 
     t0 = time.time()
     quick = args.quick
+    if quick and args.large:
+        raise UsageError("--large: not with --quick (the quick selftest never runs the > 2 GiB pool case)")
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
     if seeds < 1:
         raise UsageError(f"--seeds: expected a positive number, got {seeds}")

@@ -29,14 +29,15 @@ def _f32_ulps(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 
 def diff_pooled(actual: torch.Tensor, expected: torch.Tensor, rows, *,
                 op: str = "compress_pool") -> DiffReport:
-    """Pooled bf16 rows [T, D]; only `rows` (bool mask [T] or indices) are compared.
+    """Pooled bf16 rows [T, D] (fp32 rows of the CUDA fused path are compared at bf16, both
+    sides of one dtype); only `rows` (bool mask [T] or indices) are compared.
     Metrics: pooled_max_ulp (bf16 ulps; +0 and -0 are 0 ulps apart), pooled_values_differing
     (bit patterns differ), pooled_rows_differing, pooled_nonfinite (NaN/inf in a compared
     row of either side: never a pass)."""
-    A.tensor("expected", expected, (torch.bfloat16,), 2)
-    A.tensor("actual", actual, (torch.bfloat16,), 2)
-    A.same("actual", actual, "expected", expected)
-    a, e = actual.cpu(), expected.cpu()
+    A.tensor("expected", expected, (torch.bfloat16, torch.float32), 2)
+    A.tensor("actual", actual, (torch.bfloat16, torch.float32), 2)
+    A.same("actual", actual, "expected", expected)      # an fp32 actual is never rounded onto bf16
+    a, e = actual.cpu().to(torch.bfloat16), expected.cpu().to(torch.bfloat16)
     t = a.shape[0]
     rows = A.index("rows", rows, lo=0, hi=t - 1, allow_bool=True)
     if rows.dtype == torch.bool:
