@@ -124,6 +124,10 @@ def case_attempts(r: random.Random):
         ("layout group", {"layout": [7, 7, 7], "ops": [KW]}, "page_size"),
         ("ops string", {"ops": "topk"}, "ops"),
         ("dist string", {"dist": "normal"}, "dist"),
+        ("pool too small", {"seqs": [{"len": 400, "chunks": [400]}], "pool_pages": 1}, "pool_pages"),
+        ("pool too large", {"pool_pages": 2 ** 21}, "pool_pages"),
+        ("queries too large", {"heads": 256, "seqs": [{"len": 100000, "chunks": [100000]}]}, "seqs"),
+        ("logits too large", {"heads": 1, "seqs": [{"len": 2 ** 20, "chunks": [2 ** 19]}]}, "seqs"),
     ]
     for label, over, key in semantic:
         case = {**BASE_CASE, **over}
