@@ -97,6 +97,9 @@ def positive_finite(name: str, value) -> float:
         raise NonFiniteInput(name, 1, [])
     if value <= 0:
         raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+    f32 = float(torch.tensor(float(value), dtype=torch.float32))       # the ops use it in fp32
+    if not math.isfinite(f32) or f32 <= 0:
+        raise ValueError(f"{name}: {value!r} is {f32!r} in fp32, expected a finite number > 0 there")
     return value
 
 

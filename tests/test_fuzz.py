@@ -300,9 +300,9 @@ def dump_attempts(r: random.Random, src: Path):
         return save(t0, meta)
 
     scalar_damage = [
-        (KW, "norm_eps", [-1e-6, 0, "x", None, True]), (KW, "page_size", [0, -64, 1.5, "64", 48]),
+        (KW, "norm_eps", [-1e-6, 0, "x", None, True, 1e-300]), (KW, "page_size", [0, -64, 1.5, "64", 48]),
         (KW, "compress_ratio", [0, -4, 2.5]), (KW, "shuffle", [[7, 7, 7], [32, 16], "x", [0, 16, 2]]),
-        ("q_rope_mxfp4_quant", "weights_scale", [-1.0, 0.0, "x", None]), ("topk", "k", [0, -8, 1.5, True]),
+        ("q_rope_mxfp4_quant", "weights_scale", [-1.0, 0.0, "x", None, 1e300]), ("topk", "k", [0, -8, 1.5, True]),
         ("paged_mxfp4_mqa_logits", "clean_logits", ["yes", 1]), (KW, "bogus", [1]), (KW, "norm_eps", [KeyError]),
     ]
     for op, key, values in scalar_damage:
@@ -359,6 +359,9 @@ def dump_attempts(r: random.Random, src: Path):
     t["topk/in/lengths"] = torch.zeros(rows, dtype=t0["topk/in/lengths"].dtype)
     t["topk/out/indices"] = torch.full((rows, meta0["ops"]["topk"]["k"]), -1, dtype=torch.int32)
     out.append(("top-k of width 0", save(t, {**meta0, "ops": {"topk": meta0["ops"]["topk"]}}), (0, 1), []))
+    q = "q_rope_mxfp4_quant"
+    t = {k: (v[:0].clone() if k != f"{q}/in/cos_sin_cache" else v) for k, v in t0.items() if k.startswith(q + "/")}
+    out.append(("Q quant of 0 tokens", save(t, {**meta0, "ops": {q: meta0["ops"][q]}}), (0, 1), []))
     t = dict(t0)
     pool = t[f"{KW}/out/kv_cache"].clone()
     pool.view(-1)[r.randrange(pool.numel())] ^= 0xFF

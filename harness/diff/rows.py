@@ -103,7 +103,7 @@ def diff_q(actual: dict, expected: dict, *, op: Optional[str] = None) -> DiffRep
         raise ValueError(f"expected['q_scale']: shape {list(expected['q_scale'].shape)} does not fit q_fp4 "
                          f"{list(expected[vkey].shape)} (D/32 scales for D/2 bytes)" if not fp8 else
                          f"expected['q_fp8']: head dim 0")
-    av, ev = actual[vkey].cpu().reshape(t * h, -1), expected[vkey].cpu().reshape(t * h, -1)
+    av, ev = actual[vkey].cpu().reshape(t * h, nv), expected[vkey].cpu().reshape(t * h, nv)
     if fp8:
         cls = nibble_class(av.long(), ev.long(), sign_bit=0x80)
         cls = torch.where(av != ev, cls, torch.zeros_like(cls))
@@ -118,8 +118,8 @@ def diff_q(actual: dict, expected: dict, *, op: Optional[str] = None) -> DiffRep
                       "where": f"token {i // h} head {i % h} byte {b}: {hex_byte(av[i, b])}, expected {hex_byte(ev[i, b])}"})
         col.total = units.shape[0]
     else:
-        asc = actual["q_scale"].cpu().reshape(t * h, -1)
-        esc = expected["q_scale"].cpu().reshape(t * h, -1)
+        asc = actual["q_scale"].cpu().reshape(t * h, nv // 16)
+        esc = expected["q_scale"].cpu().reshape(t * h, nv // 16)
         ed = compare_mxfp4(av, ev, asc, esc)
         units, counts = entry_units(ed)
         for c, n in counts.items():
