@@ -220,7 +220,8 @@ def budget_attempts(r: random.Random):
             out.append((f"value {key}", _budget_text(data), [key]))
         elif kind == 3:                        # a limit no value can meet
             key = r.choice([k for k in d if not METRICS[k.rpartition(".")[2]].higher_is_better])
-            d[key] = r.choice([-1, -0.5, {"max": -1}, {"max": 1, "min": 2}, math.nan, {"max": math.nan}])
+            d[key] = r.choice([-1, -0.5, {"max": -1}, {"max": 1, "min": 2}, math.nan, {"max": math.nan}, math.inf,
+                               {"min": -math.inf}])
             out.append((f"impossible {key}", _budget_text(data), [key]))
         elif kind == 4:                        # a recall above 1
             d["topk_recall_min"] = r.choice([1.5, 2, {"min": 1.01}])

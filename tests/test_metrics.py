@@ -79,7 +79,8 @@ def test_one_judge_for_direction_nan_and_defaults():
 
 def test_limits_no_value_can_meet_are_refused():
     for name, v in (("pooled_max_ulp", -1), ("topk_recall_min", 1.5), ("logits_diff", {"max": 1, "min": 2}),
-                    ("page_bytes_mismatched", float("nan")), ("chain.page_bytes_mismatched_frac", {"min": 2})):
+                    ("page_bytes_mismatched", float("nan")), ("chain.page_bytes_mismatched_frac", {"min": 2}),
+                    ("logits_diff", float("inf")), ("topk_recall_min", {"min": float("-inf")})):
         with pytest.raises(ValueError):
             Limit.parse(name.rpartition(".")[2], v)
 

@@ -257,6 +257,8 @@ class Limit:
             lim = cls(max=float(v["max"]) if "max" in v else None, min=float(v["min"]) if "min" in v else None)
         else:
             raise ValueError(f"expected a number, {{max = .., min = ..}} or \"off\", got {v!r}")
+        if any(x is not None and math.isinf(x) for x in (lim.max, lim.min)):
+            raise ValueError("an infinite limit checks nothing: say \"off\" (every report shows it)")
         if lim.max is not None and lim.min is not None and lim.min > lim.max:
             raise ValueError(f"min {fmt(lim.min)} > max {fmt(lim.max)}, no value can pass")
         if lim.max is not None and lim.max < m.lo:
