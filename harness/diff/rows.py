@@ -99,10 +99,11 @@ def diff_q(actual: dict, expected: dict, *, op: Optional[str] = None) -> DiffRep
     t, h, nv = expected[vkey].shape
     if expected["weights"].shape != (t, h):
         raise ValueError(f"expected['weights']: shape {list(expected['weights'].shape)}, expected [{t}, {h}]")
-    if not fp8 and expected["q_scale"].shape != (t, h, nv // 16) or nv == 0 or (not fp8 and nv % 16):
+    if nv == 0:
+        raise ValueError(f"expected[{vkey!r}]: head dim 0")
+    if not fp8 and (nv % 16 or expected["q_scale"].shape != (t, h, nv // 16)):
         raise ValueError(f"expected['q_scale']: shape {list(expected['q_scale'].shape)} does not fit q_fp4 "
-                         f"{list(expected[vkey].shape)} (D/32 scales for D/2 bytes)" if not fp8 else
-                         f"expected['q_fp8']: head dim 0")
+                         f"{list(expected[vkey].shape)} (D/32 scales for D/2 bytes)")
     av, ev = actual[vkey].cpu().reshape(t * h, nv), expected[vkey].cpu().reshape(t * h, nv)
     if fp8:
         cls = nibble_class(av.long(), ev.long(), sign_bit=0x80)
