@@ -166,8 +166,6 @@ def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     verdict = "[green]OK[/]" if s["ok"] else "[bold red]FAILED[/]"
     console.print(f"{verdict}: {s['pass']} pass, {s['fail']} fail, {s['error']} error, "
                   f"{s['nonfinite_input']} non-finite input, {s['skipped']} skipped")
-    for w in meta.get("budget_warnings") or []:
-        console.print(f"[yellow]warning:[/] {w}")
     if meta.get("budgets_off"):
         console.print(f"[yellow]checks turned off[/] by {(meta.get('budgets') or {}).get('path', '')}: "
                       + "; ".join(meta["budgets_off"]))
@@ -209,8 +207,6 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
             for w in _where_lines(r):
                 lines.append(f"  - {w}")
             lines.append("")
-    for w in meta.get("budget_warnings") or []:
-        lines.append(f"> warning: {w}")
     return "\n".join(lines) + "\n"
 
 
