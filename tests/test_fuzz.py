@@ -302,7 +302,7 @@ def dump_attempts(r: random.Random, src: Path):
         return save(t0, meta)
 
     scalar_damage = [
-        (KW, "norm_eps", [-1e-6, 0, "x", None, True, 1e-300]), (KW, "page_size", [0, -64, 1.5, "64", 48]),
+        (KW, "norm_eps", [-1e-6, 0, "x", None, True, 1e-300, math.nan]), (KW, "page_size", [0, -64, 1.5, "64", 48]),
         (KW, "compress_ratio", [0, -4, 2.5]), (KW, "shuffle", [[7, 7, 7], [32, 16], "x", [0, 16, 2]]),
         ("q_rope_mxfp4_quant", "weights_scale", [-1.0, 0.0, "x", None, 1e300]), ("topk", "k", [0, -8, 1.5, True]),
         ("paged_mxfp4_mqa_logits", "clean_logits", ["yes", 1]), (KW, "bogus", [1]), (KW, "norm_eps", [KeyError]),

@@ -1,8 +1,12 @@
 """Validation cases and suites, read from TOML (`cases/<suite>.toml`).
 
 A suite file holds a `[suite]` table, optional `[defaults]` shared by its cases, and
-`[[case]]` tables. `include = ["smoke"]` in `[suite]` runs another suite's cases too.
-Every key is checked: a typo is an error naming the file and the case, never ignored.
+`[[case]]` tables. `include = ["smoke"]` in `[suite]` runs another suite's cases too (a
+cycle of includes is an error; a case reached by two paths runs once). Every key is
+checked against one declarative schema (`CASE_SCHEMA`, `SUITE_SCHEMA` below: types, ranges
+with stated upper bounds, lists where lists belong); an error is one line naming the file,
+the case (or `[suite]`, `[defaults]`) and the key, never ignored. What a case may allocate
+(pool, queries, logits) is bounded in harness/run/inputs.py `geometry`.
 
     [[case]]
     name = "prefill-chunks-shuffled"
