@@ -56,6 +56,7 @@ def test_a_fault_no_budget_catches_fails_the_selftest(tmp_path):
     assert faults["window-shift"]["caught"] is True
     assert faults["window-shift"]["caught_by"] == ["pooled_max_ulp"]
     assert faults["rope-neox"]["caught"] is False and faults["rope-neox"]["caught_by"] == []
+    assert '[default] page_bytes_mismatched = "off"' in v["budgets_off"]      # shown, never silent
     assert rc == 1
 
 

@@ -175,8 +175,9 @@ def run(args) -> int:
         geometry(c)
     budgets = B.load(args.budgets)
     from harness.diff.metrics import run_keys
-    budgets.check_run({c.name: run_keys(c.ops) for c in cases.values()}, SUITE,
-                      known_cases=catalog.by_name, known_suites=set(catalog.suites) | {"diff", "cases"})
+    keys = {c.name: run_keys(c.ops) for c in cases.values()}
+    budgets.check_run(keys, SUITE, known_cases=catalog.by_name, known_suites=set(catalog.suites) | {"diff", "cases"})
+    budgets_off = budgets.disabled(keys, SUITE)
     faults = list(F.FAULTS.values())
     if args.fault:
         unknown = [n for n in args.fault if n not in F.FAULTS]
@@ -257,6 +258,7 @@ def run(args) -> int:
                               "violations": r["violations"]} for r in false_alarms],
         "left_out": notes + [f"{r['backend']} on {r['selftest_case']}: {r['reason']}" for r in skipped_correct],
         "quick": quick,
+        "budgets_off": budgets_off,
     }
     uncaught = [res.fault.name for res in results.values() if res.caught is False]
     verdict["ok"] = not uncaught and not false_alarms and bool(correct_rows)
@@ -434,6 +436,9 @@ def markdown(results, budgets, verdict, meta) -> str:
         lines.append(f"| `{res.fault.name}` | {res.fault.bug_class} | {ops} | {_status(res)} | "
                      + " | ".join(f"**{_val(worst[m]['value'])}**" if m in worst else "·" for m in cols)
                      + " |")
+    if verdict.get("budgets_off"):
+        lines += ["", "Checks turned off by the budgets file: " + "; ".join(f"`{x}`" for x in verdict["budgets_off"])
+                  + "."]
     skipped = [r for r in results.values() if r.skipped]
     if skipped:
         lines.append("")
@@ -469,7 +474,7 @@ def write_report(out: Path, results, correct_rows, verdict, meta, md, budgets) -
             rr["reason"] = "; ".join(f"{v['metric']} {v['why']}" for v in r["violations"][:3])
         rows.append(rr)
     df = report.frame(rows)
-    meta = dict(meta, budgets=budgets.as_dict(), selftest=verdict)
+    meta = dict(meta, budgets=budgets.as_dict(), budgets_off=verdict.get("budgets_off", []), selftest=verdict)
     report.write_all(df, meta, out)
     (out / "selftest.md").write_text(md)
     (out / "selftest.json").write_text(json.dumps(verdict, indent=1, default=str) + "\n")
