@@ -1,6 +1,7 @@
 """Argument checks shared by every op: one clear ValueError naming the argument."""
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -85,6 +86,20 @@ def scalar(name: str, value, kind=(int,), *, positive: bool = False):
         raise ValueError(f"{name}: expected {' or '.join(k.__name__ for k in kind)}, got {value!r}")
     if positive and not value > 0:
         raise ValueError(f"{name}: expected a positive value, got {value!r}")
+    return value
+
+
+def positive_finite(name: str, value) -> float:
+    """A scalar that must be a finite number > 0 (an eps, a scale): NaN and inf are
+    non-finite inputs (NonFiniteInput), 0 and negative values a ValueError; none is encoded."""
+    scalar(name, value, (float, int))
+    if not math.isfinite(value):
+        raise NonFiniteInput(name, 1, [])
+    if value <= 0:
+        raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+    f32 = float(torch.tensor(float(value), dtype=torch.float32))       # the ops use it in fp32
+    if not math.isfinite(f32) or f32 <= 0:
+        raise ValueError(f"{name}: {value!r} is {f32!r} in fp32, expected a finite number > 0 there")
     return value
 
 

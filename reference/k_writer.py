@@ -74,7 +74,7 @@ def check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, 
         raise ValueError(f"k: head dim {d} is not a multiple of 32")
     if rdim % 2 or rdim > d:
         raise ValueError(f"cos_sin_cache: rope dim {rdim} must be even and at most D={d}")
-    checks.scalar("norm_eps", norm_eps, (float, int))
+    checks.positive_finite("norm_eps", norm_eps)
     checks.scalar("compress_ratio", compress_ratio, positive=True)
     checks.scalar("page_size", page_size, positive=True)
     need = page_size * entry_bytes(d)

@@ -69,7 +69,7 @@ _PAGED_IN = {
     "row_ends": Field(INT, ("Rw",)),
 }
 _LOGITS_OUT = {"logits": Field(F32, ("Rw", "W"))}
-_K_SCALARS = {"norm_eps": "float", "compress_ratio": "int+", "page_size": "int+"}
+_K_SCALARS = {"norm_eps": "float+", "compress_ratio": "int+", "page_size": "int+"}
 _STUDY_K = {"rounding": "rounding", "hadamard": "bool"}
 
 _FIELDS: dict[str, OpSpec] = {
@@ -92,7 +92,7 @@ _FIELDS: dict[str, OpSpec] = {
         inputs=_Q_IN,
         outputs={"q_fp4": Field(U8, ("T", "H", "D/2")), "q_scale": Field(U8, ("T", "H", "D/32")),
                  "weights": Field(F32, ("T", "H"))},
-        scalars={"weights_scale": "float"},
+        scalars={"weights_scale": "float+"},
         optional={"hadamard": "bool", "scale_rule": "scale_rule"}),
     "paged_mxfp4_mqa_logits": OpSpec(
         inputs={"q_fp4": Field(U8, ("Rw", "H", "D/2")), "q_scale": Field(U8, ("Rw", "H", "D/32")),
@@ -111,7 +111,7 @@ _FIELDS: dict[str, OpSpec] = {
     "q_rope_fp8_quant": OpSpec(
         inputs=_Q_IN,
         outputs={"q_fp8": Field(U8, ("T", "H", "D")), "weights": Field(F32, ("T", "H"))},
-        scalars={"weights_scale": "float", "fp8_dtype": "fp8_dtype"},
+        scalars={"weights_scale": "float+", "fp8_dtype": "fp8_dtype"},
         optional={"hadamard": "bool"}),
     "paged_fp8_mqa_logits": OpSpec(
         inputs={"q_fp8": Field(U8, ("Rw", "H", "D")), **_PAGED_IN},

@@ -33,8 +33,7 @@ def check_q_args(q, positions, cos_sin_cache, weights, weights_scale) -> None:
         raise ValueError(f"q: head dim {d} is not a multiple of 32")
     if rdim % 2 or rdim > d:
         raise ValueError(f"cos_sin_cache: rope dim {rdim} must be even and at most D={d}")
-    checks.scalar("weights_scale", weights_scale, (float, int))
-    checks.finite("weights_scale", torch.tensor(float(weights_scale)))
+    checks.positive_finite("weights_scale", weights_scale)
     checks.int_range("positions", positions, 0, cos_sin_cache.shape[0])
     checks.finite("q", q)
     checks.finite("weights", weights)

@@ -6,6 +6,7 @@ import pytest
 from harness.run import budgets as B
 from harness.run.cases import Catalog
 from harness.diff import ALWAYS_FAIL
+from harness.diff.metrics import run_keys
 from harness.run.runner import run_case
 
 
@@ -50,14 +51,21 @@ def test_scopes_and_chain_keys(tmp_path):
     assert b.limit(k, "full", "c").max == 7
     assert b.limit("chain.page_bytes_mismatched", "default", "x") is None     # bare names skip the chain
     assert b.limit("chain.page_bytes_mismatched_frac", "default", "x").max == 1e-3
-    assert b.unused([k], "full", ["c"]) == []
-    assert b.unused(["q.page_bytes_mismatched"], "full", ["c"]) == [k]
-    b2 = write(tmp_path, '[suite.s]\npage_bytes_mismatchd = 0\n')
-    assert b2.unused(["k.page_bytes_mismatched"], "s", []) == ["page_bytes_mismatchd"]
+    run = {"c": run_keys(["k_norm_rope_mxfp4_cache"], chain=False)}
+    with pytest.raises(B.BudgetError, match="no limit for page_bytes_outside_owned_changed"):
+        b.check_run(run, "full", known_suites=["full"])              # incomplete: fails before any work
+    with pytest.raises(B.BudgetError, match=r"\[suite.full\] page_bytes_mismatched: matches no"):
+        b.check_run({"c": run_keys(["topk"], chain=False)}, "full", known_suites=["full"])
+    with pytest.raises(B.BudgetError, match=r"\[case.c\] k_norm_rope_mxfp4_cache.page_bytes_mismatched: matches no"):
+        b.check_run({"c": run_keys(["topk"], chain=False)}, "default", known_suites=["full"])
+    with pytest.raises(B.BudgetError, match=r"\[suite.full\]: no suite named 'full'"):
+        b.check_run(run, "smoke")
+    with pytest.raises(B.BudgetError, match="page_bytes_mismatchd.*did you mean 'page_bytes_mismatched'"):
+        write(tmp_path, '[suite.s]\npage_bytes_mismatchd = 0\n')
 
 
 def test_always_fail_metrics_need_no_budget(tmp_path):
-    b = write(tmp_path, "[default]\n")
+    b = write(tmp_path, "[default]\nlogits_diff = 1\n")
     assert b.check({"compress_pool.pooled_nonfinite": 1}, "s", "x")
     assert b.check({"compress_pool.pooled_nonfinite": 0}, "s", "x") == []
 
@@ -65,6 +73,12 @@ def test_always_fail_metrics_need_no_budget(tmp_path):
 @pytest.mark.parametrize("text, needle", [
     ("[default]\nx = true\n", "x"), ("[default]\nx = {maximum = 1}\n", "x"),
     ("[suite]\nx = 1\n", "suite"), ("oops = 1\n", "unknown top-level"), ("[default\n", "malformed"),
+    ("", "empty budgets file"), ("[default]\n", "empty budgets file"), ("[default]\nx = 1\n", "unknown metric"),
+    ("[default]\npooled_max_ulp = -1\n", "no value can pass"), ("[default]\ntopk_recall_min = 1.5\n", "no value"),
+    ("[default]\n\"compress_pool.page_bytes_mismatched\" = 0\n", "does not report"),
+    ("[default]\n\"chain.pooled_max_ulp\" = 0\n", "whole-chain comparison does not report"),
+    ("[default]\npage_bytes_mismatched_frac = 0\n", "whole-chain metric"),
+    ("[default]\npooled_rows_compared = 3\n", "no bad side"), ("[case.c]\n", "empty"),
 ])
 def test_malformed_files(tmp_path, text, needle):
     with pytest.raises(B.BudgetError) as e:

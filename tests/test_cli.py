@@ -99,12 +99,14 @@ def test_flipped_byte_found_and_localized(dump_file, tmp_path, capsys):
 def test_budgets_that_pass_and_fail(dump_file, tmp_path, capsys):
     bad = tmp_path / "flipped.safetensors"
     flip_one_byte(dump_file, bad)
+    contract = (ROOT / "cases" / "budgets.toml").read_text()
     loose = tmp_path / "loose.toml"
-    loose.write_text("[default]\npage_bytes_mismatched = 4\n")
+    loose.write_text(contract + "\n[suite.diff]\npage_bytes_mismatched = 4\n")
     rc, *_ = mxval(capsys, "diff", bad, "--budgets", loose, "--report-dir", tmp_path / "a", "-q")
     assert rc == 0
     strict_case = tmp_path / "case.toml"
-    strict_case.write_text(f'[default]\npage_bytes_mismatched = 4\n[case."{bad.name}"]\npage_bytes_mismatched = 0\n')
+    strict_case.write_text(contract + f'\n[suite.diff]\npage_bytes_mismatched = 4\n[case."{bad.name}"]\n'
+                           'page_bytes_mismatched = 0\n')
     rc, *_ = mxval(capsys, "diff", bad, "--budgets", strict_case, "--report-dir", tmp_path / "b", "-q")
     assert rc == 1
 

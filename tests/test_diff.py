@@ -404,14 +404,20 @@ def test_topk_tie_rule():
 # --- reports and dispatch ----------------------------------------------------------------------
 
 def test_report_budget_directions():
-    rep = DiffReport("x", {"a": 2.0, "topk_recall_min": 0.9, "nonfinite_inputs": 0.0})
-    assert higher_is_better("topk_recall_min") and higher_is_better("foo_min") and not higher_is_better("a")
-    assert rep.ok({"a": 2, "topk_recall_min": 0.9}) and not rep.ok({"a": 1})
-    assert not rep.ok({"topk_recall_min": 0.95}) and rep.ok({"missing_metric": 0})
-    assert not DiffReport("x", {"a": float("nan")}).ok({"a": 1})
-    for m in ALWAYS_FAIL:
-        assert not DiffReport("x", {m: 1.0}).ok({m: 5})
-    assert "FAIL" in rep.summary({"a": 1}) and "a = 2" in rep.summary({"a": 1})
+    rep = DiffReport("x", {"page_bytes_mismatched": 2.0, "topk_recall_min": 0.9, "nonfinite_inputs": 0.0})
+    assert higher_is_better("topk_recall_min") and not higher_is_better("page_bytes_mismatched")
+    assert rep.ok({"page_bytes_mismatched": 2, "topk_recall_min": 0.9}) and not rep.ok({"page_bytes_mismatched": 1})
+    assert not rep.ok({"topk_recall_min": 0.95}) and rep.ok({"q_bytes_mismatched": 0})  # a metric not reported
+    assert not DiffReport("x", {"logits_diff": float("nan")}).ok({"logits_diff": 1})
+    for m in ALWAYS_FAIL:                       # no budget: must be 0; "off" and a limit mean the same as in mxval
+        assert not DiffReport("x", {m: 1.0}).ok({}) and DiffReport("x", {m: 0.0}).ok()
+        assert DiffReport("x", {m: 1.0}).ok({m: "off"}) and DiffReport("x", {m: 1.0}).ok({m: 5})
+    with pytest.raises(ValueError, match="unknown metric 'foo_min'"):
+        rep.ok({"foo_min": 1})
+    with pytest.raises(ValueError, match="no value can pass"):
+        rep.ok({"page_bytes_mismatched": -1})
+    s = rep.summary({"page_bytes_mismatched": 1})
+    assert "FAIL" in s and "page_bytes_mismatched = 2" in s
 
 
 def test_diff_op_every_op_exact(layer):

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from harness.diff.metrics import METRICS, REQUIRED
+
 from harness.run.cases import Catalog
 from harness.commands.cli import main
 from optimized.faults import FAULTS
@@ -40,8 +42,11 @@ def test_quick_selftest_catches_every_fault_without_false_alarms(tmp_path):
     assert (rep / "report.json").exists() and "window-shift" in (rep / "selftest.md").read_text()
 
 
-# Budgets that only bound pooling: every K-writer fault slips through.
-POOLING_ONLY = "[default]\npooled_max_ulp = 1\n"
+# Budgets that only bound pooling (every other check of the contract explicitly "off"):
+# every K-writer fault slips through.
+POOLING_ONLY = "[default]\npooled_max_ulp = 1\n" + "".join(
+    f'{m} = "off"\n' for m in REQUIRED if m != "pooled_max_ulp") + "".join(
+    f'"chain.{m}" = "off"\n' for m, spec in METRICS.items() if spec.chain in ("required", "only"))
 
 
 def test_a_fault_no_budget_catches_fails_the_selftest(tmp_path):
@@ -51,14 +56,15 @@ def test_a_fault_no_budget_catches_fails_the_selftest(tmp_path):
     assert faults["window-shift"]["caught"] is True
     assert faults["window-shift"]["caught_by"] == ["pooled_max_ulp"]
     assert faults["rope-neox"]["caught"] is False and faults["rope-neox"]["caught_by"] == []
+    assert '[default] page_bytes_mismatched = "off"' in v["budgets_off"]      # shown, never silent
     assert rc == 1
 
 
 def test_a_correct_run_that_breaks_a_budget_is_a_false_alarm(tmp_path):
-    """A budget the correct backend cannot meet (recall above 1) must fail the selftest
-    even though every fault is still caught."""
+    """A budget the correct backend cannot meet (no pooled row compared at all) must fail
+    the selftest even though every fault is still caught."""
     rc, v = selftest(tmp_path, "--fault", "window-shift", "--backend", "reference", "--seeds", "2",
-                     budgets=POOLING_ONLY + "topk_recall_min = {min = 1.5}\n")
+                     budgets=POOLING_ONLY + "pooled_rows_compared = {max = 0}\n")
     assert v["faults"][0]["caught"] is True
     assert v["false_alarms"] > 0 and v["false_alarm_runs"][0]["violations"]
     assert rc == 1

@@ -228,19 +228,26 @@ def test_sharded_selftest_merges_into_the_unsharded_verdict(capsys, tmp_path):
     assert (tmp_path / "m" / "selftest.md").read_text() == (tmp_path / "full" / "selftest.md").read_text()
 
 
-def test_budget_warnings_of_the_merge_are_the_unsharded_runs(capsys, tmp_path):
-    """A [case.C] key matching nothing is only in scope in C's shard: the merge keeps its
-    warning (an intersection of the shards' warnings would drop it)."""
+def test_budgets_of_a_sharded_run_are_judged_on_the_whole_run(capsys, tmp_path):
+    """A [case.C] key is checked against the whole run's cases, not the shard's: a check
+    turned off for one case is listed the same by every shard and by the merge, and a
+    misspelt key is refused by every shard, also the one that does not hold C."""
     b = tmp_path / "b.toml"
-    b.write_text(Path("cases/budgets.toml").read_text() + '\n[case.smoke-rowend-k]\npage_bytes_mismatchd = 0\n')
+    b.write_text(Path("cases/budgets.toml").read_text() + '\n[case.smoke-rowend-k]\npage_bytes_mismatched = "off"\n')
     common = ["validate", "--suite", "smoke", "--backend", "reference", "--budgets", b, "-q"]
     mxval(capsys, *common, "--report-dir", tmp_path / "full")
     for k in (1, 2):
         mxval(capsys, *common, "--shard", f"{k}/2", "--report-dir", tmp_path / f"s{k}")
     rc, out, err = mxval(capsys, "report", "--merge", tmp_path / "s1", tmp_path / "s2", "--report-dir", tmp_path / "m",
                          "-q")
-    want = report_of(tmp_path / "full")["run"]["budget_warnings"]
-    assert any("page_bytes_mismatchd" in w for w in want)
-    assert report_of(tmp_path / "m")["run"]["budget_warnings"] == want
-    assert sum(any("mismatchd" in w for w in report_of(tmp_path / f"s{k}")["run"]["budget_warnings"])
-               for k in (1, 2)) == 1                                  # only one shard saw it
+    want = report_of(tmp_path / "full")["run"]["budgets_off"]
+    assert any("page_bytes_mismatched" in w for w in want)
+    assert report_of(tmp_path / "m")["run"]["budgets_off"] == want
+    assert all(report_of(tmp_path / f"s{k}")["run"]["budgets_off"] == want for k in (1, 2))
+    bad = tmp_path / "bad.toml"
+    bad.write_text(Path("cases/budgets.toml").read_text() + '\n[case.smoke-rowend-k]\npage_bytes_mismatchd = 0\n')
+    for k in (1, 2):
+        rc, out, err = mxval(capsys, "validate", "--suite", "smoke", "--backend", "reference", "--budgets", bad,
+                             "-q", "--shard", f"{k}/2", "--report-dir", tmp_path / f"bad{k}")
+        assert rc == 2
+        one_line(err, "page_bytes_mismatchd")

@@ -111,14 +111,14 @@ def _backend(name: str):
         raise UsageError(f"--backend: {e}") from None
 
 
-def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: Optional[str], quiet: bool) -> int:
+def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: Optional[str], quiet: bool,
+            run_keys: dict) -> int:
     from harness.io import report
     from harness.run.budgets import verdict
     rows = [verdict(r, budgets, suite) for r in rows]
     df = report.frame(rows)
-    meta["budget_warnings"] = [f"budget {k!r} in {budgets.path} matched no metric of this run"
-                               for k in budgets.unused(report.metric_columns(df), suite, list(df["case"]))]
     meta["budgets"] = budgets.as_dict()
+    meta["budgets_off"] = budgets.disabled(run_keys, suite)
     out = Path(report_dir or Path("reports") / _run_name(meta["command"], suite, meta["backend"]))
     try:
         paths = report.write_all(df, meta, out)
@@ -134,6 +134,33 @@ def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: Optio
               f"{len(meta['interrupted']['cancelled'])} cancelled)", file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK if report.summary(df)["ok"] else EXIT_FAIL
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cap_jobs(requested: int, items: int, device: str) -> tuple[int, dict]:
+    """-j N capped at the number of items to run and of CPUs (GPUs for a GPU backend):
+    (jobs, {requested, used, cap}); the cap is printed by the caller and kept in the report."""
+    import torch
+    if requested < 1:
+        raise UsageError(f"-j: expected a positive number of jobs, got {requested}")
+    gpu = device != "cpu" and torch.cuda.is_available()
+    units, what = (torch.cuda.device_count(), "GPU(s)") if gpu else (_cpus(), "CPU(s)")
+    jobs = max(1, min(requested, items, units))
+    cap = ""
+    if jobs < requested:
+        cap = f"{items} case(s)" if items <= units else f"{units} {what}"
+    return jobs, {"requested": requested, "used": jobs, "cap": cap}
+
+
+def say_cap(info: dict) -> None:
+    if info["cap"]:
+        print(f"note: -j {info['requested']} capped at {info['used']} ({info['cap']})", file=sys.stderr)
 
 
 def _meta(command: str, be, requested: str, started: float) -> dict:
@@ -160,17 +187,20 @@ def cmd_validate(args) -> int:
     from harness.run.runner import RunInterrupted, run_cases
     t0 = time.time()
     part = S.parse(args.shard) if getattr(args, "shard", None) is not None else None
+    from harness.diff.metrics import run_keys
     catalog = Catalog(args.cases_dir)
     suite, cases = catalog.select(args.suite, args.case)
     budgets = B.load(args.budgets)
+    keys = {c.name: run_keys(c.ops) for c in cases}
+    budgets.check_run(keys, suite, known_cases=catalog.by_name, known_suites=set(catalog.suites) | {"diff", "cases"})
     for c in cases:
         geometry(c)
     be = _backend(args.backend)
-    if args.jobs < 1:
-        raise UsageError(f"-j: expected a positive number of jobs, got {args.jobs}")
     all_cases = cases
     if part:
         cases = S.pick(all_cases, *part, S.case_cost, lambda c: c.name)
+    jobs, jobs_info = cap_jobs(args.jobs, len(cases), str(be.device))
+    say_cap(jobs_info)
     out = claim_report_dir(args, f"validate-{suite}-{be.name}" + (f"-shard{part[0]}of{part[1]}" if part else ""))
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -178,7 +208,7 @@ def cmd_validate(args) -> int:
                   console=stderr_console(), transient=True, disable=args.quiet) as bar:
         task = bar.add_task(f"{suite} on {be.name}", total=len(cases), last="")
         try:
-            rows = run_cases(cases, be.name, jobs=args.jobs,
+            rows = run_cases(cases, be.name, jobs=jobs,
                              progress=lambda r: bar.update(task, advance=1, last=f"{r['case']}: {r['outcome']}"))
             stopped = None
         except RunInterrupted as e:
@@ -186,6 +216,7 @@ def cmd_validate(args) -> int:
     meta = _meta("validate", be, args.backend, t0)
     meta["suite"] = suite
     meta["cases"] = [c.name for c in cases]
+    meta["jobs"] = jobs_info
     if stopped:
         meta["interrupted"] = stopped
     if part:
@@ -194,7 +225,7 @@ def cmd_validate(args) -> int:
                                    shard_names=[c.name for c in cases])
         if not cases and not args.quiet:
             print(f"shard {part[0]}/{part[1]}: no case of the {len(all_cases)} falls in this shard")
-    return _finish(rows, meta, budgets, suite, str(out), args.quiet)
+    return _finish(rows, meta, budgets, suite, str(out), args.quiet, keys)
 
 
 # --- diff ------------------------------------------------------------------------------------
@@ -220,11 +251,28 @@ def cmd_diff(args) -> int:
     from harness.run import budgets as B
     from harness.io.dumps import read_dump
     from harness.run.replay import replay_dump
+    from harness.diff.metrics import run_keys
+    from harness.run.cases import Catalog
     t0 = time.time()
     budgets = B.load(args.budgets)
     be = _backend(args.backend) if args.backend else None
+    seen: dict[str, str] = {}
+    for p in args.files:                                # a report row is named by its file name
+        name = os.path.basename(p)
+        if name in seen:
+            raise UsageError(f"{p}: same file name as {seen[name]} (each file is one report row, named by "
+                             "its file name: rename one)")
+        seen[name] = p
     dumps = [read_dump(p) for p in args.files]          # every file is checked before any runs
     out = claim_report_dir(args, f"diff-diff-{be.name if be else 'reference'}")
+    keys = {os.path.basename(d.path): run_keys(d.ops, chain=False) for d in dumps}
+    try:
+        catalog = Catalog()
+        known_cases, known_suites = set(catalog.by_name), set(catalog.suites)
+    except InputError:
+        known_cases, known_suites = set(), set()
+    budgets.check_run(keys, "diff", known_cases=known_cases, known_suites=known_suites | {"cases"},
+                      what="file")
     rows = []
     for d in dumps:
         t = time.time()
@@ -235,7 +283,7 @@ def cmd_diff(args) -> int:
     meta = _meta("diff", shown, args.backend or "reference", t0)
     meta["suite"] = "diff"
     meta["files"] = list(args.files)
-    return _finish(rows, meta, budgets, "diff", str(out), args.quiet)
+    return _finish(rows, meta, budgets, "diff", str(out), args.quiet, keys)
 
 
 # --- dump ------------------------------------------------------------------------------------
@@ -279,7 +327,12 @@ def cmd_cases(args) -> int:
     from rich.table import Table
     from harness.run.cases import Catalog
     from harness.io.report import wide_console
+    from harness.run.inputs import geometry
     catalog = Catalog(args.cases_dir)
+    if args.suite and args.suite not in catalog.suites:
+        raise UsageError(f"--suite: unknown suite {args.suite!r} (known: {', '.join(catalog.suites)})")
+    for c in catalog.by_name.values():        # shapes too: a case that cannot run is an error here
+        geometry(c)
     con = wide_console()
     for name, s in catalog.suites.items():
         if args.suite and name != args.suite:
@@ -294,8 +347,6 @@ def cmd_cases(args) -> int:
             t.add_row(c.name, c.suite, f"{c.fmt}:{ops}", c.summary(), c.requires or "",
                       c.description)
         con.print(t)
-    if args.suite and args.suite not in catalog.suites:
-        raise UsageError(f"--suite: unknown suite {args.suite!r} (known: {', '.join(catalog.suites)})")
     return EXIT_OK
 
 
@@ -365,9 +416,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or console table")
 
     p = sub.add_parser("validate", help="run a suite or cases against a backend and apply budgets")
-    g = p.add_argument_group("what to run")
+    g = p.add_argument_group("what to run").add_mutually_exclusive_group()
     g.add_argument("--suite", default=None, help="suite name (default: default)")
-    g.add_argument("--case", action="append", default=None, metavar="NAME", help="a case (repeatable)")
+    g.add_argument("--case", action="append", default=None, metavar="NAME",
+                   help="a case (repeatable; not with --suite)")
     p.add_argument("--backend", default="auto", help="backend name (see `mxval backends`)")
     p.add_argument("-j", "--jobs", type=int, default=1, help="cases in parallel (processes)")
     add_shard(p)
@@ -428,6 +480,20 @@ def add_shard(p) -> None:
     p.add_argument("--shard", default=None, metavar="K/N",
                    help="run only shard K of N (1-based; a deterministic, balanced slice) and "
                         "record it for `mxval report --merge`")
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    """Arguments argparse lets through but that would mean something else: an empty value
+    (`--suite ""` would run the default suite) is a usage error naming the flag."""
+    parsers = [ap]
+    for act in ap._actions:
+        if isinstance(act, argparse._SubParsersAction) and getattr(args, act.dest, None) in act.choices:
+            parsers.append(act.choices[getattr(args, act.dest)])
+    for parser in parsers:
+        for act in parser._actions:
+            v = getattr(args, act.dest, None)
+            vals = v if isinstance(v, list) else [v]
+            if any(isinstance(x, str) and not x.strip() for x in vals):
+                flag = act.option_strings[-1] if act.option_strings else act.metavar or act.dest
+                raise UsageError(f"{flag}: empty value")
 
 
 def _one_line(e: BaseException) -> str:
@@ -440,6 +506,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         ap, run = build_parser()
         args = ap.parse_args(argv)
+        check_args(ap, args)
         if getattr(args, "report_dir", None):
             _check_writable_path("--report-dir", args.report_dir, is_dir=True)
         for attr, flag in (("output", "-o"), ("json", "--json"), ("markdown", "--markdown"), ("readme", "--readme")):

@@ -169,6 +169,8 @@ def run(args) -> int:
     t0 = time.time()
     part = S.parse(args.shard) if getattr(args, "shard", None) is not None else None
     quick = args.quick
+    if quick and args.large:
+        raise UsageError("--large: not with --quick (the quick selftest never runs the > 2 GiB pool case)")
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
     if seeds < 1:
         raise UsageError(f"--seeds: expected a positive number, got {seeds}")
@@ -179,6 +181,10 @@ def run(args) -> int:
     for c in cases.values():
         geometry(c)
     budgets = B.load(args.budgets)
+    from harness.diff.metrics import run_keys
+    keys = {c.name: run_keys(c.ops) for c in cases.values()}
+    budgets.check_run(keys, SUITE, known_cases=catalog.by_name, known_suites=set(catalog.suites) | {"diff", "cases"})
+    budgets_off = budgets.disabled(keys, SUITE)
     faults = list(F.FAULTS.values())
     if args.fault:
         unknown = [n for n in args.fault if n not in F.FAULTS]
@@ -225,6 +231,9 @@ def run(args) -> int:
     all_plan = plan
     if part:
         plan = S.pick(all_plan, *part, lambda it: S.case_cost(it[2]), _label)
+    from harness.commands.cli import cap_jobs, say_cap
+    jobs, jobs_info = cap_jobs(args.jobs, max(1, len(plan)), "cuda" if torch.cuda.is_available() else "cpu")
+    say_cap(jobs_info)
     out = claim_report_dir(args, "selftest" + (f"-shard{part[0]}of{part[1]}" if part else ""))
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -241,7 +250,7 @@ def run(args) -> int:
         for name, items in groups.items():
             bar.update(task, last=name)
             try:
-                rows = run_cases([c for _, _, c in items], name, jobs=args.jobs,
+                rows = run_cases([c for _, _, c in items], name, jobs=jobs,
                                  progress=lambda r: bar.update(task, advance=1))
                 done = items
             except RunInterrupted as e:       # Ctrl-C: what finished is reported, marked partial
@@ -274,6 +283,7 @@ def run(args) -> int:
         "left_out": notes + [f"{r['backend']} on {r['selftest_case']}: {r['reason']}" for r in skipped_correct],
         "quick": quick,
         "correct_rows": len(correct_rows),
+        "budgets_off": budgets_off,
     }
     uncaught = [res.fault.name for res in results.values() if res.caught is False]
     # a shard may hold no correct run; the merge asks for one over the whole run
@@ -479,6 +489,9 @@ def markdown(results, budgets, verdict, meta) -> str:
         lines.append(f"| `{res.fault.name}` | {res.fault.bug_class} | {ops} | {_status(res)} | "
                      + " | ".join(f"**{_val(worst[m]['value'])}**" if m in worst else "·" for m in cols)
                      + " |")
+    if verdict.get("budgets_off"):
+        lines += ["", "Checks turned off by the budgets file: " + "; ".join(f"`{x}`" for x in verdict["budgets_off"])
+                  + "."]
     skipped = [r for r in results.values() if r.skipped]
     if skipped:
         lines.append("")
@@ -514,7 +527,7 @@ def write_report(out: Path, results, correct_rows, verdict, meta, md, budgets) -
             rr["reason"] = "; ".join(f"{v['metric']} {v['why']}" for v in r["violations"][:3])
         rows.append(rr)
     df = report.frame(rows)
-    meta = dict(meta, budgets=budgets.as_dict(), selftest=verdict)
+    meta = dict(meta, budgets=budgets.as_dict(), budgets_off=verdict.get("budgets_off", []), selftest=verdict)
     from harness.io import atomic
     report.write_all(df, meta, out)
     atomic.write_text(out / "selftest.md", md)
@@ -558,7 +571,7 @@ def merge_verdicts(verdicts: list[dict]) -> dict:
            "false_alarms": sum(int(v.get("false_alarms") or 0) for v in verdicts),
            "correct_runs": correct,
            "false_alarm_runs": [r for v in verdicts for r in v.get("false_alarm_runs") or []],
-           "left_out": left_out, "quick": first.get("quick"),
+           "left_out": left_out, "quick": first.get("quick"), "budgets_off": first.get("budgets_off", []),
            "correct_rows": sum(int(v.get("correct_rows") or 0) for v in verdicts),
            "machine": "; ".join(sorted({str(v.get("machine")) for v in verdicts})),
            "merged_shards": len(verdicts)}

@@ -320,6 +320,9 @@ def run(args) -> int:
 
     from harness.commands import study_report
     if args.from_json:
+        given = [f for f, v in (("--dump", args.dump), ("--device", args.device)) if v]
+        if given:
+            raise StudyConfigError(f"{given[0]}: not with --from-json (it re-renders a saved study, running nothing)")
         return _rerender(args)
     cfg = load_config(args.study, Path(args.study_file))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

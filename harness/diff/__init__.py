@@ -11,10 +11,15 @@ Every function returns a `DiffReport`: `metrics` (name -> float; the class count
 finding class is a metric too, `class_<name>`), `findings` (the first MAX_FINDINGS, each a
 dict with a `class` and a human `where`), `notes`.
 
-Budgets: a metric passes when `value <= budget`, except the metrics where larger is better
-(named `*_min`, or listed in HIGHER_IS_BETTER), which pass when `value >= budget`. A metric
-without a budget is not judged, except those in ALWAYS_FAIL (non-finite inputs or outputs,
-missing or misshapen outputs), which fail whenever they are non-zero: never a silent pass.
+Metrics are declared once, in the metric table `harness.diff.metrics.METRICS` (stage, kind,
+better side, how steps combine, whether a budgets file must bound it). Budgets: a number
+bounds a metric's bad side (`value <= budget`; `value >= budget` for the `*_min` metrics
+where larger is better), `{"max": .., "min": ..}` gives both, `"off"` turns a check off. One
+judge (`metrics.judge`) decides for `DiffReport.failures` and for mxval's reports alike. A
+metric without a budget is not judged, except those in ALWAYS_FAIL (non-finite inputs or
+outputs, missing or misshapen outputs), which fail whenever they are non-zero: never a
+silent pass. A budget naming a metric the table does not know is a ValueError. Every
+function checks its arguments first: a ValueError naming the argument, never a crash.
 
 Finding classes (the unit each one counts is in brackets):
   pages and Q (MXFP4): signed_zero (0x0 vs 0x8 nibble) [byte], one_step (codes adjacent on the
@@ -31,9 +36,11 @@ Finding classes (the unit each one counts is in brackets):
 """
 from .ops import diff_op, writer_slots
 from .pages import diff_pages
-from .report import ALWAYS_FAIL, HIGHER_IS_BETTER, MAX_FINDINGS, DiffReport, higher_is_better
+from .metrics import ALWAYS_FAIL, METRICS, Limit, aggregate, higher_is_better, judge, metric
+from .report import MAX_FINDINGS, DiffReport
 from .rows import diff_pooled, diff_q
 from .scores import diff_logits, diff_topk
 
-__all__ = ["ALWAYS_FAIL", "HIGHER_IS_BETTER", "MAX_FINDINGS", "DiffReport", "diff_logits", "diff_op",
-           "diff_pages", "diff_pooled", "diff_q", "diff_topk", "higher_is_better", "writer_slots"]
+__all__ = ["ALWAYS_FAIL", "METRICS", "MAX_FINDINGS", "DiffReport", "Limit", "aggregate", "diff_logits",
+           "diff_op", "diff_pages", "diff_pooled", "diff_q", "diff_topk", "higher_is_better", "judge",
+           "metric", "writer_slots"]

@@ -67,18 +67,23 @@ def _diff_topk(op, inputs, scalars, actual, expected):
 
 @dataclass(frozen=True)
 class StageView:
-    """The harness's columns of the op table, per stage: how to diff it, what to call it."""
+    """The harness's columns of the op table, per stage: how to diff it, what to call it,
+    which inputs and scalars its differ reads."""
     differ: Callable
     label: str
     checks_shape: bool = True          # top-k validates its own output (width k, not the reference's)
+    inputs: tuple = ()
+    scalars: tuple = ()
 
 
 STAGE_VIEWS: dict[str, StageView] = {
-    "pooling": StageView(_diff_pool, "pooling"),
-    "k_writer": StageView(_diff_k_pages, "K writer"),
+    "pooling": StageView(_diff_pool, "pooling", inputs=("positions", "kv_slot_mapping"),
+                         scalars=("compress_ratio",)),
+    "k_writer": StageView(_diff_k_pages, "K writer", inputs=("kv_cache", "k", "positions", "slot_mapping"),
+                          scalars=("compress_ratio", "page_size")),
     "q_quant": StageView(_diff_q, "Q quant"),
-    "scorer": StageView(_diff_scores, "scorer"),
-    "topk": StageView(_diff_topk, "top-k", checks_shape=False),
+    "scorer": StageView(_diff_scores, "scorer", inputs=("row_ends",)),
+    "topk": StageView(_diff_topk, "top-k", checks_shape=False, inputs=("logits", "lengths"), scalars=("k",)),
 }
 
 
@@ -93,9 +98,24 @@ def diff_op(op: str, inputs: dict, scalars: dict, actual: dict, expected: dict) 
     on the inputs that produced them; written slots, compared rows and row ends come from
     the inputs. For the scorer, `expected["logits"]` may be fp64 (preferred) or f32. For
     top-k, the reference scores are `inputs["logits"]` and `expected` is not used."""
-    if op not in OPS:
+    if not isinstance(op, str) or op not in OPS:
         raise ValueError(f"op: unknown op {op!r} (known: {', '.join(OPS)})")
+    for name, d in (("inputs", inputs), ("scalars", scalars), ("actual", actual), ("expected", expected)):
+        if not isinstance(d, dict):
+            raise ValueError(f"{name}: expected a dict, got {type(d).__name__}")
     view = STAGE_VIEWS[OPS[op].stage]
+    for name in view.inputs:
+        if name not in inputs:
+            raise ValueError(f"inputs: {op} needs {name!r}")
+        if not isinstance(inputs[name], torch.Tensor):
+            raise ValueError(f"inputs[{name!r}]: expected a tensor, got {type(inputs[name]).__name__}")
+    for name in view.scalars:
+        if name not in scalars:
+            raise ValueError(f"scalars: {op} needs {name!r}")
+    if "compress_ratio" in view.scalars and (isinstance(scalars["compress_ratio"], bool)
+                                             or not isinstance(scalars["compress_ratio"], int)
+                                             or scalars["compress_ratio"] < 1):
+        raise ValueError(f"scalars['compress_ratio']: expected a positive integer, got {scalars['compress_ratio']!r}")
     if view.checks_shape:
         shape_rep = _shape_report(op, actual, expected)
         if shape_rep:

@@ -11,6 +11,7 @@ import torch
 from reference import layout
 from reference.mxfp4 import MX_BLOCK, dequantize_mxfp4, e8m0_to_float
 
+from . import args as A
 from .report import MAX_FINDINGS, Collector, DiffReport, hex_byte
 
 
@@ -205,6 +206,24 @@ def diff_pages(actual: torch.Tensor, expected: torch.Tensor, before: Optional[to
     _check_pool("actual", actual, expected)
     if before is not None:
         _check_pool("before", before, expected)
+    A.pos_int("page_size", page_size)
+    A.pos_int("head_dim", head_dim)
+    if head_dim % 32:
+        raise ValueError(f"head_dim: {head_dim} is not a multiple of 32")
+    if fmt == "fp8":
+        from reference.formats import FP8_FLAVOURS
+        A.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
+        need = page_size * (head_dim + 4)
+    else:
+        try:
+            layout.check_layout(page_size, head_dim, layout.as_shuffle(shuffle))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"shuffle: {e}") from None
+        need = layout.page_bytes(page_size, head_dim)
+    if expected.shape[1] < need:
+        raise ValueError(f"expected: page stride {expected.shape[1]} is below the {need} bytes of "
+                         f"{page_size} entries of head dim {head_dim}")
+    written_slots = A.index("written_slots", written_slots)          # -1: a skipped token
     op = op or ("k_norm_rope_mxfp4_cache" if fmt == "mxfp4" else "k_norm_rope_fp8_cache")
     dev = expected.device            # a pool of GiBs is compared where it lives
     actual = actual.to(dev)

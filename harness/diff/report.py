@@ -1,18 +1,30 @@
 """DiffReport and the finding collector every stage's differ fills."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .metrics import METRICS, Limit, bare, judge
+
 MAX_FINDINGS = 50
-HIGHER_IS_BETTER = frozenset({"topk_recall_min", "topk_jaccard_min"})
-ALWAYS_FAIL = ("nonfinite_inputs", "pooled_nonfinite", "logits_nonfinite", "outputs_missing",
-               "outputs_bad_shape", "op_unsupported")
 
 
-def higher_is_better(metric: str) -> bool:
-    return metric.endswith("_min") or metric in HIGHER_IS_BETTER
+def _limits(budgets) -> dict[str, Limit]:
+    """{metric: number | {max, min} | "off" | Limit} -> {metric: Limit}, checked against the
+    metric table: ValueError naming the key when unknown, malformed or impossible to meet."""
+    if budgets is None:
+        return {}
+    if not isinstance(budgets, dict):
+        raise ValueError(f"budgets: expected a dict of metric -> limit, got {type(budgets).__name__}")
+    out = {}
+    for k, v in budgets.items():
+        if not isinstance(k, str) or bare(k) not in METRICS:
+            raise ValueError(f"budgets: unknown metric {k!r} (see harness/diff/metrics.py)")
+        try:
+            out[bare(k)] = Limit.parse(bare(k), v)
+        except ValueError as e:
+            raise ValueError(f"budgets[{k!r}]: {e}") from None
+    return out
 
 
 @dataclass
@@ -22,36 +34,28 @@ class DiffReport:
     findings: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def failures(self, budgets: dict[str, float]) -> list[tuple[str, float, Optional[float]]]:
-        """(metric, value, budget) of every metric that fails; budget None for ALWAYS_FAIL."""
-        out = []
-        for m in ALWAYS_FAIL:
-            v = self.metrics.get(m, 0)
-            if v != 0:
-                out.append((m, v, None))
-        for m, b in budgets.items():
-            if m not in self.metrics or m in ALWAYS_FAIL:
-                continue
-            v = float(self.metrics[m])
-            good = (v >= b) if higher_is_better(m) else (v <= b)
-            if not good or math.isnan(v):
-                out.append((m, v, b))
-        return out
+    def failures(self, budgets: Optional[dict] = None) -> list[dict]:
+        """Every metric that breaks its budget, judged by `metrics.judge` (the judge mxval's
+        reports use): [{metric, value, limit, why}]. `budgets`: metric -> a number (bounds the
+        bad side), {max, min} or "off". Always-fail metrics (non-finite or missing outputs)
+        fail when non-zero unless a budget names them."""
+        limits = _limits(budgets)
+        return judge(self.metrics, lambda k: limits.get(bare(k)))
 
-    def ok(self, budgets: dict[str, float]) -> bool:
+    def ok(self, budgets: Optional[dict] = None) -> bool:
         return not self.failures(budgets)
 
-    def summary(self, budgets: Optional[dict[str, float]] = None, max_findings: int = 8) -> str:
+    def summary(self, budgets: Optional[dict] = None, max_findings: int = 8) -> str:
         lines = []
         if budgets is not None:
             bad = self.failures(budgets)
             lines.append(f"{self.op}: {'OK' if not bad else 'FAIL'}")
-            for m, v, b in bad:
-                rule = "must be 0" if b is None else (f">= {b:g}" if higher_is_better(m) else f"<= {b:g}")
-                lines.append(f"  {m} = {v:g} ({rule})")
+            for v in bad:
+                lines.append(f"  {v['metric']} = {fmt_num(v['value']) if v['value'] is not None else 'NaN'} "
+                             f"(must be {v['limit']})")
         else:
             lines.append(f"{self.op}:")
-        shown = {k: v for k, v in self.metrics.items() if v != 0 or higher_is_better(k)}
+        shown = {k: v for k, v in self.metrics.items() if v != 0 or (k in METRICS and METRICS[k].higher_is_better)}
         if shown:
             lines.append("  " + ", ".join(f"{k}={fmt_num(v)}" for k, v in shown.items()))
         for f in self.findings[:max_findings]:
@@ -61,7 +65,7 @@ class DiffReport:
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
-    def raise_if_failed(self, budgets: dict[str, float]) -> None:
+    def raise_if_failed(self, budgets: Optional[dict] = None) -> None:
         if not self.ok(budgets):
             raise AssertionError(self.summary(budgets))
 

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from . import args as A
 from .pages import NIB_ONE_STEP, NIB_OTHER, NIB_SIGNED_ZERO, compare_mxfp4, entry_units, nibble_class, unit_finding
 from .report import MAX_FINDINGS, Collector, DiffReport, hex_byte
 
@@ -28,15 +29,23 @@ def _f32_ulps(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 
 def diff_pooled(actual: torch.Tensor, expected: torch.Tensor, rows, *,
                 op: str = "compress_pool") -> DiffReport:
-    """Pooled bf16 rows [T, D]; only `rows` (bool mask [T] or indices) are compared.
+    """Pooled bf16 rows [T, D] (fp32 rows of the CUDA fused path are compared at bf16, both
+    sides of one dtype); only `rows` (bool mask [T] or indices) are compared.
     Metrics: pooled_max_ulp (bf16 ulps; +0 and -0 are 0 ulps apart), pooled_values_differing
     (bit patterns differ), pooled_rows_differing, pooled_nonfinite (NaN/inf in a compared
     row of either side: never a pass)."""
-    if actual.shape != expected.shape:
-        raise ValueError(f"actual: shape {list(actual.shape)} differs from expected {list(expected.shape)}")
+    A.tensor("expected", expected, (torch.bfloat16, torch.float32), 2)
+    A.tensor("actual", actual, (torch.bfloat16, torch.float32), 2)
+    A.same("actual", actual, "expected", expected)      # an fp32 actual is never rounded onto bf16
     a, e = actual.cpu().to(torch.bfloat16), expected.cpu().to(torch.bfloat16)
-    rows = torch.as_tensor(rows).cpu()
-    idx = rows.nonzero().flatten() if rows.dtype == torch.bool else rows.long().flatten()
+    t = a.shape[0]
+    rows = A.index("rows", rows, lo=0, hi=t - 1, allow_bool=True)
+    if rows.dtype == torch.bool:
+        if rows.dim() != 1 or rows.numel() != t:
+            raise ValueError(f"rows: a bool mask needs shape [{t}], got {list(rows.shape)}")
+        idx = rows.cpu().nonzero().flatten()
+    else:
+        idx = rows
     a, e = a[idx], e[idx]
     fin = torch.isfinite(a.float()) & torch.isfinite(e.float())
     ulp = torch.where(fin, _bf16_ulps(a, e), torch.zeros((), dtype=torch.long))
@@ -72,18 +81,30 @@ def diff_q(actual: dict, expected: dict, *, op: Optional[str] = None) -> DiffRep
     """Q quant outputs: MXFP4 (q_fp4 [T,H,D/2], q_scale [T,H,D/32], weights) or FP8 (q_fp8
     [T,H,D], weights). Metrics: q_bytes_mismatched, q_scale_bytes_mismatched,
     weights_max_ulp (fp32 ulps), weights_differing; findings per (token, head, byte)."""
+    A.mapping("actual", actual)
+    A.mapping("expected", expected)
     fp8 = "q_fp8" in expected
     op = op or ("q_rope_fp8_quant" if fp8 else "q_rope_mxfp4_quant")
     col = Collector()
     vkey = "q_fp8" if fp8 else "q_fp4"
-    for key in (vkey, "weights") + (() if fp8 else ("q_scale",)):
+    specs = {vkey: ((torch.uint8,), 3), "weights": ((torch.float32,), 2)}
+    if not fp8:
+        specs["q_scale"] = ((torch.uint8,), 3)
+    for key, (dtypes, ndim) in specs.items():
         if key not in actual or key not in expected:
             raise ValueError(f"{key}: missing from {'actual' if key not in actual else 'expected'}")
-        if actual[key].shape != expected[key].shape:
-            raise ValueError(f"actual {key}: shape {list(actual[key].shape)} differs from expected "
-                             f"{list(expected[key].shape)}")
-    t, h = expected[vkey].shape[:2]
-    av, ev = actual[vkey].cpu().reshape(t * h, -1), expected[vkey].cpu().reshape(t * h, -1)
+        A.tensor(f"expected[{key!r}]", expected[key], dtypes, ndim)
+        A.tensor(f"actual[{key!r}]", actual[key], dtypes, ndim)
+        A.same(f"actual[{key!r}]", actual[key], f"expected[{key!r}]", expected[key])
+    t, h, nv = expected[vkey].shape
+    if expected["weights"].shape != (t, h):
+        raise ValueError(f"expected['weights']: shape {list(expected['weights'].shape)}, expected [{t}, {h}]")
+    if nv == 0:
+        raise ValueError(f"expected[{vkey!r}]: head dim 0")
+    if not fp8 and (nv % 16 or expected["q_scale"].shape != (t, h, nv // 16)):
+        raise ValueError(f"expected['q_scale']: shape {list(expected['q_scale'].shape)} does not fit q_fp4 "
+                         f"{list(expected[vkey].shape)} (D/32 scales for D/2 bytes)")
+    av, ev = actual[vkey].cpu().reshape(t * h, nv), expected[vkey].cpu().reshape(t * h, nv)
     if fp8:
         cls = nibble_class(av.long(), ev.long(), sign_bit=0x80)
         cls = torch.where(av != ev, cls, torch.zeros_like(cls))
@@ -98,8 +119,8 @@ def diff_q(actual: dict, expected: dict, *, op: Optional[str] = None) -> DiffRep
                       "where": f"token {i // h} head {i % h} byte {b}: {hex_byte(av[i, b])}, expected {hex_byte(ev[i, b])}"})
         col.total = units.shape[0]
     else:
-        asc = actual["q_scale"].cpu().reshape(t * h, -1)
-        esc = expected["q_scale"].cpu().reshape(t * h, -1)
+        asc = actual["q_scale"].cpu().reshape(t * h, nv // 16)
+        esc = expected["q_scale"].cpu().reshape(t * h, nv // 16)
         ed = compare_mxfp4(av, ev, asc, esc)
         units, counts = entry_units(ed)
         for c, n in counts.items():

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from . import args as A
 from .report import Collector, DiffReport
 
 def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, clean: bool,
@@ -19,16 +20,17 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
     logits_inf_pattern_mismatch counts columns >= row_end that are not -inf.
     logits_rows_differing: rows whose own difference exceeds `row_threshold` (fp32 rounding
     of fp64 scores stays far below the default 1e-12); findings list the worst of them."""
-    if actual.dim() != 2 or actual.shape != expected_fp64.shape:
-        raise ValueError(f"actual: shape {list(actual.shape)} differs from expected "
-                         f"{list(expected_fp64.shape)}")
+    A.tensor("expected_fp64", expected_fp64, A.FLOATS, 2)
+    A.tensor("actual", actual, A.FLOATS, 2)
+    A.same("actual", actual, "expected_fp64", expected_fp64, dtype=False)
+    A.flag("clean", clean)
+    A.pos_int("worst_rows", worst_rows, 0)
+    A.nonneg("row_threshold", row_threshold)
     x, y = actual.cpu().double(), expected_fp64.cpu().double()
     rw, w = x.shape
-    ends = torch.as_tensor(row_ends).cpu().long().reshape(-1)
+    ends = A.index("row_ends", row_ends, lo=0, hi=w)
     if ends.numel() != rw:
         raise ValueError(f"row_ends: {ends.numel()} entries for {rw} rows")
-    if rw and int(ends.max()) > w:
-        raise ValueError(f"row_ends: a row ends at {int(ends.max())}, past the logits width {w}")
     valid = torch.arange(w)[None, :] < ends[:, None]
     fin = torch.isfinite(x) & torch.isfinite(y)
     nonfinite = valid & ~fin
@@ -97,16 +99,19 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
       topk_duplicates           repeated indices (other than -1)
       topk_out_of_range         indices < -1 or >= the row's length
       topk_below_threshold      distinct in-range indices of long rows failing the tie rule"""
+    A.pos_int("k", k)
+    A.tensor("ref_logits_fp64", ref_logits_fp64, A.FLOATS, 2)
+    A.tensor("indices", indices, A.INT_DTYPES, 2)
+    if tol is not None:
+        A.nonneg("tol", tol)
     idx = indices.cpu().long()
     s = ref_logits_fp64.cpu().double()
     rw, w = s.shape
-    if idx.dim() != 2 or idx.shape[0] != rw or idx.shape[1] != k:
+    if idx.shape[0] != rw or idx.shape[1] != k:
         raise ValueError(f"indices: expected shape [{rw}, {k}], got {list(idx.shape)}")
-    lens = torch.as_tensor(lengths).cpu().long().reshape(-1)
+    lens = A.index("lengths", lengths, lo=0, hi=w)
     if lens.numel() != rw:
         raise ValueError(f"lengths: {lens.numel()} entries for {rw} rows")
-    if rw and int(lens.max()) > w:
-        raise ValueError(f"lengths: a row has length {int(lens.max())}, past the logits width {w}")
     cols = torch.arange(w)
     valid_cols = cols[None, :] < lens[:, None]
     nan_scores = int((torch.isnan(s) & valid_cols).sum())
@@ -129,7 +134,7 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
     topv, topi = torch.topk(masked, kk, dim=1) if w else (torch.zeros(rw, 0), torch.zeros(rw, 0, dtype=torch.long))
     kth = topv[:, -1] if kk else torch.zeros(rw, dtype=torch.float64)
     finite_abs = torch.where(valid_cols & torch.isfinite(s), s.abs(), 0.0)
-    row_tol = (finite_abs.amax(1) * 1e-4) if tol is None else torch.full((rw,), float(tol), dtype=torch.float64)
+    row_tol = ((finite_abs.amax(1) if w else torch.zeros(rw, dtype=torch.float64)) * 1e-4) if tol is None else torch.full((rw,), float(tol), dtype=torch.float64)
     sc = masked.gather(1, srt.clamp(0, max(w - 1, 0))) if w else torch.zeros_like(srt, dtype=torch.float64)
     acceptable = s_in & torch.where(short[:, None], torch.ones_like(s_in), sc >= (kth - row_tol)[:, None])
     m = acceptable.sum(1)

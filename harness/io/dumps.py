@@ -62,6 +62,10 @@ def _check_scalar(kind: str, v) -> Optional[str]:
     if kind == "float":
         ok = (_is_int(v) or isinstance(v, float)) and v == v and abs(v) != float("inf")
         return None if ok else f"expected a finite number, got {v!r}"
+    if kind == "float+":            # used in fp32 by the ops: finite and > 0 there too
+        ok = (_is_int(v) or isinstance(v, float)) and v == v and abs(v) != float("inf") and v > 0
+        ok = ok and 1.4e-45 <= v <= 3.4028234663852886e38
+        return None if ok else f"expected a finite number > 0 (and within fp32), got {v!r}"
     if kind == "int+":
         return None if _is_int(v) and v > 0 else f"expected a positive integer, got {v!r}"
     if kind == "bool":

@@ -97,35 +97,11 @@ def merge(shards: list[tuple[Path, object, dict]]):
     meta["merged_from"] = [{"dir": str(d), "k": m["shard"]["k"], "n": m["shard"]["n"],
                             "machine": m.get("machine"), "started": m.get("started"),
                             "seconds": m.get("seconds"), "cases": len(df_)} for d, df_, m in shards]
-    meta["budget_warnings"] = merged_warnings(shards, df)
+    # budgets_off comes from the first shard: each shard derives it from the whole run's cases
     if first.get("command") == "selftest":
         from harness.commands.selftest import merge_verdicts
         meta["selftest"] = merge_verdicts([m.get("selftest") or {} for _, _, m in shards])
     return df, meta
-
-
-def merged_warnings(shards, df) -> list[str]:
-    """A [case.C] key is only in scope in C's shard, a [suite.S] key in every shard: a key
-    warned about anywhere stays a warning when it matches no metric of the merged run."""
-    import ast
-    import re
-    from harness.io import report
-    full = set(report.metric_columns(df))
-    bare = {k.partition(".")[2] for k in full if not k.startswith("chain.")}
-    warned = [list(m.get("budget_warnings") or []) for _, _, m in shards]
-    out: list[str] = []
-    for w in dict.fromkeys(x for ws in warned for x in ws):
-        m = re.match(r"budget ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\") in ", w)
-        try:
-            key = ast.literal_eval(m.group(1)) if m else None
-        except (ValueError, SyntaxError):
-            key = None
-        if key is None:
-            if all(w in ws for ws in warned):       # unknown wording: kept when every shard says it
-                out.append(w)
-        elif key not in full and key not in bare:
-            out.append(w)
-    return out
 
 
 def merge_command(args) -> int:

@@ -197,8 +197,9 @@ def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
         console.print(f"[bold red]{_interrupt_note(meta)}[/]")
     console.print(f"{verdict}: {s['pass']} pass, {s['fail']} fail, {s['error']} error, "
                   f"{s['nonfinite_input']} non-finite input, {s['skipped']} skipped")
-    for w in meta.get("budget_warnings") or []:
-        console.print(f"[yellow]warning:[/] {w}")
+    if meta.get("budgets_off"):
+        console.print(f"[yellow]checks turned off[/] by {(meta.get('budgets') or {}).get('path', '')}: "
+                      + "; ".join(meta["budgets_off"]))
 
 
 # --- markdown --------------------------------------------------------------------------------
@@ -220,6 +221,8 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
              f"· {s['skipped']} skipped · {meta.get('machine', '')} · {meta.get('seconds', 0):.1f} s · "
              f"budgets `{(meta.get('budgets') or {}).get('path', '')}`", "",
              *([f"backend: {meta['backend_description']}", ""] if meta.get("backend_description") else []),
+             *([f"> **checks turned off** by the budgets file: {'; '.join(f'`{x}`' for x in meta['budgets_off'])}", ""]
+               if meta.get("budgets_off") else []),
              "| case | status | " + " | ".join(h for h, _, _ in HEADLINE) + " | chain≠ frac | reason |",
              "|---|---|" + "---|" * len(HEADLINE) + "---|---|"]
     for _, r in df.iterrows():
@@ -238,8 +241,6 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
             for w in _where_lines(r):
                 lines.append(f"  - {w}")
             lines.append("")
-    for w in meta.get("budget_warnings") or []:
-        lines.append(f"> warning: {w}")
     return "\n".join(lines) + "\n"
 
 
@@ -354,6 +355,7 @@ figure{{margin:1em 0}}details{{margin-top:2em}}</style></head><body>
 <p>{s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['nonfinite_input']} non-finite input, {s['skipped']} skipped ·
 {e(str(meta.get('machine', '')))} · {e(str(meta.get('started', '')))} · budgets {e(str((meta.get('budgets') or {}).get('path', '')))}</p>
 <p>backend: {e(str(meta.get('backend_description', '')))}</p>
+{f"<p><b>checks turned off</b> by the budgets file: {e('; '.join(meta['budgets_off']))}</p>" if meta.get('budgets_off') else ''}
 <table><tr>{''.join(f'<th>{e(c)}</th>' for c in cols)}</tr>{''.join(rows)}</table>
 {figs}
 {''.join(details)}
@@ -371,6 +373,9 @@ def junit(df: pd.DataFrame, meta: dict) -> str:
                                                      if r["status"] == "nonfinite_input" and not r["ok"])),
                        errors=str(s["error"]), skipped=str(s["skipped"]),
                        time=f"{float(meta.get('seconds', 0)):.3f}")
+    if meta.get("budgets_off"):
+        props = ET.SubElement(suite, "properties")
+        ET.SubElement(props, "property", name="budgets_off", value="; ".join(meta["budgets_off"]))
     for _, r in df.iterrows():
         tc = ET.SubElement(suite, "testcase", classname=f"mxval.{r['suite']}.{r['backend']}", name=str(r["case"]),
                            time=f"{_num(r['seconds']) or 0:.3f}")

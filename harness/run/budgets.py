@@ -19,78 +19,72 @@ comparison). A budget key is either such a full key or a bare metric name; a bar
 applies to every op stage but never to `chain.*` (the whole chain has its own budget).
 The most specific scope wins (case, then suite, then default); within a scope the full
 key beats the bare name.
+
+A budgets file cannot pass by accident (checked before any case runs): an empty file, an
+unknown key, a key naming a metric its stage does not report, a limit no value can meet
+(`pooled_max_ulp = -1`), a [suite.S] or [case.C] scope naming no suite or case, a key of a
+scope in use matching no metric of the run, and a metric the table marks `required` that
+the run reports but the file neither bounds nor turns "off" are all errors naming the file
+and the key (exit 2). The metrics, their directions and how steps combine are declared once,
+in harness/diff/metrics.py; `judge` there decides every verdict. A check turned "off" is
+listed in every report of the run.
 """
 from __future__ import annotations
 
-import math
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
+from harness.diff.metrics import CHAIN, METRICS, OFF, Limit, bare, emitted_by, judge, required_keys
 from harness.errors import InputError
 from harness.run.cases import BUDGETS_FILE, CASES_DIR, tomllib
 
-CHAIN_PREFIX = "chain"
+CHAIN_PREFIX = CHAIN
+__all__ = ["BudgetError", "Budgets", "Limit", "OFF", "load", "verdict"]
 
 
 class BudgetError(InputError):
     """An unreadable or malformed budgets file; the message names the file and the problem."""
 
 
-@dataclass(frozen=True)
-class Limit:
-    max: Optional[float] = None
-    min: Optional[float] = None
-
-    def violated(self, value) -> Optional[str]:
-        """None when `value` holds, else why not. NaN never holds."""
-        if value is None:
-            return None
-        v = float(value)
-        if math.isnan(v):
-            return "is NaN"
-        if self.max is not None and v > self.max:
-            return f"{_fmt(v)} > {_fmt(self.max)}"
-        if self.min is not None and v < self.min:
-            return f"{_fmt(v)} < {_fmt(self.min)}"
+def _key_problem(key: str) -> Optional[str]:
+    """None when a budget key names a metric some stage emits, else why not."""
+    from reference.ops import OPS
+    if not isinstance(key, str) or not key:
+        return "empty key"
+    stage, dot, name = key.rpartition(".")
+    if name not in METRICS:
+        close = difflib.get_close_matches(name, list(METRICS), n=1)
+        return f"unknown metric {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+    if not dot:
+        if METRICS[name].chain == "only":
+            return f"{name} is a whole-chain metric: write \"{CHAIN}.{name}\""
         return None
-
-    def text(self) -> str:
-        parts = ([f"<= {_fmt(self.max)}"] if self.max is not None else []) + \
-                ([f">= {_fmt(self.min)}"] if self.min is not None else [])
-        return " and ".join(parts) or "off"
-
-
-OFF = Limit()
-
-
-def _fmt(v: float) -> str:
-    return f"{v:.6g}" if isinstance(v, float) and not float(v).is_integer() else f"{v:g}"
-
-
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if stage == CHAIN:
+        return None if emitted_by(name, CHAIN) else f"the whole-chain comparison does not report {name}"
+    if stage not in OPS:
+        return f"unknown stage {stage!r} (an op name or {CHAIN!r})"
+    if not emitted_by(name, OPS[stage].stage):
+        return f"op {stage} does not report {name}"
+    return None
 
 
 def _limit(path, where: str, key: str, v) -> Limit:
-    from harness.diff import higher_is_better
-    if v == "off":
-        return OFF
-    # A NaN limit compares False with everything, so it would pass any value.
-    if _num(v) and not math.isnan(v):      # a bare number bounds the bad side: *_min from below
-        return Limit(min=float(v)) if higher_is_better(key.rpartition(".")[2]) else Limit(max=float(v))
-    if isinstance(v, dict) and v and not set(v) - {"max", "min"} \
-            and all(_num(x) and not math.isnan(x) for x in v.values()):
-        lim = Limit(max=float(v["max"]) if "max" in v else None, min=float(v["min"]) if "min" in v else None)
-        if lim.max is not None and lim.min is not None and lim.min > lim.max:
-            raise BudgetError(f"{path}: [{where}] {key}: min {_fmt(lim.min)} > max {_fmt(lim.max)}, no value can pass")
-        return lim
-    raise BudgetError(f"{path}: [{where}] {key}: expected a number, {{max = .., min = ..}} or \"off\", got {v!r}")
+    bad = _key_problem(key)
+    if bad:
+        raise BudgetError(f"{path}: [{where}] {key}: {bad}")
+    try:
+        return Limit.parse(bare(key), v)
+    except ValueError as e:
+        raise BudgetError(f"{path}: [{where}] {key}: {e}") from None
 
 
 def _table(path, where: str, raw) -> dict[str, Limit]:
     if not isinstance(raw, dict):
-        raise BudgetError(f"{path}: [{where}] must be a table of metric = limit")
+        raise BudgetError(f"{path}: [{where}] must be a table of metric = limit, got {raw!r}")
+    if not raw and where != "default":
+        raise BudgetError(f"{path}: [{where}] is empty (it would change nothing)")
     return {k: _limit(path, where, k, v) for k, v in raw.items()}
 
 
@@ -101,27 +95,23 @@ class Budgets:
     suites: dict[str, dict[str, Limit]]
     cases: dict[str, dict[str, Limit]]
 
+    def _find(self, key: str, suite: str, case: str) -> tuple[Optional[Limit], str, str]:
+        """(limit, scope, budget key) of the most specific budget of `key`."""
+        stage, _, name = key.partition(".")
+        names = (key,) if stage == CHAIN_PREFIX else (key, name)
+        for scope, table in ((f"case.{case}", self.cases.get(case)), (f"suite.{suite}", self.suites.get(suite)),
+                             ("default", self.default)):
+            for n in names:
+                if table and n in table:
+                    return table[n], scope, n
+        return None, "", ""
+
     def limit(self, key: str, suite: str, case: str) -> Optional[Limit]:
-        stage, _, metric = key.partition(".")
-        names = (key,) if stage == CHAIN_PREFIX else (key, metric)
-        for table in (self.cases.get(case), self.suites.get(suite), self.default):
-            for name in names:
-                if table and name in table:
-                    return table[name]
-        return None
+        return self._find(key, suite, case)[0]
 
     def check(self, metrics: dict, suite: str, case: str) -> list[dict]:
-        """Every exceeded limit: {metric, value, limit, why}."""
-        from harness.diff import ALWAYS_FAIL
-        out = []
-        for key, value in sorted(metrics.items(), key=lambda kv: (kv[0].startswith(CHAIN_PREFIX + "."), kv[0])):
-            lim = self.limit(key, suite, case)
-            if lim is None and key.partition(".")[2] in ALWAYS_FAIL:
-                lim = Limit(max=0.0)     # non-finite or missing outputs: never a silent pass
-            why = lim.violated(value) if lim else None
-            if why:
-                out.append({"metric": key, "value": _jsonable(value), "limit": lim.text(), "why": why})
-        return out
+        """Every exceeded limit: {metric, value, limit, why} (harness.diff.metrics.judge)."""
+        return judge(metrics, lambda k: self.limit(k, suite, case))
 
     def keys(self) -> set[str]:
         out = set(self.default)
@@ -129,16 +119,59 @@ class Budgets:
             out |= set(t)
         return out
 
-    def unused(self, metric_keys, suite: str, cases) -> list[str]:
-        """Keys of the [suite.S] and [case.C] scopes in use that matched no metric of the
-        run: an override with a typo would silently check nothing. ([default] keys are
-        checked against the metric names by the test suite; some only appear on failure.)"""
-        full = set(metric_keys)
-        bare = {k.partition(".")[2] for k in full if not k.startswith(CHAIN_PREFIX + ".")}
-        keys = set(self.suites.get(suite, {}))
-        for c in cases:
-            keys |= set(self.cases.get(c, {}))
-        return sorted(k for k in keys if k not in full and k not in bare)
+    def check_run(self, run: dict[str, Iterable[str]], suite: str, *, known_cases: Iterable[str] = (),
+                  known_suites: Iterable[str] = (), what: str = "case") -> None:
+        """Before any work: the budgets fit this run. `run`: case name -> the metric keys its
+        ops can report (metrics.run_keys). BudgetError naming the file and key when a
+        [suite.S] or [case.C] scope names nothing known, when a key of a scope in use matches
+        no metric of the run, or when a metric class a budgets file must bound (the metric
+        table's `required`) has neither a limit nor "off"."""
+        run = {c: set(k) for c, k in run.items()}
+        known_cases = set(known_cases) | set(run)
+        for c in self.cases:
+            if c not in known_cases:
+                raise BudgetError(f"{self.path}: [case.{c}]: no {what} named {c!r}"
+                                  + (" in this run" if what != "case" else " (see `mxval cases`)"))
+        known_suites = set(known_suites) | {suite}
+        for s in self.suites:
+            if s not in known_suites:
+                raise BudgetError(f"{self.path}: [suite.{s}]: no suite named {s!r} (known: "
+                                  f"{', '.join(sorted(known_suites))})")
+        every = set().union(*run.values()) if run else set()
+        scoped = [(f"suite.{suite}", self.suites.get(suite, {}), every)]
+        scoped += [(f"case.{c}", self.cases.get(c, {}), keys) for c, keys in run.items()]
+        for where, table, keys in scoped:
+            bare_keys = {bare(k) for k in keys if not k.startswith(CHAIN + ".")}
+            for k in table:
+                if k not in keys and k not in bare_keys:
+                    raise BudgetError(f"{self.path}: [{where}] {k}: matches no metric of this run "
+                                      f"(its ops do not report it)")
+        missing: dict[str, list[str]] = {}
+        for c, keys in run.items():
+            for k in required_keys(keys):
+                if self.limit(k, suite, c) is None:
+                    shown = k if k.startswith(CHAIN + ".") else bare(k)
+                    missing.setdefault(shown, []).append(c)
+        if missing:
+            names = sorted(missing)
+            cs = sorted({c for v in missing.values() for c in v})
+            raise BudgetError(f"{self.path}: no limit for {', '.join(names)} ({what} {cs[0]!r}"
+                              f"{f' and {len(cs) - 1} more' if len(cs) > 1 else ''}): a budgets file must "
+                              "bound every metric class the run reports, or say \"off\" for it")
+
+    def disabled(self, run: dict[str, Iterable[str]], suite: str) -> list[str]:
+        """The contract's checks (required or always-fail metrics) that "off" turns off for
+        this run, each as `[scope] key = "off"`: every report shows them."""
+        out: set[str] = set()
+        for c, keys in run.items():
+            for k in keys:
+                m = METRICS.get(bare(k))
+                if m is None or not (m.always_fail or k in required_keys([k])):
+                    continue
+                lim, scope, used = self._find(k, suite, c)
+                if lim is not None and lim.off:
+                    out.add(f'[{scope}] {used} = "off"')
+        return sorted(out)
 
     def as_dict(self) -> dict:
         def t(tab):
@@ -148,17 +181,18 @@ class Budgets:
                 "case": {c: t(v) for c, v in self.cases.items()}}
 
 
-def _jsonable(v):
-    f = float(v)
-    return None if math.isnan(f) else (int(f) if f.is_integer() and abs(f) < 2 ** 53 else f)
-
-
 def default_path() -> Path:
     return CASES_DIR / BUDGETS_FILE
 
 
 def load(path: Path | str | None = None) -> Budgets:
-    path = Path(path) if path else default_path()
+    """Read and check a budgets file: every key must name a metric of the metric table that
+    its stage reports, every limit must be one some value can meet. BudgetError otherwise
+    (one line naming the file, the scope and the key). Whether the file fits a run (every
+    required metric bounded) is `Budgets.check_run`."""
+    path = Path(path) if path is not None else default_path()
+    if str(path) == "":
+        raise BudgetError("--budgets: empty file name")
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -172,12 +206,15 @@ def load(path: Path | str | None = None) -> Budgets:
     for scope in ("suite", "case"):
         if not isinstance(data.get(scope, {}), dict):
             raise BudgetError(f"{path}: [{scope}.<name>] tables expected")
-    return Budgets(str(path), _table(path, "default", data.get("default", {})),
-                   {s: _table(path, f"suite.{s}", t) for s, t in data.get("suite", {}).items()},
-                   {c: _table(path, f"case.{c}", t) for c, t in data.get("case", {}).items()})
-
-
-STATUSES = ("pass", "fail", "error", "nonfinite_input", "skipped")
+        for name, t in data.get(scope, {}).items():
+            if not isinstance(t, dict):
+                raise BudgetError(f"{path}: [{scope}] {name}: expected a [{scope}.{name}] table of metric = limit")
+    b = Budgets(str(path), _table(path, "default", data.get("default", {})),
+                {s: _table(path, f"suite.{s}", t) for s, t in data.get("suite", {}).items()},
+                {c: _table(path, f"case.{c}", t) for c, t in data.get("case", {}).items()})
+    if not b.keys():
+        raise BudgetError(f"{path}: empty budgets file: it bounds no metric (start from {default_path()})")
+    return b
 
 
 def verdict(row: dict, budgets: Budgets, suite: str) -> dict:

@@ -1,8 +1,12 @@
 """Validation cases and suites, read from TOML (`cases/<suite>.toml`).
 
 A suite file holds a `[suite]` table, optional `[defaults]` shared by its cases, and
-`[[case]]` tables. `include = ["smoke"]` in `[suite]` runs another suite's cases too.
-Every key is checked: a typo is an error naming the file and the case, never ignored.
+`[[case]]` tables. `include = ["smoke"]` in `[suite]` runs another suite's cases too (a
+cycle of includes is an error; a case reached by two paths runs once). Every key is
+checked against one declarative schema (`CASE_SCHEMA`, `SUITE_SCHEMA` below: types, ranges
+with stated upper bounds, lists where lists belong); an error is one line naming the file,
+the case (or `[suite]`, `[defaults]`) and the key, never ignored. What a case may allocate
+(pool, queries, logits) is bounded in harness/run/inputs.py `geometry`.
 
     [[case]]
     name = "prefill-chunks-shuffled"
@@ -107,101 +111,238 @@ class Case:
                f"{'+'.join(self.dist)}{' plant' if self.plant else ''}"
 
 
-_FIELDS = {f.name for f in dataclasses.fields(Case)} - {"suite", "file"}
-_SEQ_KEYS = {"len", "chunks", "decode"}
+# --- the schema ---------------------------------------------------------------------------
+#
+# Every key of a suite file, declared once: its type, its range (every number has a stated
+# upper bound, so a typo of 1e12 tokens is refused here, not by the allocator), lists where
+# lists belong. `_check` walks a value against its spec; an error is one line naming the
+# file, the case (or [suite] / [defaults]) and the key path.
+
+MAX_TOKENS = 2 ** 21             # tokens of one case, summed over its sequences
+MAX_SEQS = 1024
+MAX_STEPS = 4096                 # chunks + decode steps of one sequence
+MAX_HEADS = 256
+MAX_TOPK = 2 ** 16
+MAX_PAGE_SIZE = 4096
+MAX_POOL_PAGES = 2 ** 21
+MAX_PAD = 2 ** 16
+MAX_PLANT = 2 ** 20
+MAX_SCALE = 2.0 ** 64
+MAX_SEED = 2 ** 63 - 1
 
 
-def _int(where: str, key: str, v, lo: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise CaseError(f"{where}: {key} must be an integer >= {lo}, got {v!r}")
-    return v
+class _Bad(Exception):
+    def __init__(self, key: str, msg: str):
+        self.key, self.msg = key, msg
 
 
-def _seq(where: str, raw) -> SeqSpec:
-    if isinstance(raw, int) and not isinstance(raw, bool):
+@dataclass(frozen=True)
+class Int:
+    lo: int
+    hi: int
+
+    def check(self, key, v):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _Bad(key, f"expected an integer in [{self.lo}, {self.hi}], got {_show(v)}")
+        if not self.lo <= v <= self.hi:
+            raise _Bad(key, f"{v} is out of range [{self.lo}, {self.hi}]")
+        return v
+
+
+@dataclass(frozen=True)
+class Float:
+    lo: float
+    hi: float
+
+    def check(self, key, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _Bad(key, f"expected a number in [{self.lo:g}, {self.hi:g}], got {_show(v)}")
+        if v != v or not self.lo <= v <= self.hi:
+            raise _Bad(key, f"{v} is out of range [{self.lo:g}, {self.hi:g}]")
+        return float(v)
+
+
+@dataclass(frozen=True)
+class Bool:
+    def check(self, key, v):
+        if not isinstance(v, bool):
+            raise _Bad(key, f"expected true or false, got {_show(v)}")
+        return v
+
+
+@dataclass(frozen=True)
+class Str:
+    empty_ok: bool = True
+
+    def check(self, key, v):
+        if not isinstance(v, str):
+            raise _Bad(key, f"expected a string, got {_show(v)}")
+        if not self.empty_ok and not v.strip():
+            raise _Bad(key, "must not be empty")
+        if "\n" in v and not self.empty_ok:
+            raise _Bad(key, "must be one line")
+        return v
+
+
+@dataclass(frozen=True)
+class Choice:
+    options: tuple
+
+    def check(self, key, v):
+        if isinstance(v, bool) or v not in self.options:
+            raise _Bad(key, f"expected one of {', '.join(map(repr, self.options))}, got {_show(v)}")
+        return v
+
+
+@dataclass(frozen=True)
+class List:
+    item: object
+    lo: int
+    hi: int
+    unique: bool = False
+
+    def check(self, key, v):
+        if not isinstance(v, list):
+            raise _Bad(key, f"expected a list ({self.lo} to {self.hi} items), got {_show(v)}")
+        if not self.lo <= len(v) <= self.hi:
+            raise _Bad(key, f"expected {self.lo} to {self.hi} items, got {len(v)}")
+        out = [self.item.check(f"{key}[{i}]", x) for i, x in enumerate(v)]
+        if self.unique:
+            dup = [x for i, x in enumerate(out) if x in out[:i]]
+            if dup:
+                raise _Bad(key, f"{dup[0]!r} is listed twice")
+        return out
+
+
+@dataclass(frozen=True)
+class Table:
+    keys: dict
+    required: tuple = ()
+
+    def check(self, key, v):
+        if not isinstance(v, dict):
+            raise _Bad(key, f"expected a table {{{', '.join(self.keys)}}}, got {_show(v)}")
+        extra = sorted(set(v) - set(self.keys))
+        if extra:
+            raise _Bad(key, f"unknown key(s) {extra} (known: {', '.join(self.keys)})")
+        for r in self.required:
+            if r not in v:
+                raise _Bad(f"{key}.{r}" if key else r, "is required")
+        return {k: self.keys[k].check(f"{key}.{k}" if key else k, x) for k, x in v.items()}
+
+
+@dataclass(frozen=True)
+class Either:
+    options: tuple
+    text: str
+
+    def check(self, key, v):
+        errors = []
+        for o in self.options:
+            try:
+                return o.check(key, v)
+            except _Bad as e:
+                errors.append(e)
+        inner = [e for e in errors if e.key != key or "out of range" in e.msg or " items, got " in e.msg
+                 or e.msg.startswith("unknown key")]
+        if len(inner) == 1:             # the value has one option's shape: say what is wrong inside it
+            raise inner[0]
+        raise _Bad(key, f"expected {self.text}, got {_show(v)}")
+
+
+def _show(v) -> str:
+    r = repr(v)
+    return (r if len(r) <= 60 else r[:57] + "...") + ("" if isinstance(v, (int, float, str, bool))
+                                                       else f" ({type(v).__name__})")
+
+
+def _presets() -> tuple:
+    from reference.formats import PRESETS
+    return tuple(PRESETS)
+
+
+SEQ_SCHEMA = Table({"len": Int(1, MAX_TOKENS), "chunks": List(Int(1, MAX_TOKENS), 0, MAX_STEPS),
+                    "decode": Int(0, MAX_STEPS)}, required=("len",))
+PLANT_SCHEMA = Table({"tensor": Choice(PLANT_TENSORS), "value": Choice(tuple(PLANT_VALUES)),
+                      "count": Int(1, MAX_PLANT)}, required=("tensor", "value"))
+CASE_SCHEMA = Table({
+    "name": Str(empty_ok=False),
+    "description": Str(),
+    "preset": Choice(_presets()),
+    "ops": List(Choice(OP_NAMES), 1, len(OP_NAMES), unique=True),
+    "heads": Int(1, MAX_HEADS),
+    "topk": Int(1, MAX_TOPK),
+    "seqs": List(Either((Int(1, MAX_TOKENS), SEQ_SCHEMA), "a length or {len, chunks, decode}"), 1, MAX_SEQS),
+    "page_size": Int(1, MAX_PAGE_SIZE),
+    "layout": Either((Choice(("natural", "shuffled")), List(Int(1, MAX_PAGE_SIZE), 3, 3)),
+                     '"natural", "shuffled" or [N, Dt, L]'),
+    "page_stride_pad": Int(0, MAX_PAD),
+    "page_order": Choice(("permuted", "sequential", "top")),
+    "spare_pages": Int(0, MAX_POOL_PAGES),
+    "pool_pages": Int(1, MAX_POOL_PAGES),
+    "state_block": Int(1, MAX_PAGE_SIZE),
+    "fp8_dtype": Choice(("e4m3fn", "e4m3fnuz")),
+    "clean_logits": Bool(),
+    "weights_dtype": Choice(("bfloat16", "float32")),
+    "dist": List(Choice(DISTRIBUTIONS), 1, len(DISTRIBUTIONS), unique=True),
+    "scale": Float(-MAX_SCALE, MAX_SCALE),
+    "plant": List(PLANT_SCHEMA, 0, 64),
+    "expect_nonfinite": Bool(),
+    "requires": Choice(("gpu",)),
+    "seed": Int(0, MAX_SEED),
+})
+DEFAULTS_SCHEMA = Table({k: v for k, v in CASE_SCHEMA.keys.items() if k != "name"})
+SUITE_SCHEMA = Table({"name": Str(empty_ok=False), "description": Str(),
+                      "include": List(Str(empty_ok=False), 0, 64, unique=True)})
+FILE_SCHEMA_KEYS = ("suite", "defaults", "case")
+
+assert set(CASE_SCHEMA.keys) == {f.name for f in dataclasses.fields(Case)} - {"suite", "file"}
+
+
+def _checked(where: str, spec, raw, key: str = ""):
+    try:
+        return spec.check(key, raw)
+    except _Bad as e:
+        raise CaseError(f"{where}: {e.key + ': ' if e.key else ''}{e.msg}") from None
+
+
+def _seq(where: str, key: str, raw) -> SeqSpec:
+    if isinstance(raw, int):
         raw = {"len": raw, "chunks": [raw]}
-    if not isinstance(raw, dict):
-        raise CaseError(f"{where}: seqs entries must be tables like {{len = 40, chunks = [16, 24]}}")
-    extra = set(raw) - _SEQ_KEYS
-    if extra:
-        raise CaseError(f"{where}: unknown sequence key(s) {sorted(extra)} (known: {sorted(_SEQ_KEYS)})")
-    n = _int(where, "len", raw.get("len"), 1)
-    decode = _int(where, "decode", raw.get("decode", 0))
-    chunks = raw.get("chunks", [] if decode else [n])
-    if not isinstance(chunks, list):
-        raise CaseError(f"{where}: chunks must be a list of sizes")
-    chunks = tuple(_int(where, "chunks[]", c, 1) for c in chunks)
+    n, decode = raw["len"], raw.get("decode", 0)
+    chunks = tuple(raw.get("chunks", [] if decode else [n]))
     s = SeqSpec(n, chunks, decode)
     if s.history < 0:
-        raise CaseError(f"{where}: chunks {list(chunks)} + decode {decode} exceed len {n}")
+        raise CaseError(f"{where}: {key}: chunks {list(chunks)} + decode {decode} exceed len {n}")
     if not s.steps():
-        raise CaseError(f"{where}: a sequence of len {n} has no chunk or decode step to run")
+        raise CaseError(f"{where}: {key}: a sequence of len {n} has no chunk or decode step to run")
     return s
 
 
-def _case(raw: dict, defaults: dict, suite: str, file: Path) -> Case:
-    merged = {**defaults, **raw}
-    name = merged.get("name")
-    if not isinstance(name, str) or not name:
-        raise CaseError(f"{file}: every [[case]] needs a name")
+def _case(raw, defaults: dict, suite: str, file: Path, index: int) -> Case:
+    if not isinstance(raw, dict):
+        raise CaseError(f"{file}: case #{index + 1}: expected a [[case]] table, got {_show(raw)}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise CaseError(f"{file}: case #{index + 1}: name: every [[case]] needs a non-empty name, got "
+                        f"{_show(name) if 'name' in raw else 'none'}")
     where = f"{file}: case {name!r}"
-    extra = set(merged) - _FIELDS
-    if extra:
-        raise CaseError(f"{where}: unknown key(s) {sorted(extra)}")
-    kw = dict(merged)
-    from reference.formats import PRESETS
-    if kw.get("preset", "deepseek-v4-pro") not in PRESETS:
-        raise CaseError(f"{where}: unknown preset {kw['preset']!r} (known: {', '.join(PRESETS)})")
+    kw = _checked(where, CASE_SCHEMA, {**defaults, **raw})
     ops = tuple(kw.get("ops", MXFP4_CHAIN))
-    bad = [o for o in ops if o not in OP_NAMES]
-    if bad or not ops:
-        raise CaseError(f"{where}: unknown op(s) {bad} (known: {', '.join(OP_NAMES)})")
     ops_chain = chain(format_of(ops))
     if any(o not in ops_chain for o in ops):
-        raise CaseError(f"{where}: ops {list(ops)} mix the MXFP4 and FP8 chains")
+        raise CaseError(f"{where}: ops: {list(ops)} mix the MXFP4 and FP8 chains")
     kw["ops"] = tuple(o for o in ops_chain if o in ops)
-    seqs = kw.get("seqs", [16])
-    if not isinstance(seqs, list) or not seqs:
-        raise CaseError(f"{where}: seqs must be a non-empty list")
-    kw["seqs"] = tuple(_seq(where, s) for s in seqs)
-    dist = kw.get("dist", ["normal"])
-    dist = [dist] if isinstance(dist, str) else dist
-    bad = [d for d in dist if d not in DISTRIBUTIONS]
-    if bad:
-        raise CaseError(f"{where}: unknown distribution(s) {bad} (known: {', '.join(DISTRIBUTIONS)})")
-    kw["dist"] = tuple(dist)
-    plants = []
-    for p in kw.get("plant", []):
-        if not isinstance(p, dict) or set(p) - {"tensor", "value", "count"}:
-            raise CaseError(f"{where}: plant entries are tables {{tensor, value, count}}")
-        if p.get("tensor") not in PLANT_TENSORS or p.get("value") not in PLANT_VALUES:
-            raise CaseError(f"{where}: plant tensor must be one of {PLANT_TENSORS} and value one of "
-                            f"{tuple(PLANT_VALUES)}, got {p}")
-        plants.append(Plant(p["tensor"], p["value"], _int(where, "plant.count", p.get("count", 1), 1)))
-    kw["plant"] = tuple(plants)
-    for key in ("heads", "topk", "page_size", "pool_pages"):
-        if kw.get(key) is not None:
-            _int(where, key, kw[key], 1)
-    for key in ("page_stride_pad", "spare_pages", "seed"):
-        _int(where, key, kw.get(key, 0))
-    _int(where, "state_block", kw.get("state_block", 16), 1)
+    kw["seqs"] = tuple(_seq(where, f"seqs[{i}]", s) for i, s in enumerate(kw.get("seqs", [16])))
+    total = sum(s.len for s in kw["seqs"])
+    if total > MAX_TOKENS:
+        raise CaseError(f"{where}: seqs: {total} tokens in all, more than the {MAX_TOKENS} a case may hold")
+    kw["dist"] = tuple(kw.get("dist", ["normal"]))
+    kw["plant"] = tuple(Plant(p["tensor"], p["value"], p.get("count", 1)) for p in kw.get("plant", []))
     lay = kw.get("layout", "shuffled")
-    if not (lay in ("natural", "shuffled") or (isinstance(lay, list) and len(lay) == 3
-                                                and all(isinstance(v, int) for v in lay))):
-        raise CaseError(f"{where}: layout must be \"natural\", \"shuffled\" or [N, Dt, L], got {lay!r}")
     kw["layout"] = tuple(lay) if isinstance(lay, list) else lay
-    choices = {"page_order": ("permuted", "sequential", "top"), "requires": (None, "gpu"),
-               "weights_dtype": ("bfloat16", "float32"), "fp8_dtype": ("e4m3fn", "e4m3fnuz")}
-    for key, opts in choices.items():
-        if kw.get(key, opts[0]) not in opts:
-            raise CaseError(f"{where}: {key} must be one of {opts}, got {kw[key]!r}")
-    for key in ("clean_logits", "expect_nonfinite"):
-        if not isinstance(kw.get(key, False), bool):
-            raise CaseError(f"{where}: {key} must be true or false")
-    if kw.get("expect_nonfinite") and not plants:
-        raise CaseError(f"{where}: expect_nonfinite needs a plant = [...] entry")
-    if not isinstance(kw.get("scale", 1.0), (int, float)):
-        raise CaseError(f"{where}: scale must be a number")
+    if kw.get("expect_nonfinite") and not kw["plant"]:
+        raise CaseError(f"{where}: expect_nonfinite: needs a plant = [...] entry")
     return Case(suite=suite, file=str(file), **kw)
 
 
@@ -226,25 +367,25 @@ def _read_toml(path: Path) -> dict:
 
 def load_suite_file(path: Path) -> Suite:
     data = _read_toml(path)
-    extra = set(data) - {"suite", "defaults", "case"}
+    extra = set(data) - set(FILE_SCHEMA_KEYS)
     if extra:
         raise CaseError(f"{path}: unknown top-level key(s) {sorted(extra)} (known: suite, defaults, case)")
-    head = data.get("suite", {})
+    head = _checked(f"{path}: [suite]", SUITE_SCHEMA, data.get("suite", {}))
     name = head.get("name", path.stem)
-    if set(head) - {"name", "description", "include"}:
-        raise CaseError(f"{path}: [suite] keys are name, description, include")
-    defaults = data.get("defaults", {})
-    if "name" in defaults:
-        raise CaseError(f"{path}: [defaults] cannot set a name")
+    raw_defaults = data.get("defaults", {})
+    if isinstance(raw_defaults, dict) and "name" in raw_defaults:
+        raise CaseError(f"{path}: [defaults]: name: a default cannot set a case's name")
+    defaults = _checked(f"{path}: [defaults]", DEFAULTS_SCHEMA, raw_defaults)
+    defaults = {k: raw_defaults[k] for k in defaults}         # re-checked, merged, in each case
     raw_cases = data.get("case", [])
     if not isinstance(raw_cases, list):
-        raise CaseError(f"{path}: use [[case]] tables for cases")
+        raise CaseError(f"{path}: case: use [[case]] tables for cases, got {_show(raw_cases)}")
     suite = Suite(name, str(path), head.get("description", ""), tuple(head.get("include", ())))
-    suite.cases = [_case(c, defaults, name, path) for c in raw_cases]
+    suite.cases = [_case(c, defaults, name, path, i) for i, c in enumerate(raw_cases)]
     seen = set()
     for c in suite.cases:
         if c.name in seen:
-            raise CaseError(f"{path}: case {c.name!r} is defined twice")
+            raise CaseError(f"{path}: case {c.name!r}: name: defined twice")
         seen.add(c.name)
     return suite
 
@@ -277,17 +418,30 @@ class Catalog:
         for s in self.suites.values():
             for inc in s.include:
                 if inc not in self.suites:
-                    raise CaseError(f"{s.file}: include names unknown suite {inc!r}")
+                    raise CaseError(f"{s.file}: [suite] include: unknown suite {inc!r} "
+                                    f"(known: {', '.join(self.suites)})")
+        for s in self.suites.values():
+            self._no_cycle(s.name, ())
 
-    def suite_cases(self, name: str, _seen=()) -> list[Case]:
+    def _no_cycle(self, name: str, path: tuple) -> None:
+        if name in path:
+            loop = " -> ".join((*path[path.index(name):], name))
+            raise CaseError(f"{self.suites[path[-1]].file}: [suite] include: suite {name!r} includes itself ({loop})")
+        for inc in self.suites[name].include:
+            self._no_cycle(inc, (*path, name))
+
+    def suite_cases(self, name: str) -> list[Case]:
+        """The suite's cases after those of the suites it includes; a case reached by two
+        include paths runs once."""
         if name not in self.suites:
             raise CaseError(f"--suite: unknown suite {name!r} (known: {', '.join(self.suites)})")
-        s = self.suites[name]
-        out: list[Case] = []
-        for inc in s.include:
-            if inc not in _seen:
-                out += self.suite_cases(inc, (*_seen, name))
-        return out + s.cases
+        out: dict[str, Case] = {}
+        for inc in self.suites[name].include:
+            for c in self.suite_cases(inc):
+                out.setdefault(c.name, c)
+        for c in self.suites[name].cases:
+            out.setdefault(c.name, c)
+        return list(out.values())
 
     def case(self, name: str) -> Case:
         try:
@@ -298,6 +452,9 @@ class Catalog:
     def select(self, suite: str | None, names: list[str] | None) -> tuple[str, list[Case]]:
         """(suite name used for budgets, cases to run)."""
         if names:
+            dup = [n for i, n in enumerate(names) if n in names[:i]]
+            if dup:
+                raise CaseError(f"--case: {dup[0]!r} is given twice")
             cases = [self.case(n) for n in names]
             return (suite or (cases[0].suite if len({c.suite for c in cases}) == 1 else "cases")), cases
         suite = suite or "default"

@@ -68,8 +68,36 @@ def geometry(case: Case) -> Geometry:
         need = layout.page_bytes(ps, d)
     else:
         need = ps * (d + 4)
+    stride = need + case.page_stride_pad
+    _check_sizes(case, p.compress_ratio, ps, stride, heads, d)
     return Geometry(p, heads, d, p.rope_dim, p.compress_ratio, ps, shuffle,
-                    need + case.page_stride_pad, case.topk or p.topk, case.fmt)
+                    stride, case.topk or p.topk, case.fmt)
+
+
+# What one case may allocate, checked before anything runs (a typo must not become an
+# allocation that the machine cannot survive).
+MAX_POOL_BYTES = 2 ** 32          # the K pool (4 GiB; the largest suite pool is 2.2 GiB)
+MAX_Q_ELEMENTS = 2 ** 30          # step tokens x heads x head dim
+MAX_LOGITS = 2 ** 28              # step tokens x the widest row (fp64 reference logits: 2 GiB)
+
+
+def _check_sizes(case: Case, r: int, ps: int, stride: int, heads: int, d: int) -> None:
+    where = f"{case.file}: case {case.name!r}"
+    needs = [max(1, -(-(s.len // r) // ps)) for s in case.seqs]
+    pool = case.pool_pages or sum(needs) + case.spare_pages
+    if pool < sum(needs):
+        raise CaseError(f"{where}: pool_pages: {pool} < the {sum(needs)} pages the sequences need")
+    if pool * stride > MAX_POOL_BYTES:
+        raise CaseError(f"{where}: pool_pages: {pool} pages of {stride} bytes exceed the "
+                        f"{MAX_POOL_BYTES} bytes a case's pool may take")
+    steps = sum(sum(s.chunks) + s.decode for s in case.seqs)
+    if steps * heads * d > MAX_Q_ELEMENTS:
+        raise CaseError(f"{where}: seqs: {steps} step tokens x {heads} heads x {d} dims exceed the "
+                        f"{MAX_Q_ELEMENTS} query elements a case may take")
+    width = max(s.len for s in case.seqs) // r + 1
+    if steps * width > MAX_LOGITS:
+        raise CaseError(f"{where}: seqs: {steps} step tokens x {width} logits columns exceed the "
+                        f"{MAX_LOGITS} logits a case may take")
 
 
 @dataclass

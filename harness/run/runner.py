@@ -26,7 +26,7 @@ from reference import fp8 as ref_fp8, layout
 from reference.ops import op_of
 from reference.checks import NonFiniteInput
 
-from harness.diff import diff_op
+from harness.diff import aggregate, diff_op
 from harness.run.cases import Case
 from harness.run.inputs import CaseInputs, build
 
@@ -48,21 +48,6 @@ class NonFiniteStage(Exception):
     def __init__(self, stage: str, step: int, err: NonFiniteInput):
         self.stage, self.step, self.err = stage, step, err
         super().__init__(f"{stage} (step {step}): {err}")
-
-
-def aggregate(name: str, values: list[float]) -> float:
-    """One case value from the per-step values of a metric: minima of `*_min` metrics,
-    maxima of fractions, distances and flags, sums of counts."""
-    vals = [float(v) for v in values if v is not None]
-    if not vals:
-        return float("nan")
-    if any(math.isnan(v) for v in vals):
-        return float("nan")
-    if "min" in name or "recall" in name or "jaccard" in name:
-        return min(vals)
-    if any(s in name for s in ("frac", "max", "ulp", "diff", "err", "rel", "abs")):
-        return max(vals)
-    return sum(vals)
 
 
 def jsonable(x):
@@ -110,7 +95,7 @@ class _Collector:
                 self.findings.append({"stage": stage, "step": step, **d})
 
     def case_metrics(self) -> dict[str, float]:
-        return {k: aggregate(k.partition(".")[2], v) for k, v in self.metrics.items()}
+        return {k: aggregate(k, v) for k, v in self.metrics.items()}
 
 
 # --- plot details: small, JSON-able summaries the HTML report draws ---------------------
