@@ -71,11 +71,25 @@ def claim_report_dir(args, name: str) -> Path:
     either way proven writable. Remembered on `args` for the traceback of a crash."""
     from harness.io import report
     if getattr(args, "report_dir", None):
+        fresh = not Path(args.report_dir).exists()
         out = report.claim_dir(args.report_dir, force=getattr(args, "force", False))
     else:
+        fresh = True
         out = report.claim_dir(report.default_dir(name.replace(":", "_").replace("/", "_")))
     args.claimed_report_dir = str(out)
+    args.claimed_fresh = fresh
     return out
+
+
+def _unclaim(args) -> None:
+    """Bad input found after the directory was claimed: leave no empty report directory
+    behind (a directory that existed before, or holds anything, stays)."""
+    d = getattr(args, "claimed_report_dir", None)
+    if d and getattr(args, "claimed_fresh", False):
+        try:
+            Path(d).rmdir()
+        except OSError:
+            pass
 
 
 _SIGNAL = {"name": "SIGINT"}
@@ -264,7 +278,6 @@ def cmd_diff(args) -> int:
                              "its file name: rename one)")
         seen[name] = p
     dumps = [read_dump(p) for p in args.files]          # every file is checked before any runs
-    out = claim_report_dir(args, f"diff-diff-{be.name if be else 'reference'}")
     keys = {os.path.basename(d.path): run_keys(d.ops, chain=False) for d in dumps}
     try:
         catalog = Catalog()
@@ -273,6 +286,7 @@ def cmd_diff(args) -> int:
         known_cases, known_suites = set(), set()
     budgets.check_run(keys, "diff", known_cases=known_cases, known_suites=known_suites | {"cases"},
                       what="file")
+    out = claim_report_dir(args, f"diff-diff-{be.name if be else 'reference'}")
     rows = []
     for d in dumps:
         t = time.time()
@@ -523,6 +537,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 import signal
                 signal.signal(signal.SIGTERM, previous)
     except (InputError, BackendUnavailable) as e:
+        _unclaim(locals().get("args"))
         print(f"mxval: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
