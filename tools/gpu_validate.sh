@@ -1,27 +1,41 @@
 #!/usr/bin/env bash
-# Everything mxval checks on a GPU, in one go (the lent H200, or any CUDA/ROCm box):
-# the GPU test suite, the full validation suite through compiled Triton, the selftest
-# with compiled Triton as the correct backend, and the study's timing. Logs and reports
-# go under ${OUT:-reports/gpu}. Each step has its own time limit so one slow step does
-# not hide the others.
+# Everything mxval checks on a GPU, in one go (the lent H200, or any CUDA/ROCm box).
+# Phase A, correctness, steps run side by side on the GPU: the GPU test suite, the full
+# validation suite through compiled Triton and through vLLM's own kernels (vllm-cuda,
+# vllm-rocm; they need the vLLM source: `mxval upstream fetch` on a networked machine, then
+# XDG_CACHE_HOME or MXVAL_VLLM_SRC pointing at it), and the selftest with compiled Triton
+# as the correct backend. Phase B, timings, one step at a time: the study on the GPU and
+# `make bench-gpu` (BENCH=0 skips it). Logs and reports go under ${GPU_OUT:-reports/gpu}; each
+# step has its own time limit so one slow step does not hide the others.
 set -u
-out=${OUT:-reports/gpu}
+out=${GPU_OUT:-reports/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-py=python3
+py=${PY:-python3}
+LIMIT_A=${LIMIT_A:-240}
 step() {  # name, seconds, command...
     local name=$1 limit=$2; shift 2
     local t0=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
     local rc=$?
-    printf '%-12s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$(grep -E 'passed|failed|caught|exceeded|hold|error' "$out/$name.log" | tail -1)"
+    printf '%-16s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
+        "$(grep -E 'passed|failed|caught|exceeded|hold|error|pass,' "$out/$name.log" | tail -1)" >> "$out/steps.txt"
 }
-nvidia-smi -L 2>/dev/null || rocm-smi --showproductname 2>/dev/null
-$py -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+: > "$out/steps.txt"
+{ nvidia-smi -L 2>/dev/null || rocm-smi --showproductname 2>/dev/null; } > "$out/machine.txt"
+$py -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$out/machine.txt"
 make -s .mxval-env-system PYTHON=$py >/dev/null
 export PYTHONPATH=$PWD
-step test-gpu 130 $py -m pytest -q -m gpu
-step study 60 $py -m harness study --report-dir "$out/study"
-step validate 120 $py -m harness validate --suite full --backend triton -j 2 --report-dir "$out/validate" --force
-step selftest 110 $py -m harness selftest --backend triton --seeds 20 --json "$out/selftest.json" --report-dir "$out/selftest" --force -q
-for f in test-gpu study validate selftest; do echo "== $f"; tail -n 25 "$out/$f.log"; done
+mx() { $py -m harness "$@"; }
+step test-gpu "$LIMIT_A" $py -m pytest -q -p no:cacheprovider -m gpu &
+step validate-triton "$LIMIT_A" mx validate --suite full --backend triton --report-dir "$out/validate-triton" --force &
+step selftest "$LIMIT_A" mx selftest --backend triton --seeds 20 --json "$out/selftest.json" --report-dir "$out/selftest" --force -q &
+step validate-vllm-cuda "$LIMIT_A" mx validate --suite full --backend vllm-cuda --report-dir "$out/validate-vllm-cuda" --force &
+step validate-vllm-rocm "$LIMIT_A" mx validate --suite full --backend vllm-rocm --report-dir "$out/validate-vllm-rocm" --force &
+wait
+step study 90 mx study --device cuda --report-dir "$out/study"
+[ "${BENCH:-1}" = 1 ] && step bench-gpu "${LIMIT_BENCH:-240}" $py -m harness.bench.gpu --quick --out "$out/bench-gpu.md"
+cat "$out/machine.txt" "$out/steps.txt"
+for f in test-gpu validate-triton validate-vllm-cuda validate-vllm-rocm selftest study; do
+    echo "== $f"; tail -n 30 "$out/$f.log"
+done
