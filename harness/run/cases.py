@@ -24,7 +24,7 @@ from typing import Optional
 import tomllib
 
 from harness.errors import InputError
-from reference.ops import OP_NAMES, chain, format_of
+from reference.ops import OP_NAMES, PATHS, chain, format_of
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 BUDGETS_FILE = "budgets.toml"
@@ -76,6 +76,7 @@ class Case:
     file: str
     description: str = ""
     preset: str = "deepseek-v4-pro"
+    path: str = "rocm"                   # "rocm": pool, then write K; "cuda": vLLM's fused K stage
     ops: tuple[str, ...] = MXFP4_CHAIN
     heads: Optional[int] = None          # None: the preset's
     topk: Optional[int] = None           # None: the preset's
@@ -152,14 +153,27 @@ def _case(raw: dict, defaults: dict, suite: str, file: Path) -> Case:
     from reference.formats import PRESETS
     if kw.get("preset", "deepseek-v4-pro") not in PRESETS:
         raise CaseError(f"{where}: unknown preset {kw['preset']!r} (known: {', '.join(PRESETS)})")
-    ops = tuple(kw.get("ops", MXFP4_CHAIN))
+    path = kw.get("path", "rocm")
+    if path not in PATHS:
+        raise CaseError(f"{where}: path must be one of {PATHS}, got {path!r}")
+    ops = tuple(kw.get("ops", chain("mxfp4", path)))
     bad = [o for o in ops if o not in OP_NAMES]
     if bad or not ops:
         raise CaseError(f"{where}: unknown op(s) {bad} (known: {', '.join(OP_NAMES)})")
-    ops_chain = chain(format_of(ops))
+    fmt = format_of(ops)
+    if any(o not in chain("mxfp4", p) + chain("fp8", p) for o in ops for p in (path,)):
+        off = [o for o in ops if o not in chain("mxfp4", path) + chain("fp8", path)]
+        raise CaseError(f"{where}: op(s) {off} are not on the {path} path (its chains: "
+                        f"{', '.join(chain('mxfp4', path))}; {', '.join(chain('fp8', path))})")
+    ops_chain = chain(fmt, path)
     if any(o not in ops_chain for o in ops):
         raise CaseError(f"{where}: ops {list(ops)} mix the MXFP4 and FP8 chains")
     kw["ops"] = tuple(o for o in ops_chain if o in ops)
+    if path == "cuda":
+        if kw.get("layout", "natural") != "natural":
+            raise CaseError(f"{where}: the cuda path writes natural pages (vLLM's fused K kernel); "
+                            f"layout must be \"natural\", got {kw['layout']!r}")
+        kw["layout"] = "natural"
     seqs = kw.get("seqs", [16])
     if not isinstance(seqs, list) or not seqs:
         raise CaseError(f"{where}: seqs must be a non-empty list")

@@ -121,8 +121,16 @@ class CaseInputs:
             "paged_fp8_mqa_logits": {"page_size": g.page_size, "fp8_dtype": c.fp8_dtype,
                                      "clean_logits": c.clean_logits},
             "topk": {"k": g.topk},
+            "compress_norm_rope_mxfp4_cache": {"compress_ratio": g.ratio, "norm_eps": g.preset.rms_eps,
+                                               "page_size": g.page_size},
+            "compress_norm_rope_fp8_cache": {"compress_ratio": g.ratio, "norm_eps": g.preset.rms_eps,
+                                             "page_size": g.page_size, "fp8_dtype": c.fp8_dtype},
         }
-        return dict(table[op])
+        out = dict(table[op])
+        if c.path == "cuda" and op.startswith("q_rope"):
+            # vLLM's CUDA Q kernels multiply by softmax_scale, then head_scale (NUMERICS.md §3)
+            out.update(softmax_scale=g.head_dim ** -0.5, head_scale=g.heads ** -0.5)
+        return out
 
     def to(self, device) -> "CaseInputs":
         def mv(x):
