@@ -30,7 +30,7 @@ class Backend:
     device: str = "cpu"                       # where it wants its input tensors
     reason: Optional[str] = None              # why it is unavailable; None when usable
     # op -> reference options that say what this backend computes where the reference offers
-    # a choice (e.g. {"compress_norm_rope_mxfp4_cache": {"rope": "fma-cos"}}); the runner
+    # a choice (e.g. {"compress_norm_rope_mxfp4_cache": {"rope": "fma-oc"}}); the runner
     # passes them to the reference and to the backend alike, and dumps record them.
     numerics: dict[str, dict] = field(default_factory=dict)
 

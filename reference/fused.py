@@ -18,9 +18,11 @@ from .pooling import SOFTMAX_MODES, check_pool_args, compress_pool
 from .rope import ROPE_MODES
 
 # What vLLM 0.33.0's CUDA kernels compute, as far as the reference can say it (the defaults
-# of the fused ops). Compiled with fp fusion (Triton's default) the rotation contracts to
-# FMAs; in the Triton interpreter it does not (`rope="separate"`).
-CUDA_ROPE = "fma-cos"
+# of the fused ops). Compiled with fp fusion (Triton's default) the K kernels' rotation
+# contracts to `fma-oc`, the Q kernels' to `fma-es` (reference/rope.py); in the Triton
+# interpreter nothing contracts (`rope="separate"`).
+CUDA_ROPE = "fma-oc"
+CUDA_Q_ROPE = "fma-es"
 CUDA_SOFTMAX = "fp64"
 
 

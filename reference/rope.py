@@ -49,14 +49,17 @@ def cos_sin_at(cache: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, to
     return rows[..., :half], rows[..., half:]
 
 
-# How the rotation's two products and one sum are rounded (NUMERICS.md §2):
-#   separate  e' = (e*cos) - (o*sin), o' = (o*cos) + (e*sin): three fp32 roundings (mxval's pin;
-#             the kernels in the Triton interpreter, and compiled with fp fusion off)
-#   fma-cos   e' = fma(e, cos, -(o*sin)), o' = fma(o, cos, e*sin): the cos product is not rounded
-#             (what LLVM contracts `a*b - c*d` to, compiled with fp fusion on: vLLM's CUDA kernels;
-#             vLLM's ROCm Q kernel writes it out with tl.fma)
-#   fma-sin   e' = fma(-o, sin, e*cos), o' = fma(e, sin, o*cos): the other contraction
-ROPE_MODES = ("separate", "fma-cos", "fma-sin")
+# How the rotation's two products and one sum are rounded (NUMERICS.md §2). Compiled with fp
+# fusion on (Triton's default, and vLLM's launchers ask for it), LLVM contracts `a*b - c*d`
+# and `a*b + c*d` into one multiply and one FMA, and which product it keeps unrounded depends
+# on the kernel (read from the PTX of vLLM 0.33.0's kernels, sm_90):
+#   separate  e' = (e*cos) - (o*sin), o' = (o*cos) + (e*sin): three fp32 roundings each (mxval's
+#             pin; every kernel in the Triton interpreter; compiled with fp fusion off)
+#   fma-oc    e' = fma(e, cos, -(o*sin)), o' = fma(o, cos, e*sin): vLLM's fused K kernels (MXFP4
+#             and FP8); also what vLLM's ROCm Q kernel writes out with tl.fma
+#   fma-es    e' = fma(e, cos, -(o*sin)), o' = fma(e, sin, o*cos): vLLM's CUDA Q kernels (MXFP4
+#             and FP8)
+ROPE_MODES = ("separate", "fma-oc", "fma-es")
 
 
 def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -82,10 +85,10 @@ def rotate_pairs(e: torch.Tensor, o: torch.Tensor, cos: torch.Tensor, sin: torch
     """(e', o') of GPT-J pairs in fp32, rounded as `rope` says (ROPE_MODES)."""
     if rope == "separate":
         return e * cos - o * sin, o * cos + e * sin
-    if rope == "fma-cos":
+    if rope == "fma-oc":
         return fma32(e, cos, -(o * sin)), fma32(o, cos, e * sin)
-    if rope == "fma-sin":
-        return fma32(-o, sin, e * cos), fma32(e, sin, o * cos)
+    if rope == "fma-es":
+        return fma32(e, cos, -(o * sin)), fma32(e, sin, o * cos)
     raise ValueError(f"rope: expected one of {', '.join(ROPE_MODES)}, got {rope!r}")
 
 

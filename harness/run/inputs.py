@@ -128,8 +128,10 @@ class CaseInputs:
         }
         out = dict(table[op])
         if c.path == "cuda" and op.startswith("q_rope"):
-            # vLLM's CUDA Q kernels multiply by softmax_scale, then head_scale (NUMERICS.md §3)
-            out.update(softmax_scale=g.head_dim ** -0.5, head_scale=g.heads ** -0.5)
+            # vLLM's CUDA Q kernels multiply by softmax_scale, then head_scale, and contract
+            # their rotation as `fma-es` (NUMERICS.md §3); a backend's numerics may override
+            from reference.fused import CUDA_Q_ROPE
+            out.update(softmax_scale=g.head_dim ** -0.5, head_scale=g.heads ** -0.5, rope=CUDA_Q_ROPE)
         return out
 
     def to(self, device) -> "CaseInputs":
