@@ -127,6 +127,9 @@ class CaseInputs:
                                              "page_size": g.page_size, "fp8_dtype": c.fp8_dtype},
         }
         out = dict(table[op])
+        if op.startswith("compress_norm_rope"):
+            from reference.fused import CUDA_ROPE
+            out["rope"] = CUDA_ROPE          # said in every dump; a backend's numerics may override
         if c.path == "cuda" and op.startswith("q_rope"):
             # vLLM's CUDA Q kernels multiply by softmax_scale, then head_scale, and contract
             # their rotation as `fma-es` (NUMERICS.md §3); a backend's numerics may override
