@@ -33,6 +33,10 @@ class Backend:
     # skipped with that reason, not failed); None when it can
     limits: Optional[Callable[[str, dict], Optional[str]]] = None
     source: str = ""                          # where its upstream code was loaded from ("" = mxval's own)
+    # op -> reference options that say what this backend computes where the reference offers
+    # a choice (e.g. {"compress_norm_rope_mxfp4_cache": {"rope": "fma-oc"}}); the runner
+    # passes them to the reference and to the backend alike, and dumps record them.
+    numerics: dict[str, dict] = field(default_factory=dict)
 
     def available(self) -> Optional[str]:
         return self.reason

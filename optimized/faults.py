@@ -335,6 +335,36 @@ def fp8_scorer_op(read_as: Optional[str] = None) -> Callable:
     return paged_fp8_mqa_logits
 
 
+# --- the CUDA path (vLLM's fused K stage and Q kernels) --------------------------------------
+
+def _fused_nope_untouched() -> Callable:
+    """The fused pool+K stage as first described: the NoPE dims skip the rotation (the
+    kernels push them through e*1 - o*0, o*1 + e*0, NUMERICS.md §2)."""
+    def compress_norm_rope_mxfp4_cache(*, state_cache, block_table, positions, req_index, kv_slot_mapping,
+                                       cos_sin_cache, norm_weight, kv_cache, compress_ratio: int = 4,
+                                       norm_eps: float = 1e-6, page_size: int = 64, rope: str = "fma-oc",
+                                       softmax: str = "fp64") -> dict:
+        pooled = reference.compress_pool(state_cache=state_cache, block_table=block_table, positions=positions,
+                                         req_index=req_index, kv_slot_mapping=kv_slot_mapping,
+                                         compress_ratio=compress_ratio, rounding="cuda", softmax=softmax)["pooled"]
+        sel = writer_mask(positions, kv_slot_mapping, compress_ratio)
+        cos, sin = cos_sin_at(cos_sin_cache, group_start(positions[sel], compress_ratio))
+        n = rms_norm(pooled[sel].float(), norm_weight, norm_eps)
+        y = rope_gptj_tail(n, cos, sin, round_bf16=False, nope_through_formula=False, rope=rope)
+        packed, scales = mxfp4.quantize_mxfp4(y.to(torch.bfloat16).float())
+        return {"kv_cache": layout.write_entries(kv_cache, kv_slot_mapping[sel], packed, scales,
+                                                 page_size=page_size, shuffle=None)}
+    return compress_norm_rope_mxfp4_cache
+
+
+def _q_one_multiply() -> Callable:
+    """The CUDA Q quant folding softmax_scale * head_scale as one multiply instead of the
+    kernels' two in turn (the pair is accepted and dropped)."""
+    def q_rope_mxfp4_quant(*, softmax_scale=None, head_scale=None, **kw) -> dict:
+        return reference.q_rope_mxfp4_quant(**kw)
+    return q_rope_mxfp4_quant
+
+
 # --- the catalogue ----------------------------------------------------------------------
 
 K = "k_norm_rope_mxfp4_cache"
@@ -342,6 +372,7 @@ Q = "q_rope_mxfp4_quant"
 POOL = "compress_pool"
 SCORE = "paged_mxfp4_mqa_logits"
 TOPK = "topk"
+FUSED = "compress_norm_rope_mxfp4_cache"
 
 _CATALOGUE = (
     Fault("window-shift", "one-position shift of the pooling window", (POOL,), ("chain",),
@@ -419,6 +450,15 @@ _CATALOGUE = (
     Fault("writer-unowned-bytes", "a writer touching bytes it does not own", (K,), ("chain",),
           "the K writer zeroes the 4 bytes after each entry's last scale byte",
           lambda: {K: k_writer_op(write=_write_clobbering)}),
+    Fault("cuda-nope-untouched", "NoPE dims kept out of the rotation on the CUDA path", (FUSED,),
+          ("chain-cuda",),
+          "the fused pool+K stage leaves the NoPE pairs untouched instead of pushing them through "
+          "the formula with cos 1, sin 0 (-0.0 stays -0.0 where the kernels write +0.0)",
+          lambda: {FUSED: _fused_nope_untouched()}),
+    Fault("cuda-weights-one-multiply", "head weights scaled in another order", (Q,), ("chain-cuda",),
+          "the CUDA Q quant multiplies the weights once by softmax_scale * head_scale instead of "
+          "by softmax_scale, then head_scale (one fp32 ulp apart when H is not a power of 4)",
+          lambda: {Q: _q_one_multiply()}),
 )
 
 FAULTS: dict[str, Fault] = {f.name: f for f in _CATALOGUE}

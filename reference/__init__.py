@@ -6,6 +6,7 @@ tensors by name. No Triton anywhere in this package.
 """
 from .checks import NonFiniteInput
 from .formats import PRESETS, ROUNDING_PATHS, ModelPreset, preset
+from .fused import compress_norm_rope_fp8_cache, compress_norm_rope_mxfp4_cache
 from .fp8 import k_norm_rope_fp8_cache, paged_fp8_mqa_logits, q_rope_fp8_quant
 from .k_writer import k_norm_rope_mxfp4_cache
 from .ops import OP_NAMES, OPS
@@ -19,4 +20,5 @@ FUNCTIONS = {name: op.fn for name, op in OPS.items()}
 
 __all__ = ["FUNCTIONS", "OPS", "OP_NAMES", "NonFiniteInput", "PRESETS", "ROUNDING_PATHS", "ModelPreset", "preset",
            "compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk",
-           "k_norm_rope_fp8_cache", "q_rope_fp8_quant", "paged_fp8_mqa_logits"]
+           "k_norm_rope_fp8_cache", "q_rope_fp8_quant", "paged_fp8_mqa_logits",
+           "compress_norm_rope_mxfp4_cache", "compress_norm_rope_fp8_cache"]

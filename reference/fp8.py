@@ -9,7 +9,8 @@ import torch
 from . import checks
 from .formats import F32_MANT_BITS, FP8_AMAX_FLOOR, FP8_FLAVOURS, ROUNDING_PATHS
 from .k_writer import check_k_writer_args, group_start, k_values, writer_mask
-from .q_quant import check_q_args, q_values
+from .q_quant import check_q_args, check_scale_pair, q_values
+from .rope import ROPE_MODES
 from .scoring import check_paged_args, check_width, paged_logits
 
 
@@ -63,12 +64,13 @@ def check_fp8_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, k
 def k_norm_rope_fp8_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                           norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
                           fp8_dtype: str = "e4m3fn", rounding: str = "rocm",
-                          hadamard: bool = False) -> dict:
+                          hadamard: bool = False, rope: str = "separate") -> dict:
     check_fp8_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps,
                        compress_ratio, page_size, fp8_dtype, rounding)
+    checks.choice("rope", rope, ROPE_MODES)
     sel = writer_mask(positions, slot_mapping, compress_ratio)
     y = k_values(k[sel], group_start(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
-                 norm_eps, rounding=rounding, hadamard=hadamard)
+                 norm_eps, rounding=rounding, hadamard=hadamard, rope=rope)
     v, s = quantize_fp8(y, fp8_dtype)
     out = kv_cache.clone()
     if v.shape[0]:
@@ -80,10 +82,17 @@ def k_norm_rope_fp8_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapp
 
 
 def q_rope_fp8_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
-                     fp8_dtype: str = "e4m3fn", hadamard: bool = False) -> dict:
+                     fp8_dtype: str = "e4m3fn", hadamard: bool = False, rope: str = "separate",
+                     softmax_scale: float | None = None, head_scale: float | None = None) -> dict:
+    """`softmax_scale` and `head_scale` (both or neither): the weights are
+    ((w * s_q) * softmax_scale) * head_scale, as vLLM's CUDA Q kernel multiplies them in turn."""
     check_q_args(q, positions, cos_sin_cache, weights, weights_scale)
-    v, s = quantize_fp8(q_values(q, positions, cos_sin_cache, hadamard=hadamard), fp8_dtype)
-    w = weights.float() * s * torch.tensor(weights_scale, dtype=torch.float32, device=weights.device)
+    pair = check_scale_pair(weights_scale, softmax_scale, head_scale)
+    checks.choice("rope", rope, ROPE_MODES)
+    v, s = quantize_fp8(q_values(q, positions, cos_sin_cache, hadamard=hadamard, rope=rope), fp8_dtype)
+    w = weights.float() * s
+    for f in (pair or (weights_scale,)):
+        w = w * torch.tensor(f, dtype=torch.float32, device=weights.device)
     return {"q_fp8": v, "weights": w}
 
 

@@ -10,7 +10,7 @@ import torch
 
 from . import checks, hadamard as _hadamard, layout, mxfp4
 from .formats import ROUNDING_PATHS
-from .rope import bf16_round, cos_sin_at, rope_gptj_tail
+from .rope import ROPE_MODES, bf16_round, cos_sin_at, rope_gptj_tail
 
 
 def writer_mask(positions: torch.Tensor, slot_mapping: torch.Tensor, compress_ratio: int) -> torch.Tensor:
@@ -39,24 +39,29 @@ def group_start(positions: torch.Tensor, compress_ratio: int) -> torch.Tensor:
 
 def k_values(k: torch.Tensor, rope_pos: torch.Tensor, cos_sin_cache: torch.Tensor,
              norm_weight: torch.Tensor, norm_eps: float, *, rounding: str = "rocm",
-             hadamard: bool = False) -> torch.Tensor:
+             hadamard: bool = False, rope: str = "separate") -> torch.Tensor:
     """Pooled rows [N, D] -> the values the writer quantizes (fp32 holding bf16 values).
 
     rocm:     bf16 pooled row; bf16 after the norm; bf16 after RoPE; NoPE pairs go
               through the RoPE formula with cos=1, sin=0 (as aiter's kernel does).
-    cuda:     fp32 through norm and RoPE, one bf16 round at the end.
+    cuda:     fp32 through norm and RoPE, NoPE pairs through the formula with cos=1, sin=0
+              (vLLM's fused CUDA kernels load cos/sin with other=1.0/0.0 for them), one
+              bf16 round of all D values at the end.
     deepseek: bf16 before and after the norm, RoPE rounded, NoPE untouched.
+    `rope`: how the rotation rounds (reference.rope.ROPE_MODES).
     """
+    checks.choice("rope", rope, ROPE_MODES)
     cos, sin = cos_sin_at(cos_sin_cache, rope_pos)
     x = k.float()
     if rounding == "cuda":
         y = bf16_round(rope_gptj_tail(rms_norm(x, norm_weight, norm_eps), cos, sin,
-                                      round_bf16=False, nope_through_formula=False))
+                                      round_bf16=False, nope_through_formula=True, rope=rope))
     else:
         if rounding == "deepseek":
             x = bf16_round(x)
         n = bf16_round(rms_norm(x, norm_weight, norm_eps))
-        y = rope_gptj_tail(n, cos, sin, round_bf16=True, nope_through_formula=(rounding == "rocm"))
+        y = rope_gptj_tail(n, cos, sin, round_bf16=True, nope_through_formula=(rounding == "rocm"),
+                           rope=rope)
     return _hadamard.rotate(y) if hadamard else y
 
 
@@ -107,12 +112,13 @@ def check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping,
 def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                             norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
                             shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
-                            scale_rule: str = "ceil") -> dict:
+                            scale_rule: str = "ceil", rope: str = "separate") -> dict:
     shuffle = check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                                    norm_eps, compress_ratio, page_size, shuffle, rounding)
+    checks.choice("rope", rope, ROPE_MODES)
     sel = writer_mask(positions, slot_mapping, compress_ratio)
     y = k_values(k[sel], group_start(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
-                 norm_eps, rounding=rounding, hadamard=hadamard)
+                 norm_eps, rounding=rounding, hadamard=hadamard, rope=rope)
     packed, scales = mxfp4.quantize_mxfp4(y, scale_rule)
     return {"kv_cache": layout.write_entries(kv_cache, slot_mapping[sel], packed, scales,
                                              page_size=page_size, shuffle=shuffle)}

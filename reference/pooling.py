@@ -74,6 +74,29 @@ def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return torch.where(all_neg_zero, -c.abs(), c).float()
 
 
+def softmax_pool_fp32(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """The same pooling in fp32, as the kernels write it (`tl.softmax` then `tl.sum`): max,
+    exp(s - max), the sum of the exps, one divide per weight, the products, and their sum,
+    each an fp32 operation; both sums taken in window order (slot 0 first). The kernels'
+    own exp is the hardware's approximate one and their sums follow the compiled reduction
+    tree, so this is a closer model of them, not their bits (NUMERICS.md §1)."""
+    s = score.float()
+    m = s.amax(dim=1, keepdim=True)
+    e = torch.exp(s - m)
+    den = e[:, 0]
+    for i in range(1, e.shape[1]):
+        den = den + e[:, i]
+    w = e / den[:, None]
+    terms = kv.float() * w
+    c = terms[:, 0]
+    for i in range(1, terms.shape[1]):
+        c = c + terms[:, i]
+    return c
+
+
+SOFTMAX_MODES = {"fp64": softmax_pool, "fp32": softmax_pool_fp32}
+
+
 def check_pool_args(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio):
     dims = checks.Dims()
     dims.check("state_cache", state_cache, torch.float32, ("blocks", "block_size", "4D"))
@@ -92,11 +115,13 @@ def check_pool_args(state_cache, block_table, positions, req_index, kv_slot_mapp
 
 
 def compress_pool(*, state_cache, block_table, positions, req_index, kv_slot_mapping,
-                  compress_ratio: int = 4, rounding: str = "rocm") -> dict:
+                  compress_ratio: int = 4, rounding: str = "rocm", softmax: str = "fp64") -> dict:
     """Pooled row of every boundary token that writes (slot >= 0); other rows are NaN.
-    ROCm split path and DeepSeek: bf16 [T, D]; CUDA fused path: the fp32 rows [T, D]."""
+    ROCm split path and DeepSeek: bf16 [T, D]; CUDA fused path: the fp32 rows [T, D].
+    `softmax`: "fp64" (exact, the pin) or "fp32" (the kernels' operations in fp32)."""
     check_pool_args(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio)
     checks.choice("rounding", rounding, ROUNDING_PATHS)
+    pool_fn = SOFTMAX_MODES[checks.choice("softmax", softmax, tuple(SOFTMAX_MODES))]
     d = state_cache.shape[-1] // 4
     sel = boundary_mask(positions, compress_ratio) & (kv_slot_mapping >= 0)
     out = torch.full((positions.shape[0], d), float("nan"), device=state_cache.device)
@@ -111,5 +136,5 @@ def compress_pool(*, state_cache, block_table, positions, req_index, kv_slot_map
         kv, score, valid = gather_windows(state_cache, block_table, pos, req, r)
         checks.finite("state_cache (window rows)", torch.where(valid[..., None], score, 0.0))
         checks.finite("state_cache (window rows)", kv)
-        out[sel] = softmax_pool(kv, score)
+        out[sel] = pool_fn(kv, score)
     return {"pooled": out if rounding == "cuda" else out.to(torch.bfloat16)}

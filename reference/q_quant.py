@@ -4,22 +4,46 @@ from __future__ import annotations
 import torch
 
 from . import checks, hadamard as _hadamard, mxfp4
-from .rope import cos_sin_at, rope_gptj_tail
+from .rope import ROPE_MODES, cos_sin_at, rope_gptj_tail
+
+SCALE_PAIR_RTOL = 1e-6
 
 
 def q_values(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *,
-             hadamard: bool = False) -> torch.Tensor:
+             hadamard: bool = False, rope: str = "separate") -> torch.Tensor:
     """q [T, H, D] bf16 -> RoPE at each token's own position, rotated values through bf16,
     NoPE dims untouched (signed zeros kept). fp32 holding bf16 values."""
     cos, sin = cos_sin_at(cos_sin_cache, positions)
     y = rope_gptj_tail(q.float(), cos[:, None], sin[:, None], round_bf16=True,
-                       nope_through_formula=False)
+                       nope_through_formula=False, rope=rope)
     return _hadamard.rotate(y) if hadamard else y
 
 
-def fold_weights(weights: torch.Tensor, weights_scale: float) -> torch.Tensor:
-    """fp32(weights) * fp32(weights_scale): one multiply; no q scale in the MXFP4 path."""
-    return weights.float() * torch.tensor(weights_scale, dtype=torch.float32, device=weights.device)
+def check_scale_pair(weights_scale, softmax_scale, head_scale):
+    """None, or the pair (softmax_scale, head_scale) the CUDA Q kernels multiply by in turn;
+    both or neither, finite, and their product equal to `weights_scale` (rel 1e-6)."""
+    if softmax_scale is None and head_scale is None:
+        return None
+    if softmax_scale is None or head_scale is None:
+        raise ValueError("softmax_scale, head_scale: give both (the CUDA Q kernels' pair) or neither")
+    for name, v in (("softmax_scale", softmax_scale), ("head_scale", head_scale)):
+        checks.scalar(name, v, (float, int))
+        checks.finite(name, torch.tensor(float(v)))
+    prod = float(softmax_scale) * float(head_scale)
+    if abs(prod - float(weights_scale)) > SCALE_PAIR_RTOL * max(abs(prod), abs(float(weights_scale))):
+        raise ValueError(f"softmax_scale * head_scale = {prod!r} differs from weights_scale = "
+                         f"{float(weights_scale)!r}")
+    return (float(softmax_scale), float(head_scale))
+
+
+def fold_weights(weights: torch.Tensor, weights_scale: float, pair=None) -> torch.Tensor:
+    """fp32(weights) * fp32(weights_scale): one multiply; no q scale in the MXFP4 path.
+    With `pair` = (softmax_scale, head_scale): (fp32(w) * fp32(softmax_scale)) * fp32(head_scale),
+    the order of vLLM's CUDA Q kernel."""
+    w = weights.float()
+    for f in (pair or (weights_scale,)):
+        w = w * torch.tensor(f, dtype=torch.float32, device=weights.device)
+    return w
 
 
 def check_q_args(q, positions, cos_sin_cache, weights, weights_scale) -> None:
@@ -41,8 +65,11 @@ def check_q_args(q, positions, cos_sin_cache, weights, weights_scale) -> None:
 
 
 def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
-                       hadamard: bool = False, scale_rule: str = "ceil") -> dict:
+                       hadamard: bool = False, scale_rule: str = "ceil", rope: str = "separate",
+                       softmax_scale: float | None = None, head_scale: float | None = None) -> dict:
     check_q_args(q, positions, cos_sin_cache, weights, weights_scale)
-    packed, scales = mxfp4.quantize_mxfp4(q_values(q, positions, cos_sin_cache, hadamard=hadamard),
-                                          scale_rule)
-    return {"q_fp4": packed, "q_scale": scales, "weights": fold_weights(weights, weights_scale)}
+    pair = check_scale_pair(weights_scale, softmax_scale, head_scale)
+    checks.choice("rope", rope, ROPE_MODES)
+    packed, scales = mxfp4.quantize_mxfp4(q_values(q, positions, cos_sin_cache, hadamard=hadamard,
+                                                   rope=rope), scale_rule)
+    return {"q_fp4": packed, "q_scale": scales, "weights": fold_weights(weights, weights_scale, pair)}

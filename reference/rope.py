@@ -49,14 +49,59 @@ def cos_sin_at(cache: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, to
     return rows[..., :half], rows[..., half:]
 
 
+# How the rotation's two products and one sum are rounded (NUMERICS.md §2). Compiled with fp
+# fusion on (Triton's default, and vLLM's launchers ask for it), LLVM contracts `a*b - c*d`
+# and `a*b + c*d` into one multiply and one FMA, and which product it keeps unrounded depends
+# on the kernel (read from the PTX of vLLM 0.33.0's kernels, sm_90):
+#   separate  e' = (e*cos) - (o*sin), o' = (o*cos) + (e*sin): three fp32 roundings each (mxval's
+#             pin; every kernel in the Triton interpreter; compiled with fp fusion off)
+#   fma-oc    e' = fma(e, cos, -(o*sin)), o' = fma(o, cos, e*sin): vLLM's fused K kernels (MXFP4
+#             and FP8); also what vLLM's ROCm Q kernel writes out with tl.fma
+#   fma-es    e' = fma(e, cos, -(o*sin)), o' = fma(e, sin, o*cos): vLLM's CUDA Q kernels (MXFP4
+#             and FP8)
+ROPE_MODES = ("separate", "fma-oc", "fma-es")
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fused multiply-add, correctly rounded: round(a*b + c) once.
+
+    a*b is exact in fp64 (48 significant bits); the fp64 sum is rounded to odd (its error,
+    from TwoSum, pushes an inexact result to the neighbour with an odd last bit), and a
+    round-to-odd fp64 result rounds to fp32 exactly as the infinitely precise value would."""
+    p = a.double() * b.double()
+    c64 = c.double()
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)
+    even = (s.view(torch.int64) & 1) == 0
+    fix = (err != 0) & even & torch.isfinite(s)
+    toward = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
+    s = torch.where(fix, torch.nextafter(s, toward), s)
+    return s.float()
+
+
+def rotate_pairs(e: torch.Tensor, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 rope: str = "separate") -> tuple[torch.Tensor, torch.Tensor]:
+    """(e', o') of GPT-J pairs in fp32, rounded as `rope` says (ROPE_MODES)."""
+    if rope == "separate":
+        return e * cos - o * sin, o * cos + e * sin
+    if rope == "fma-oc":
+        return fma32(e, cos, -(o * sin)), fma32(o, cos, e * sin)
+    if rope == "fma-es":
+        return fma32(e, cos, -(o * sin)), fma32(e, sin, o * cos)
+    raise ValueError(f"rope: expected one of {', '.join(ROPE_MODES)}, got {rope!r}")
+
+
 def rope_gptj_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                   round_bf16: bool = True, nope_through_formula: bool = True) -> torch.Tensor:
+                   round_bf16: bool = True, nope_through_formula: bool = True,
+                   rope: str = "separate") -> torch.Tensor:
     """Rotate pairs (x[2m], x[2m+1]) of the last 2*cos.shape[-1] dims of x ([..., D] fp32).
 
     `cos`/`sin` are [..., R/2] (broadcast over any head dim by the caller).
-    e' = e*cos - o*sin, o' = o*cos + e*sin, each rounded to bf16 when `round_bf16`.
-    With `nope_through_formula` the NoPE pairs go through the same formula with cos = 1,
-    sin = 0 (the aiter K writer does, and that can turn -0.0 into +0.0)."""
+    e' = e*cos - o*sin, o' = o*cos + e*sin (rounded as `rope` says), each rounded to bf16
+    when `round_bf16`. With `nope_through_formula` the NoPE pairs go through the same formula
+    with cos = 1, sin = 0 (aiter's K writer and vLLM's CUDA K kernels do, and that can turn
+    -0.0 into +0.0)."""
     d, half = x.shape[-1], cos.shape[-1]
     nope = d - 2 * half
     pairs = x.reshape(*x.shape[:-1], d // 2, 2)
@@ -64,10 +109,10 @@ def rope_gptj_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
         c = torch.cat((torch.ones_like(cos[..., :1]).expand(*cos.shape[:-1], nope // 2), cos), -1)
         s = torch.cat((torch.zeros_like(sin[..., :1]).expand(*sin.shape[:-1], nope // 2), sin), -1)
         e, o = pairs[..., 0], pairs[..., 1]
-        out = torch.stack((e * c - o * s, o * c + e * s), -1).flatten(-2)
+        out = torch.stack(rotate_pairs(e, o, c, s, rope), -1).flatten(-2)
         return bf16_round(out) if round_bf16 else out
     e, o = pairs[..., nope // 2:, 0], pairs[..., nope // 2:, 1]
-    rot = torch.stack((e * cos - o * sin, o * cos + e * sin), -1).flatten(-2)
+    rot = torch.stack(rotate_pairs(e, o, cos, sin, rope), -1).flatten(-2)
     if round_bf16:
         rot = bf16_round(rot)
     return torch.cat((x[..., :nope], rot), -1)

@@ -23,9 +23,15 @@ def test_default_file_is_the_exact_contract_and_names_real_metrics():
     assert lim("compress_pool.pooled_max_ulp").max == 1
     assert lim("paged_mxfp4_mqa_logits.logits_diff").max == 1e-12
     assert lim("topk.topk_below_threshold").max == 0
+    # the fused stage is bounded by its own key; bytes outside owned slots stay exact
+    assert lim("compress_norm_rope_mxfp4_cache.page_bytes_mismatched") is B.OFF
+    assert lim("compress_norm_rope_mxfp4_cache.pool_k_bytes_mismatched_frac").max == 1e-3
+    assert lim("compress_norm_rope_fp8_cache.page_bytes_outside_owned_changed").max == 0
     # every [default] key is a metric some stage really emits (a typo would check nothing)
-    row = run_case(Catalog().case("smoke-clean-logits"), "reference")
-    emitted = {k.partition(".")[2] for k in row["metrics"]} | {k for k in row["metrics"] if k.startswith("chain.")}
+    metrics = {}
+    for name in ("smoke-clean-logits", "smoke-cuda-path", "smoke-cuda-path-fp8"):
+        metrics.update(run_case(Catalog().case(name), "reference")["metrics"])
+    emitted = {k.partition(".")[2] for k in metrics} | set(metrics)
     rare = set(ALWAYS_FAIL) | {"op_unsupported"}
     assert set(b.default) - emitted - rare == set()
 

@@ -15,7 +15,7 @@ SHUFFLE = [32, 16, 2]
 
 
 def make_case(seed=0, tokens=96, pages=6, shuffle=SHUFFLE, k=8, pool_pages=None, clean=False,
-              fp8_dtype="e4m3fn"):
+              fp8_dtype="e4m3fn", neg_zero_window=False, cuda_q=False):
     """One sequence at positions 0..tokens-1 through the whole indexer chain, every stage
     fed the reference's upstream output. Returns {op: kwargs}."""
     g = torch.Generator().manual_seed(seed)
@@ -24,6 +24,8 @@ def make_case(seed=0, tokens=96, pages=6, shuffle=SHUFFLE, k=8, pool_pages=None,
     blocks = -(-T // bs)
     state_table = torch.randperm(blocks + 2, generator=g)[:blocks].view(1, -1)
     kv = torch.randn(T, 2 * D, generator=g)
+    if neg_zero_window:
+        kv[4:12] = -0.0                   # the window of position 11 pools to -0.0
     score = torch.randn(T, 2 * D, generator=g)
     ape = torch.randn(RATIO, 2 * D, generator=g) * 0.1
     state = torch.full((blocks + 2, bs, 4 * D), float("nan"))
@@ -51,6 +53,8 @@ def make_case(seed=0, tokens=96, pages=6, shuffle=SHUFFLE, k=8, pool_pages=None,
     ops["q_rope_mxfp4_quant"] = dict(q=q, positions=pos, cos_sin_cache=cs, weights=w,
                                      weights_scale=D ** -0.5 * H ** -0.5)
     qo = reference.q_rope_mxfp4_quant(**ops["q_rope_mxfp4_quant"])
+    if cuda_q:                            # the CUDA Q kernels' pair of scales (H = 8: 2^-1.5)
+        ops["q_rope_mxfp4_quant"].update(softmax_scale=D ** -0.5, head_scale=H ** -0.5)
     row_ends = (pos + 1) // RATIO
     sc = dict(q_fp4=qo["q_fp4"], q_scale=qo["q_scale"], weights=qo["weights"], kv_cache=kv_after,
               query_start_loc=torch.tensor([0, T]), context_lens=torch.tensor([entries]),
@@ -59,6 +63,10 @@ def make_case(seed=0, tokens=96, pages=6, shuffle=SHUFFLE, k=8, pool_pages=None,
     ops["paged_mxfp4_mqa_logits"] = sc
     logits = reference.paged_mxfp4_mqa_logits(**sc)["logits"]
     ops["topk"] = dict(logits=logits, lengths=row_ends, k=k)
+    ops["compress_norm_rope_mxfp4_cache"] = dict(
+        {n: ops["compress_pool"][n] for n in ("state_cache", "block_table", "positions", "req_index",
+                                              "kv_slot_mapping", "compress_ratio")},
+        cos_sin_cache=cs, norm_weight=norm_w, kv_cache=kv_cache, norm_eps=1e-6, page_size=PS)
     fk = dict(ops["k_norm_rope_mxfp4_cache"], fp8_dtype=fp8_dtype)
     fk.pop("shuffle")
     fk["kv_cache"] = torch.randint(0, 256, (pages, PS * (D + 4)), dtype=torch.uint8, generator=g)
@@ -83,6 +91,8 @@ EXPOSING = {
     "scale-interleave-writer": dict(),
     "mask-missing": dict(clean=True),
     "offset-wrap-sim": dict(pages=6, pool_pages=300),
+    "cuda-nope-untouched": dict(neg_zero_window=True),
+    "cuda-weights-one-multiply": dict(cuda_q=True),
 }
 
 

@@ -16,6 +16,11 @@ def test_smoke_suite_passes_on_the_auto_backend(tmp_path, capsys):
     bad = [(c["case"], c["status"], c["reason"]) for c in data["cases"] if not c["ok"]]
     assert rc == 0 and not bad, bad
     s = data["summary"]
-    assert (s["pass"], s["nonfinite_input"], s["skipped"]) == (8, 2, 0)
+    # the cuda-path cases run vLLM's fused K stage, which only the reference and the vLLM CUDA
+    # backends have: skipped (with the reason) on our Triton port
+    skipped = {c["case"]: c["reason"] for c in data["cases"] if c["status"] == "skipped"}
+    assert set(skipped) == {"smoke-cuda-path", "smoke-cuda-path-fp8"}
+    assert all("compress_norm_rope" in r for r in skipped.values()), skipped
+    assert (s["pass"], s["nonfinite_input"], s["skipped"]) == (8, 2, 2)
     for f in ("report.md", "report.html", "junit.xml", "metrics.csv"):
         assert (tmp_path / f).stat().st_size > 0

@@ -357,7 +357,11 @@ def cmd_cases(args) -> int:
         for col in ("case", "from", "ops", "shape", "needs", "description"):
             t.add_column(col, overflow="fold")
         for c in cases:
-            ops = "chain" if len(c.ops) == 5 else ",".join(o.split("_")[0] for o in c.ops)
+            from reference.ops import chain as _chain
+            ops = ("chain" if c.ops == _chain(c.fmt, c.path) else
+                   ",".join("pool+k" if o.startswith("compress_norm") else o.split("_")[0] for o in c.ops))
+            if c.path == "cuda":
+                ops += " (cuda)"
             t.add_row(c.name, c.suite, f"{c.fmt}:{ops}", c.summary(), c.requires or "",
                       c.description)
         con.print(t)

@@ -25,7 +25,10 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-STAGES = ("pooling", "k_writer", "q_quant", "scorer", "topk")
+STAGES = ("pooling", "k_writer", "pool_k", "q_quant", "scorer", "topk")
+# The CUDA path's fused stage (pool -> K pages in one op) is diffed as a K writer: it emits
+# every K writer metric, and its own fraction below.
+AS_STAGE = {"pool_k": "k_writer"}
 ANY = "any"                      # emitted by whatever stage meets the condition
 CHAIN = "chain"                  # the whole-chain comparison's stage prefix
 KINDS = ("count", "max", "ratio", "min", "info")
@@ -76,6 +79,9 @@ _TABLE = (
        chain="allowed"),
     _m("page_bytes_mismatched_frac", "k_writer", "ratio", "whole chain: mismatched share of the owned K bytes",
        chain="only", hi=1.0),
+    # the fused pool+K stage (CUDA path): its pages are diffed as a writer's, plus
+    _m("pool_k_bytes_mismatched_frac", "pool_k", "ratio", "owned K bytes of the fused stage that differ, "
+       "as a fraction (it pools too: the kernel's fp32 pooling may move a few)", required=True, hi=1.0),
     # Q quant (diff_q)
     _m("q_bytes_mismatched", "q_quant", "count", "Q value bytes that differ", required=True),
     _m("q_scale_bytes_mismatched", "q_quant", "count", "Q scale bytes that differ", required=True),
@@ -159,6 +165,9 @@ def emitted_by(name: str, stage: str) -> bool:
         return m.chain is not None
     if m.chain == "only":
         return False
+    if m.stage == stage:
+        return True
+    stage = AS_STAGE.get(stage, stage)
     if name in _CLASS_STAGES:
         return stage in _CLASS_STAGES[name]
     return m.stage in (stage, ANY)
@@ -168,7 +177,7 @@ def run_keys(ops: Iterable[str], *, chain: bool = True) -> set[str]:
     """Every `<op>.<metric>` and `chain.<metric>` key a run of `ops` can report (the
     harness's chain: the whole-chain comparison covers its K writer, scorer and top-k)."""
     from reference.ops import OPS
-    stages = {OPS[op].stage for op in ops}
+    stages = {AS_STAGE.get(OPS[op].stage, OPS[op].stage) for op in ops}
     out = {f"{op}.{n}" for op in ops for n in METRICS if emitted_by(n, OPS[op].stage)}
     in_chain = stages & {"k_writer", "scorer", "topk"}
     if chain and in_chain:

@@ -50,6 +50,27 @@ def _diff_k_pages(op, inputs, scalars, actual, expected):
                       fp8_dtype=scalars.get("fp8_dtype", "e4m3fn"), op=op)
 
 
+def _diff_fused(op, inputs, scalars, actual, expected):
+    """The fused K stage's pages (natural order), byte for byte like a writer's, plus the
+    fraction of owned bytes that differ (`pool_k_bytes_mismatched_frac`, its own budget: the
+    stage pools too, and a kernel's fp32 pooling moves a few bytes, NUMERICS.md §2a)."""
+    from reference.k_writer import writer_mask
+    from reference import fp8 as ref_fp8, layout
+    pos = inputs["positions"]
+    slots_all = inputs["kv_slot_mapping"].to(pos.device)
+    slots = slots_all[writer_mask(pos, slots_all, scalars["compress_ratio"])]
+    d = inputs["state_cache"].shape[-1] // 4
+    fmt = OPS[op].format
+    rep = diff_pages(actual["kv_cache"], expected["kv_cache"], inputs["kv_cache"],
+                     page_size=scalars["page_size"], head_dim=d, shuffle=None, written_slots=slots,
+                     fmt=fmt, fp8_dtype=scalars.get("fp8_dtype", "e4m3fn"), op=op)
+    owned = int(torch.unique(slots.long()).numel()) * (layout.entry_bytes(d) if fmt == "mxfp4"
+                                                        else ref_fp8.entry_bytes(d))
+    mism = rep.metrics["page_value_bytes_mismatched"] + rep.metrics["page_scale_bytes_mismatched"]
+    rep.metrics["pool_k_bytes_mismatched_frac"] = float(mism) / owned if owned else 0.0
+    return rep
+
+
 def _diff_q(op, inputs, scalars, actual, expected):
     return diff_q(actual, expected, op=op)
 
@@ -81,6 +102,8 @@ STAGE_VIEWS: dict[str, StageView] = {
                          scalars=("compress_ratio",)),
     "k_writer": StageView(_diff_k_pages, "K writer", inputs=("kv_cache", "k", "positions", "slot_mapping"),
                           scalars=("compress_ratio", "page_size")),
+    "pool_k": StageView(_diff_fused, "fused pool+K", inputs=("kv_cache", "state_cache", "positions", "kv_slot_mapping"),
+                        scalars=("compress_ratio", "page_size")),
     "q_quant": StageView(_diff_q, "Q quant"),
     "scorer": StageView(_diff_scores, "scorer", inputs=("row_ends",)),
     "topk": StageView(_diff_topk, "top-k", checks_shape=False, inputs=("logits", "lengths"), scalars=("k",)),

@@ -59,6 +59,8 @@ def _check_scalar(kind: str, v) -> Optional[str]:
     """None when `v` is a valid scalar of `kind`, else what is wrong."""
     from reference.formats import FP8_FLAVOURS, ROUNDING_PATHS
     from reference.mxfp4 import SCALE_RULES
+    from reference.pooling import SOFTMAX_MODES
+    from reference.rope import ROPE_MODES
     if kind == "float":
         ok = (_is_int(v) or isinstance(v, float)) and v == v and abs(v) != float("inf")
         return None if ok else f"expected a finite number, got {v!r}"
@@ -74,7 +76,8 @@ def _check_scalar(kind: str, v) -> Optional[str]:
         ok = v is None or (isinstance(v, list) and len(v) == 3 and all(_is_int(x) and x > 0 for x in v))
         return None if ok else f"expected [N, Dt, L] or null, got {v!r}"
     options = {"fp8_dtype": tuple(FP8_FLAVOURS), "rounding": ROUNDING_PATHS,
-               "scale_rule": tuple(SCALE_RULES)}[kind]
+               "scale_rule": tuple(SCALE_RULES), "rope": ROPE_MODES,
+               "softmax": tuple(SOFTMAX_MODES)}[kind]
     return None if v in options else f"expected one of {', '.join(options)}, got {v!r}"
 
 
@@ -137,7 +140,7 @@ def _op_problem(op: str, spec: OpSpec, dims: _Dims, scalars: dict) -> Optional[s
     if r is not None and d is not None and (r % 2 or r > d):
         return f"{op}/in/cos_sin_cache: rope dim R={r} must be even and at most D={d}"
     if pb is not None and d is not None and "page_size" in scalars:
-        entry = d + 4 if "fp8" in op else d // 2 + d // 32
+        entry = d + 4 if "fp8" in op else d // 2 + d // 32     # fp8 ops: [D fp8 | f32 scale]
         need = scalars["page_size"] * entry
         if pb < need:
             return (f"{op}/in/kv_cache: page stride {pb} is below the {need} bytes of "

@@ -28,7 +28,7 @@ from typing import Optional
 import tomllib
 
 from harness.errors import InputError
-from reference.ops import OP_NAMES, chain, format_of
+from reference.ops import OP_NAMES, PATHS, chain, format_of
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 BUDGETS_FILE = "budgets.toml"
@@ -80,6 +80,7 @@ class Case:
     file: str
     description: str = ""
     preset: str = "deepseek-v4-pro"
+    path: str = "rocm"                   # "rocm": pool, then write K; "cuda": vLLM's fused K stage
     ops: tuple[str, ...] = MXFP4_CHAIN
     heads: Optional[int] = None          # None: the preset's
     topk: Optional[int] = None           # None: the preset's
@@ -269,6 +270,7 @@ CASE_SCHEMA = Table({
     "name": Str(empty_ok=False),
     "description": Str(),
     "preset": Choice(_presets()),
+    "path": Choice(PATHS),
     "ops": List(Choice(OP_NAMES), 1, len(OP_NAMES), unique=True),
     "heads": Int(1, MAX_HEADS),
     "topk": Int(1, MAX_TOPK),
@@ -328,11 +330,22 @@ def _case(raw, defaults: dict, suite: str, file: Path, index: int) -> Case:
                         f"{_show(name) if 'name' in raw else 'none'}")
     where = f"{file}: case {name!r}"
     kw = _checked(where, CASE_SCHEMA, {**defaults, **raw})
-    ops = tuple(kw.get("ops", MXFP4_CHAIN))
-    ops_chain = chain(format_of(ops))
+    path = kw.get("path", "rocm")
+    ops = tuple(kw.get("ops", chain("mxfp4", path)))
+    fmt = format_of(ops)
+    off = [o for o in ops if o not in chain("mxfp4", path) + chain("fp8", path)]
+    if off:
+        raise CaseError(f"{where}: ops: {off} are not on the {path} path (its chains: "
+                        f"{', '.join(chain('mxfp4', path))}; {', '.join(chain('fp8', path))})")
+    ops_chain = chain(fmt, path)
     if any(o not in ops_chain for o in ops):
         raise CaseError(f"{where}: ops: {list(ops)} mix the MXFP4 and FP8 chains")
     kw["ops"] = tuple(o for o in ops_chain if o in ops)
+    if path == "cuda":
+        if kw.get("layout", "natural") != "natural":
+            raise CaseError(f"{where}: layout: the cuda path writes natural pages (vLLM's fused K kernel); "
+                            f"expected \"natural\", got {kw['layout']!r}")
+        kw["layout"] = "natural"
     kw["seqs"] = tuple(_seq(where, f"seqs[{i}]", s) for i, s in enumerate(kw.get("seqs", [16])))
     total = sum(s.len for s in kw["seqs"])
     if total > MAX_TOKENS:

@@ -149,8 +149,21 @@ class CaseInputs:
             "paged_fp8_mqa_logits": {"page_size": g.page_size, "fp8_dtype": c.fp8_dtype,
                                      "clean_logits": c.clean_logits},
             "topk": {"k": g.topk},
+            "compress_norm_rope_mxfp4_cache": {"compress_ratio": g.ratio, "norm_eps": g.preset.rms_eps,
+                                               "page_size": g.page_size},
+            "compress_norm_rope_fp8_cache": {"compress_ratio": g.ratio, "norm_eps": g.preset.rms_eps,
+                                             "page_size": g.page_size, "fp8_dtype": c.fp8_dtype},
         }
-        return dict(table[op])
+        out = dict(table[op])
+        if op.startswith("compress_norm_rope"):
+            from reference.fused import CUDA_ROPE
+            out["rope"] = CUDA_ROPE          # said in every dump; a backend's numerics may override
+        if c.path == "cuda" and op.startswith("q_rope"):
+            # vLLM's CUDA Q kernels multiply by softmax_scale, then head_scale, and contract
+            # their rotation as `fma-es` (NUMERICS.md §3); a backend's numerics may override
+            from reference.fused import CUDA_Q_ROPE
+            out.update(softmax_scale=g.head_dim ** -0.5, head_scale=g.heads ** -0.5, rope=CUDA_Q_ROPE)
+        return out
 
     def to(self, device) -> "CaseInputs":
         def mv(x):

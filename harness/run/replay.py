@@ -53,6 +53,15 @@ def _call(fn, rec: OpRecord, device, extra: dict) -> dict:
     return {k: v.detach().cpu() for k, v in out.items()}
 
 
+def _unsupported_option(op: str, rec: OpRecord, e: TypeError) -> Optional[str]:
+    """The recorded optional scalar a backend's function does not take (a TypeError naming
+    it), or None."""
+    for name in reference.OPS[op].fields.optional:
+        if name in rec.scalars and f"'{name}'" in str(e):
+            return name
+    return None
+
+
 def replay_op(rec: OpRecord, backend=None, *, path: Optional[str] = None) -> DiffReport:
     """Replay one record; see the module docstring. `backend`: None (the reference), a
     backend name, or an optimized.Backend."""
@@ -73,7 +82,15 @@ def replay_op(rec: OpRecord, backend=None, *, path: Optional[str] = None) -> Dif
                 return DiffReport(op, {"op_unsupported": 1.0},
                                   [{"class": "op_unsupported", "where": f"backend {be.name!r} does not implement {op}"}],
                                   [f"backend {be.name!r} does not implement {op}: not compared"])
-            actual = _call(getattr(be, op), rec, be.device, extra)
+            try:
+                actual = _call(getattr(be, op), rec, be.device, extra)
+            except TypeError as e:
+                opt = _unsupported_option(op, rec, e)
+                if opt is None:
+                    raise
+                why = f"backend {be.name!r} does not implement {op}'s option {opt} = {rec.scalars[opt]!r}"
+                return DiffReport(op, {"op_unsupported": 1.0}, [{"class": "op_unsupported", "where": why}],
+                                  [f"{why}: not compared"])
             expected, label = rec.outputs, f"backend {be.name!r} vs the recorded output"
     except NonFiniteInput as e:
         return _nonfinite_report(op, e)

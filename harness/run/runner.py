@@ -184,8 +184,11 @@ def _recall_rows(actual: torch.Tensor, expected: torch.Tensor, lengths: torch.Te
 # --- the chain --------------------------------------------------------------------------
 
 def _ops(inp: CaseInputs):
-    """The K writer, Q quant and scorer of the case's chain, from the op table."""
-    return tuple(op_of(inp.geo.fmt, stage) for stage in ("k_writer", "q_quant", "scorer"))
+    """The K stage (the writer on the rocm path, the fused pool+K op on the cuda path), Q
+    quant and scorer of the case's chain, from the op table."""
+    path = inp.case.path
+    return tuple(op_of(inp.geo.fmt, stage, path)
+                 for stage in ("k_writer" if path == "rocm" else "pool_k", "q_quant", "scorer"))
 
 
 def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -205,10 +208,15 @@ class ChainRun:
                               "recall_rows": []}
         self.diff_op = diff_op
 
+    def scalars(self, op: str) -> dict:
+        """The case's scalars of `op`, with the reference options the backend declares for it
+        (`Backend.numerics`: what it computes where the reference offers a choice)."""
+        return {**self.inp.scalars(op), **self.be.numerics.get(op, {})}
+
     def _stage(self, op: str, step: int, ins: dict, *, diff_as: Optional[str] = None) -> dict:
         """Reference and backend on `ins`; diff; the backend's outputs. Ops outside the
         case's chain run through the reference only (they feed the ops under test)."""
-        scalars = self.inp.scalars(op)
+        scalars = self.scalars(op)
         try:
             if reference.OPS[op].fp64 and op in self.case.ops:
                 expected = {"logits": reference.OPS[op].fp64(**ins, **scalars)}
@@ -248,7 +256,7 @@ class ChainRun:
     def _details(self, op, ins, actual, expected):
         geo = self.inp.geo
         try:
-            if op.startswith("k_norm_rope"):
+            if op.startswith(("k_norm_rope", "compress_norm_rope")):
                 self.details["mismatch_map"] += _mismatch_map(ins["kv_cache"], actual["kv_cache"],
                                                               expected["kv_cache"], geo, op)
             elif op == "compress_pool":
@@ -262,6 +270,12 @@ class ChainRun:
         except Exception as e:   # plots are a convenience; the metrics are the verdict, but say so
             self.details.setdefault("plot_errors", []).append(f"{op}: {type(e).__name__}: {e}")
 
+    def _fused_ins(self, toks, pool) -> dict:
+        inp = self.inp
+        return dict(state_cache=inp.state_cache, block_table=inp.state_block_table,
+                    positions=toks.positions, req_index=toks.req_index, kv_slot_mapping=toks.slot_mapping,
+                    cos_sin_cache=inp.cos_sin_cache, norm_weight=inp.norm_weight, kv_cache=pool)
+
     def run(self) -> None:
         inp, ops = self.inp, self.case.ops
         kw, qq, sc = _ops(inp)
@@ -269,34 +283,49 @@ class ChainRun:
         need_q = qq in ops or sc in ops or "topk" in ops
         need_logits = sc in ops or "topk" in ops
         pool_b = inp.kv_cache
-        if inp.history is not None and need_k:
+        fused = inp.case.path == "cuda"
+        if inp.history is not None and need_k and fused:
+            h = inp.history
+            pool_b = reference.OPS[kw].fn(**self._fused_ins(h, pool_b), **self.scalars(kw))["kv_cache"]
+        elif inp.history is not None and need_k:
             h = inp.history
             pooled = reference.compress_pool(state_cache=inp.state_cache, block_table=inp.state_block_table,
                                              positions=h.positions, req_index=h.req_index,
                                              kv_slot_mapping=h.slot_mapping,
-                                             **inp.scalars("compress_pool"))["pooled"]
+                                             **self.scalars("compress_pool"))["pooled"]
             pool_b = reference.OPS[kw].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
                                        norm_weight=inp.norm_weight, slot_mapping=h.slot_mapping,
-                                       kv_cache=pool_b, **inp.scalars(kw))["kv_cache"]
+                                       kv_cache=pool_b, **self.scalars(kw))["kv_cache"]
         pool_start = pool_b
         chain_pool = pool_b
         chain_k, chain_pos, chain_slot = [], [], []
         for i, st in enumerate(inp.steps):
+            # 1+2 (cuda path): the fused pool+K stage on the backend's pool
+            if fused and need_k:
+                ins = self._fused_ins(st, pool_b)
+                pool_b = self._stage(kw, i, ins)["kv_cache"]
+                chain_pool = reference.OPS[kw].fn(**{**ins, "kv_cache": chain_pool},
+                                                  **self.scalars(kw))["kv_cache"]
+                chain_pos.append(st.positions)
+                chain_slot.append(st.slot_mapping)
+                chain_k.append(st.req_index)
             # 1. pooling (its inputs do not depend on the backend)
-            if "compress_pool" in ops:
+            if fused:
+                pass
+            elif "compress_pool" in ops:
                 ins = dict(state_cache=inp.state_cache, block_table=inp.state_block_table,
                            positions=st.positions, req_index=st.req_index, kv_slot_mapping=st.slot_mapping)
                 pooled_b = self._stage("compress_pool", i, ins)["pooled"]
-                pooled_ref = reference.compress_pool(**ins, **inp.scalars("compress_pool"))["pooled"]
+                pooled_ref = reference.compress_pool(**ins, **self.scalars("compress_pool"))["pooled"]
             else:
                 pooled_b = pooled_ref = st.k
             # 2. K writer on the backend's pooled rows and the backend's pool
-            if need_k:
+            if need_k and not fused:
                 ins = dict(k=pooled_b, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
                            norm_weight=inp.norm_weight, slot_mapping=st.slot_mapping, kv_cache=pool_b)
                 pool_b = self._stage(kw, i, ins)["kv_cache"]
                 chain_pool = reference.OPS[kw].fn(**{**ins, "k": pooled_ref, "kv_cache": chain_pool},
-                                               **inp.scalars(kw))["kv_cache"]
+                                               **self.scalars(kw))["kv_cache"]
                 chain_k.append(pooled_ref)
                 chain_pos.append(st.positions)
                 chain_slot.append(st.slot_mapping)
@@ -313,29 +342,35 @@ class ChainRun:
             qk = ("q_fp8",) if inp.geo.fmt == "fp8" else ("q_fp4", "q_scale")
             sins = dict({n: q_b[n] for n in qk}, weights=q_b["weights"], kv_cache=pool_b, **geo_ins)
             logits_b = self._stage(sc, i, sins)["logits"]
-            q_ref = reference.OPS[qq].fn(**qins, **inp.scalars(qq))
+            q_ref = reference.OPS[qq].fn(**qins, **self.scalars(qq))
             chain_logits = reference.OPS[sc].fp64(**dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"],
-                                                  kv_cache=chain_pool, **geo_ins), **inp.scalars(sc))
+                                                  kv_cache=chain_pool, **geo_ins), **self.scalars(sc))
             # 5. top-k of the backend's logits
             tins = dict(logits=logits_b, lengths=st.row_ends)
             idx_b = self._stage("topk", i, tins)["indices"]
             if sc in ops:
-                self.col.add(CHAIN, i, self.diff_op(sc, sins, inp.scalars(sc), {"logits": logits_b},
+                self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_b},
                                                     {"logits": chain_logits}))
             if "topk" in ops:
                 chain_idx = reference.topk(logits=chain_logits, lengths=st.row_ends, k=inp.geo.topk)["indices"]
                 self.col.add(CHAIN, i, self.diff_op("topk", dict(logits=chain_logits, lengths=st.row_ends),
-                                                    inp.scalars("topk"), {"indices": idx_b},
+                                                    self.scalars("topk"), {"indices": idx_b},
                                                     {"indices": chain_idx}))
                 self.details["recall_rows"] += _recall_rows(idx_b, chain_idx, st.row_ends, inp.geo.topk)
         # the whole chain's pool against the reference chain's
         if kw in ops and chain_k:
-            ins = dict(k=_cat(chain_k), positions=_cat(chain_pos), cos_sin_cache=inp.cos_sin_cache,
-                       norm_weight=inp.norm_weight, slot_mapping=_cat(chain_slot), kv_cache=pool_start)
-            rep = self.diff_op(kw, ins, inp.scalars(kw), {"kv_cache": pool_b}, {"kv_cache": chain_pool})
+            if fused:
+                ins = dict(state_cache=inp.state_cache, block_table=inp.state_block_table,
+                           positions=_cat(chain_pos), req_index=_cat(chain_k),
+                           kv_slot_mapping=_cat(chain_slot), cos_sin_cache=inp.cos_sin_cache,
+                           norm_weight=inp.norm_weight, kv_cache=pool_start)
+            else:
+                ins = dict(k=_cat(chain_k), positions=_cat(chain_pos), cos_sin_cache=inp.cos_sin_cache,
+                           norm_weight=inp.norm_weight, slot_mapping=_cat(chain_slot), kv_cache=pool_start)
+            rep = self.diff_op(kw, ins, self.scalars(kw), {"kv_cache": pool_b}, {"kv_cache": chain_pool})
             self.col.add(CHAIN, len(inp.steps) - 1, rep)
-            written = ins["slot_mapping"][((ins["positions"] + 1) % inp.geo.ratio == 0)
-                                          & (ins["slot_mapping"] >= 0)]
+            slots = ins["kv_slot_mapping" if fused else "slot_mapping"]
+            written = slots[((ins["positions"] + 1) % inp.geo.ratio == 0) & (slots >= 0)]
             d = inp.geo.head_dim
             owned = int(written.unique().numel()) * (layout.entry_bytes(d) if inp.geo.fmt == "mxfp4"
                                                      else ref_fp8.entry_bytes(d))

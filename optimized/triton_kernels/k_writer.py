@@ -76,8 +76,8 @@ def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
         cmask = amask & is_rope
         cos = tl.load(cs_ptr + cs_off, mask=cmask, other=1.0)
         sin = tl.load(cs_ptr + cs_off + R // 2, mask=cmask, other=0.0)
-        if ROUNDING == 1:      # cuda fused: fp32 through norm and RoPE, one bf16 round at the end
-            ye, yo = rope_pairs(ne, no, cos, sin, is_rope, False, False)
+        if ROUNDING == 1:      # cuda fused: fp32 through norm and RoPE (NoPE through the formula), one bf16 round
+            ye, yo = rope_pairs(ne, no, cos, sin, is_rope, False, True)
             ye = bf16_round(ye)
             yo = bf16_round(yo)
         else:                  # rocm / deepseek: bf16 after the norm and after RoPE
