@@ -168,8 +168,9 @@ def test_each_rope_mode_writes_other_bytes():
     assert out["separate"][0, 0, b_even] != out["fma-es"][0, 0, b_even]
     # the K side takes the same modes (cuda rounding, through the K writer)
     kw = dict(positions=torch.tensor([3]), cos_sin_cache=cs, norm_weight=torch.ones(D), slot_mapping=torch.tensor([0]),
-              kv_cache=torch.zeros(1, 68, dtype=torch.uint8), norm_eps=0.0, page_size=1, shuffle=None, rounding="cuda")
+              kv_cache=torch.zeros(1, 68, dtype=torch.uint8), norm_eps=1e-30, page_size=1, shuffle=None, rounding="cuda")
     # a row whose norm is exactly 1 leaves the crafted values as they are: rstd = 1 when mean(x^2) = 1
+    # (eps = 1e-30 vanishes in fp32 next to 1; 0 itself is refused)
     k = q.float()[0].clone()
     k[0, 0] = (D - float((k * k).sum())) ** 0.5
     assert abs(float((k * k).mean()) - 1) < 1e-6
