@@ -29,10 +29,27 @@ from .common import on_device
 
 FUSED_OPS = ("compress_norm_rope_mxfp4_cache", "compress_norm_rope_fp8_cache")
 CUDA_FP8 = "e4m3fn"          # vLLM's CUDA kernels: tl.float8e4nv, FP8_MAX 448
-# the reference's numerics options of the fused op (notes: fused_api.md); the real kernel
-# computes what it computes whatever the case asks the reference for
+# The reference's options that say what vLLM's CUDA kernels compute (NUMERICS.md §2, §3;
+# docs/paths.md), declared as Backend.numerics so the runner asks the reference for the same:
+# compiled, the fused K kernels contract RoPE as fma-oc and the Q kernels as fma-es; the
+# interpreter contracts nothing. A different value asked of the backend is refused.
 FUSED_OPTIONS = ("rope", "softmax")
 Q_OPTIONS = ("rope",)
+
+
+def cuda_numerics(interpreted: bool) -> dict:
+    fused, q = ("separate", "separate") if interpreted else ("fma-oc", "fma-es")
+    return {**{op: {"rope": fused} for op in FUSED_OPS},
+            **{op: {"rope": q} for op in ("q_rope_mxfp4_quant", "q_rope_fp8_quant")}}
+
+
+def _own_rope(op: str, options: dict, numerics: dict) -> None:
+    want = numerics[op]["rope"]
+    if options.get("rope", want) != want:
+        raise ValueError(f"rope: vLLM's {op} kernel computes rope={want!r} here, got {options['rope']!r}")
+    if options.get("softmax", "fp64") != "fp64":
+        raise ValueError(f"softmax: the reference's 'fp64' softmax is the one compared with vLLM's kernel "
+                         f"(its approximate exp has no exact model), got {options['softmax']!r}")
 
 
 def _triton_mode(interpret: bool) -> Optional[str]:
@@ -100,6 +117,7 @@ def _no_hadamard(hadamard: bool, scale_rule: str = "ceil") -> None:
 def make_cuda_ops(ks, device: str) -> dict:
     from .vllm_kernels import launch
     interp = ks.interpreted
+    numerics = cuda_numerics(interp)
     ops: dict = {}
 
     def fused(fmt: str):
@@ -114,6 +132,10 @@ def make_cuda_ops(ks, device: str) -> dict:
             bad = sorted(set(options) - set(FUSED_OPTIONS))
             if bad:
                 raise TypeError(f"unexpected keyword(s) {', '.join(bad)}")
+            _own_rope(f"compress_norm_rope_{fmt}_cache", options, numerics)
+            if fmt == "fp8" and kv_cache.dim() == 2 and kv_cache.shape[1] % 4:
+                raise ValueError(f"kv_cache: vLLM's FP8 writer stores fp32 scales; pages of {kv_cache.shape[1]} "
+                                 "bytes (not a multiple of 4) fault on the GPU (misaligned address)")
             if fmt == "fp8" and fp8_dtype != CUDA_FP8:
                 checks.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
                 raise ValueError(f"fp8_dtype: vLLM's CUDA FP8 writer stores e4m3fn (FP8_MAX 448), got {fp8_dtype!r}")
@@ -160,6 +182,7 @@ def make_cuda_ops(ks, device: str) -> dict:
         _no_hadamard(hadamard, scale_rule)
         if set(options) - set(Q_OPTIONS):
             raise TypeError(f"unexpected keyword(s) {', '.join(sorted(set(options) - set(Q_OPTIONS)))}")
+        _own_rope("q_rope_mxfp4_quant", options, numerics)
         out, scale, w, back = q_launch("mxfp4", q, positions, cos_sin_cache, weights, weights_scale,
                                        softmax_scale, head_scale)
         return {"q_fp4": back(out, q), "q_scale": back(scale, q), "weights": back(w, weights)}
@@ -169,6 +192,7 @@ def make_cuda_ops(ks, device: str) -> dict:
         _no_hadamard(hadamard)
         if set(options) - set(Q_OPTIONS):
             raise TypeError(f"unexpected keyword(s) {', '.join(sorted(set(options) - set(Q_OPTIONS)))}")
+        _own_rope("q_rope_fp8_quant", options, numerics)
         checks.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
         if fp8_dtype != CUDA_FP8:
             raise ValueError(f"fp8_dtype: vLLM's CUDA FP8 Q kernel is launched with e4m3fn here "
@@ -252,15 +276,19 @@ def _make(name: str, path: str, interpret: bool) -> Backend:
         ks = kernel_set(interpreted=interpret)
     except KernelSetError as e:
         return Backend(name, head, reason=str(e))
+    numerics: dict = {}
     if path == "cuda":
         ops = make_cuda_ops(ks, device)
-        desc = f"{head}; {ks.note()}"
+        numerics = cuda_numerics(ks.interpreted)
+        desc = (f"{head}; {ks.note()}; compared with the reference's rope="
+                f"{numerics['compress_norm_rope_mxfp4_cache']['rope']} (K) / "
+                f"{numerics['q_rope_mxfp4_quant']['rope']} (Q)")
         limits = cuda_limits
     else:
         ops, rest = make_rocm_ops(ks, device, interpret=interpret)
         desc = f"{head} + {rest}; {ks.note().split(';')[0]}"
         limits = rocm_limits
-    return Backend(name, desc, ops, device=device, limits=limits, source=ks.source.describe())
+    return Backend(name, desc, ops, device=device, limits=limits, source=ks.source.describe(), numerics=numerics)
 
 
 def make_cuda_backend() -> Backend:

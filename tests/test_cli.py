@@ -296,3 +296,33 @@ def test_a_bug_is_exit_3_not_a_usage_error(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 3 and len(err) == 1 and "internal error ValueError: boom from deep inside" in err[0]
     assert "boom from deep inside" in (tmp_path / "r" / "internal-error.txt").read_text()
+
+
+def test_path_option_runs_every_case_on_the_cuda_path(tmp_path, capsys):
+    """`--path cuda` swaps the rocm path's pooling + K writer for the fused pool+K op (natural
+    pages) and back; the reference then diffs the fused op's pages."""
+    import json
+    from harness.commands.cli import main
+    from harness.run.cases import Catalog, on_path
+    case = Catalog().case("smoke-chunks-shuffled")
+    cuda = on_path(case, "cuda")
+    assert cuda.path == "cuda" and cuda.layout == "natural"
+    assert "compress_norm_rope_mxfp4_cache" in cuda.ops and "compress_pool" not in cuda.ops
+    back = on_path(cuda, "rocm")
+    assert back.ops == case.ops and back.path == "rocm"
+    rc = main(["validate", "--case", "smoke-rowend-k", "--path", "cuda", "--backend", "reference",
+               "--report-dir", str(tmp_path / "r"), "-q"])
+    assert rc == 0
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert rep["run"]["path"] == "cuda"
+    assert "compress_norm_rope_mxfp4_cache.page_bytes_mismatched" in rep["cases"][0]["metrics"]
+
+
+def test_a_run_that_skips_every_case_is_not_a_pass(tmp_path, capsys):
+    """A backend that can run none of the cases checked nothing: exit 1, never 0."""
+    from harness.commands.cli import main
+    rc = main(["validate", "--case", "smoke-rowend-k", "--path", "cuda", "--backend", "triton-interpret",
+               "--report-dir", str(tmp_path / "r"), "-q"])
+    capsys.readouterr()
+    assert rc == 1
+    assert "NOTHING CHECKED" in (tmp_path / "r" / "report.md").read_text()

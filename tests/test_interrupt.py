@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STOP_WITHIN_S = 8.0          # generous for a loaded 2-core CI box (the HTML report's figures take most)
+STOP_WITHIN_S = 20.0         # a hang guard, loose for a loaded 2-core CI box (measured 2.4-8.7 s there); the
+                             # proof that queued cases were cut is the cancelled list below
 SUITE = """
 [suite]
 name = "slow"

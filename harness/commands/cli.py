@@ -204,6 +204,9 @@ def cmd_validate(args) -> int:
     from harness.diff.metrics import run_keys
     catalog = Catalog(args.cases_dir)
     suite, cases = catalog.select(args.suite, args.case)
+    if args.path:
+        from harness.run.cases import on_path
+        cases = [on_path(c, args.path) for c in cases]
     budgets = B.load(args.budgets)
     keys = {c.name: run_keys(c.ops) for c in cases}
     budgets.check_run(keys, suite, known_cases=catalog.by_name, known_suites=set(catalog.suites) | {"diff", "cases"})
@@ -231,6 +234,8 @@ def cmd_validate(args) -> int:
     meta["suite"] = suite
     meta["cases"] = [c.name for c in cases]
     meta["jobs"] = jobs_info
+    if args.path:
+        meta["path"] = args.path
     if stopped:
         meta["interrupted"] = stopped
     if part:
@@ -439,6 +444,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     g.add_argument("--case", action="append", default=None, metavar="NAME",
                    help="a case (repeatable; not with --suite)")
     p.add_argument("--backend", default="auto", help="backend name (see `mxval backends`)")
+    p.add_argument("--path", default=None, choices=("rocm", "cuda"),
+                   help="run every case on this path (cuda: vLLM's fused pool+K op, natural pages; "
+                        "default: each case's own)")
     p.add_argument("-j", "--jobs", type=int, default=1, help="cases in parallel (processes)")
     add_shard(p)
     common(p)

@@ -81,7 +81,8 @@ _TABLE = (
        chain="only", hi=1.0),
     # the fused pool+K stage (CUDA path): its pages are diffed as a writer's, plus
     _m("pool_k_bytes_mismatched_frac", "pool_k", "ratio", "owned K bytes of the fused stage that differ, "
-       "as a fraction (it pools too: the kernel's fp32 pooling may move a few)", required=True, hi=1.0),
+       "as a fraction (it pools too: the kernel's fp32 pooling may move a few)", required=True, chain="allowed",
+       hi=1.0),
     # Q quant (diff_q)
     _m("q_bytes_mismatched", "q_quant", "count", "Q value bytes that differ", required=True),
     _m("q_scale_bytes_mismatched", "q_quant", "count", "Q scale bytes that differ", required=True),

@@ -92,6 +92,9 @@ def summary(df: pd.DataFrame, meta: Optional[dict] = None) -> dict:
     out = {s: int(counts.get(s, 0)) for s in ("pass", "fail", "error", "nonfinite_input", "skipped")}
     out["cases"] = int(len(df))
     out["ok"] = bool(df["ok"].all()) if len(df) else True
+    if len(df) and out["skipped"] == len(df):      # every case skipped: nothing was checked, never a pass
+        out["nothing_checked"] = True
+        out["ok"] = False
     if (meta or {}).get("interrupted"):
         out["interrupted"] = True
         out["ok"] = False
@@ -109,7 +112,11 @@ def part_note(meta: dict) -> str:
 
 
 def verdict_word(s: dict) -> str:
-    return "INTERRUPTED" if s.get("interrupted") else ("OK" if s["ok"] else "FAILED")
+    if s.get("interrupted"):
+        return "INTERRUPTED"
+    if s.get("nothing_checked"):
+        return "NOTHING CHECKED (every case skipped)"
+    return "OK" if s["ok"] else "FAILED"
 
 
 def _interrupt_note(meta: dict) -> str:

@@ -28,7 +28,7 @@ from typing import Optional
 import tomllib
 
 from harness.errors import InputError
-from reference.ops import OP_NAMES, PATHS, chain, format_of
+from reference.ops import OP_NAMES, OPS, PATHS, chain, format_of
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 BUDGETS_FILE = "budgets.toml"
@@ -472,3 +472,24 @@ class Catalog:
             return (suite or (cases[0].suite if len({c.suite for c in cases}) == 1 else "cases")), cases
         suite = suite or "default"
         return suite, self.suite_cases(suite)
+
+
+def on_path(case: Case, path: str) -> Case:
+    """The same case on another path (`mxval validate --path`): each op replaced by the op
+    of its stage on that path (the rocm path's pooling and K writer <-> the cuda path's fused
+    pool+K op), and natural pages on the cuda path (vLLM's fused K kernel writes no other
+    layout). Inputs are drawn from the same seed, so a case compares the two paths' bytes."""
+    if path not in PATHS:
+        raise CaseError(f"--path: expected one of {', '.join(PATHS)}, got {path!r}")
+    if case.path == path:
+        return case
+    fmt = format_of(case.ops)
+    stages = {OPS[o].stage for o in case.ops}
+    if path == "cuda" and stages & {"pooling", "k_writer"}:
+        stages = (stages - {"pooling", "k_writer"}) | {"pool_k"}
+    elif path == "rocm" and "pool_k" in stages:
+        stages = (stages - {"pool_k"}) | {"pooling", "k_writer"}
+    ops = tuple(o for o in chain(fmt, path) if OPS[o].stage in stages)
+    layout = "natural" if path == "cuda" else case.layout
+    return dataclasses.replace(case, path=path, ops=ops, layout=layout)
+
