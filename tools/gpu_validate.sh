@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything mxval checks on a GPU, in one go (the lent H200, or any CUDA/ROCm box).
 # Phase A, correctness, steps run side by side on the GPU: the GPU test suite, the full
-# validation suite through compiled Triton and through vLLM's own kernels (vllm-cuda,
+# validation suite through compiled Triton and through vLLM's own kernels (vllm-cuda on the
+# cuda path, every case through the fused pool+K op;
 # vllm-rocm; they need the vLLM source: `mxval upstream fetch` on a networked machine, then
 # XDG_CACHE_HOME or MXVAL_VLLM_SRC pointing at it), and the selftest with compiled Triton
 # as the correct backend. Phase B, timings, one step at a time: the study on the GPU and
@@ -30,10 +31,10 @@ mx() { $py -m harness "$@"; }
 step test-gpu "$LIMIT_A" $py -m pytest -q -p no:cacheprovider -m gpu &
 step validate-triton "$LIMIT_A" mx validate --suite full --backend triton --report-dir "$out/validate-triton" --force &
 step selftest "$LIMIT_A" mx selftest --backend triton --seeds 20 --json "$out/selftest.json" --report-dir "$out/selftest" --force -q &
-step validate-vllm-cuda "$LIMIT_A" mx validate --suite full --backend vllm-cuda --report-dir "$out/validate-vllm-cuda" --force &
+step validate-vllm-cuda "$LIMIT_A" mx validate --suite full --backend vllm-cuda --path cuda --report-dir "$out/validate-vllm-cuda" --force &
 step validate-vllm-rocm "$LIMIT_A" mx validate --suite full --backend vllm-rocm --report-dir "$out/validate-vllm-rocm" --force &
 wait
-step study 90 mx study --device cuda --report-dir "$out/study"
+step study "${LIMIT_STUDY:-90}" mx study --device cuda --report-dir "$out/study"
 [ "${BENCH:-1}" = 1 ] && step bench-gpu "${LIMIT_BENCH:-240}" $py -m harness.bench.gpu --quick --out "$out/bench-gpu.md"
 cat "$out/machine.txt" "$out/steps.txt"
 for f in test-gpu validate-triton validate-vllm-cuda validate-vllm-rocm selftest study; do
