@@ -33,7 +33,7 @@ $(VENV)/.mxval-installed: pyproject.toml constraints.txt
 	$(PY) tools/ensure_env.py
 	touch $@
 
-# Lint (pyproject [tool.ruff]: real errors). The venv always has ruff; a
+# Lint (pyproject [tool.ruff]: real errors and import order). The venv always has ruff; a
 # system stack without it (a GPU image, no network) says so and goes on to the tests.
 lint: $(ENV_STAMP)
 	@if $(PY) -m ruff --version >/dev/null 2>&1; then $(PY) -m ruff check . ; \

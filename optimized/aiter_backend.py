@@ -29,8 +29,7 @@ from reference.scoring import check_mxfp4_scorer
 from reference.topk import check_topk_args
 
 from . import Backend, BackendUnavailable, upstream
-from .common import (equal_row_groups, import_targets, on_device, paged_view, require_production,
-                     rocm_gfx950_reason)
+from .common import equal_row_groups, import_targets, on_device, paged_view, require_production, rocm_gfx950_reason
 
 NAME = "aiter"
 FUNCTIONS = {

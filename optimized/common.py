@@ -42,6 +42,7 @@ def import_targets(keys: dict[str, str]) -> tuple[dict, dict, list[str]]:
     one line per missing one). A key's alternatives (`key@...`) and alt_modules are tried in
     table order; the first present wins."""
     import importlib
+
     from . import upstream
     found, which, missing = {}, {}, []
     for label, key in keys.items():

@@ -17,7 +17,9 @@ from typing import Callable, Optional
 import torch
 
 import reference
-from reference import fp8 as ref_fp8, hadamard as ref_hadamard, layout, mxfp4, scoring
+from reference import fp8 as ref_fp8
+from reference import hadamard as ref_hadamard
+from reference import layout, mxfp4, scoring
 from reference.k_writer import check_mxfp4_k_writer, group_start, k_values, rms_norm, writer_mask
 from reference.pooling import boundary_mask, gather_windows, softmax_pool
 from reference.q_quant import fold_weights

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from reference import layout
+from reference import checks, layout
 from reference.formats import ROUNDING_PATHS
 from reference.k_writer import check_mxfp4_k_writer
 from reference.pooling import check_pool_args
 from reference.q_quant import check_q_args
 from reference.topk import check_topk_args
-from reference import checks
 
 from . import Backend, aiter_backend
 from .common import import_targets, on_device, paged_view, require_production, rocm_gfx950_reason

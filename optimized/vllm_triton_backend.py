@@ -123,7 +123,8 @@ def make_cuda_ops(ks, device: str) -> dict:
     def fused(fmt: str):
         key = launch.K_KEYS[fmt]
         kernel = ks.kernels[key]
-        from reference import fp8 as ref_fp8, layout
+        from reference import fp8 as ref_fp8
+        from reference import layout
         entry = layout.entry_bytes if fmt == "mxfp4" else ref_fp8.entry_bytes
 
         def op(*, state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight,

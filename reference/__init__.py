@@ -6,8 +6,8 @@ tensors by name. No Triton anywhere in this package.
 """
 from .checks import NonFiniteInput
 from .formats import PRESETS, ROUNDING_PATHS, ModelPreset, preset
-from .fused import compress_norm_rope_fp8_cache, compress_norm_rope_mxfp4_cache
 from .fp8 import k_norm_rope_fp8_cache, paged_fp8_mqa_logits, q_rope_fp8_quant
+from .fused import compress_norm_rope_fp8_cache, compress_norm_rope_mxfp4_cache
 from .k_writer import k_norm_rope_mxfp4_cache
 from .ops import OP_NAMES, OPS
 from .pooling import compress_pool

@@ -9,7 +9,6 @@ with cos = 1, sin = 0), one bf16 round, then the quantizer, in natural page orde
 """
 from __future__ import annotations
 
-
 from . import checks
 from .fp8 import k_norm_rope_fp8_cache
 from .k_writer import k_norm_rope_mxfp4_cache

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, hadamard as _hadamard, layout, mxfp4
+from . import checks, layout, mxfp4
+from . import hadamard as _hadamard
 from .formats import ROUNDING_PATHS
 from .rope import ROPE_MODES, bf16_round, cos_sin_at, rope_gptj_tail
 

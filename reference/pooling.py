@@ -12,7 +12,6 @@ import torch
 from . import checks
 from .formats import ROUNDING_PATHS
 
-
 # --- building the state cache (what the model's compressor writes per position) ------
 
 def state_rows(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,

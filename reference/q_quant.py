@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, hadamard as _hadamard, mxfp4
+from . import checks, mxfp4
+from . import hadamard as _hadamard
 from .rope import ROPE_MODES, cos_sin_at, rope_gptj_tail
 
 SCALE_PAIR_RTOL = 1e-6

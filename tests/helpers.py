@@ -1,11 +1,10 @@
 """Helpers for test modules to import (never import another test module)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import dataclasses
+import json
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ from harness.diff import diff_op
 from harness.io.dumps import OpRecord
 from harness.run import budgets
 from reference import layout, mxfp4, pooling, rope
-from reference.rope import cos_sin_cache
 from reference.formats import preset
+from reference.rope import cos_sin_cache
 
 DATA = Path(__file__).resolve().parent / "data"
 

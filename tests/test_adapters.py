@@ -12,15 +12,14 @@ import inspect
 import sys
 import types
 
+import fake_upstream as fk
 import pytest
 import torch
+from helpers import compare, k_writer_case, logits_case, pool_case, q_case, topk_case
 
-import fake_upstream as fk
 from harness.commands.upstream_cmd import check_definition
-from optimized import BackendUnavailable, OP_NAMES, aiter_backend, common, get_backend, upstream, vllm_backend
+from optimized import OP_NAMES, BackendUnavailable, aiter_backend, common, get_backend, upstream, vllm_backend
 from reference import layout
-
-from helpers import (compare, k_writer_case, logits_case, pool_case, q_case, topk_case)
 
 tl = fk.tl
 V033, V8E4F, ROW_ENDS, CU_ENDS = "vllm==0.33.0", "vllm@8e4f5df9", "aiter:row_ends", "aiter:cu_ends"

@@ -3,10 +3,10 @@ import math
 
 import pytest
 
-from harness.run import budgets as B
-from harness.run.cases import Catalog
 from harness.diff import ALWAYS_FAIL
 from harness.diff.metrics import run_keys
+from harness.run import budgets as B
+from harness.run.cases import Catalog
 from harness.run.runner import run_case
 
 

@@ -5,18 +5,29 @@ from __future__ import annotations
 
 import warnings
 
+import fake_upstream as fk
 import pytest
 import torch
+from helpers import make_layer
 
-import fake_upstream as fk
 import reference
 from harness.io import capture
-from harness.io.capture import (AITER_K_WRITER, AITER_Q_QUANT, VLLM_COMPRESS_POOL, VLLM_COMPRESS_POOL_KERNEL, ArgMap,
-                             Selection, Target, install, set_context, uninstall, wrap)
+from harness.io.capture import (
+    AITER_K_WRITER,
+    AITER_Q_QUANT,
+    VLLM_COMPRESS_POOL,
+    VLLM_COMPRESS_POOL_KERNEL,
+    ArgMap,
+    Selection,
+    Target,
+    install,
+    set_context,
+    uninstall,
+    wrap,
+)
 from harness.io.dumps import read_dump
 from harness.run.replay import replay_dump
 from optimized import upstream
-from helpers import make_layer
 
 V033, V8E4F, ROW_ENDS, CU_ENDS = "vllm==0.33.0", "vllm@8e4f5df9", "aiter:row_ends", "aiter:cu_ends"
 EXACT = {"page_bytes_mismatched": 0, "page_bytes_outside_owned_changed": 0, "pooled_max_ulp": 0,

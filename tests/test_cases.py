@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import reference
-from harness.run.cases import Catalog, CaseError, SeqSpec
+from harness.run.cases import CaseError, Catalog, SeqSpec
 from harness.run.inputs import build, geometry
 from reference import layout
 from reference.checks import NonFiniteInput

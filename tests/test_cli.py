@@ -302,6 +302,7 @@ def test_path_option_runs_every_case_on_the_cuda_path(tmp_path, capsys):
     """`--path cuda` swaps the rocm path's pooling + K writer for the fused pool+K op (natural
     pages) and back; the reference then diffs the fused op's pages."""
     import json
+
     from harness.commands.cli import main
     from harness.run.cases import Catalog, on_path
     case = Catalog().case("smoke-chunks-shuffled")

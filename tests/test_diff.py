@@ -1,17 +1,27 @@
 """The diff engine: every planted fault is found, localized and classified; exact outputs pass."""
 from __future__ import annotations
 
-
 import pytest
 import torch
+from helpers import make_layer
 
 import reference
-from harness.diff import (ALWAYS_FAIL, MAX_FINDINGS, DiffReport, writer_slots, diff_logits, diff_op,
-                          diff_pages, diff_pooled, diff_q, diff_topk, higher_is_better)
+from harness.diff import (
+    ALWAYS_FAIL,
+    MAX_FINDINGS,
+    DiffReport,
+    diff_logits,
+    diff_op,
+    diff_pages,
+    diff_pooled,
+    diff_q,
+    diff_topk,
+    higher_is_better,
+    writer_slots,
+)
 from reference import layout
 from reference.fp8 import fp8_slot_offsets
 from reference.scoring import paged_mxfp4_mqa_logits_fp64
-from helpers import make_layer
 
 PS, D = 64, 128
 SHUF = [32, 16, 2]

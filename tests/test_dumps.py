@@ -7,11 +7,11 @@ import struct
 
 import pytest
 import torch
+from helpers import make_layer, sample_path
 from safetensors.torch import save_file
 
 import reference
 from harness.io.dumps import Dump, DumpError, OpRecord, read_dump, record_problem, write_dump
-from helpers import make_layer, sample_path
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,11 @@ entries through the fused writer, outputs on the inputs' device, pools past 2 Gi
 (32-bit offset overflow), and the decode-shape scorer and top-k."""
 import pytest
 import torch
+from helpers import RATIO, D, R, cases, compare, logits_case, pool_case
 
 import reference
 from reference import layout, mxfp4, rope
 from reference.formats import preset
-
-from helpers import D, R, RATIO, cases, compare, logits_case, pool_case
 
 pytestmark = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
@@ -135,8 +134,9 @@ def test_decode_shape_scorer_and_topk(be):
 def test_scorer_decoders_are_exact_compiled(be, decode):
     """Every byte under every finite scale byte, subnormal operands included (the inline
     PTX path multiplies packed bf16 pairs; a flush to zero would show here)."""
-    from optimized.triton_kernels import scoring
     from helpers import all_bytes_and_scales, expected
+
+    from optimized.triton_kernels import scoring
     b, e = all_bytes_and_scales("cuda")
     got = scoring.decode_probe(b, e, decode).cpu()
     want = expected(b, e)
@@ -196,9 +196,9 @@ def test_scorer_extreme_scale_bytes(be, scales):
 @needs_gpu
 @pytest.mark.parametrize("resident", [True, False])
 def test_topk_kernels_compiled(be, resident):
+    from helpers import tie_case, topk_case
+
     from optimized.triton_kernels import topk
-    from helpers import tie_case
-    from helpers import topk_case
     for kw in (tie_case(), topk_case(k=1024, width=12000)):
         idx = topk.launch(kw["logits"].cuda(), kw["lengths"].cuda(), kw["k"], resident=resident).cpu()
         assert compare("topk", {"indices": idx}, kw) == []
@@ -218,8 +218,9 @@ def test_pooling_tilings_compiled(be, tile):
 @needs_gpu
 @pytest.mark.parametrize("tile", [(32, 8, 4), (128, 32, 8)])
 def test_k_writer_tilings_compiled(be, tile):
-    from optimized.triton_kernels import k_writer
     from helpers import k_writer_case
+
+    from optimized.triton_kernels import k_writer
     kw = k_writer_case(tokens=384, pages=16)
     want = reference.k_norm_rope_mxfp4_cache(**kw)["kv_cache"]
     out = kw["kv_cache"].cuda()

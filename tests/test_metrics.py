@@ -4,8 +4,7 @@ import math
 import pytest
 
 from harness.diff import DiffReport, diff_logits, diff_pooled
-from harness.diff.metrics import (ALWAYS_FAIL, METRICS, OFF, REQUIRED, Limit, aggregate, judge, required_keys,
-                                  run_keys)
+from harness.diff.metrics import ALWAYS_FAIL, METRICS, OFF, REQUIRED, Limit, aggregate, judge, required_keys, run_keys
 from harness.run import budgets as B
 from harness.run.cases import Catalog
 from harness.run.runner import ChainRun, run_case

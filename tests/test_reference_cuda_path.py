@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from helpers import pool_case
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -18,7 +19,6 @@ from harness.run.replay import replay_dump
 from reference import layout, rope
 from reference.k_writer import writer_mask
 from reference.pooling import softmax_pool, softmax_pool_fp32
-from helpers import pool_case
 
 D, R = 128, 64
 MX = "compress_norm_rope_mxfp4_cache"

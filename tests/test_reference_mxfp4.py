@@ -1,13 +1,12 @@
 """MXFP4 encoding (NUMERICS.md §4) against independent oracles: ml_dtypes for the element
 codes, exact integer arithmetic for the e8m0 exponent, torchao's to_mx for the other rules."""
-from fractions import Fraction
 import math
 import warnings
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
-
 from helpers import round_fp32
 
 from reference import mxfp4

@@ -1,8 +1,8 @@
 """The reference reproduces the real kernels' sample dumps byte for byte."""
 import torch
+from helpers import load_sample
 
 import reference
-from helpers import load_sample
 
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_layer, sample_path
 
 import reference
 from harness.io.dumps import DumpError, OpRecord, read_dump, write_dump
 from harness.run.replay import record_op, replay_dump, replay_file, replay_op
 from optimized import Backend
 from reference import layout
-from helpers import sample_path
-from helpers import make_layer
 
 EXACT = {"page_bytes_mismatched": 0, "page_bytes_outside_owned_changed": 0, "pooled_max_ulp": 0,
          "q_bytes_mismatched": 0, "q_scale_bytes_mismatched": 0, "weights_max_ulp": 0,

@@ -159,8 +159,9 @@ def test_report_on_a_broken_report_json_leaves_it_alone(tmp_path, capsys):
 
 @pytest.mark.parametrize("mask", [0o027, 0o002])
 def test_files_follow_the_umask(tmp_path, capsys, mask):
-    from harness.io.dumps import OpRecord, write_dump
     from helpers import load_sample
+
+    from harness.io.dumps import OpRecord, write_dump
     old = os.umask(mask)
     try:
         assert validate(capsys, tmp_path / "r")[0] == 0

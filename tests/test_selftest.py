@@ -4,10 +4,9 @@ import json
 
 import pytest
 
-from harness.diff.metrics import METRICS, REQUIRED
-
-from harness.run.cases import Catalog
 from harness.commands.cli import main
+from harness.diff.metrics import METRICS, REQUIRED
+from harness.run.cases import Catalog
 from optimized.faults import FAULTS
 
 

@@ -6,9 +6,9 @@ import re
 
 import pytest
 import torch
+from helpers import sample_path
 
 from harness.commands import study
-from helpers import sample_path
 
 QUICK = dict(heads=8, rows=4, seeds=2, context_tokens=[8192], needle_depths=[0.5], needle_margins=[0.05])
 

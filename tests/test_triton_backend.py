@@ -2,10 +2,10 @@
 small cases that hold the spec's edge cases (tests/helpers.py)."""
 import pytest
 import torch
+from helpers import cases, compare
 
 from optimized import OP_NAMES, get_backend
 from reference.ops import OPS
-from helpers import cases, compare
 
 CASES = cases()
 
@@ -37,8 +37,9 @@ def test_rejects_what_it_does_not_implement(be):
         be.k_norm_rope_mxfp4_cache(**k_writer_case(), hadamard=True)
     with pytest.raises(ValueError, match="scale_rule"):
         be.q_rope_mxfp4_quant(**q_case(), scale_rule="rceil")
-    from reference.checks import NonFiniteInput
     from helpers import topk_case
+
+    from reference.checks import NonFiniteInput
     kw = topk_case()
     kw["logits"][0, 5] = float("-inf")
     with pytest.raises(NonFiniteInput, match="logits"):
@@ -52,6 +53,7 @@ def test_interpreter_bf16_round_is_nearest_even(be):
     """interp.bf16_round must round ties to even where the interpreter's cast truncates."""
     import triton
     import triton.language as tl
+
     from optimized.triton_kernels import interp
     globals()["bf16_bits"] = interp.bf16_bits     # the kernel below resolves it as a global
 

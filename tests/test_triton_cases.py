@@ -3,9 +3,9 @@ diff engine under the default budgets) has teeth: each rule fails on the fault i
 from __future__ import annotations
 
 import torch
+from helpers import RATIO, D, cases, compare, k_writer_case, logits_case, pool_case, topk_case
 
 import reference
-from helpers import D, RATIO, cases, compare, k_writer_case, logits_case, pool_case, topk_case
 from reference import layout, scoring
 
 # --- the rules have teeth ----------------------------------------------------------------

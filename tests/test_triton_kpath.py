@@ -4,10 +4,9 @@ more (smaller blocks); the K writer with several (tile, group) sizes, including 
 where most tokens write nothing."""
 import pytest
 import torch
+from helpers import compare, k_writer_case, pool_case
 
 import reference
-
-from helpers import compare, k_writer_case, pool_case
 
 
 @pytest.fixture(scope="module")

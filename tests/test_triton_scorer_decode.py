@@ -3,8 +3,6 @@ the reference dequantization, on every byte and every finite scale byte; and the
 scorer's logits with each decoder (interpreter here; compiled in test_gpu_triton.py)."""
 import pytest
 import torch
-
-
 from helpers import all_bytes_and_scales, compare, expected, logits_case
 
 

@@ -3,7 +3,6 @@ the k-th value, signed zeros, the most negative logits, exact-count early stops,
 rows, widths that are not powers of two (Triton interpreter; compiled in
 test_gpu_triton.py)."""
 import pytest
-
 from helpers import compare, tie_case, topk_case
 
 

@@ -5,10 +5,10 @@ the RoPE products into FMAs, so the bounds here are rates, with the counts print
 byte-exact comparisons are the interpreter's (tests/test_vllm_upstream.py)."""
 from __future__ import annotations
 
+import helpers as H
 import pytest
 import torch
 
-import helpers as H
 import reference
 from reference import rope
 

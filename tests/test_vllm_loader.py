@@ -11,10 +11,9 @@ import torch
 
 from optimized import triton_kernels
 from optimized.vllm_kernels import e2m1, interp_patch, launch
-from optimized.vllm_kernels.loader import KernelRef, LoadError, Loader, Replacement
+from optimized.vllm_kernels.loader import KernelRef, Loader, LoadError, Replacement
 from optimized.vllm_kernels.source import SourceError, find_source
 from reference.mxfp4 import e2m1_codes
-
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -335,9 +334,9 @@ def test_interp_patch_keeps_the_sign_of_an_all_negative_zero_sum(tree):
 
 def test_the_runner_skips_a_case_the_backend_cannot_do():
     import reference
-    from optimized import Backend, register
     from harness.run.cases import Catalog
     from harness.run.runner import run_case
+    from optimized import Backend, register
 
     def limits(op, scalars):
         return "no FP8 here" if "fp8_dtype" in scalars else None

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import shutil
 
+import helpers as H
 import pytest
 import torch
 
-import helpers as H
 import reference
 from reference import rope
 

@@ -27,14 +27,14 @@ step() {  # name, seconds, command...
 $py -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$out/machine.txt"
 make -s .mxval-env-system PYTHON=$py >/dev/null
 export PYTHONPATH=$PWD
-mx() { $py -m harness "$@"; }
+mx="$py -m harness"
 step test-gpu "$LIMIT_A" $py -m pytest -q -p no:cacheprovider -m gpu &
-step validate-triton "$LIMIT_A" mx validate --suite full --backend triton --report-dir "$out/validate-triton" --force &
-step selftest "$LIMIT_A" mx selftest --backend triton --seeds 20 --json "$out/selftest.json" --report-dir "$out/selftest" --force -q &
-step validate-vllm-cuda "$LIMIT_A" mx validate --suite full --backend vllm-cuda --path cuda --report-dir "$out/validate-vllm-cuda" --force &
-step validate-vllm-rocm "$LIMIT_A" mx validate --suite full --backend vllm-rocm --report-dir "$out/validate-vllm-rocm" --force &
+step validate-triton "$LIMIT_A" $mx validate --suite full --backend triton --report-dir "$out/validate-triton" --force &
+step selftest "$LIMIT_A" $mx selftest --backend triton --seeds 20 --json "$out/selftest.json" --report-dir "$out/selftest" --force -q &
+step validate-vllm-cuda "$LIMIT_A" $mx validate --suite full --backend vllm-cuda --path cuda --report-dir "$out/validate-vllm-cuda" --force &
+step validate-vllm-rocm "$LIMIT_A" $mx validate --suite full --backend vllm-rocm --report-dir "$out/validate-vllm-rocm" --force &
 wait
-step study "${LIMIT_STUDY:-90}" mx study --device cuda --report-dir "$out/study"
+step study "${LIMIT_STUDY:-90}" $mx study --device cuda --report-dir "$out/study"
 [ "${BENCH:-1}" = 1 ] && step bench-gpu "${LIMIT_BENCH:-240}" $py -m harness.bench.gpu --quick --out "$out/bench-gpu.md"
 cat "$out/machine.txt" "$out/steps.txt"
 for f in test-gpu validate-triton validate-vllm-cuda validate-vllm-rocm selftest study; do

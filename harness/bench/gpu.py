@@ -201,6 +201,7 @@ def main(argv=None) -> int:
         print("bench-gpu: no CUDA/ROCm GPU visible to torch", file=sys.stderr)
         return 2
     import triton
+
     from optimized import BackendUnavailable, get_backend
     try:
         get_backend("triton")

@@ -57,6 +57,7 @@ def _best(fn, repeats, dev):
 
 def _k_path(dev, repeats):
     import torch
+
     import reference
     from reference import layout, preset, rope
     p = preset("deepseek-v4-pro")
@@ -135,6 +136,7 @@ def _scoring_wide(dev, repeats):
 
 def _scoring(dev, repeats, wide=False):
     import torch
+
     import reference
     from reference import scoring
     kw = _scoring_inputs(dev, wide=wide)
@@ -212,9 +214,10 @@ def decode_step_dump(path, seqs=64, entries=32768, heads=64, seed=0) -> str:
     (32768 compressed entries each), each decoding one boundary token; outputs from the
     reference. Built directly (a case would pool the whole 8M-token history first)."""
     import torch
+
     import reference
-    from reference import preset, rope
     from harness.io.dumps import OpRecord, write_dump
+    from reference import preset, rope
     p = preset("deepseek-v4-pro")
     d, r, bs, ps = p.head_dim, p.compress_ratio, 256, p.page_size
     g = torch.Generator().manual_seed(seed)

@@ -195,9 +195,9 @@ def _meta(command: str, be, requested: str, started: float) -> dict:
 
 def cmd_validate(args) -> int:
     from harness.run import budgets as B
+    from harness.run import shard as S
     from harness.run.cases import Catalog
     from harness.run.inputs import geometry
-    from harness.run import shard as S
     from harness.run.runner import RunInterrupted, run_cases
     t0 = time.time()
     part = S.parse(args.shard) if getattr(args, "shard", None) is not None else None
@@ -267,11 +267,11 @@ def _dump_row(path: str, reports, backend: str, seconds: float) -> dict:
 
 
 def cmd_diff(args) -> int:
-    from harness.run import budgets as B
-    from harness.io.dumps import read_dump
-    from harness.run.replay import replay_dump
     from harness.diff.metrics import run_keys
+    from harness.io.dumps import read_dump
+    from harness.run import budgets as B
     from harness.run.cases import Catalog
+    from harness.run.replay import replay_dump
     t0 = time.time()
     budgets = B.load(args.budgets)
     be = _backend(args.backend) if args.backend else None
@@ -308,8 +308,8 @@ def cmd_diff(args) -> int:
 # --- dump ------------------------------------------------------------------------------------
 
 def cmd_dump(args) -> int:
-    from harness.run.cases import Catalog
     from harness.io.dumps import OpRecord, write_dump
+    from harness.run.cases import Catalog
     from harness.run.inputs import build
     from harness.run.runner import run_case
     catalog = Catalog(args.cases_dir)
@@ -344,8 +344,9 @@ def cmd_dump(args) -> int:
 
 def cmd_cases(args) -> int:
     from rich.table import Table
-    from harness.run.cases import Catalog
+
     from harness.io.report import wide_console
+    from harness.run.cases import Catalog
     from harness.run.inputs import geometry
     catalog = Catalog(args.cases_dir)
     if args.suite and args.suite not in catalog.suites:
@@ -375,6 +376,7 @@ def cmd_cases(args) -> int:
 
 def cmd_backends(args) -> int:
     from rich.table import Table
+
     import optimized
     if args.faults:
         optimized._load_extra()

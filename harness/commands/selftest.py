@@ -157,14 +157,21 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from optimized import faults as F
+    from harness.commands.cli import (
+        EXIT_FAIL,
+        EXIT_INTERRUPTED,
+        EXIT_OK,
+        UsageError,
+        claim_report_dir,
+        interrupted_meta,
+        stderr_console,
+    )
     from harness.run import budgets as B
-    from harness.run.cases import Catalog
-    from harness.commands.cli import EXIT_FAIL, EXIT_OK, UsageError, stderr_console
-    from harness.run.inputs import geometry
-    from harness.commands.cli import EXIT_INTERRUPTED, claim_report_dir, interrupted_meta
     from harness.run import shard as S
+    from harness.run.cases import Catalog
+    from harness.run.inputs import geometry
     from harness.run.runner import RunInterrupted, run_cases
+    from optimized import faults as F
 
     t0 = time.time()
     part = S.parse(args.shard) if getattr(args, "shard", None) is not None else None

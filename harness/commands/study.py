@@ -27,17 +27,22 @@ from pathlib import Path
 
 import torch
 
+from harness.commands.study_inputs import Distribution, draw, input_stats, make_inputs, make_needles  # noqa: F401
+from harness.commands.study_metrics import (  # noqa: F401
+    ExactTopK,
+    SparseAttention,
+    head_scores,
+    indexer_logits,
+    needles_kept,
+    row_metrics,
+    select,
+)
+from harness.commands.study_report import render, summary_markdown  # noqa: F401
+from harness.commands.study_variants import VARIANTS, Variant, key_side, ordered, query_side  # noqa: F401
 from harness.errors import StudyConfigError
-
 from reference.formats import preset
 from reference.k_writer import group_start, k_values
 from reference.q_quant import fold_weights, q_values
-
-from harness.commands.study_inputs import Distribution, draw, input_stats, make_inputs, make_needles  # noqa: F401
-from harness.commands.study_metrics import (ExactTopK, SparseAttention, head_scores, indexer_logits, needles_kept,  # noqa: F401
-                            row_metrics, select)
-from harness.commands.study_report import render, summary_markdown  # noqa: F401
-from harness.commands.study_variants import VARIANTS, Variant, key_side, ordered, query_side  # noqa: F401
 
 
 @dataclass

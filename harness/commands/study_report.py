@@ -672,6 +672,7 @@ def _figure_png(fig) -> str:
 
 def _html(result, meta, title, md) -> str:
     import html
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -732,7 +733,7 @@ def render(result: dict, out_dir: Path, *, title: str, meta: dict) -> dict:
     import pandas as pd
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    from harness.io import atomic                 # each file whole or not at all, umask modes
+    from harness.io import atomic  # each file whole or not at all, umask modes
     atomic.write_text(out_dir / "study.csv", pd.DataFrame(result["rows"]).to_csv(index=False))
     atomic.write_text(out_dir / "study-needles.csv", pd.DataFrame(result["needles"]).to_csv(index=False))
     md = full_markdown(result, meta)

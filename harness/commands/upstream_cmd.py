@@ -25,10 +25,9 @@ import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from harness.errors import InputError
 from typing import Optional
 
+from harness.errors import InputError
 from optimized import upstream
 
 EXIT_OK, EXIT_DRIFT, EXIT_USAGE = 0, 1, 2

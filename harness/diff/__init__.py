@@ -34,9 +34,9 @@ Finding classes (the unit each one counts is in brackets):
   the scale finding. FP8 pages and Q: the same names; scale_other when a scale is not a
   power-of-two multiple of the expected one.
 """
+from .metrics import ALWAYS_FAIL, METRICS, Limit, aggregate, higher_is_better, judge, metric
 from .ops import diff_op, writer_slots
 from .pages import diff_pages
-from .metrics import ALWAYS_FAIL, METRICS, Limit, aggregate, higher_is_better, judge, metric
 from .report import MAX_FINDINGS, DiffReport
 from .rows import diff_pooled, diff_q
 from .scores import diff_logits, diff_topk

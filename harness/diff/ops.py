@@ -13,6 +13,7 @@ from .report import DiffReport
 from .rows import diff_pooled, diff_q
 from .scores import diff_logits, diff_topk
 
+
 def writer_slots(inputs: dict, scalars: dict) -> torch.Tensor:
     from reference.k_writer import writer_mask
     sel = writer_mask(inputs["positions"], inputs["slot_mapping"].to(inputs["positions"].device),
@@ -54,8 +55,9 @@ def _diff_fused(op, inputs, scalars, actual, expected):
     """The fused K stage's pages (natural order), byte for byte like a writer's, plus the
     fraction of owned bytes that differ (`pool_k_bytes_mismatched_frac`, its own budget: the
     stage pools too, and a kernel's fp32 pooling moves a few bytes, NUMERICS.md §2a)."""
+    from reference import fp8 as ref_fp8
+    from reference import layout
     from reference.k_writer import writer_mask
-    from reference import fp8 as ref_fp8, layout
     pos = inputs["positions"]
     slots_all = inputs["kv_slot_mapping"].to(pos.device)
     slots = slots_all[writer_mask(pos, slots_all, scalars["compress_ratio"])]

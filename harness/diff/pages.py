@@ -14,8 +14,6 @@ from reference.mxfp4 import MX_BLOCK, dequantize_mxfp4, e8m0_to_float
 from . import args as A
 from .report import MAX_FINDINGS, Collector, DiffReport, hex_byte
 
-
-
 # --- MXFP4 entries: the shared classifier of pages and Q ---------------------------------
 
 # class codes of one value byte, ordered by severity (a byte takes its worse nibble)

@@ -10,6 +10,7 @@ from . import args as A
 from .pages import NIB_ONE_STEP, NIB_OTHER, NIB_SIGNED_ZERO, compare_mxfp4, entry_units, nibble_class, unit_finding
 from .report import MAX_FINDINGS, Collector, DiffReport, hex_byte
 
+
 def _ordered(bits: torch.Tensor, sign_mask: int) -> torch.Tensor:
     """Sign-magnitude float bits -> integers in numeric order (+0 and -0 both map to 0)."""
     b = bits.long()

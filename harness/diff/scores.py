@@ -9,6 +9,7 @@ import torch
 from . import args as A
 from .report import Collector, DiffReport
 
+
 def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, clean: bool,
                 op: str = "paged_mxfp4_mqa_logits", worst_rows: int = 10,
                 row_threshold: float = 1e-12) -> DiffReport:

@@ -21,11 +21,10 @@ the case (or `[suite]`, `[defaults]`) and the key, never ignored. What a case ma
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
-
-import tomllib
 
 from harness.errors import InputError
 from reference.ops import OP_NAMES, OPS, PATHS, chain, format_of

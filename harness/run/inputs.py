@@ -14,12 +14,12 @@ from typing import Optional
 
 import torch
 
+from harness.run.cases import PLANT_VALUES, Case, CaseError
 from reference import layout
-from reference.formats import E2M1_VALUES, ModelPreset, preset as get_preset
+from reference.formats import E2M1_VALUES, ModelPreset
+from reference.formats import preset as get_preset
 from reference.pooling import state_rows, write_state
 from reference.rope import cos_sin_cache
-
-from harness.run.cases import PLANT_VALUES, Case, CaseError
 
 # Pools above this many bytes are filled on the device (the GPU suite's > 2 GiB pools).
 _CPU_POOL_LIMIT = 1 << 28

@@ -19,11 +19,9 @@ from typing import Optional, Union
 import torch
 
 import reference
-from reference.checks import NonFiniteInput
-
 from harness.diff import DiffReport, diff_op
 from harness.io.dumps import Dump, DumpError, OpRecord, json_scalar, read_dump, record_problem
-
+from reference.checks import NonFiniteInput
 
 
 def record_op(op: str, inputs: dict, scalars: dict, outputs: dict) -> OpRecord:

@@ -21,14 +21,14 @@ from typing import Callable, Optional
 import torch
 
 import reference
-from optimized import Backend, BackendUnavailable, get_backend
-from reference import fp8 as ref_fp8, layout
-from reference.ops import op_of
-from reference.checks import NonFiniteInput
-
 from harness.diff import aggregate, diff_op
 from harness.run.cases import Case
 from harness.run.inputs import CaseInputs, build
+from optimized import Backend, BackendUnavailable, get_backend
+from reference import fp8 as ref_fp8
+from reference import layout
+from reference.checks import NonFiniteInput
+from reference.ops import op_of
 
 CHAIN = "chain"
 # Scorers are judged against the op table's fp64 scores: the diff compares the backend's fp32

@@ -65,8 +65,8 @@ def _triton_for_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     if "triton" not in sys.modules:
         return
-    from triton.runtime.interpreter import InterpretedFunction
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
     if isinstance(tl.standard.sum, InterpretedFunction):
         return
     for name in [m for m in sys.modules if (m == "triton" or m.startswith("triton."))

@@ -14,10 +14,17 @@ from reference import layout
 from reference.formats import FP8_FLAVOURS
 from reference.k_writer import check_mxfp4_k_writer
 
-from .interp import LAUNCH, bf16_round, tile, widen_bf16
-from .numerics import (ROUNDING_CODES, SCALE_RULE_CODES, fp8_encode,
-                       mxfp4_encode_pairs, pow2_scale, rms_norm_pairs, rope_pairs)
 from ..common import on_device, reject_hadamard, scale_rule_code
+from .interp import LAUNCH, bf16_round, tile, widen_bf16
+from .numerics import (
+    ROUNDING_CODES,
+    SCALE_RULE_CODES,
+    fp8_encode,
+    mxfp4_encode_pairs,
+    pow2_scale,
+    rms_norm_pairs,
+    rope_pairs,
+)
 
 # tokens per program, tokens written at once (H200: 32, 8 the fastest of 6 timed)
 TILE, BT = tile((32, 8), (512, 128))

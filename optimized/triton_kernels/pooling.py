@@ -13,11 +13,11 @@ import triton.language as tl
 
 from reference import checks
 from reference.formats import ROUNDING_PATHS
-from reference.pooling import check_pool_args
-from reference.pooling import boundary_mask, gather_windows
+from reference.pooling import boundary_mask, check_pool_args, gather_windows
 
 from ..common import on_device
 from .interp import LAUNCH, bf16_bits, exp_f64, tile
+
 
 @triton.jit
 def _exp(x, FAST: tl.constexpr):

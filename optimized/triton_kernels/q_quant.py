@@ -12,7 +12,7 @@ from reference.q_quant import check_q_args, fold_weights
 
 from ..common import on_device, reject_hadamard, scale_rule_code
 from .interp import LAUNCH, tile, widen_bf16
-from .numerics import (SCALE_RULE_CODES, fp8_encode, mxfp4_encode_pairs, pow2_scale, rope_pairs)
+from .numerics import SCALE_RULE_CODES, fp8_encode, mxfp4_encode_pairs, pow2_scale, rope_pairs
 
 BR = tile(16, 256)   # (token, head) rows per program
 

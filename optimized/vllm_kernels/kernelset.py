@@ -14,7 +14,7 @@ from typing import Optional
 
 from .. import upstream
 from . import e2m1, launch
-from .loader import KernelRef, LoadError, Loader, Replacement
+from .loader import KernelRef, Loader, LoadError, Replacement
 from .source import KernelSource, SourceError, find_source
 
 K_KEYS = launch.K_KEYS
