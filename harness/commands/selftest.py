@@ -621,6 +621,7 @@ class _LimitTexts:
 
 def write_merged_extras(out: Path, df, meta: dict) -> None:
     """selftest.json and selftest.md of a merged selftest report."""
+    from harness.errors import InputError
     from harness.io import atomic
     from harness.run import budgets as B
     from harness.run import shard as S
@@ -630,7 +631,7 @@ def write_merged_extras(out: Path, df, meta: dict) -> None:
         real = B.load((meta.get("budgets") or {}).get("path"))
         if S.budgets_digest(real) == S.budgets_digest(_AsDict(meta.get("budgets") or {})):
             budgets = real
-    except Exception:
+    except (InputError, OSError):       # the budgets file moved or changed: the recorded limit texts
         pass
     results = {f["name"]: _MergedResult(f) for f in verdict["faults"]}
     md = markdown(results, budgets, verdict, {"machine": verdict.get("machine", "")})

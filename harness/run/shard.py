@@ -100,10 +100,10 @@ def budgets_digest(budgets) -> str:
 
 
 def mxval_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        from importlib.metadata import version
         return version("mxval")
-    except Exception:
+    except PackageNotFoundError:                # a checkout that was never installed
         pass
     try:
         import tomllib
