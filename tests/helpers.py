@@ -371,3 +371,25 @@ def expected(b, e):
     blocks = b.view(-1, 1).repeat(1, 16).cpu()              # one 32-element block per byte
     vals = mxfp4.dequantize_mxfp4(blocks, e.view(-1, 1).cpu(), torch.float64)
     return vals[:, :2].float()
+
+
+# --- the CLI, in-process ------------------------------------------------------------------
+
+def mxval(capsys, *argv):
+    """Run `mxval ARGV...` in this process: (exit code, stdout, stderr)."""
+    from harness.commands.cli import main
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(err: str, *needles) -> str:
+    """The contract for bad input: exactly one line `mxval: ...` on stderr, no traceback,
+    naming each of `needles`. Returns the line."""
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("mxval: ") and "Traceback" not in err, err
+    for n in needles:
+        assert str(n) in lines[0], (n, lines[0])
+    return lines[0]
+

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import mxval, one_line_error
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -22,18 +23,8 @@ CASE = "smoke-rowend-k"
 KW = "k_norm_rope_mxfp4_cache"
 
 
-def mxval(capsys, *argv):
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
-def one_line_error(err: str, *needles):
-    lines = [x for x in err.strip().splitlines() if x.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("mxval: ") and "Traceback" not in err
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

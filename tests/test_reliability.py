@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import one_line_error as one_line
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -32,11 +33,6 @@ def run(capsys, *argv):
     return rc, out, err
 
 
-def one_line(err, *needles):
-    lines = [x for x in err.strip().splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("mxval: ") and "Traceback" not in err, err
-    for n in needles:
-        assert str(n) in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -8,25 +8,17 @@ import stat
 from pathlib import Path
 
 import pytest
+from helpers import mxval
+from helpers import one_line_error as one_line
 
-from harness.commands.cli import main
 from harness.io import atomic, report
 
 CASE = "smoke-clean-logits"
 FILES = ("report.json", "report.md", "report.html", "junit.xml", "metrics.csv")
 
 
-def mxval(capsys, *argv):
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
-def one_line(err, *needles):
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
 
 
 def validate(capsys, d, *more):

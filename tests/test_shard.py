@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import mxval
+from helpers import one_line_error as one_line
 
 import reference
 from harness.commands.cli import main
@@ -15,20 +17,6 @@ from harness.run.cases import Catalog
 from optimized import Backend, register
 from reference import layout
 from reference.k_writer import writer_mask
-
-
-def mxval(capsys, *argv):
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line(err, *needles):
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def report_of(d):

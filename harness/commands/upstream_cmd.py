@@ -29,6 +29,7 @@ from typing import Optional
 
 from harness.errors import InputError
 from optimized import upstream
+from optimized.vllm_kernels.loader import dotted_name
 
 EXIT_OK, EXIT_DRIFT, EXIT_USAGE = 0, 1, 2
 COMMAND = "upstream"
@@ -145,14 +146,6 @@ class Found:
     body: str                 # the definition, unparsed (normalized formatting)
 
 
-def _dotted(node: ast.AST) -> str:
-    if isinstance(node, ast.Call):
-        return _dotted(node.func)
-    if isinstance(node, ast.Attribute):
-        return f"{_dotted(node.value)}.{node.attr}"
-    if isinstance(node, ast.Name):
-        return node.id
-    return ""
 
 
 def _is_constexpr(annotation: Optional[ast.AST]) -> bool:
@@ -228,7 +221,7 @@ def _resolve_from(module: str, is_pkg: bool, node: ast.ImportFrom, name: str) ->
 def read_definition(node: ast.AST, path: str, name: str) -> Found:
     """What a definition node says: its kind, parameters, annotation and return shape."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        jit = any(_dotted(d).split(".")[-1] in ("jit", "autotune", "heuristics") for d in node.decorator_list)
+        jit = any(dotted_name(d).split(".")[-1] in ("jit", "autotune", "heuristics") for d in node.decorator_list)
         return Found(path, node.lineno, "triton_jit" if jit else "function", _params(node.args, False),
                      ast.unparse(node.returns) if node.returns is not None else None,
                      _return_shape(node), ast.unparse(node))
@@ -279,7 +272,7 @@ def _find_in(source, module, rel, text, t, depth):
         if fn is None:
             return None, f"{rel}: class {cls_name} has no method {meth}"
         found = read_definition(fn, rel, meth)
-        is_static = any(_dotted(d) == "staticmethod" for d in fn.decorator_list)
+        is_static = any(dotted_name(d) == "staticmethod" for d in fn.decorator_list)
         found.params = _params(fn.args, not is_static)
         if found.kind != "triton_jit":            # a class's @staticmethod @triton.jit kernel stays one
             found.kind = "method"

@@ -62,18 +62,19 @@ class Loaded:
     replaced: list                   # "module:name" replaced by our source
 
 
-def _dotted(node: ast.AST) -> str:
+def dotted_name(node: ast.AST) -> str:
+    """`a.b.c` of a Name/Attribute chain (of a call's callee for a Call); "" otherwise."""
     if isinstance(node, ast.Call):
-        return _dotted(node.func)
+        return dotted_name(node.func)
     if isinstance(node, ast.Attribute):
-        return f"{_dotted(node.value)}.{node.attr}"
+        return f"{dotted_name(node.value)}.{node.attr}"
     if isinstance(node, ast.Name):
         return node.id
     return ""
 
 
 def is_jit(fn: ast.AST) -> bool:
-    return any(_dotted(d).split(".")[-1] == "jit" for d in getattr(fn, "decorator_list", []))
+    return any(dotted_name(d).split(".")[-1] == "jit" for d in getattr(fn, "decorator_list", []))
 
 
 def _is_constexpr(ann: Optional[ast.AST]) -> bool:
