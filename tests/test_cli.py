@@ -318,3 +318,11 @@ def test_a_run_that_skips_every_case_is_not_a_pass(tmp_path, capsys):
     capsys.readouterr()
     assert rc == 1
     assert "NOTHING CHECKED" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_case_timeout_must_be_positive(capsys, tmp_path):
+    for cmd in (["validate", "--case", "smoke-rowend-k"], ["selftest", "--quick"]):
+        rc, out, err = mxval(capsys, *cmd, "--case-timeout", "0", "--report-dir", tmp_path / "r")
+        assert rc == 2
+        one_line_error(err, "--case-timeout")
+        assert not (tmp_path / "r").exists()

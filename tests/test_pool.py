@@ -68,6 +68,28 @@ def test_the_death_check_can_fail(cases, ran, monkeypatch):
     assert sorted(ran()) == sorted(FAST)
 
 
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_hung_case_costs_only_itself_under_a_case_timeout(cases, ran, monkeypatch, jobs):
+    """A case that never returns (a hung kernel) is killed after --case-timeout and reported
+    as an error row; every other case runs, once (at -j 1 too: the timeout runs the pool)."""
+    victim = "smoke-fp8"
+    monkeypatch.setenv(DIE_ENV, victim + ":hang")
+    import time
+    t0 = time.time()
+    rows = run_cases(cases, "reference", jobs=jobs, case_timeout=3.0)
+    assert time.time() - t0 < 120                                # the hang did not hold the run
+    by = {r["case"]: r for r in rows}
+    assert [r["case"] for r in rows] == FAST
+    assert by[victim]["outcome"] == "error" and "--case-timeout 3 s" in by[victim]["reason"]
+    assert all(by[n]["outcome"] in ("ok", "nonfinite_input") for n in FAST if n != victim)
+    assert sorted(ran()) == sorted(n for n in FAST if n != victim)
+
+
+def test_a_case_timeout_must_be_positive(cases):
+    with pytest.raises(ValueError, match="case_timeout"):
+        run_cases(cases[:1], "reference", case_timeout=0)
+
+
 def test_gpus_round_robin_one_per_worker():
     envs = [worker_env(s, "CUDA_VISIBLE_DEVICES", ["2", "5", "7"]) for s in range(5)]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "5", "7", "2", "5"]

@@ -200,6 +200,8 @@ def cmd_validate(args) -> int:
     from harness.run.inputs import geometry
     from harness.run.runner import RunInterrupted, run_cases
     t0 = time.time()
+    if args.case_timeout is not None and not args.case_timeout > 0:
+        raise UsageError(f"--case-timeout: expected a positive number of seconds, got {args.case_timeout:g}")
     part = S.parse(args.shard) if getattr(args, "shard", None) is not None else None
     from harness.diff.metrics import run_keys
     catalog = Catalog(args.cases_dir)
@@ -225,7 +227,7 @@ def cmd_validate(args) -> int:
                   console=stderr_console(), transient=True, disable=args.quiet) as bar:
         task = bar.add_task(f"{suite} on {be.name}", total=len(cases), last="")
         try:
-            rows = run_cases(cases, be.name, jobs=jobs,
+            rows = run_cases(cases, be.name, jobs=jobs, case_timeout=args.case_timeout,
                              progress=lambda r: bar.update(task, advance=1, last=f"{r['case']}: {r['outcome']}"))
             stopped = None
         except RunInterrupted as e:
@@ -451,6 +453,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                         "default: each case's own)")
     p.add_argument("-j", "--jobs", type=int, default=1, help="cases in parallel (processes)")
     add_shard(p)
+    add_case_timeout(p)
     common(p)
     run["validate"] = cmd_validate
 
@@ -502,6 +505,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def add_force(p) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace the report of another run in --report-dir (refused without it)")
+
+
+def add_case_timeout(p) -> None:
+    p.add_argument("--case-timeout", type=float, default=None, metavar="SECONDS",
+                   help="an error row for a case still running after SECONDS (its worker is killed: a hung "
+                        "kernel costs one case, not the run)")
 
 
 def add_shard(p) -> None:

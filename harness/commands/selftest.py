@@ -148,9 +148,10 @@ def add_parser(sub) -> None:
     p.add_argument("--cases-dir", default=None, help="directory of suite TOML files (default: cases/)")
     p.add_argument("--budgets", default=None, help="budgets TOML (default: cases/budgets.toml)")
     p.add_argument("--report-dir", default=None, help="where reports go (default: reports/selftest-<time>-<pid>/)")
-    from harness.commands.cli import add_force, add_shard
+    from harness.commands.cli import add_case_timeout, add_force, add_shard
     add_force(p)
     add_shard(p)
+    add_case_timeout(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or console tables")
 
 
@@ -181,6 +182,8 @@ def run(args) -> int:
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
     if seeds < 1:
         raise UsageError(f"--seeds: expected a positive number, got {seeds}")
+    if args.case_timeout is not None and not args.case_timeout > 0:
+        raise UsageError(f"--case-timeout: expected a positive number of seconds, got {args.case_timeout:g}")
     if args.jobs < 1:
         raise UsageError(f"-j: expected a positive number of jobs, got {args.jobs}")
     catalog = Catalog(args.cases_dir)
@@ -257,7 +260,7 @@ def run(args) -> int:
         for name, items in groups.items():
             bar.update(task, last=name)
             try:
-                rows = run_cases([c for _, _, c in items], name, jobs=jobs,
+                rows = run_cases([c for _, _, c in items], name, jobs=jobs, case_timeout=args.case_timeout,
                                  progress=lambda r: bar.update(task, advance=1))
                 done = items
             except RunInterrupted as e:       # Ctrl-C: what finished is reported, marked partial

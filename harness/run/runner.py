@@ -491,6 +491,9 @@ def _maybe_die(case_name: str) -> None:
     if how == "kill":
         import signal
         os.kill(os.getpid(), signal.SIGKILL)
+    if how == "hang":                    # a hung kernel: only --case-timeout ends it
+        while True:
+            time.sleep(60)
     os._exit(71)
 
 
@@ -554,6 +557,8 @@ class _Worker:
         self.proc.start()
         child.close()
         self.busy: Optional[int] = None
+        self.started = 0.0                   # when it got its case
+        self.timed_out: Optional[float] = None
 
     def where(self) -> str:
         gpu = next((v for v in self.env.values() if v is not None), None)
@@ -574,13 +579,19 @@ def _stop(workers: list, *, grace: float = STOP_GRACE_S) -> None:
 
 
 def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
-              progress: Optional[Callable[[dict], None]] = None, start_method: Optional[str] = None) -> list[dict]:
+              progress: Optional[Callable[[dict], None]] = None, start_method: Optional[str] = None,
+              case_timeout: Optional[float] = None) -> list[dict]:
     """Rows of every case, in case order. `jobs > 1` runs cases in mxval's worker pool:
     forked on the CPU (so backends registered at run time are inherited), spawned on GPUs
     with each worker pinned to one visible device, round-robin (`start_method` overrides
-    fork/spawn: the tests run the GPU path's spawn on the CPU). Ctrl-C: RunInterrupted."""
+    fork/spawn: the tests run the GPU path's spawn on the CPU). `case_timeout` (seconds):
+    a case still running after it has its worker killed and is an error row (a hung kernel
+    costs one case, not the run); it runs cases in the pool even at `jobs = 1`.
+    Ctrl-C: RunInterrupted."""
     be = get_backend(backend_name)
-    if jobs <= 1 or len(cases) <= 1:
+    if case_timeout is not None and not case_timeout > 0:
+        raise ValueError(f"case_timeout: expected a positive number of seconds, got {case_timeout}")
+    if (jobs <= 1 or len(cases) <= 1) and case_timeout is None:
         rows: list[dict] = []
         try:
             for c in cases:
@@ -616,6 +627,7 @@ def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
                 queue.appendleft(i)          # never received: it runs elsewhere
                 return
             w.busy = i
+            w.started = time.time()
             return
         w.busy = None
 
@@ -626,8 +638,15 @@ def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
         while len(out) < len(cases):
             live = [w for w in workers if w.proc is not None]
             ready = set(wait([w.conn for w in live] + [w.proc.sentinel for w in live], timeout=1.0))
+            now = time.time()
             for w in live:
-                if w.conn in ready:
+                if (case_timeout is not None and w.busy is not None and w.timed_out is None
+                        and now - w.started > case_timeout and w.proc.is_alive()):
+                    w.timed_out = case_timeout
+                    w.proc.kill()
+                    w.proc.join(5.0)
+            for w in live:
+                if w.conn in ready and w.timed_out is None:
                     try:
                         i, row = w.conn.recv()
                     except (EOFError, OSError):
@@ -643,8 +662,9 @@ def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
                 w.proc.join()
                 if w.busy is not None:
                     c = cases[w.busy]
-                    finished(w.busy, _error_row(c, be.name, f"{w.where()} died while running this case: "
-                                                                 f"{_death(w.proc)}"))
+                    why = (f"still running after --case-timeout {w.timed_out:g} s: its worker was killed"
+                           if w.timed_out is not None else f"died while running this case: {_death(w.proc)}")
+                    finished(w.busy, _error_row(c, be.name, f"{w.where()} {why}"))
                     w.busy = None
                 w.conn.close()
                 if queue:
