@@ -86,6 +86,21 @@ def test_a_hung_case_costs_only_itself_under_a_case_timeout(cases, ran, monkeypa
     assert sorted(ran()) == sorted(n for n in FAST if n != victim)
 
 
+def test_a_forked_worker_runs_after_the_parent_used_threads(cases):
+    """The parent's OpenMP pool does not survive fork: a worker given two intra-op threads
+    hung on its first case (CI, -j 1 with a case timeout). Forked workers use one."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(1500, 1500)
+        float((x @ x).sum())                                     # the parent's thread pool now exists
+        rows = run_cases(cases[:1], "reference", jobs=1, case_timeout=60.0)
+    finally:
+        torch.set_num_threads(before)
+    assert rows[0]["outcome"] == "ok", rows[0]["reason"]
+
+
 def test_a_case_timeout_must_be_positive(cases):
     with pytest.raises(ValueError, match="case_timeout"):
         run_cases(cases[:1], "reference", case_timeout=0)

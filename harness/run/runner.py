@@ -608,7 +608,11 @@ def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
     ctx = mp.get_context(start_method or ("spawn" if gpu else "fork"))
     var, devices = _visible_gpus() if gpu else ("", [])
     n = min(jobs, len(cases))
-    threads = 1 if gpu else max(1, (os.cpu_count() or 1) // n)
+    # A forked worker stays on one intra-op thread: the parent's OpenMP pool does not survive
+    # fork (libgomp), and the child's first parallel region would hang (seen in CI with two
+    # threads per worker). Spawned workers start clean.
+    forked = ctx.get_start_method() == "fork"
+    threads = 1 if gpu or forked else max(1, (os.cpu_count() or 1) // n)
     queue = deque(range(len(cases)))
     out: dict[int, dict] = {}
     workers: list[_Worker] = []
