@@ -12,7 +12,7 @@ from __future__ import annotations
 from . import checks
 from .fp8 import k_norm_rope_fp8_cache
 from .k_writer import k_norm_rope_mxfp4_cache
-from .pooling import SOFTMAX_MODES, check_pool_args, compress_pool
+from .pooling import compress_pool
 from .rope import ROPE_MODES
 
 # What vLLM 0.33.0's CUDA kernels compute, as far as the reference can say it (the defaults
@@ -24,18 +24,17 @@ CUDA_Q_ROPE = "fma-es"
 CUDA_SOFTMAX = "fp64"
 
 
-def _check_fused(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio,
-                 rope, softmax):
-    check_pool_args(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio)
+def _fused(writer, *, state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio,
+           rope, softmax, **write) -> dict:
+    """Pool (cuda rounding: fp32 rows) and hand the rows to `writer` in natural page order.
+    `rope` is checked before the pooling work; the pooling checks its own arguments."""
     checks.choice("rope", rope, ROPE_MODES)
-    checks.choice("softmax", softmax, tuple(SOFTMAX_MODES))
-
-
-def _pooled(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio, softmax):
-    pooled = compress_pool(state_cache=state_cache, block_table=block_table, positions=positions,
-                           req_index=req_index, kv_slot_mapping=kv_slot_mapping,
-                           compress_ratio=compress_ratio, rounding="cuda", softmax=softmax)["pooled"]
-    return pooled      # rows that do not write are NaN; the writer reads only the others
+    k = compress_pool(state_cache=state_cache, block_table=block_table, positions=positions,
+                      req_index=req_index, kv_slot_mapping=kv_slot_mapping,
+                      compress_ratio=compress_ratio, rounding="cuda", softmax=softmax)["pooled"]
+    # rows that do not write are NaN; the writer reads only the others
+    return writer(k=k, positions=positions, slot_mapping=kv_slot_mapping, compress_ratio=compress_ratio,
+                  rounding="cuda", rope=rope, **write)
 
 
 def compress_norm_rope_mxfp4_cache(*, state_cache, block_table, positions, req_index, kv_slot_mapping,
@@ -43,13 +42,10 @@ def compress_norm_rope_mxfp4_cache(*, state_cache, block_table, positions, req_i
                                    norm_eps: float = 1e-6, page_size: int = 64,
                                    rope: str = CUDA_ROPE, softmax: str = CUDA_SOFTMAX) -> dict:
     """The MXFP4 fused K stage -> {"kv_cache": the pool after the call} (natural page order)."""
-    _check_fused(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio,
-                 rope, softmax)
-    k = _pooled(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio, softmax)
-    return k_norm_rope_mxfp4_cache(k=k, positions=positions, cos_sin_cache=cos_sin_cache,
-                                   norm_weight=norm_weight, slot_mapping=kv_slot_mapping,
-                                   kv_cache=kv_cache, norm_eps=norm_eps, compress_ratio=compress_ratio,
-                                   page_size=page_size, shuffle=None, rounding="cuda", rope=rope)
+    return _fused(k_norm_rope_mxfp4_cache, state_cache=state_cache, block_table=block_table, positions=positions,
+                  req_index=req_index, kv_slot_mapping=kv_slot_mapping, compress_ratio=compress_ratio, rope=rope,
+                  softmax=softmax, cos_sin_cache=cos_sin_cache, norm_weight=norm_weight, kv_cache=kv_cache,
+                  norm_eps=norm_eps, page_size=page_size, shuffle=None)
 
 
 def compress_norm_rope_fp8_cache(*, state_cache, block_table, positions, req_index, kv_slot_mapping,
@@ -57,10 +53,7 @@ def compress_norm_rope_fp8_cache(*, state_cache, block_table, positions, req_ind
                                  norm_eps: float = 1e-6, page_size: int = 64, fp8_dtype: str = "e4m3fn",
                                  rope: str = CUDA_ROPE, softmax: str = CUDA_SOFTMAX) -> dict:
     """The FP8 fused K stage -> {"kv_cache": the pool after the call} (fp32 scale per entry)."""
-    _check_fused(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio,
-                 rope, softmax)
-    k = _pooled(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio, softmax)
-    return k_norm_rope_fp8_cache(k=k, positions=positions, cos_sin_cache=cos_sin_cache,
-                                 norm_weight=norm_weight, slot_mapping=kv_slot_mapping,
-                                 kv_cache=kv_cache, norm_eps=norm_eps, compress_ratio=compress_ratio,
-                                 page_size=page_size, fp8_dtype=fp8_dtype, rounding="cuda", rope=rope)
+    return _fused(k_norm_rope_fp8_cache, state_cache=state_cache, block_table=block_table, positions=positions,
+                  req_index=req_index, kv_slot_mapping=kv_slot_mapping, compress_ratio=compress_ratio, rope=rope,
+                  softmax=softmax, cos_sin_cache=cos_sin_cache, norm_weight=norm_weight, kv_cache=kv_cache,
+                  norm_eps=norm_eps, page_size=page_size, fp8_dtype=fp8_dtype)
