@@ -14,7 +14,8 @@ from harness.run.runner import ChainRun, run_case
 def rows():
     cat = Catalog()
     return {n: (cat.case(n), run_case(cat.case(n), "reference"))
-            for n in ("smoke-clean-logits", "smoke-fp8", "smoke-chunks-shuffled")}
+            for n in ("smoke-clean-logits", "smoke-fp8", "smoke-chunks-shuffled", "smoke-cuda-path",
+                      "smoke-cuda-path-fp8")}
 
 
 def test_every_reported_metric_is_in_the_table_and_predicted(rows):

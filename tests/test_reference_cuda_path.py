@@ -286,7 +286,8 @@ def test_mxval_diff_of_a_fused_dump(tmp_path, capsys):
     assert main(["diff", str(path), "--report-dir", str(tmp_path / "r"), "-q"]) == 0
     row = json.loads((tmp_path / "r" / "report.json").read_text())["cases"][0]
     assert row["status"] == "pass" and row["metrics"][f"{MX}.pool_k_bytes_mismatched_frac"] == 0
-    # flip one scale byte of the first written entry: the diff fails on the stage's own key
+    # flip one scale byte of the first written entry: the diff fails on the byte count (held
+    # to 0 like a K writer's, whatever the case's size) and on the stage's fraction
     sc = ops[MX]
     pos, slots = t[f"{MX}/in/positions"], t[f"{MX}/in/kv_slot_mapping"]
     slot = int(slots[writer_mask(pos, slots, 4)][0])
@@ -298,7 +299,8 @@ def test_mxval_diff_of_a_fused_dump(tmp_path, capsys):
     save_file(t, str(bad), metadata=meta)
     assert main(["diff", str(bad), "--report-dir", str(tmp_path / "r2"), "-q"]) == 1
     row = json.loads((tmp_path / "r2" / "report.json").read_text())["cases"][0]
-    assert [v["metric"] for v in row["violations"]] == [f"{MX}.pool_k_bytes_mismatched_frac"]
+    assert [v["metric"] for v in row["violations"]] == [f"{MX}.page_bytes_mismatched",
+                                                        f"{MX}.pool_k_bytes_mismatched_frac"]
     f = [x for x in row["findings"] if x["stage"] == MX]
     assert f and (f[0]["page"], f[0]["entry"]) == (page, e) and f[0]["kind"] == "scale"
     # a backend without the fused op is never a pass

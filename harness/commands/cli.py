@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.errors import InputError, ReportError
+from reference.ops import PATHS
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130
@@ -46,10 +47,6 @@ def machine(device: str) -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (torch {torch.__version__}, CPU)"
 
 
-def _run_name(command: str, what: str, backend: str) -> str:
-    return f"{command}-{what}-{backend}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-
-
 def _check_writable_path(arg: str, path, *, is_dir: bool) -> None:
     """Fail before any case runs when an output path can never be written: a file where a
     directory must go (or the reverse), or a file standing where a parent directory is needed."""
@@ -75,7 +72,7 @@ def claim_report_dir(args, name: str) -> Path:
         out = report.claim_dir(args.report_dir, force=getattr(args, "force", False))
     else:
         fresh = True
-        out = report.claim_dir(report.default_dir(name.replace(":", "_").replace("/", "_")))
+        out = report.claim_dir(report.default_dir(name))
     args.claimed_report_dir = str(out)
     args.claimed_fresh = fresh
     return out
@@ -125,7 +122,7 @@ def _backend(name: str):
         raise UsageError(f"--backend: {e}") from None
 
 
-def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: Optional[str], quiet: bool,
+def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: str, quiet: bool,
             run_keys: dict) -> int:
     from harness.io import report
     from harness.run.budgets import verdict
@@ -133,7 +130,7 @@ def _finish(rows: list[dict], meta: dict, budgets, suite: str, report_dir: Optio
     df = report.frame(rows)
     meta["budgets"] = budgets.as_dict()
     meta["budgets_off"] = budgets.disabled(run_keys, suite)
-    out = Path(report_dir or Path("reports") / _run_name(meta["command"], suite, meta["backend"]))
+    out = Path(report_dir)                  # claimed before the run (claim_report_dir)
     try:
         paths = report.write_all(df, meta, out)
     except OSError as e:           # checked writable before the run; a full disk still can't hide the verdict
@@ -200,8 +197,6 @@ def cmd_validate(args) -> int:
     from harness.run.inputs import geometry
     from harness.run.runner import RunInterrupted, run_cases
     t0 = time.time()
-    if args.case_timeout is not None and not args.case_timeout > 0:
-        raise UsageError(f"--case-timeout: expected a positive number of seconds, got {args.case_timeout:g}")
     part = S.parse(args.shard) if getattr(args, "shard", None) is not None else None
     from harness.diff.metrics import run_keys
     catalog = Catalog(args.cases_dir)
@@ -448,7 +443,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     g.add_argument("--case", action="append", default=None, metavar="NAME",
                    help="a case (repeatable; not with --suite)")
     p.add_argument("--backend", default="auto", help="backend name (see `mxval backends`)")
-    p.add_argument("--path", default=None, choices=("rocm", "cuda"),
+    p.add_argument("--path", default=None, choices=PATHS,
                    help="run every case on this path (cuda: vLLM's fused pool+K op, natural pages; "
                         "default: each case's own)")
     p.add_argument("-j", "--jobs", type=int, default=1, help="cases in parallel (processes)")
@@ -507,8 +502,19 @@ def add_force(p) -> None:
                    help="replace the report of another run in --report-dir (refused without it)")
 
 
+def _seconds(text: str) -> float:
+    """argparse type of --case-timeout: a positive number of seconds."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return v
+
+
 def add_case_timeout(p) -> None:
-    p.add_argument("--case-timeout", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--case-timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="an error row for a case still running after SECONDS (its worker is killed: a hung "
                         "kernel costs one case, not the run)")
 

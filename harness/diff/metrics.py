@@ -178,9 +178,10 @@ def run_keys(ops: Iterable[str], *, chain: bool = True) -> set[str]:
     """Every `<op>.<metric>` and `chain.<metric>` key a run of `ops` can report (the
     harness's chain: the whole-chain comparison covers its K writer, scorer and top-k)."""
     from reference.ops import OPS
-    stages = {AS_STAGE.get(OPS[op].stage, OPS[op].stage) for op in ops}
+    own = {OPS[op].stage for op in ops}
+    stages = own | {AS_STAGE[s] for s in own if s in AS_STAGE}      # the fused stage is also a K writer
     out = {f"{op}.{n}" for op in ops for n in METRICS if emitted_by(n, OPS[op].stage)}
-    in_chain = stages & {"k_writer", "scorer", "topk"}
+    in_chain = stages & {"k_writer", "pool_k", "scorer", "topk"}
     if chain and in_chain:
         for n, m in METRICS.items():
             if m.chain is None:

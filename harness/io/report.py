@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Optional
 from xml.etree import ElementTree as ET
@@ -447,6 +448,7 @@ def default_dir(name: str, root="reports") -> Path:
     """A fresh directory `<root>/<name>-<YYYYmmdd-HHMMSS>-<pid>[-n]`, created here: two runs
     started in the same second (or one pid reused) never share one."""
     import datetime
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name)      # suite and backend names become one path part
     base = f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     Path(root).mkdir(parents=True, exist_ok=True)
     for n in range(1000):

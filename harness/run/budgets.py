@@ -191,8 +191,6 @@ def load(path: Path | str | None = None) -> Budgets:
     (one line naming the file, the scope and the key). Whether the file fits a run (every
     required metric bounded) is `Budgets.check_run`."""
     path = Path(path) if path is not None else default_path()
-    if str(path) == "":
-        raise BudgetError("--budgets: empty file name")
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)

@@ -644,8 +644,9 @@ def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
             ready = set(wait([w.conn for w in live] + [w.proc.sentinel for w in live], timeout=1.0))
             now = time.time()
             for w in live:
+                # a worker whose row is already in its pipe finished in time: read, not killed
                 if (case_timeout is not None and w.busy is not None and w.timed_out is None
-                        and now - w.started > case_timeout and w.proc.is_alive()):
+                        and now - w.started > case_timeout and w.proc.is_alive() and not _has_row(w.conn)):
                     w.timed_out = case_timeout
                     w.proc.kill()
                     w.proc.join(5.0)
@@ -697,6 +698,13 @@ def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
         w.proc.join(max(0.0, deadline - time.time()))
     _stop(live)
     return [out[i] for i in range(len(cases))]
+
+
+def _has_row(conn) -> bool:
+    try:
+        return conn.poll()
+    except (EOFError, OSError):
+        return False
 
 
 class _Dead:
