@@ -21,8 +21,9 @@ import torch
 
 from reference import checks
 from reference.formats import FP8_FLAVOURS, ROUNDING_PATHS
+from reference.fused import CUDA_Q_ROPE, CUDA_ROPE
 from reference.pooling import check_pool_args
-from reference.q_quant import check_q_args
+from reference.q_quant import check_q_args, check_scale_pair
 
 from . import Backend
 from .common import on_device
@@ -38,7 +39,7 @@ Q_OPTIONS = ("rope",)
 
 
 def cuda_numerics(interpreted: bool) -> dict:
-    fused, q = ("separate", "separate") if interpreted else ("fma-oc", "fma-es")
+    fused, q = ("separate", "separate") if interpreted else (CUDA_ROPE, CUDA_Q_ROPE)
     return {**{op: {"rope": fused} for op in FUSED_OPS},
             **{op: {"rope": q} for op in ("q_rope_mxfp4_quant", "q_rope_fp8_quant")}}
 
@@ -67,10 +68,13 @@ def _mxval_triton_ops(device: str, names) -> dict:
 
 # --- checks the kernels need (they do not bounds-check; an interpreter store out of range is silent)
 
-def _check_fused(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight,
-                 kv_cache, compress_ratio, page_size, entry_bytes) -> None:
+def _check_fused(fmt, state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache,
+                 norm_weight, kv_cache, norm_eps, compress_ratio, page_size, entry) -> None:
+    from .vllm_kernels import launch
     check_pool_args(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio)
+    checks.positive_finite("norm_eps", norm_eps)
     d = state_cache.shape[-1] // 4
+    entry_bytes = entry(d)
     dims = checks.Dims()
     dims.check("cos_sin_cache", cos_sin_cache, torch.float32, ("max_pos", "R"))
     dims.check("norm_weight", norm_weight, (torch.bfloat16, torch.float32), ("D",))
@@ -82,6 +86,12 @@ def _check_fused(state_cache, block_table, positions, req_index, kv_slot_mapping
         raise ValueError(f"cos_sin_cache: rope width R={r} must be even and at most D={d}")
     if d & (d - 1):
         raise ValueError(f"state_cache: vLLM's writers need a power-of-two head dim (TRITON_BLOCK_SIZE == D), got {d}")
+    if fmt == "fp8" and d != launch.FP8_QUANT_BLOCK:
+        raise ValueError(f"state_cache: vLLM's FP8 writer quantizes one block of {launch.FP8_QUANT_BLOCK} "
+                         f"(QUANT_BLOCK == D), got D={d}")
+    if fmt == "fp8" and kv_cache.shape[1] % 4:
+        raise ValueError(f"kv_cache: vLLM's FP8 writer stores fp32 scales; pages of {kv_cache.shape[1]} "
+                         "bytes (not a multiple of 4) fault on the GPU (misaligned address)")
     checks.scalar("page_size", page_size, positive=True)
     if kv_cache.shape[1] < page_size * entry_bytes:
         raise ValueError(f"kv_cache: pages of {kv_cache.shape[1]} bytes hold fewer than page_size={page_size} "
@@ -92,17 +102,6 @@ def _check_fused(state_cache, block_table, positions, req_index, kv_slot_mapping
     if bool(writes.any()):
         checks.int_range("kv_slot_mapping (written)", kv_slot_mapping[writes], 0, kv_cache.shape[0] * page_size)
         checks.int_range("positions (written)", positions[writes], 0, cos_sin_cache.shape[0])
-
-
-def _q_scales(weights_scale: float, softmax_scale, head_scale) -> tuple[float, float]:
-    if (softmax_scale is None) != (head_scale is None):
-        raise ValueError("softmax_scale, head_scale: give both or neither")
-    if softmax_scale is None:
-        return float(weights_scale), 1.0          # bit-identical to one multiply by weights_scale
-    prod = float(torch.tensor(softmax_scale, dtype=torch.float32) * torch.tensor(head_scale, dtype=torch.float32))
-    if abs(prod - float(weights_scale)) > 1e-6 * abs(float(weights_scale)):
-        raise ValueError(f"weights_scale: {weights_scale} is not softmax_scale * head_scale = {prod}")
-    return float(softmax_scale), float(head_scale)
 
 
 def _no_hadamard(hadamard: bool, scale_rule: str = "ceil") -> None:
@@ -134,15 +133,11 @@ def make_cuda_ops(ks, device: str) -> dict:
             if bad:
                 raise TypeError(f"unexpected keyword(s) {', '.join(bad)}")
             _own_rope(f"compress_norm_rope_{fmt}_cache", options, numerics)
-            if fmt == "fp8" and kv_cache.dim() == 2 and kv_cache.shape[1] % 4:
-                raise ValueError(f"kv_cache: vLLM's FP8 writer stores fp32 scales; pages of {kv_cache.shape[1]} "
-                                 "bytes (not a multiple of 4) fault on the GPU (misaligned address)")
             if fmt == "fp8" and fp8_dtype != CUDA_FP8:
                 checks.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
                 raise ValueError(f"fp8_dtype: vLLM's CUDA FP8 writer stores e4m3fn (FP8_MAX 448), got {fp8_dtype!r}")
-            d = state_cache.shape[-1] // 4 if state_cache.dim() == 3 else 0
-            _check_fused(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache,
-                         norm_weight, kv_cache, compress_ratio, page_size, entry(d) if d else 1)
+            _check_fused(fmt, state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache,
+                         norm_weight, kv_cache, norm_eps, compress_ratio, page_size, entry)
             (sc, bt, pos, req, slots, cs, w), back = on_device(device, state_cache, block_table, positions,
                                                              req_index, kv_slot_mapping, cos_sin_cache, norm_weight)
             out = kv_cache.to(device, copy=True).contiguous()
@@ -161,9 +156,13 @@ def make_cuda_ops(ks, device: str) -> dict:
 
     def q_launch(fmt, q, positions, cos_sin_cache, weights, weights_scale, softmax_scale, head_scale):
         check_q_args(q, positions, cos_sin_cache, weights, weights_scale)
-        if q.shape[2] % 32 or cos_sin_cache.shape[1] % 32:
+        nope, r = q.shape[2] - cos_sin_cache.shape[1], cos_sin_cache.shape[1]
+        if fmt == "mxfp4" and (nope % 32 or r % 32):
             raise ValueError("q: vLLM's MXFP4 Q kernel needs the NoPE and RoPE widths in whole 32-blocks")
-        ss, hs = _q_scales(weights_scale, softmax_scale, head_scale)
+        if fmt == "fp8" and any(n < 1 or n & (n - 1) for n in (nope, r // 2)):
+            raise ValueError(f"q: vLLM's FP8 Q kernel needs power-of-two NoPE and half-RoPE widths "
+                             f"(tl.arange), got {nope} and {r // 2}")
+        ss, hs = check_scale_pair(weights_scale, softmax_scale, head_scale) or (float(weights_scale), 1.0)
         (qd, pd, cd, wd), back = on_device(device, q, positions, cos_sin_cache, weights)
         t, h, d = q.shape
         w_out = torch.empty((t, h), dtype=torch.float32, device=device)

@@ -28,8 +28,7 @@ def check_scale_pair(weights_scale, softmax_scale, head_scale):
     if softmax_scale is None or head_scale is None:
         raise ValueError("softmax_scale, head_scale: give both (the CUDA Q kernels' pair) or neither")
     for name, v in (("softmax_scale", softmax_scale), ("head_scale", head_scale)):
-        checks.scalar(name, v, (float, int))
-        checks.finite(name, torch.tensor(float(v)))
+        checks.positive_finite(name, v)
     prod = float(softmax_scale) * float(head_scale)
     if abs(prod - float(weights_scale)) > SCALE_PAIR_RTOL * max(abs(prod), abs(float(weights_scale))):
         raise ValueError(f"softmax_scale * head_scale = {prod!r} differs from weights_scale = "

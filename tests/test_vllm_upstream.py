@@ -173,7 +173,7 @@ def test_q_quant_takes_vllms_two_scales(cuda_be):
     w = qc["weights"].float()
     want = (w * torch.tensor(ss, dtype=torch.float32)) * torch.tensor(hs, dtype=torch.float32)
     assert torch.equal(got["weights"], want)
-    with pytest.raises(ValueError, match="both or neither"):
+    with pytest.raises(ValueError, match="give both"):
         cuda_be.ops["q_rope_mxfp4_quant"](**qc, softmax_scale=ss)
-    with pytest.raises(ValueError, match="not softmax_scale"):
+    with pytest.raises(ValueError, match="differs from weights_scale"):
         cuda_be.ops["q_rope_mxfp4_quant"](**dict(qc, weights_scale=0.5), softmax_scale=ss, head_scale=hs)

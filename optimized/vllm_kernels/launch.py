@@ -16,6 +16,7 @@ from .. import upstream
 
 FP8_MAX = 448.0                 # FusedKVCompressNormRopeInsertIndexerTritonKernel: FP8_MAX=448.0
 MXFP4_BLOCK = 32                # fused_indexer_q.MXFP4_BLOCK_SIZE; the K dispatch's fp4 quant block
+FP8_QUANT_BLOCK = 128           # the K dispatch launches the FP8 writer with one 128-wide quant block (== D)
 OVERLAP_RATIO = 4               # dispatch: overlap = compress_ratio == 4
 
 K_KEYS = {"mxfp4": "vllm.cuda.k_mxfp4", "fp8": "vllm.cuda.k_fp8"}
@@ -88,7 +89,7 @@ def fused_k(fmt: str, *, state_cache, block_table, positions, req_index, kv_slot
         k_cache_ptr=kv_cache, kv_slot_mapping_ptr=kv_slot_mapping, kv_cache_block_size=page_size,
         HEAD_SIZE=d, TRITON_BLOCK_SIZE=next_pow2(d), STATE_WIDTH=d * (1 + overlap),
         COMPRESS_RATIO=compress_ratio, OVERLAP=overlap, ROPE_HEAD_DIM=cos_sin_cache.shape[-1],
-        FP8_MAX=FP8_MAX, QUANT_BLOCK=MXFP4_BLOCK if fp4 else 128,
+        FP8_MAX=FP8_MAX, QUANT_BLOCK=MXFP4_BLOCK if fp4 else FP8_QUANT_BLOCK,
         TOKEN_STRIDE=d // 2 if fp4 else d, SCALE_DIM=d // MXFP4_BLOCK if fp4 else 4,
         KV_BLOCK_STRIDE=kv_cache.stride(0), MX_SCALE=bool(mx_scale) and not fp4,
     )
