@@ -307,3 +307,6 @@ def test_mxval_diff_of_a_fused_dump(tmp_path, capsys):
     assert main(["diff", str(path), "--backend", "triton-interpret", "--report-dir", str(tmp_path / "r3"), "-q"]) == 1
     row = json.loads((tmp_path / "r3" / "report.json").read_text())["cases"][0]
     assert row["metrics"][f"{MX}.op_unsupported"] == 1
+    # ... nor one whose Q quant has no parameter for the recorded rope mode (read from its signature)
+    assert row["metrics"]["q_rope_mxfp4_quant.op_unsupported"] == 1
+    assert any("option rope" in x["where"] for x in row["findings"] if x["stage"] == "q_rope_mxfp4_quant")

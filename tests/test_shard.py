@@ -241,3 +241,27 @@ def test_budgets_of_a_sharded_run_are_judged_on_the_whole_run(capsys, tmp_path):
                              "-q", "--shard", f"{k}/2", "--report-dir", tmp_path / f"bad{k}")
         assert rc == 2
         one_line(err, "page_bytes_mismatchd")
+
+
+def test_hand_edited_shard_blocks_are_one_line(capsys, tmp_path):
+    """A foreign or hand-edited run.shard / run.interrupted is bad input (exit 2), not a bug."""
+    import json
+    common = ["validate", "--suite", "smoke", "--backend", "reference", "-q"]
+    for k in (1, 2):
+        mxval(capsys, *common, "--shard", f"{k}/2", "--report-dir", tmp_path / f"s{k}")
+    p = tmp_path / "s2" / "report.json"
+    good = json.loads(p.read_text())
+    for edit, needle in ((("k", "two"), "run.shard"), (("all_cases", "x"), "run.shard.all_cases")):
+        bad = json.loads(json.dumps(good))
+        bad["run"]["shard"][edit[0]] = edit[1]
+        p.write_text(json.dumps(bad))
+        rc, out, err = mxval(capsys, "report", "--merge", tmp_path / "s1", tmp_path / "s2",
+                             "--report-dir", tmp_path / "m")
+        assert rc == 2
+        one_line(err, needle)
+    bad = json.loads(json.dumps(good))
+    bad["run"]["interrupted"] = True
+    p.write_text(json.dumps(bad))
+    rc, out, err = mxval(capsys, "report", tmp_path / "s2", "-q")
+    assert rc == 2
+    one_line(err, "run.interrupted")

@@ -31,11 +31,23 @@ def load_shards(dirs: list) -> list[tuple[Path, object, dict]]:
         sh = meta.get("shard")
         if not isinstance(sh, dict):
             raise MergeError(f"{Path(d) / 'report.json'}: not a shard report (run with --shard K/N to merge it)")
+        _check_identity(Path(d) / "report.json", sh)
         if meta.get("interrupted"):
             raise MergeError(f"{Path(d) / 'report.json'}: shard {sh.get('k')}/{sh.get('n')} was interrupted "
                              f"(a partial report cannot be merged)")
         out.append((Path(d), df, meta))
     return out
+
+
+def _check_identity(where: Path, sh: dict) -> None:
+    """A hand-edited or foreign run.shard block is one line, not an internal error."""
+    k, n = sh.get("k"), sh.get("n")
+    if not (type(k) is int and type(n) is int and 1 <= k <= n):
+        raise MergeError(f"{where}: run.shard: k and n must be integers with 1 <= k <= n, got k={k!r}, n={n!r}")
+    for key in ("all_cases", "cases"):
+        v = sh.get(key)
+        if not (isinstance(v, list) and all(isinstance(c, str) for c in v)):
+            raise MergeError(f"{where}: run.shard.{key}: expected a list of case names, got {type(v).__name__}")
 
 
 def check(shards: list[tuple[Path, object, dict]]) -> None:

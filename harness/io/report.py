@@ -170,9 +170,13 @@ def load(report_dir) -> tuple[pd.DataFrame, dict]:
     bad = next((i for i, c in enumerate(data["cases"]) if not isinstance(c, dict)), None)
     if bad is not None:
         raise ReportError(f"{path}: cases[{bad}] must be an object, got {data['cases'][bad]!r}")
-    if not isinstance(data.get("run", {}), dict):
+    run = data.get("run", {})
+    if not isinstance(run, dict):
         raise ReportError(f"{path}: 'run' must be an object")
-    return frame(data["cases"]), data.get("run", {})
+    for key in ("interrupted", "shard", "budgets", "jobs"):      # read with .get by the renderers
+        if run.get(key) is not None and not isinstance(run[key], dict):
+            raise ReportError(f"{path}: run.{key} must be an object, got {type(run[key]).__name__}")
+    return frame(data["cases"]), run
 
 
 # --- console ---------------------------------------------------------------------------------

@@ -51,13 +51,22 @@ def _call(fn, rec: OpRecord, device, extra: dict) -> dict:
     return {k: v.detach().cpu() for k, v in out.items()}
 
 
-def _unsupported_option(op: str, rec: OpRecord, e: TypeError) -> Optional[str]:
-    """The recorded optional scalar a backend's function does not take (a TypeError naming
-    it), or None."""
-    for name in reference.OPS[op].fields.optional:
-        if name in rec.scalars and f"'{name}'" in str(e):
-            return name
-    return None
+def _unsupported_option(op: str, rec: OpRecord, fn) -> Optional[str]:
+    """The first recorded optional scalar that the backend's function has no parameter for
+    (by its signature), or None."""
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):          # no signature to read: let the call say
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return next((n for n in reference.OPS[op].fields.optional if n in rec.scalars and n not in params), None)
+
+
+def _unsupported(op: str, why: str) -> DiffReport:
+    return DiffReport(op, {"op_unsupported": 1.0}, [{"class": "op_unsupported", "where": why}],
+                      [f"{why}: not compared"])
 
 
 def replay_op(rec: OpRecord, backend=None, *, path: Optional[str] = None) -> DiffReport:
@@ -77,18 +86,13 @@ def replay_op(rec: OpRecord, backend=None, *, path: Optional[str] = None) -> Dif
                 from optimized import get_backend
                 be = get_backend(backend)
             if not be.supports(op):
-                return DiffReport(op, {"op_unsupported": 1.0},
-                                  [{"class": "op_unsupported", "where": f"backend {be.name!r} does not implement {op}"}],
-                                  [f"backend {be.name!r} does not implement {op}: not compared"])
-            try:
-                actual = _call(getattr(be, op), rec, be.device, extra)
-            except TypeError as e:
-                opt = _unsupported_option(op, rec, e)
-                if opt is None:
-                    raise
-                why = f"backend {be.name!r} does not implement {op}'s option {opt} = {rec.scalars[opt]!r}"
-                return DiffReport(op, {"op_unsupported": 1.0}, [{"class": "op_unsupported", "where": why}],
-                                  [f"{why}: not compared"])
+                return _unsupported(op, f"backend {be.name!r} does not implement {op}")
+            fn = getattr(be, op)
+            opt = _unsupported_option(op, rec, fn)
+            if opt is not None:
+                return _unsupported(op, f"backend {be.name!r} does not implement {op}'s option "
+                                        f"{opt} = {rec.scalars[opt]!r}")
+            actual = _call(fn, rec, be.device, extra)
             expected, label = rec.outputs, f"backend {be.name!r} vs the recorded output"
     except NonFiniteInput as e:
         return _nonfinite_report(op, e)
