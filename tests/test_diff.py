@@ -487,3 +487,19 @@ def test_pages_past_2gib_localized():
     f = rep.findings[0]
     assert rep.metrics["page_bytes_mismatched"] == 1 and f["offset"] == off
     assert (f["page"], f["entry"], f["byte"]) == (pages - 1, 70 - PS, 11)
+
+
+def test_diff_op_checks_its_index_inputs():
+    """Per-token index inputs of different lengths, or float ones, are a ValueError naming the
+    input (they used to end in a torch error inside the differ)."""
+    import pytest
+    import torch
+
+    from harness.diff import diff_op
+    pooled = {"pooled": torch.zeros(4, 8, dtype=torch.bfloat16)}
+    with pytest.raises(ValueError, match=r"inputs\['kv_slot_mapping'\]: dimension T is 3"):
+        diff_op("compress_pool", {"positions": torch.arange(4), "kv_slot_mapping": torch.arange(3)},
+                {"compress_ratio": 4}, pooled, pooled)
+    with pytest.raises(ValueError, match=r"inputs\['positions'\]: expected dtype int32 or int64"):
+        diff_op("compress_pool", {"positions": torch.arange(4.0), "kv_slot_mapping": torch.arange(4)},
+                {"compress_ratio": 4}, pooled, pooled)

@@ -6,6 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
+from reference import checks
 from reference.ops import OPS
 
 from .pages import diff_pages
@@ -134,6 +135,12 @@ def diff_op(op: str, inputs: dict, scalars: dict, actual: dict, expected: dict) 
             raise ValueError(f"inputs: {op} needs {name!r}")
         if not isinstance(inputs[name], torch.Tensor):
             raise ValueError(f"inputs[{name!r}]: expected a tensor, got {type(inputs[name]).__name__}")
+    # index inputs: 1-D integer tensors, the per-token ones of one length (else a torch error deep down)
+    dims = checks.Dims()
+    for name, dim in (("positions", "T"), ("kv_slot_mapping", "T"), ("slot_mapping", "T"), ("row_ends", "Rw"),
+                      ("lengths", "rows")):
+        if name in view.inputs:
+            dims.check(f"inputs[{name!r}]", inputs[name], checks.INT_DTYPES, (dim,))
     for name in view.scalars:
         if name not in scalars:
             raise ValueError(f"scalars: {op} needs {name!r}")
