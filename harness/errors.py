@@ -3,7 +3,14 @@
 `InputError` and its subclasses are the user's to fix (a malformed file, an unknown name,
 an argument out of range): exit 2 with one line. Any other exception escaping a command is a
 bug in mxval or in a backend: exit 3, with the traceback saved (harness/commands/cli.py).
+The exit codes of every command are declared here, once.
 """
+
+EXIT_OK = 0           # every budget holds / every upstream target binds
+EXIT_FAIL = 1         # a budget is exceeded, a case errs, nothing was checked, upstream drifted
+EXIT_USAGE = 2        # bad input: a usage error, a malformed file, an unknown name
+EXIT_INTERNAL = 3     # a bug in mxval or a backend
+EXIT_INTERRUPTED = 130  # SIGINT/SIGTERM; a partial report is kept
 
 
 class InputError(ValueError):

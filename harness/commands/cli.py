@@ -17,11 +17,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from harness.errors import InputError, ReportError
+from harness.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, InputError, ReportError
 from reference.ops import PATHS
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
-EXIT_INTERRUPTED = 130
 # Subcommands other modules add: `add_parser(subparsers)` and `run(args) -> int`.
 PLUGIN_COMMANDS = ("selftest", "study", "upstream_cmd")
 
