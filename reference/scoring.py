@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from . import checks, layout, mxfp4
-from .formats import E2M1_VALUES, MX_BLOCK
+from .formats import E2M1_SIGNED, MX_BLOCK
 
 # Work tile of the dense core: rows*H*entries fp64 scores materialized at once.
 _TILE_ELEMS = 1 << 23
@@ -56,7 +56,7 @@ def weighted_relu_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> t
 def _pair_lut(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[65536, 4]: the e2m1 values of the two packed bytes behind each int16 value
     (byte order taken from the machine, so any endianness works)."""
-    e2m1 = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=dtype)
+    e2m1 = torch.tensor(E2M1_SIGNED, dtype=dtype)
     byte_lut = torch.stack((e2m1[torch.arange(256) & 15], e2m1[torch.arange(256) >> 4]), -1)
     words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     mem = words.view(torch.uint8).view(-1, 2).long()

@@ -24,7 +24,9 @@ import time
 
 import torch
 
+from harness.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 from reference import layout
+from reference.formats import E2M1_SIGNED
 
 ENTRY = layout.entry_bytes(128)          # bytes of one MXFP4 key (D = 128)
 
@@ -121,9 +123,7 @@ def scorer_inputs(seqs: int, rows_per_seq: int, context_tokens: int, causal: boo
 def torch_dequant_matmul(kw, row_chunk=512):
     """What a straightforward torch implementation does: gather and dequantize the keys to
     bf16, dequantize q, bf16 matmul with fp32 output, relu, weight, sum over heads."""
-    from reference.formats import E2M1_VALUES
-    lut = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)],
-                       device="cuda", dtype=torch.bfloat16)
+    lut = torch.tensor(E2M1_SIGNED, device="cuda", dtype=torch.bfloat16)
     ps, shuf = kw["page_size"], kw["shuffle"]
     vo = layout.value_offsets(torch.arange(ps, device="cuda"), ps, 128, shuf)      # [ps, 64]
     so = layout.scale_offsets(torch.arange(ps, device="cuda"), ps, 128, shuf)      # [ps, 4]
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench-gpu: no CUDA/ROCm GPU visible to torch", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     import triton
 
     from optimized import BackendUnavailable, get_backend
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
         get_backend("triton")
     except BackendUnavailable as e:
         print(f"bench-gpu: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     dev = torch.cuda.get_device_name(0)
     bw = copy_bandwidth()
     lines = ["# GPU benchmark: Triton backend at DeepSeek-V4-Pro shapes", "",
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
 
     section(variants)
     _write_report(a.out, lines, results, sweeps, notes, var, pd, failures)
-    return 1 if failures else 0
+    return EXIT_FAIL if failures else EXIT_OK
 
 
 def _k_path(row, bw, sweeps):
