@@ -117,9 +117,21 @@ def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_ma
     shuffle = check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                                    norm_eps, compress_ratio, page_size, shuffle, rounding)
     checks.choice("rope", rope, ROPE_MODES)
-    sel = writer_mask(positions, slot_mapping, compress_ratio)
-    y = k_values(k[sel], group_start(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
-                 norm_eps, rounding=rounding, hadamard=hadamard, rope=rope)
+    mxfp4.scale_rule(scale_rule)
+    rows = writer_mask(positions, slot_mapping, compress_ratio).nonzero().flatten()
+    return {"kv_cache": write_rows(k[rows], positions[rows], slot_mapping[rows], cos_sin_cache, norm_weight,
+                                   kv_cache, norm_eps=norm_eps, compress_ratio=compress_ratio,
+                                   page_size=page_size, shuffle=shuffle, rounding=rounding,
+                                   hadamard=hadamard, scale_rule=scale_rule, rope=rope)}
+
+
+def write_rows(k, positions, slots, cos_sin_cache, norm_weight, kv_cache, *, norm_eps, compress_ratio,
+               page_size, shuffle, rounding="rocm", hadamard=False, scale_rule="ceil",
+               rope="separate") -> torch.Tensor:
+    """The writer's work on the tokens that write (rows already selected, arguments already
+    checked): norm, RoPE, MXFP4, store -> the pool after the call. No host sync: on a GPU
+    a CUDA graph can replay it."""
+    y = k_values(k, group_start(positions, compress_ratio), cos_sin_cache, norm_weight, norm_eps,
+                 rounding=rounding, hadamard=hadamard, rope=rope)
     packed, scales = mxfp4.quantize_mxfp4(y, scale_rule)
-    return {"kv_cache": layout.write_entries(kv_cache, slot_mapping[sel], packed, scales,
-                                             page_size=page_size, shuffle=shuffle)}
+    return layout.write_entries(kv_cache, slots, packed, scales, page_size=page_size, shuffle=shuffle)

@@ -7,6 +7,8 @@ The other rules are offered for studies and named for where they come from.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import checks
@@ -24,7 +26,12 @@ from .formats import (
 )
 
 _ONE_SIXTH = torch.tensor(E2M1_INV_MAX, dtype=torch.float32)  # fp32(1/6), as the kernels hold it
-_THRESHOLDS = torch.tensor(E2M1_THRESHOLDS, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _thresholds(device: torch.device) -> torch.Tensor:
+    """E2M1_THRESHOLDS in fp32 on `device`, made once (no host copy per call: CUDA graphs)."""
+    return torch.tensor(E2M1_THRESHOLDS, dtype=torch.float32, device=device)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +46,7 @@ def _from_bits(b: torch.Tensor) -> torch.Tensor:
 
 def e8m0_ceil(amax: torch.Tensor) -> torch.Tensor:
     """aiter scaling mode 1 / vLLM CUDA: biased exponent of 2**ceil(log2(amax/6))."""
-    ratio = torch.clamp_min(amax.float(), E8M0_TINY_AMAX) * _ONE_SIXTH.to(amax.device)
+    ratio = torch.clamp_min(amax.float(), E8M0_TINY_AMAX) * _ONE_SIXTH     # a host scalar: no copy
     return (_bits(ratio) + 0x7FFFFF) >> F32_MANT_BITS
 
 
@@ -86,7 +93,7 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     NaN: code 0).
     Ties go to the even code: .25 -> 0, .75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4."""
     a = y.abs().float().nan_to_num_(0.0)
-    code = torch.bucketize(a, _THRESHOLDS.to(y.device), out_int32=True, right=True).to(torch.uint8)
+    code = torch.bucketize(a, _thresholds(y.device), out_int32=True, right=True).to(torch.uint8)
     return code | torch.signbit(y).to(torch.uint8) * E2M1_SIGN
 
 
