@@ -285,6 +285,9 @@ _I8_SPREAD = 3
 # a time keeps each matmul's keys in cache, and the fp32 matmul is as fast as the int8 one
 BATCHED_DEVICES = ("cuda",)
 INT8_DEVICES = ("cuda",)
+# how the last batched call scored its groups ("int8", "fp32", "fp64", "per sequence"): for
+# benchmarks and reports
+last_path = ""
 # Work tile of the batched cores: scores materialized at once (fp32 or int32, then fp64)
 _GROUP_TILE_ELEMS = {"cpu": 1 << 23, "cuda": 1 << 27}
 
@@ -319,18 +322,17 @@ def _relu64(s: torch.Tensor) -> torch.Tensor:
     return torch.maximum(s, torch.zeros((), dtype=s.dtype, device=s.device), out=out)
 
 
-def _i8_logits(q_packed, q_scale, k_packed, k_scale, w, out) -> None:
-    """CORE_I8 over whole groups into out fp64 [G, R, J] (the caller proved the spreads)."""
-    g, r, h = q_scale.shape[:3]
-    j = k_scale.shape[1]
-    q8, mq, _ = int8_operand(q_packed, q_scale)                          # [G, R, H, D], [G, R, H]
+def _i8_logits(q8, mq, k8, mk, w, out) -> None:
+    """CORE_I8 over whole groups into out fp64 [G, R, J] from `int8_operand`s of the queries
+    ([G, R, H, D], [G, R, H]) and keys ([G, J, D], [G, J]); the caller proved the spreads."""
+    g, r, h = mq.shape
+    j = mk.shape[1]
     wq = torch.ldexp(w.double(), (mq - 128).double())                      # exact
-    k8, mk, _ = int8_operand(k_packed, k_scale)                          # [G, J, D], [G, J]
     jp = j + (-j % 8)                                                     # the int8 GEMM's column multiple
     if jp != j:
         k8 = torch.nn.functional.pad(k8, (0, 0, 0, jp - j))
     colscale = torch.ldexp(torch.ones_like(wq[:, :1, :1]), (mk - 128).double().unsqueeze(1))  # [G, 1, J]
-    tile = _group_tile(q_packed.device)
+    tile = _group_tile(out.device)
     gc = max(1, min(g, tile // max(1, r * h * jp)))
     rc = max(1, min(r, tile // (h * jp)))
     for g0 in range(0, g, gc):
@@ -389,18 +391,23 @@ def grouped_relu_logits(q_packed, q_scale, k_packed, k_scale, w, n, *, batched: 
         h, d = q_scale.shape[2], q_packed.shape[-1] * 2
         if int8 is None:
             int8 = dev.type in INT8_DEVICES
+        global last_path
         if int8 and r * h > 16 and d % 8 == 0:
-            _, _, qspread = int8_operand(q_packed, q_scale)
-            _, _, kspread = int8_operand(k_packed, k_scale)
+            q8, mq, qspread = int8_operand(q_packed, q_scale)
+            k8, mk, kspread = int8_operand(k_packed, k_scale)
             if bool((qspread <= _I8_SPREAD).all() & (~valid | (kspread <= _I8_SPREAD)).all()):
-                _i8_logits(q_packed, q_scale, k_packed, k_scale, w, out)
+                _i8_logits(q8, mq, k8, mk, w, out)
+                last_path = "int8"
                 return out
+            q8 = k8 = None
         # the fp64 matmul is exact wherever the fp32 one is: one of them serves every column
         worst = int(torch.where(valid, grouped_column_cores(q_packed, q_scale, k_packed, k_scale), -128).amax())
         if worst <= CORE_F64:
             _dense_logits(q_packed, q_scale, k_packed, k_scale, w, out,
                           torch.float32 if worst == CORE_F32 else torch.float64)
+            last_path = "fp32" if worst == CORE_F32 else "fp64"
             return out
+        last_path = "per sequence"
     for g0, ng in enumerate(n.tolist()):
         if ng:
             out[g0, :, :ng] = mxfp4_relu_logits(q_packed[g0], q_scale[g0], k_packed[g0, :ng], k_scale[g0, :ng], w[g0])
