@@ -27,7 +27,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     is exact (fp64) then rounded to fp32, and rsqrt is correctly rounded (via fp64). A
     kernel's fp32 tree sum and approximate rsqrt differ from this by an ulp or two in
     fp32, which the bf16 round after the norm hides almost always."""
-    ms = (x.double() * x.double()).sum(dim=-1, keepdim=True).float() / x.shape[-1]
+    x64 = x.double()
+    ms = (x64 * x64).sum(dim=-1, keepdim=True).float() / x.shape[-1]
     v = ms + torch.tensor(eps, dtype=torch.float32)
     rstd = torch.rsqrt(v.double()).float()
     return (x * rstd) * weight.float()

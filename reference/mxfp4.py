@@ -93,8 +93,8 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     NaN: code 0).
     Ties go to the even code: .25 -> 0, .75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4."""
     a = y.abs().float().nan_to_num_(0.0)
-    code = torch.bucketize(a, _thresholds(y.device), out_int32=True, right=True).to(torch.uint8)
-    return code | torch.signbit(y).to(torch.uint8) * E2M1_SIGN
+    code = torch.bucketize(a, _thresholds(y.device), out_int32=True, right=True)
+    return torch.where(torch.signbit(y), code | E2M1_SIGN, code).to(torch.uint8)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
