@@ -284,18 +284,21 @@ class ChainRun:
         need_logits = sc in ops or "topk" in ops
         pool_b = inp.kv_cache
         fused = inp.case.path == "cuda"
-        if inp.history is not None and need_k and fused:
+        if inp.history is not None and need_k and fused and inp.history.k is None:
             h = inp.history
             pool_b = reference.OPS[kw].fn(**self._fused_ins(h, pool_b), **self.scalars(kw))["kv_cache"]
         elif inp.history is not None and need_k:
             h = inp.history
-            pooled = reference.compress_pool(state_cache=inp.state_cache, block_table=inp.state_block_table,
-                                             positions=h.positions, req_index=h.req_index,
-                                             kv_slot_mapping=h.slot_mapping,
-                                             **self.scalars("compress_pool"))["pooled"]
-            pool_b = reference.OPS[kw].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
+            # direct history (h.k given): entries from K rows, written by the rocm path's writer
+            # (on the cuda path too: history is only the pool the steps find)
+            wk = op_of(inp.geo.fmt, "k_writer", "rocm") if fused else kw
+            pooled = h.k if h.k is not None else reference.compress_pool(
+                state_cache=inp.state_cache, block_table=inp.state_block_table, positions=h.positions,
+                req_index=h.req_index, kv_slot_mapping=h.slot_mapping,
+                **self.scalars("compress_pool"))["pooled"]
+            pool_b = reference.OPS[wk].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
                                        norm_weight=inp.norm_weight, slot_mapping=h.slot_mapping,
-                                       kv_cache=pool_b, **self.scalars(kw))["kv_cache"]
+                                       kv_cache=pool_b, **self.scalars(wk))["kv_cache"]
         pool_start = pool_b
         chain_pool = pool_b
         chain_k, chain_pos, chain_slot = [], [], []
