@@ -78,8 +78,8 @@ def geometry(case: Case) -> Geometry:
 # allocation that the machine cannot survive).
 MAX_POOL_BYTES = 2 ** 32          # the K pool (4 GiB; the largest suite pool is 2.2 GiB)
 MAX_Q_ELEMENTS = 2 ** 30          # step tokens x heads x head dim
-MAX_LOGITS = 2 ** 30              # step tokens x the widest row (fp64 reference logits: 8 GiB;
-                                  # the GPU suite's logits buffer past 2^31 bytes needs 2^29)
+MAX_LOGITS = 2 ** 31              # one step's tokens x the widest row (fp64 reference logits: 16 GiB;
+                                  # the GPU suite's 65537-row top-k call needs just over 2^30)
 
 
 def _check_sizes(case: Case, r: int, ps: int, stride: int, heads: int, d: int) -> None:
@@ -99,9 +99,11 @@ def _check_sizes(case: Case, r: int, ps: int, stride: int, heads: int, d: int) -
     if case.table_pages is not None and case.table_pages < max(needs):
         raise CaseError(f"{where}: table_pages: {case.table_pages} < the {max(needs)} pages the longest "
                         f"sequence needs")
-    if steps * width > MAX_LOGITS:
-        raise CaseError(f"{where}: seqs: {steps} step tokens x {width} logits columns exceed the "
-                        f"{MAX_LOGITS} logits a case may take")
+    n_steps = max(len(s.steps()) for s in case.seqs)
+    step_rows = max(sum(e - b for s in case.seqs for b, e in s.steps()[i:i + 1]) for i in range(n_steps))
+    if step_rows * width > MAX_LOGITS:
+        raise CaseError(f"{where}: seqs: {step_rows} tokens in one step x {width} logits columns exceed "
+                        f"the {MAX_LOGITS} logits a step may take")
 
 
 @dataclass

@@ -44,6 +44,15 @@ class StageError(Exception):
         super().__init__(f"{stage} (step {step}): {message}")
 
 
+class NotJudged(Exception):
+    """A stage whose inputs (a backend's upstream output) the reference cannot take and no
+    reference substitute exists: this stage and the rest of the case are not judged."""
+
+    def __init__(self, stage: str, step: int, message: str):
+        self.stage, self.step = stage, step
+        super().__init__(f"{stage} (step {step}): {message}")
+
+
 class NonFiniteStage(Exception):
     def __init__(self, stage: str, step: int, err: NonFiniteInput):
         self.stage, self.step, self.err = stage, step, err
@@ -213,9 +222,18 @@ class ChainRun:
         (`Backend.numerics`: what it computes where the reference offers a choice)."""
         return {**self.inp.scalars(op), **self.be.numerics.get(op, {})}
 
-    def _stage(self, op: str, step: int, ins: dict, *, diff_as: Optional[str] = None) -> dict:
+    def _stage(self, op: str, step: int, ins: dict, *, diff_as: Optional[str] = None,
+               fallback: Optional[Callable[[], dict]] = None) -> dict:
         """Reference and backend on `ins`; diff; the backend's outputs. Ops outside the
-        case's chain run through the reference only (they feed the ops under test)."""
+        case's chain run through the reference only (they feed the ops under test).
+
+        A backend's upstream output that the reference cannot take (NaN/inf where the
+        reference's own is finite: that upstream stage already failed, with its findings)
+        does not end the case: with `fallback` (the same inputs with the reference's
+        upstream output where the backend's was non-finite) this stage runs and is judged on
+        those, and `details["substituted"]` says so; without one the stage is not judged
+        and the case stops there (`details["not_judged"]`), its verdict left to the failed
+        upstream stage."""
         scalars = self.scalars(op)
         try:
             if reference.OPS[op].fp64 and op in self.case.ops:
@@ -225,7 +243,13 @@ class ChainRun:
         except NonFiniteInput as e:
             if self.inp.planted:
                 raise NonFiniteStage(op, step, e) from None
-            raise StageError(op, step, f"the reference rejects the backend's upstream output: {e}") from None
+            if fallback is not None:
+                self.details.setdefault("substituted", []).append(
+                    f"{op} (step {step}): run on the reference's upstream output where the backend's "
+                    f"was rejected ({e})")
+                return self._stage(op, step, fallback(), diff_as=diff_as)
+            raise NotJudged(op, step, f"not judged: the reference cannot take the backend's upstream "
+                                      f"output ({e})") from None
         except ValueError as e:
             raise StageError(op, step, f"the reference rejects the inputs: {e}") from None
         if op not in self.case.ops:
@@ -252,6 +276,25 @@ class ChainRun:
             self.recorder(step, op, ins, scalars, actual)
         self._details(op, ins, actual, expected)
         return actual
+
+    def _finite_logits(self, sc: str, step: int, logits_b, sins: dict, ref_sins: dict, row_ends):
+        """The backend's logits for top-k: NaN/inf inside a row's valid columns (the scorer
+        stage fails on them, with their findings) replaced by the reference's logits of the
+        same inputs, so that top-k is still judged."""
+        if self.inp.planted or sc not in self.case.ops:
+            return logits_b
+        valid = torch.arange(logits_b.shape[1], device=logits_b.device)[None, :] < row_ends.long()[:, None]
+        bad = valid & ~torch.isfinite(logits_b)
+        if not bool(bad.any()):
+            return logits_b
+        try:
+            ref = reference.OPS[sc].fn(**sins, **self.scalars(sc))["logits"]
+        except (NonFiniteInput, ValueError):
+            ref = reference.OPS[sc].fn(**ref_sins, **self.scalars(sc))["logits"]
+        self.details.setdefault("substituted", []).append(
+            f"topk (step {step}): {int(bad.sum())} non-finite logit(s) of the backend inside row ends "
+            f"replaced by the reference's (the scorer fails on them)")
+        return torch.where(bad, ref.to(logits_b.dtype), logits_b)
 
     def _details(self, op, ins, actual, expected):
         geo = self.inp.geo
@@ -326,7 +369,7 @@ class ChainRun:
             if need_k and not fused:
                 ins = dict(k=pooled_b, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
                            norm_weight=inp.norm_weight, slot_mapping=st.slot_mapping, kv_cache=pool_b)
-                pool_b = self._stage(kw, i, ins)["kv_cache"]
+                pool_b = self._stage(kw, i, ins, fallback=lambda ins=ins, pr=pooled_ref: dict(ins, k=pr))["kv_cache"]
                 chain_pool = reference.OPS[kw].fn(**{**ins, "k": pooled_ref, "kv_cache": chain_pool},
                                                **self.scalars(kw))["kv_cache"]
                 chain_k.append(pooled_ref)
@@ -344,15 +387,18 @@ class ChainRun:
                            block_table=st.block_table, row_ends=st.row_ends)
             qk = ("q_fp8",) if inp.geo.fmt == "fp8" else ("q_fp4", "q_scale")
             sins = dict({n: q_b[n] for n in qk}, weights=q_b["weights"], kv_cache=pool_b, **geo_ins)
-            logits_b = self._stage(sc, i, sins)["logits"]
             q_ref = reference.OPS[qq].fn(**qins, **self.scalars(qq))
+            ref_sins = dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"], kv_cache=chain_pool, **geo_ins)
+            logits_b = self._stage(sc, i, sins, fallback=lambda r=ref_sins: r)["logits"]
+            logits_raw = logits_b
+            logits_b = self._finite_logits(sc, i, logits_b, sins, ref_sins, st.row_ends)
             chain_logits = reference.OPS[sc].fp64(**dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"],
                                                   kv_cache=chain_pool, **geo_ins), **self.scalars(sc))
             # 5. top-k of the backend's logits
             tins = dict(logits=logits_b, lengths=st.row_ends)
             idx_b = self._stage("topk", i, tins)["indices"]
             if sc in ops:
-                self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_b},
+                self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_raw},
                                                     {"logits": chain_logits}))
             if "topk" in ops:
                 chain_idx = reference.topk(logits=chain_logits, lengths=st.row_ends, k=inp.geo.topk)["indices"]
@@ -421,6 +467,8 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
         run.run()
     except NonFiniteStage as e:
         row.update(outcome="nonfinite_input", reason=str(e))
+    except NotJudged as e:
+        row["not_judged"] = str(e)             # judged by the failed upstream stage (budgets.verdict)
     except StageError as e:
         row.update(outcome="error", reason=str(e))
     except (BackendUnavailable, ValueError) as e:
