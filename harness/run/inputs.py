@@ -249,9 +249,9 @@ def _edge_blocks(x: torch.Tensor, gen: torch.Generator, start: int, values, amax
 # Narrow band: every key shares one NoPE vector (a positive direction, as a trained
 # indexer's keys share a large common component) and carries a small RoPE part; queries
 # point their NoPE dims along the same direction and head weights are positive. Scores then
-# sit in a band a fraction of a percent wide, away from zero, yet distinct well beyond the
+# sit in a band about 1 % wide, away from zero, yet distinct well beyond the
 # top-k tolerance (1e-4 of the row's largest score).
-NARROW_ROPE_SCALE = 0.1
+NARROW_ROPE_SCALE = 0.05
 
 
 def narrow_band_base(d: int, gen: torch.Generator) -> torch.Tensor:
