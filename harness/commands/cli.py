@@ -219,9 +219,12 @@ def cmd_validate(args) -> int:
                   TimeElapsedColumn(), TextColumn("{task.fields[last]}"),
                   console=stderr_console(), transient=True, disable=args.quiet) as bar:
         task = bar.add_task(f"{suite} on {be.name}", total=len(cases), last="")
+        from harness.io.report import CaseLines
+        lines = CaseLines(len(cases), lambda r: B.verdict(r, budgets, suite), enabled=not args.quiet)
         try:
             rows = run_cases(cases, be.name, jobs=jobs, case_timeout=args.case_timeout,
-                             progress=lambda r: bar.update(task, advance=1, last=f"{r['case']}: {r['outcome']}"))
+                             progress=lambda r: (bar.update(task, advance=1, last=f"{r['case']}: {r['outcome']}"),
+                                                 lines(r)))
             stopped = None
         except RunInterrupted as e:
             rows, stopped = e.rows, interrupted_meta(e)
