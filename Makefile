@@ -96,5 +96,5 @@ readme-study: $(ENV_STAMP)
 # docs/report-example.png: the HTML report of a failing run (the smoke suite with a K-writer
 # fault) as headless Chromium draws it (tools/chromium.py; Debian: apt-get install chromium).
 report-screenshot: $(ENV_STAMP)
-	$(MXVAL) validate --suite smoke --backend fault:nibbles-swapped -q --report-dir reports/report-example --force || test $$? -eq 1
+	$(MXVAL) validate --suite smoke --backend fault:nibbles-swapped --budgets cases/budgets.toml -q --report-dir reports/report-example --force || test $$? -eq 1
 	$(PY) tools/chromium.py screenshot reports/report-example/report.html docs/report-example.png --height 2400

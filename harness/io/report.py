@@ -318,9 +318,18 @@ def _selection_rows(df: pd.DataFrame) -> list[tuple[str, str, dict]]:
 
 
 def console_selection(df: pd.DataFrame, console) -> None:
+    """The "does it matter" table; cases whose stage and chain both select exactly the
+    reference's set are counted in one line below it (every other format lists them)."""
     from rich.table import Table
     rows = _selection_rows(df)
     if not rows:
+        return
+    same = [c for c, where, _ in rows if where == "stage and chain"]
+    rows = [x for x in rows if x[1] != "stage and chain"]
+    note = (f"{len(same)} case(s) select exactly the reference's top-k at the stage and across the chain"
+            + (f": {', '.join(same)}" if len(same) <= 8 else ""))
+    if not rows:
+        console.print(f"does the difference matter? no: {note}")
         return
     t = Table(title="does the difference matter? the top-k selection against the exact one",
               caption=MASS_PROXY, show_lines=False)
@@ -330,6 +339,8 @@ def console_selection(df: pd.DataFrame, console) -> None:
         lost = (v.get("topk_recall_min") or 1) < 1
         t.add_row(case, where, *_sel_cells(v), "[bold red]keys lost[/]" if lost else v["verdict"])
     console.print(t)
+    if same:
+        console.print(note)
 
 
 class CaseLines:
@@ -404,6 +415,9 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
                 lines.append(f"- `{v['metric']}` = {_fmt(v['value'])} (budget {v['limit']})")
             for w in _where_lines(r):
                 lines.append(f"  - {w}")
+            more = len(r["findings"] or []) - len(_where_lines(r))
+            if more > 0:
+                lines.append(f"  - … {more} more findings listed in report.html (this case's section) and report.json")
             lines.append("")
     return "\n".join(lines) + "\n"
 
