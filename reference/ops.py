@@ -163,10 +163,22 @@ class Op:
     fields: OpSpec                    # what a dump of it carries
     fp64: Optional[Callable] = None   # exact scores (scorers): what their logits are judged against
     paths: tuple = BOTH               # the paths whose chain holds the op
+    fuses: tuple = ()                 # a fused op: the stages it does in one launch, in chain order
 
     @property
     def chain_pos(self) -> int:
         return STAGES.index(self.stage)
+
+    @property
+    def diffed_as(self) -> str:
+        """The stage whose output the op writes, and whose metrics it reports: its own, or a
+        fused op's last (the fused pool+K op writes K pages, judged as a K writer's)."""
+        return self.fuses[-1] if self.fuses else self.stage
+
+    @property
+    def stages(self) -> tuple:
+        """Every stage whose metrics the op reports: its own, and the one it is diffed as."""
+        return tuple(dict.fromkeys((self.stage, self.diffed_as)))
 
 
 _OPS = (
@@ -183,9 +195,9 @@ _OPS = (
     Op("paged_fp8_mqa_logits", "scorer", "fp8", paged_fp8_mqa_logits, _FIELDS["paged_fp8_mqa_logits"],
        fp64=paged_fp8_mqa_logits_fp64),
     Op("compress_norm_rope_mxfp4_cache", "pool_k", "mxfp4", compress_norm_rope_mxfp4_cache,
-       _FIELDS["compress_norm_rope_mxfp4_cache"], paths=("cuda",)),
+       _FIELDS["compress_norm_rope_mxfp4_cache"], paths=("cuda",), fuses=("pooling", "k_writer")),
     Op("compress_norm_rope_fp8_cache", "pool_k", "fp8", compress_norm_rope_fp8_cache,
-       _FIELDS["compress_norm_rope_fp8_cache"], paths=("cuda",)),
+       _FIELDS["compress_norm_rope_fp8_cache"], paths=("cuda",), fuses=("pooling", "k_writer")),
 )
 OPS: dict[str, Op] = {op.name: op for op in _OPS}
 OP_NAMES: tuple[str, ...] = tuple(OPS)

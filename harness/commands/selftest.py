@@ -15,11 +15,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from harness.commands.args import add_case_timeout, add_force, add_shard
+from harness.diff import higher_is_better
+from harness.diff.metrics import CHAIN_PREFIX, is_chain
 from harness.diff.ops import label as op_label
+from harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, InputError, UsageError
+from harness.io import atomic, report
+from harness.run import budgets as B
+from harness.run import shard as S
+from harness.run.pipeline import Run
+from optimized import BackendUnavailable, get_backend
+from optimized import faults as F
 
 SUITE = "selftest"
 DEFAULT_SEEDS = 20
@@ -36,7 +50,6 @@ METRIC_ORDER = (
     "topk_recall_min", "topk_padding_errors", "topk_duplicates", "topk_below_threshold",
     "topk_out_of_range",
 )
-CHAIN = "chain."
 
 
 # --- what runs -----------------------------------------------------------------------------
@@ -48,8 +61,6 @@ def with_seed(case, i: int):
 def correct_backends(requested: Optional[list[str]]) -> tuple[list[str], list[str]]:
     """(backends to run, notes on those left out). Default: the reference, plus compiled
     Triton when it runs here, else the Triton interpreter when it does."""
-    from harness.commands.cli import UsageError
-    from optimized import BackendUnavailable, get_backend
     if requested:
         for name in requested:
             if name.startswith("fault:"):
@@ -69,13 +80,9 @@ def correct_backends(requested: Optional[list[str]]) -> tuple[list[str], list[st
     return names, notes
 
 
-def _violations(budgets, metrics: dict, case: str) -> list[dict]:
-    return budgets.check(metrics or {}, SUITE, case)
-
-
 def _metric_name(key: str) -> str:
     """`<op>.<metric>` -> metric; the whole-chain comparison keeps its `chain.` prefix."""
-    return key if key.startswith(CHAIN) else key.partition(".")[2]
+    return key if is_chain(key) else key.partition(".")[2]
 
 
 @dataclasses.dataclass
@@ -106,12 +113,11 @@ class FaultResult:
     def worst(self) -> dict[str, dict]:
         """metric -> the violation {metric, value, limit, why, case} furthest on the bad
         side over the fault's runs (NaN counts as the worst)."""
-        from harness.diff import higher_is_better
         out: dict[str, dict] = {}
         for r in self.rows:
             for v in r["violations"]:
                 name = _metric_name(v["metric"])
-                sign = -1.0 if higher_is_better(name.removeprefix(CHAIN)) else 1.0
+                sign = -1.0 if higher_is_better(name.removeprefix(CHAIN_PREFIX)) else 1.0
                 bad = float("inf") if v["value"] is None else sign * float(v["value"])
                 if name not in out or bad > out[name]["_bad"]:
                     out[name] = {**v, "case": r["selftest_case"], "_bad": bad}
@@ -120,7 +126,7 @@ class FaultResult:
 
 def _ordered(names) -> list[str]:
     rank = {m: i for i, m in enumerate(METRIC_ORDER)}
-    return sorted(names, key=lambda m: (m.startswith(CHAIN), rank.get(m.removeprefix(CHAIN), 99), m))
+    return sorted(names, key=lambda m: (is_chain(m), rank.get(m.removeprefix(CHAIN_PREFIX), 99), m))
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -148,7 +154,6 @@ def add_parser(sub) -> None:
     p.add_argument("--cases-dir", default=None, help="directory of suite TOML files (default: cases/)")
     p.add_argument("--budgets", default=None, help="budgets TOML (default: cases/budgets.toml)")
     p.add_argument("--report-dir", default=None, help="where reports go (default: reports/selftest-<time>-<pid>/)")
-    from harness.commands.cli import add_case_timeout, add_force, add_shard
     add_force(p)
     add_shard(p)
     add_case_timeout(p)
@@ -156,62 +161,87 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import torch
-
-    from harness.commands.cli import (
-        EXIT_FAIL,
-        EXIT_INTERRUPTED,
-        EXIT_OK,
-        UsageError,
-        claim_report_dir,
-        interrupted_meta,
-        stderr_console,
-    )
-    from harness.run import budgets as B
-    from harness.run import shard as S
-    from harness.run.cases import Catalog
-    from harness.run.inputs import geometry
-    from harness.run.runner import RunInterrupted, run_cases
-    from optimized import faults as F
-
-    t0 = time.time()
-    part = S.parse(args.shard) if getattr(args, "shard", None) is not None else None
     quick = args.quick
     if quick and args.large:
         raise UsageError("--large: not with --quick (the quick selftest never runs the > 2 GiB pool case)")
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
     if seeds < 1:
         raise UsageError(f"--seeds: expected a positive number, got {seeds}")
-    catalog = Catalog(args.cases_dir)
-    cases = {c.name: c for c in catalog.suite_cases(SUITE)}
-    for c in cases.values():
-        geometry(c)
-    budgets = B.load(args.budgets)
-    from harness.diff.metrics import run_keys
-    keys = {c.name: run_keys(c.ops) for c in cases.values()}
-    budgets.check_run(keys, SUITE, known_cases=catalog.by_name, known_suites=set(catalog.suites) | {"diff", "cases"})
-    budgets_off = budgets.disabled(keys, SUITE)
-    faults = list(F.FAULTS.values())
-    if args.fault:
-        unknown = [n for n in args.fault if n not in F.FAULTS]
-        if unknown:
-            raise UsageError(f"--fault: unknown fault(s) {', '.join(unknown)} (known: {', '.join(F.FAULTS)})")
-        faults = [F.FAULTS[n] for n in args.fault]
-    for f in faults:
-        missing = [c for c in f.cases if c not in cases]
-        if missing:
-            raise UsageError(f"fault {f.name}: case(s) {', '.join(missing)} not in the {SUITE} suite")
+    run = Run("selftest", budgets=args.budgets, shard=args.shard, report_dir=args.report_dir, force=args.force,
+              quiet=args.quiet, owner=args)
+    cases = {c.name: c for c in run.plan_cases(args.cases_dir, SUITE)}
+    faults = _faults(args.fault, cases)
     try:
         backends, notes = correct_backends(args.backend)
     except Exception as e:
         raise UsageError(str(e).splitlines()[0]) from None
-    large_ok = not quick and (args.large or torch.cuda.is_available())
+    results = {f.name: FaultResult(f) for f in faults}
+    all_plan = plan(faults, backends, cases, results, seeds=seeds, quick=quick,
+                    large_ok=not quick and (args.large or torch.cuda.is_available()))
+    items = run.pick(all_plan, lambda it: S.case_cost(it[2]), _label)
+    jobs = run.cap_jobs(args.jobs, max(1, len(items)), "cuda" if torch.cuda.is_available() else "cpu")
+    out = run.claim("selftest" + run.shard_suffix())
+    groups: dict[str, list] = {}          # backend name -> [(kind, who, case)], run together
+    for item in items:
+        groups.setdefault(_group(item), []).append(item)
+    correct_rows: list[dict] = []
+    for item, row in run.execute(list(groups.items()), jobs=jobs, case_timeout=args.case_timeout,
+                                 title="selftest", case_of=lambda it: it[2], label=_label):
+        kind, who, case = item
+        row.update(selftest_case=case.name, seed=case.seed, label=_label(item),
+                   violations=run.budgets.check(row.get("metrics") or {}, SUITE, case.name))
+        (results[who.name].rows if kind == "fault" else correct_rows).append(row)
+    verdict = _verdict(results, correct_rows, backends, notes, seeds=seeds, quick=quick, run=run)
+    meta = run.meta(backend="faults + " + ", ".join(backends), backend_requested=None,
+                    backend_description="fault catalogue (a run passes when a budget catches it) and the "
+                                        "correct backends (a run passes when no budget breaks)",
+                    device="cuda" if torch.cuda.is_available() else "cpu", seeds=seeds, quick=quick)
+    verdict["machine"] = meta["machine"]
+    if run.stopped:
+        verdict["interrupted"] = True
+    shard = run.shard_meta(meta["backend"], [_label(x) for x in all_plan],
+                           S.digest([[_label(x) for x in all_plan], S.case_digest(list(cases.values()))]),
+                           [_label(x) for x in items])
+    if shard:
+        meta["shard"] = shard
+        verdict["shard"] = {"k": shard["k"], "n": shard["n"]}
+    if not args.quiet:
+        print_matrix(results, run.budgets, verdict, backends, correct_rows)
+    md = markdown(results, run.budgets, verdict, meta)
+    write_report(out, results, correct_rows, verdict, meta, md, run)
+    for path, text in ((args.json, json.dumps(verdict, indent=1, default=str) + "\n"), (args.markdown, md)):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_text(path, text)
+    print(_summary_line(results, verdict, correct_rows, backends, len(items), len(all_plan), run) + f"; reports: {out}/")
+    if run.stopped:
+        print(f"mxval: interrupted: partial selftest report ({run.stopped['cases_done']} run(s) finished, "
+              f"{len(run.stopped['cancelled'])} cancelled)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK if verdict["ok"] else EXIT_FAIL
+
+
+def _faults(names: Optional[list[str]], cases: dict) -> list:
+    """The faults to run (all, or those named), each with its cases in the selftest suite."""
+    faults = list(F.FAULTS.values())
+    if names:
+        unknown = [n for n in names if n not in F.FAULTS]
+        if unknown:
+            raise UsageError(f"--fault: unknown fault(s) {', '.join(unknown)} (known: {', '.join(F.FAULTS)})")
+        faults = [F.FAULTS[n] for n in names]
+    for f in faults:
+        missing = [c for c in f.cases if c not in cases]
+        if missing:
+            raise UsageError(f"fault {f.name}: case(s) {', '.join(missing)} not in the {SUITE} suite")
+    return faults
+
+
+def plan(faults, backends, cases: dict, results: dict, *, seeds: int, quick: bool, large_ok: bool) -> list:
+    """[(kind, fault or backend name, case)]: every fault on the cases that expose it, then
+    each correct backend on every case and seed. A large fault left out is noted in `results`."""
     large_cases = {c for f in F.FAULTS.values() if f.large for c in f.cases}
     fault_seeds = 1 if quick else FULL_FAULT_SEEDS
-
-    # the plan: (kind, fault or backend, case)
-    plan: list[tuple[str, object, object]] = []
-    results = {f.name: FaultResult(f) for f in faults}
+    out: list[tuple[str, object, object]] = []
     for f in faults:
         if f.large and not large_ok:
             results[f.name].skipped = ("needs a pool past 2 GiB: runs in the full selftest on a GPU, "
@@ -219,65 +249,26 @@ def run(args) -> int:
             continue
         for name in f.cases:
             for i in range(1 if name in large_cases else fault_seeds):
-                plan.append(("fault", f, with_seed(cases[name], i)))
-    correct_plan = []
+                out.append(("fault", f, with_seed(cases[name], i)))
     for be in backends:
         interp = be == "triton-interpret" and quick
         n = min(seeds, QUICK_INTERPRET_SEEDS) if interp else seeds
         for name, c in cases.items():
             if name in large_cases:
                 if large_ok:
-                    correct_plan.append(("correct", be, c))       # one seed: 2 GiB per run
+                    out.append(("correct", be, c))       # one seed: 2 GiB per run
                 continue
             if interp and name not in QUICK_INTERPRET_CASES:
                 continue
-            for i in range(n):
-                correct_plan.append(("correct", be, with_seed(c, i)))
-    plan += correct_plan
-    all_plan = plan
-    if part:
-        plan = S.pick(all_plan, *part, lambda it: S.case_cost(it[2]), _label)
-    from harness.commands.cli import cap_jobs, say_cap
-    jobs, jobs_info = cap_jobs(args.jobs, max(1, len(plan)), "cuda" if torch.cuda.is_available() else "cpu")
-    say_cap(jobs_info)
-    out = claim_report_dir(args, "selftest" + (f"-shard{part[0]}of{part[1]}" if part else ""))
+            out += [("correct", be, with_seed(c, i)) for i in range(n)]
+    return out
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    correct_rows: list[dict] = []
-    groups: dict[str, list] = {}          # backend name -> [(kind, who, case)], run together
-    for item in plan:
-        groups.setdefault(_group(item), []).append(item)
-    with Progress(TextColumn("[bold]selftest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[last]}"), console=stderr_console(), transient=True,
-                  disable=args.quiet) as bar:
-        task = bar.add_task("selftest", total=len(plan), last="")
-        stopped = None
-        finished: set[int] = set()
-        for name, items in groups.items():
-            bar.update(task, last=name)
-            try:
-                rows = run_cases([c for _, _, c in items], name, jobs=jobs, case_timeout=args.case_timeout,
-                                 progress=lambda r: bar.update(task, advance=1))
-                done = items
-            except RunInterrupted as e:       # Ctrl-C: what finished is reported, marked partial
-                rows, done = e.rows, [items[i] for i in e.done]
-                stopped = interrupted_meta(e)
-            for item, row in zip(done, rows):
-                finished.add(id(item))
-                kind, who, case = item
-                row["selftest_case"] = case.name
-                row["seed"] = case.seed
-                row["label"] = _label(item)
-                row["violations"] = _violations(budgets, row.get("metrics"), case.name)
-                (results[who.name].rows if kind == "fault" else correct_rows).append(row)
-            if stopped:
-                stopped["cases_done"] = len(finished)
-                stopped["cancelled"] = [_label(x) for x in plan if id(x) not in finished]
-                break
 
+def _verdict(results: dict, correct_rows: list, backends, notes, *, seeds: int, quick: bool, run: Run) -> dict:
     false_alarms = [r for r in correct_rows if _alarm(r)]
     skipped_correct = [r for r in correct_rows if r["outcome"] == "skipped"]
-    verdict = {
+    uncaught = [res.fault.name for res in results.values() if res.caught is False]
+    return {
         "faults": [_fault_json(res) for res in results.values()],
         "seeds": seeds,
         "false_alarms": len(false_alarms),
@@ -289,48 +280,23 @@ def run(args) -> int:
         "left_out": notes + [f"{r['backend']} on {r['selftest_case']}: {r['reason']}" for r in skipped_correct],
         "quick": quick,
         "correct_rows": len(correct_rows),
-        "budgets_off": budgets_off,
+        "budgets_off": run.budgets.disabled(run.keys, SUITE),
+        # a shard may hold no correct run; the merge asks for one over the whole run
+        "ok": not uncaught and not false_alarms and (bool(correct_rows) or run.part is not None)
+              and not run.stopped,
     }
-    uncaught = [res.fault.name for res in results.values() if res.caught is False]
-    # a shard may hold no correct run; the merge asks for one over the whole run
-    verdict["ok"] = not uncaught and not false_alarms and (bool(correct_rows) or bool(part)) and not stopped
-    meta = _meta(args, backends, t0, seeds, quick)
-    verdict["machine"] = meta["machine"]
-    if stopped:
-        meta["interrupted"] = stopped
-        verdict["interrupted"] = True
-    if part:
-        meta["shard"] = S.identity(*part, command="selftest", suite=SUITE, backend=meta["backend"], budgets=budgets,
-                                   all_names=[_label(x) for x in all_plan],
-                                   all_digest=S.digest([[_label(x) for x in all_plan],
-                                                        S.case_digest(list(cases.values()))]),
-                                   shard_names=[_label(x) for x in plan])
-        verdict["shard"] = {"k": part[0], "n": part[1]}
 
-    if not args.quiet:
-        print_matrix(results, budgets, verdict, backends, correct_rows)
-    md = markdown(results, budgets, verdict, meta)
-    write_report(out, results, correct_rows, verdict, meta, md, budgets)
-    from harness.io import atomic
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_text(args.json, json.dumps(verdict, indent=1, default=str) + "\n")
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_text(args.markdown, md)
-    print(f"selftest: {sum(1 for r in results.values() if r.caught)}/{len(results)} faults caught"
-          + (f", {sum(1 for r in results.values() if r.caught is None)} not run" if any(
-              r.caught is None for r in results.values()) else "")
-          + (f" (NOT caught: {', '.join(uncaught)})" if uncaught else "")
-          + f"; {len(false_alarms)} false alarm(s) in {len(correct_rows) - len(skipped_correct)} correct runs "
-          f"({', '.join(backends)}; {seeds} seeds)"
-          + (f"; shard {part[0]}/{part[1]}: {len(plan)} of {len(all_plan)} runs" if part else "")
-          + f"; reports: {out}/")
-    if stopped:
-        print(f"mxval: interrupted: partial selftest report ({stopped['cases_done']} run(s) finished, "
-              f"{len(stopped['cancelled'])} cancelled)", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    return EXIT_OK if verdict["ok"] else EXIT_FAIL
+
+def _summary_line(results: dict, verdict: dict, correct_rows, backends, n_items: int, n_all: int, run: Run) -> str:
+    uncaught = [res.fault.name for res in results.values() if res.caught is False]
+    not_run = sum(1 for r in results.values() if r.caught is None)
+    runs = len(correct_rows) - sum(1 for r in correct_rows if r["outcome"] == "skipped")
+    return (f"selftest: {sum(1 for r in results.values() if r.caught)}/{len(results)} faults caught"
+            + (f", {not_run} not run" if not_run else "")
+            + (f" (NOT caught: {', '.join(uncaught)})" if uncaught else "")
+            + f"; {verdict['false_alarms']} false alarm(s) in {runs} correct runs "
+            f"({', '.join(backends)}; {verdict['seeds']} seeds)"
+            + (f"; shard {run.part[0]}/{run.part[1]}: {n_items} of {n_all} runs" if run.part else ""))
 
 
 def _label(item) -> str:
@@ -361,28 +327,6 @@ def _fault_json(res: FaultResult) -> dict:
             **({"skipped": res.skipped} if res.skipped else {})}
 
 
-def _meta(args, backends, t0, seeds, quick) -> dict:
-    import platform
-    import sys
-
-    import torch
-
-    from harness.commands.cli import machine
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        import triton
-        tv = triton.__version__
-    except Exception:
-        tv = None
-    return {"command": "selftest", "suite": SUITE, "backend": "faults + " + ", ".join(backends),
-            "backend_description": "fault catalogue (a run passes when a budget catches it) and the "
-                                   "correct backends (a run passes when no budget breaks)",
-            "device": dev, "machine": machine(dev), "seeds": seeds, "quick": quick,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0)),
-            "seconds": round(time.time() - t0, 3), "argv": sys.argv[1:],
-            "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": tv}}
-
-
 # --- the matrix ------------------------------------------------------------------------------
 
 def matrix_columns(results: dict[str, FaultResult]) -> list[str]:
@@ -392,7 +336,7 @@ def matrix_columns(results: dict[str, FaultResult]) -> list[str]:
     for res in results.values():
         by = set(res.caught_by)
         for m in res.caught_by:
-            if not m.startswith(CHAIN) or m.removeprefix(CHAIN) not in by:
+            if not is_chain(m) or m.removeprefix(CHAIN_PREFIX) not in by:
                 cols.setdefault(m, None)
     return _ordered(cols)
 
@@ -400,7 +344,7 @@ def matrix_columns(results: dict[str, FaultResult]) -> list[str]:
 
 
 def _limit_text(budgets, metric: str, case: str = "") -> str:
-    key = metric if metric.startswith(CHAIN) else f"x.{metric}"
+    key = metric if is_chain(metric) else f"x.{metric}"
     lim = budgets.limit(key, SUITE, case)
     return lim.text() if lim else "none"
 
@@ -409,7 +353,7 @@ def _short(metric: str) -> str:
     """Console column heads: narrow enough for one screen."""
     return (metric.replace("page_bytes_", "page ").replace("outside_owned_changed", "outside")
             .replace("_bytes_mismatched", "≠").replace("_mismatched", "≠").replace("_", " ")
-            .replace("chain.", "chain "))
+            .replace(CHAIN_PREFIX, "chain "))
 
 
 def _val(v) -> str:
@@ -427,8 +371,6 @@ def _status(res: FaultResult) -> str:
 
 
 def print_matrix(results, budgets, verdict, backends, correct_rows, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
     con = console or Console()
     if not con.is_terminal:
         con = Console(width=max(con.width, 200))        # CI logs: keep the matrix on one line per fault
@@ -506,10 +448,9 @@ def markdown(results, budgets, verdict, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(out: Path, results, correct_rows, verdict, meta, md, budgets) -> None:
+def write_report(out: Path, results, correct_rows, verdict, meta, md, run: Run) -> None:
     """The usual report files (report.json/.md/.html, junit.xml, metrics.csv) over every run,
     plus selftest.md and selftest.json. A fault run passes when a budget catches it."""
-    from harness.io import report
     rows = []
     for res in results.values():
         for r in res.rows:
@@ -533,8 +474,7 @@ def write_report(out: Path, results, correct_rows, verdict, meta, md, budgets) -
             rr["reason"] = "; ".join(f"{v['metric']} {v['why']}" for v in r["violations"][:3])
         rows.append(rr)
     df = report.frame(rows)
-    meta = dict(meta, budgets=budgets.as_dict(), budgets_off=verdict.get("budgets_off", []), selftest=verdict)
-    from harness.io import atomic
+    meta = dict(meta, budgets=run.budgets.as_dict(), budgets_off=verdict.get("budgets_off", []), selftest=verdict)
     report.write_all(df, meta, out)
     atomic.write_text(out / "selftest.md", md)
     atomic.write_text(out / "selftest.json", json.dumps(verdict, indent=1, default=str) + "\n")
@@ -546,7 +486,6 @@ def merge_verdicts(verdicts: list[dict]) -> dict:
     """One selftest verdict from the shards' selftest.json verdicts: a fault is caught when
     every one of its runs, in whichever shard, broke a budget; the worst value per metric
     over all of them; false alarms and correct runs summed."""
-    from harness.diff import higher_is_better
     faults: dict[str, dict] = {}
     for v in verdicts:
         for f in v.get("faults") or []:
@@ -557,7 +496,7 @@ def merge_verdicts(verdicts: list[dict]) -> dict:
             m["caught_by"] = _ordered(set(m["caught_by"]) | set(f.get("caught_by") or []))
             m["outcomes"] = sorted(set(m["outcomes"]) | set(f.get("outcomes") or []))
             for metric, w in (f.get("values") or {}).items():
-                sign = -1.0 if higher_is_better(metric.removeprefix(CHAIN)) else 1.0
+                sign = -1.0 if higher_is_better(metric.removeprefix(CHAIN_PREFIX)) else 1.0
 
                 def bad(x):
                     return float("inf") if x["value"] is None else sign * float(x["value"])
@@ -590,7 +529,6 @@ class _MergedResult:
     """A merged fault verdict with the face `markdown` reads (a FaultResult's)."""
 
     def __init__(self, f: dict):
-        from types import SimpleNamespace
         self.fault = SimpleNamespace(name=f["name"], bug_class=f.get("bug_class", ""), ops=f.get("ops") or [],
                                      description=f.get("description", ""))
         self.caught = f["caught"]
@@ -612,7 +550,6 @@ class _LimitTexts:
         self.default = d.get("default") or {}
 
     def limit(self, key: str, suite: str, case: str = ""):
-        from types import SimpleNamespace
         bare = key.partition(".")[2] if key.startswith("x.") else key
         text = self.default.get(key) or self.default.get(bare)
         return SimpleNamespace(text=lambda: text) if text else None
@@ -620,10 +557,6 @@ class _LimitTexts:
 
 def write_merged_extras(out: Path, df, meta: dict) -> None:
     """selftest.json and selftest.md of a merged selftest report."""
-    from harness.errors import InputError
-    from harness.io import atomic
-    from harness.run import budgets as B
-    from harness.run import shard as S
     verdict = meta["selftest"]
     budgets = _LimitTexts(meta.get("budgets") or {})
     try:

@@ -11,29 +11,31 @@ A case yields one row (a dict) of raw metrics; `budgets` turn rows into pass/fai
 """
 from __future__ import annotations
 
-import dataclasses
-import math
+import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
+from collections import deque
+from multiprocessing.connection import wait
 from typing import Callable, Optional
 
 import torch
 
 import reference
 from harness.diff import aggregate, diff_op
+from harness.diff.metrics import CHAIN, chain_key
 from harness.run.cases import Case
 from harness.run.inputs import CaseInputs, build
+from harness.run.record import ROW_FINDINGS_PER_STAGE, case_row, jsonable
 from optimized import Backend, BackendUnavailable, get_backend
 from reference import fp8 as ref_fp8
 from reference import layout
 from reference.checks import NonFiniteInput
-from reference.ops import op_of
+from reference.ops import OPS, op_of
 
-CHAIN = "chain"
 # Scorers are judged against the op table's fp64 scores: the diff compares the backend's fp32
 # logits to the true scores of the quantized operands, not to another fp32 rounding of them.
-MAX_FINDINGS = 12        # per stage and case, in the report; the counts are in the metrics
 MAX_MAP_POINTS = 4000
 MAX_RECALL_POINTS = 1500
 
@@ -48,22 +50,6 @@ class NonFiniteStage(Exception):
     def __init__(self, stage: str, step: int, err: NonFiniteInput):
         self.stage, self.step, self.err = stage, step, err
         super().__init__(f"{stage} (step {step}): {err}")
-
-
-def jsonable(x):
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return jsonable(dataclasses.asdict(x))
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, torch.Tensor):
-        return jsonable(x.tolist())
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    return str(x)
 
 
 class _Collector:
@@ -89,7 +75,7 @@ class _Collector:
         for f in list(report.findings):
             n = self.per_stage_findings.get(stage, 0)
             self.per_stage_findings[stage] = n + 1
-            if n < MAX_FINDINGS:
+            if n < ROW_FINDINGS_PER_STAGE:
                 d = jsonable(f)
                 d = d if isinstance(d, dict) else {"text": d}
                 self.findings.append({"stage": stage, "step": step, **d})
@@ -206,14 +192,14 @@ class ChainRun:
         self.col = _Collector()
         self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
                               "recall_rows": []}
-        self.diff_op = diff_op
+        self.diff_op = diff_op                 # tests replace it to prove a check's teeth
 
     def scalars(self, op: str) -> dict:
         """The case's scalars of `op`, with the reference options the backend declares for it
         (`Backend.numerics`: what it computes where the reference offers a choice)."""
         return {**self.inp.scalars(op), **self.be.numerics.get(op, {})}
 
-    def _stage(self, op: str, step: int, ins: dict, *, diff_as: Optional[str] = None) -> dict:
+    def _stage(self, op: str, step: int, ins: dict) -> dict:
         """Reference and backend on `ins`; diff; the backend's outputs. Ops outside the
         case's chain run through the reference only (they feed the ops under test)."""
         scalars = self.scalars(op)
@@ -255,16 +241,17 @@ class ChainRun:
 
     def _details(self, op, ins, actual, expected):
         geo = self.inp.geo
+        stage = OPS[op].diffed_as
         try:
-            if op.startswith(("k_norm_rope", "compress_norm_rope")):
+            if stage == "k_writer":
                 self.details["mismatch_map"] += _mismatch_map(ins["kv_cache"], actual["kv_cache"],
                                                               expected["kv_cache"], geo, op)
-            elif op == "compress_pool":
+            elif stage == "pooling":
                 rows = ((ins["positions"] + 1) % geo.ratio == 0) & (ins["kv_slot_mapping"] >= 0)
                 h = _ulp_hist(actual["pooled"], expected["pooled"], rows)
                 for k, v in h.items():
                     self.details["pooled_ulp"][k] = self.details["pooled_ulp"].get(k, 0) + v
-            elif op.startswith("paged_"):
+            elif stage == "scorer":
                 self.details["logit_log10_err"] += _logit_errors(actual["logits"], expected["logits"],
                                                                  ins["row_ends"])
         except Exception as e:   # plots are a convenience; the metrics are the verdict, but say so
@@ -376,22 +363,15 @@ class ChainRun:
                                                      else ref_fp8.entry_bytes(d))
             mism = rep.metrics.get("page_bytes_mismatched")
             if mism is not None and owned:
-                self.col.metrics.setdefault(f"{CHAIN}.page_bytes_mismatched_frac", []).append(
+                self.col.metrics.setdefault(chain_key("page_bytes_mismatched_frac"), []).append(
                     float(mism) / owned)
-
-
-def context_of(case: Case) -> int:
-    return max(s.len for s in case.seqs)
 
 
 def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = None,
              inputs: Optional[CaseInputs] = None) -> dict:
     """One row of raw results: outcome in ok | error | nonfinite_input | skipped."""
     t0 = time.time()
-    row = {"case": case.name, "suite": case.suite, "backend": backend_name, "outcome": "ok",
-           "reason": "", "description": case.description, "shape": case.summary(),
-           "context": context_of(case), "expect_nonfinite": case.expect_nonfinite, "planted": [],
-           "metrics": {}, "findings": [], "summaries": {}, "details": {}, "seconds": 0.0}
+    row = case_row(case, backend_name)
     try:
         be = get_backend(backend_name)
     except BackendUnavailable as e:
@@ -489,7 +469,6 @@ def _maybe_die(case_name: str) -> None:
     if name != case_name:
         return
     if how == "kill":
-        import signal
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "hang":                    # a hung kernel: only --case-timeout ends it
         while True:
@@ -500,7 +479,6 @@ def _maybe_die(case_name: str) -> None:
 def _worker_main(conn, env: dict, threads: int) -> None:
     """A pool worker: pinned to its GPU before CUDA initializes, then one case per message
     until it gets None (or the parent goes away)."""
-    import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)      # the parent's stop (a forked child inherits its handler)
     for k, v in env.items():
@@ -530,14 +508,10 @@ def _worker_main(conn, env: dict, threads: int) -> None:
 
 
 def _error_row(c: Case, backend_name: str, reason: str) -> dict:
-    return {"case": c.name, "suite": c.suite, "backend": backend_name, "outcome": "error", "reason": reason,
-            "metrics": {}, "findings": [], "summaries": {}, "details": {}, "planted": [], "seconds": 0.0,
-            "expect_nonfinite": c.expect_nonfinite, "context": context_of(c), "shape": c.summary(),
-            "description": c.description}
+    return case_row(c, backend_name, outcome="error", reason=reason)
 
 
 def _death(proc) -> str:
-    import signal
     code = proc.exitcode
     if code is not None and code < 0:
         try:
@@ -601,9 +575,6 @@ def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
         except KeyboardInterrupt:
             raise RunInterrupted(rows, [c.name for c in cases[len(rows):]]) from None
         return rows
-    import multiprocessing as mp
-    from collections import deque
-    from multiprocessing.connection import wait
     gpu = str(be.device) != "cpu" and torch.cuda.is_available()
     ctx = mp.get_context(start_method or ("spawn" if gpu else "fork"))
     var, devices = _visible_gpus() if gpu else ("", [])
