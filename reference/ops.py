@@ -73,12 +73,15 @@ _LOGITS_OUT = {"logits": Field(F32, ("Rw", "W"))}
 _K_SCALARS = {"norm_eps": "float+", "compress_ratio": "int+", "page_size": "int+"}
 _STUDY_K = {"rounding": "rounding", "hadamard": "bool", "rope": "rope"}
 _Q_OPTIONS = {"hadamard": "bool", "rope": "rope", "softmax_scale": "float+", "head_scale": "float+"}
-_FUSED_IN = {
+_POOL_IN = {
     "state_cache": Field(F32, ("num_blocks", "block_size", "4*D")),
     "block_table": Field(INT, ("num_reqs", "max_blocks")),
     "positions": Field(INT, ("T",)),
     "req_index": Field(INT, ("T",)),
     "kv_slot_mapping": Field(INT, ("T",)),
+}
+_FUSED_IN = {
+    **_POOL_IN,
     "cos_sin_cache": Field(F32, ("max_pos", "R")),
     "norm_weight": Field(FLT, ("D",)),
     "kv_cache": Field(U8, ("P", "page_bytes")),
@@ -88,13 +91,7 @@ _FUSED_OPTIONS = {"rope": "rope", "softmax": "softmax"}
 
 _FIELDS: dict[str, OpSpec] = {
     "compress_pool": OpSpec(
-        inputs={
-            "state_cache": Field(F32, ("num_blocks", "block_size", "4*D")),
-            "block_table": Field(INT, ("num_reqs", "max_blocks")),
-            "positions": Field(INT, ("T",)),
-            "req_index": Field(INT, ("T",)),
-            "kv_slot_mapping": Field(INT, ("T",)),
-        },
+        inputs=_POOL_IN,
         outputs={"pooled": Field(BF16, ("T", "D"))},
         scalars={"compress_ratio": "int+"},
         optional={"softmax": "softmax"}),

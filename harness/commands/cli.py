@@ -19,6 +19,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -33,6 +34,7 @@ from harness.errors import (
     InputError,
     UsageError,
 )
+from harness.io.atomic import chmod_umask
 from harness.run.signals import catch_sigterm, restore_sigterm
 
 __all__ = ["EXIT_FAIL", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UsageError",
@@ -86,8 +88,6 @@ def cmd_validate(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    import time
-
     from harness.io.dumps import read_dump
     from harness.run.pipeline import Run, backend
     from harness.run.record import dump_row
@@ -390,7 +390,6 @@ def _save_traceback(e: BaseException, args) -> str:
     fd, name = tempfile.mkstemp(prefix="mxval-internal-error-", suffix=".txt")
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    from harness.io.atomic import chmod_umask
     chmod_umask(name)
     return name
 

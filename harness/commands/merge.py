@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.commands import selftest
 from harness.errors import EXIT_FAIL, EXIT_OK, ReportError, UsageError
 from harness.io import report
+from harness.run import selftest
 from harness.run.pipeline import Run
 
 # run.shard fields every shard must agree on, and what to call them in the message

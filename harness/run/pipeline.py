@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from harness.diff.metrics import run_keys
 from harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, InputError, ReportError, UsageError
@@ -164,8 +166,6 @@ class Run:
         """[(item, row)] of each group `(backend name, items)` run in order; `case_of(item)` is
         the case an item runs. Ctrl-C or SIGTERM stops it: what finished is returned and
         `self.stopped` says what did not (`label(item)` names the cancelled)."""
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         total = sum(len(items) for _, items in groups)
         results: list[tuple] = []
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-# Findings kept per stage and case in a report row (the diff engine keeps
+# Findings kept per stage and case in a report row (a DiffReport keeps up to
 # harness.diff.MAX_FINDINGS per comparison; every finding is counted in the metrics).
 ROW_FINDINGS_PER_STAGE = 12
 
