@@ -21,7 +21,6 @@ from xml.etree import ElementTree as ET
 
 import pandas as pd
 
-from harness.diff.scores import MASS_PROXY
 from harness.errors import ReportError
 
 SCHEMA = "mxval-report"
@@ -83,8 +82,16 @@ def _num(v) -> Optional[float]:
     return None if math.isnan(f) else f
 
 
+def _chain_frac() -> str:
+    """The whole chain's K-byte headline column. The metric table is imported here, not at the
+    top: `mxval report DIR` re-renders a report without loading torch."""
+    from harness.diff.metrics import chain_key
+    return chain_key("page_bytes_mismatched_frac")
+
+
 def headline(row, suffix: str, how: str) -> Optional[float]:
-    vals = [_num(row[c]) for c in row.index if is_metric(c) and not c.startswith("chain.")
+    from harness.diff.metrics import is_chain  # (see _chain_frac)
+    vals = [_num(row[c]) for c in row.index if is_metric(c) and not is_chain(c)
             and c.endswith("." + suffix)]
     vals = [v for v in vals if v is not None]
     if not vals:
@@ -93,7 +100,14 @@ def headline(row, suffix: str, how: str) -> Optional[float]:
 
 
 def chain_value(row, metric: str) -> Optional[float]:
-    return _num(row["chain." + metric]) if "chain." + metric in row.index else None
+    from harness.diff.metrics import chain_key  # (see _chain_frac)
+    key = chain_key(metric)
+    return _num(row[key]) if key in row.index else None
+
+
+def _proxy() -> str:
+    from harness.diff.scores import MASS_PROXY  # (see _chain_frac)
+    return MASS_PROXY
 
 
 def overview_values(row) -> list[Optional[float]]:
@@ -236,7 +250,7 @@ def to_json(df: pd.DataFrame, meta: dict) -> dict:
             d["selection"] = _clean(sel)
         cases.append(d)
     return {"schema": SCHEMA, "version": SCHEMA_VERSION, "run": meta, "summary": summary(df, meta),
-            "selection_proxy": MASS_PROXY, "cases": cases}
+            "selection_proxy": _proxy(), "cases": cases}
 
 
 def load(report_dir) -> tuple[pd.DataFrame, dict]:
@@ -332,7 +346,7 @@ def console_selection(df: pd.DataFrame, console) -> None:
         console.print(f"does the difference matter? no: {note}")
         return
     t = Table(title="does the difference matter? the top-k selection against the exact one",
-              caption=MASS_PROXY, show_lines=False)
+              caption=_proxy(), show_lines=False)
     for col in ("case", "where", *[h for h, _, _ in SELECTION], "verdict"):
         t.add_column(col, overflow="fold", max_width=70 if col == "verdict" else None)
     for case, where, v in rows:
@@ -400,7 +414,7 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
     sel = _selection_rows(df)
     if sel:
         lines += ["", "#### Does the difference matter? The top-k selection against the exact one", "",
-                  f"_{MASS_PROXY}._ Tie swaps: rows holding another set whose every index the tie rule "
+                  f"_{_proxy()}._ Tie swaps: rows holding another set whose every index the tie rule "
                   "accepts (nothing lost).", "",
                   "| case | where | " + " | ".join(h for h, _, _ in SELECTION) + " | verdict |",
                   "|---|---|" + "---|" * len(SELECTION) + "---|"]
@@ -708,7 +722,7 @@ def html(df: pd.DataFrame, meta: dict) -> str:
 {f"<p><b>checks turned off</b> by the budgets file: {e('; '.join(meta['budgets_off']))}</p>" if meta.get('budgets_off') else ''}
 <h2 id="overview">Cases</h2>
 <p>Failing cases first; click a column to sort, a case to open its section. The chain columns compare
-the backend's whole chain with the reference chain; {e(MASS_PROXY)}.</p>
+the backend's whole chain with the reference chain; {e(_proxy())}.</p>
 <div class="toolbar"><input id="filter" type="search" placeholder="filter: case, status, reason…">
 <select id="status-filter"><option value="">every status</option><option value="failing">failing (not ok)</option>{statuses}</select>
 <span id="shown"></span></div>
