@@ -592,3 +592,13 @@ def test_bad_ring_size_is_refused(monkeypatch, env):
     monkeypatch.setenv("MXVAL_CAPTURE_RING", "0")
     with pytest.raises(ValueError, match="MXVAL_CAPTURE_RING"):
         install([], quiet=True)
+
+
+def test_graph_methods_a_class_inherits_are_wrapped_and_removed_again(monkeypatch, graphs):
+    class Inheriting(FakeGraph):
+        pass
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Inheriting)
+    install([], quiet=True)
+    assert "replay" in Inheriting.__dict__ and Inheriting.replay.__mxval_capture__ == "replay"
+    uninstall()
+    assert not {"capture_begin", "capture_end", "replay"} & set(Inheriting.__dict__)

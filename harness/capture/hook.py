@@ -322,6 +322,7 @@ def _replay(orig):
     return replay
 
 
+INHERITED = object()                   # a wrapped method the class had from its base: deleted again
 GRAPH_METHODS = {"capture_begin": _capture_begin, "capture_end": _capture_end, "replay": _replay}
 
 
@@ -554,13 +555,14 @@ def _wrap_graphs() -> None:
     if cls is None:
         return
     for name, make in GRAPH_METHODS.items():
-        orig = cls.__dict__.get(name)
+        orig = getattr(cls, name, None)
         if orig is None or getattr(orig, "__mxval_capture__", None):
             continue
         new = make(orig)
         new.__mxval_capture__ = name
+        own = name in cls.__dict__
         setattr(cls, name, new)
-        _S.installed.append((cls, name, orig))
+        _S.installed.append((cls, name, orig if own else INHERITED))
 
 
 def install(targets: Optional[list] = None, *, quiet: bool = False,
@@ -620,7 +622,10 @@ def uninstall() -> None:
             _drain_locked()
             _flush_except(None)
         for mod, name, orig in reversed(_S.rebound + _S.installed):
-            setattr(mod, name, orig)
+            if orig is INHERITED:
+                delattr(mod, name)
+            else:
+                setattr(mod, name, orig)
         _S.installed.clear()
         _S.rebound.clear()
         _clear_cached_lookups()
