@@ -119,8 +119,10 @@ def _warn_once(key: str, msg: str) -> None:
 
 
 def _move_to(layer: Optional[int], step: Optional[int]) -> None:
-    if (layer, step) != (_S.layer, _S.step):
-        _flush_except((layer, step))
+    if layer != _S.layer or step != _S.step:
+        if _S.pending:
+            with _S.lock:
+                _flush_except((layer, step))
         _S.layer, _S.step = layer, step
     cfg = _S.config
     _S.selected = cfg is not None and layer in cfg.layers and step in cfg.steps
@@ -431,10 +433,7 @@ class _Wrapped:
 
 def _capture_call(fn, op: str, arg_map: ArgMap, bind, args, kwargs, extra: Optional[dict] = None):
     """One call of `fn` through the capture."""
-    if _S.config is None:
-        return fn(*args, **kwargs)
-    with _S.lock:
-        key = _active(op)
+    key = _active(op)              # the model's thread: counting and selection need no lock
     if key is None:
         return fn(*args, **kwargs)
     mode, where = key
@@ -483,6 +482,8 @@ def wrap(fn: Callable, op: str, arg_map: ArgMap, *, extra: Optional[Callable[[],
     bind = _binder(fn, arg_map)
 
     def wrapper(*args, **kwargs):
+        if _S.config is None:
+            return fn(*args, **kwargs)
         return _capture_call(fn, op, arg_map, bind, args, kwargs, extra() if extra is not None else None)
 
     if inspect.isfunction(fn) or inspect.ismethod(fn):

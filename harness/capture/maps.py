@@ -40,7 +40,12 @@ class Selection:
     def __contains__(self, n) -> bool:
         if self.all:
             return True
-        return n is not None and any(lo <= n <= hi for lo, hi in self.ranges)
+        if n is None:
+            return False
+        for lo, hi in self.ranges:
+            if lo <= n <= hi:
+                return True
+        return False
 
     def __repr__(self) -> str:
         return f"Selection({self.text!r})"
