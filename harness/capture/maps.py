@@ -300,6 +300,12 @@ VLLM_FUSED_K_MXFP4 = _fused_map("vllm.cuda.k_mxfp4", fp8=False)
 VLLM_FUSED_K_FP8 = _fused_map("vllm.cuda.k_fp8", fp8=True)
 
 
+def _fused_maps(base: ArgMap, key: str, fp8: bool) -> tuple:
+    """The kernel's table entry and its alternatives (`key@version`, a release that changed
+    the launch), each bound by its own parameter list."""
+    return tuple((t.key, base if t.key == key else _fused_map(t.key, fp8)) for t in upstream.group(key))
+
+
 @dataclass(frozen=True)
 class Hook:
     """One mxval op and, in order, the upstream table keys it may be reached through."""
@@ -315,8 +321,8 @@ HOOKS = (
     Hook("paged_mxfp4_mqa_logits", (("aiter.scorer", AITER_SCORER),)),     # both generations
     Hook("topk", (("vllm.ops.topk", VLLM_TOPK), ("aiter.topk", AITER_TOPK))),
     # vLLM's CUDA path: the fused K writers (pool, norm, RoPE, quantize, insert in one kernel)
-    Hook("compress_norm_rope_mxfp4_cache", (("vllm.cuda.k_mxfp4", VLLM_FUSED_K_MXFP4),)),
-    Hook("compress_norm_rope_fp8_cache", (("vllm.cuda.k_fp8", VLLM_FUSED_K_FP8),)),
+    Hook("compress_norm_rope_mxfp4_cache", _fused_maps(VLLM_FUSED_K_MXFP4, "vllm.cuda.k_mxfp4", fp8=False)),
+    Hook("compress_norm_rope_fp8_cache", _fused_maps(VLLM_FUSED_K_FP8, "vllm.cuda.k_fp8", fp8=True)),
 )
 # functools caches in vLLM that hold aiter functions fetched at their first call
 CACHED_LOOKUPS = ("vllm.ops.aiter_cache_ops",)
