@@ -36,7 +36,7 @@ from harness.run.record import run_meta
 from harness.run.signals import stopped_by
 from optimized import BackendUnavailable, get_backend
 
-# --- helpers of the plan ---------------------------------------------------------------------
+# --- helpers: what a command resolves before its run, and what a stopped run records ------------
 
 def interrupted_meta(e: runner.RunInterrupted) -> dict:
     """`run.interrupted` of a partial report."""
