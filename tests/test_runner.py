@@ -170,3 +170,36 @@ def test_a_report_row_has_one_shape():
     assert r["outcome"] == "ok" and r["metrics"] == {"x.y": 1.0} and r["findings"] == []
     with pytest.raises(TypeError, match="metricz"):
         row("c", "s", "reference", metricz={})
+
+
+def test_repeat_requires_the_same_bytes_every_run(cat):
+    """`repeat`: each backend op runs N times on the same inputs; an op whose bytes change is
+    its own failure class, with the bytes that changed."""
+    import dataclasses
+    calls = {"n": 0}
+
+    def flaky(**a):
+        out = reference.topk(**a)["indices"].clone()
+        calls["n"] += 1
+        if calls["n"] % 2 == 0 and out.shape[0] and out.shape[1] > 1:
+            out[-1, :2] = out[-1, :2].flip(0)             # the same set, another order
+        return {"indices": out}
+    case = dataclasses.replace(cat.case("smoke-rowend-k"), repeat=3)
+    row = run_case(case, backend("test-flaky-topk", topk=flaky))
+    v = verdict(row, load(), "smoke")
+    assert v["status"] == "fail" and v["reason"].startswith("nondeterministic: topk (step 0) output indices: ")
+    f = next(x for x in row["findings"] if x["class"] == "nondeterministic")
+    assert f["stage"] == "topk" and f["bytes_changed"] > 0 and f["run"] == 2
+    assert verdict(run_case(case, "reference"), load(), "smoke")["status"] == "pass"
+    once = run_case(cat.case("smoke-rowend-k"), backend("test-flaky-topk", topk=flaky))
+    assert verdict(once, load(), "smoke")["status"] == "pass"          # one run: nothing to compare
+
+
+@pytest.mark.parametrize("text", ["0", "101", "x", "2.5"])
+def test_repeat_flag_takes_1_to_100_runs(text):
+    import argparse
+
+    from harness.commands.args import repeat_count
+    assert repeat_count("1") == 1 and repeat_count("100") == 100
+    with pytest.raises(argparse.ArgumentTypeError, match="from 1 to 100"):
+        repeat_count(text)

@@ -234,7 +234,12 @@ def verdict(row: dict, budgets: Budgets, suite: str) -> dict:
     else:
         row["violations"] = budgets.check(row.get("metrics", {}), suite, row["case"])
         not_judged = row.get("not_judged")
-        if row.get("expect_nonfinite"):
+        nondet = row.get("nondeterministic")
+        if nondet:                # its own failure class: the same inputs gave other bytes
+            row.update(status="fail", ok=False,
+                       reason=f"nondeterministic: {nondet[0]}" + (f" (+{len(nondet) - 1} more)" if len(nondet) > 1 else "")
+                       + (f"; {first_failing_stage(row['violations'])} fails too" if row["violations"] else ""))
+        elif row.get("expect_nonfinite"):
             row.update(status="fail", ok=False,
                        reason="planted non-finite inputs were not reported as non-finite "
                               f"({'; '.join(row.get('planted') or []) or 'nothing planted'})")

@@ -96,6 +96,8 @@ class Case:
                                          # (no pooling); state rows only where steps read them
     table_pages: Optional[int] = None    # block-table width in pages (the logits width / page
                                          # size); None: what the longest sequence needs
+    repeat: int = 1                      # runs of each backend op on the same inputs; every run
+                                         # must give the first run's bytes (`--repeat N` overrides)
     fp8_dtype: str = "e4m3fn"
     clean_logits: bool = False
     weights_dtype: str = "bfloat16"
@@ -134,6 +136,7 @@ MAX_PAD = 2 ** 16
 MAX_PLANT = 2 ** 20
 MAX_SCALE = 2.0 ** 64
 MAX_SEED = 2 ** 63 - 1
+MAX_REPEAT = 100
 
 
 class _Bad(Exception):
@@ -289,6 +292,7 @@ CASE_SCHEMA = Table({
     "state_block": Int(1, MAX_PAGE_SIZE),
     "history": Choice(HISTORY_MODES),
     "table_pages": Int(1, MAX_POOL_PAGES),
+    "repeat": Int(1, MAX_REPEAT),
     "fp8_dtype": Choice(("e4m3fn", "e4m3fnuz")),
     "clean_logits": Bool(),
     "weights_dtype": Choice(("bfloat16", "float32")),

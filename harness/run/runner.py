@@ -197,6 +197,7 @@ class ChainRun:
         self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
                               "recall_rows": []}
         self.diff_op = diff_op                 # tests replace it to prove a check's teeth
+        self.nondeterministic: list[dict] = []     # runs of an op that did not repeat its bytes
 
     def scalars(self, op: str) -> dict:
         """The case's scalars of `op`, with the reference options the backend declares for it
@@ -245,6 +246,10 @@ class ChainRun:
         if not isinstance(actual, dict) or set(expected) - set(actual):
             raise StageError(op, step, f"backend {self.be.name} returned {type(actual).__name__} "
                                        f"without {sorted(set(expected) - set(actual or {}))}")
+        for run in range(2, self.case.repeat + 1):
+            self._same_bytes(op, step, run, actual,
+                             getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars),
+                             ins, scalars)
         try:
             report = self.diff_op(op, ins, scalars, actual, expected)
         except ValueError as e:
@@ -256,6 +261,35 @@ class ChainRun:
             self.recorder(step, op, ins, scalars, actual)
         self._details(op, ins, actual, expected)
         return actual
+
+    def _same_bytes(self, op: str, step: int, run: int, first: dict, again, ins: dict, scalars: dict) -> None:
+        """Run `run` of a backend op on the same inputs must repeat the first run's bytes;
+        each output that does not is a `nondeterministic` finding with the bytes that changed.
+        Logits columns past a row's end are unspecified without `clean_logits` (NUMERICS.md
+        §6): only the valid region is compared there."""
+        for name, a in first.items():
+            b = again.get(name) if isinstance(again, dict) else None
+            if not isinstance(a, torch.Tensor):
+                continue
+            if not isinstance(b, torch.Tensor) or b.shape != a.shape or b.dtype != a.dtype:
+                changed, where = a.numel() * a.element_size(), "a different shape or dtype"
+            else:
+                if name == "logits" and not scalars.get("clean_logits") and a.dim() == 2:
+                    valid = (torch.arange(a.shape[1], device=a.device)[None, :]
+                             < ins["row_ends"].to(a.device).long()[:, None])
+                    a, b = a[valid], b[valid]
+                x = a.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+                y = b.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+                diff = (x != y).nonzero().flatten()
+                if diff.numel() == 0:
+                    continue
+                i = int(diff[0])
+                changed = int(diff.numel())
+                where = (f"{changed} of {x.numel()} bytes changed, first at byte {i}: "
+                         f"0x{int(x[i]):02x} in run 1, 0x{int(y[i]):02x} in run {run}")
+            self.nondeterministic.append({"stage": op, "step": step, "class": "nondeterministic", "output": name,
+                                          "run": run, "bytes_changed": changed,
+                                          "where": f"{op} (step {step}) output {name}: {where}"})
 
     def _finite_logits(self, sc: str, step: int, logits_b, sins: dict, ref_sins: dict, row_ends):
         """The backend's logits for top-k: NaN/inf inside a row's valid columns (the scorer
@@ -462,7 +496,9 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
                                            f"({os.path.basename(tb.filename)}:{tb.lineno})")
     if run is not None:
         row["metrics"] = run.col.case_metrics()
-        row["findings"] = run.col.findings
+        row["findings"] = run.nondeterministic[:ROW_FINDINGS_PER_STAGE] + run.col.findings
+        if run.nondeterministic:
+            row["nondeterministic"] = [f["where"] for f in run.nondeterministic]
         row["summaries"] = {k: v for k, v in run.col.summaries.items()}
         row["details"] = run.details
     row["seconds"] = round(time.time() - t0, 3)
