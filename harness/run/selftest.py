@@ -384,8 +384,9 @@ def markdown(results, budgets, verdict, meta) -> str:
     cols = matrix_columns(results)
     n_faults = len(results)
     n_caught = sum(1 for r in results.values() if r.caught)
-    lines = ["Every fault below is a backend built from the reference with one stage broken "
-             "(`optimized/faults.py`); `mxval selftest` runs each on the cases that can expose it "
+    lines = ["Every fault below is a backend built from the reference with one bug in it "
+             "(`optimized/faults.py`): bugs invented here, and bugs that shipped, each modelled at the "
+             "size where it appeared and named with its source; `mxval selftest` runs each on the cases that can expose it "
              "and reports the worst value of every metric that broke its budget "
              "(`cases/budgets.toml`; `·` = within budget).",
              "",
