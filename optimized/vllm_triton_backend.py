@@ -121,7 +121,6 @@ def make_cuda_ops(ks, device: str) -> dict:
 
     def fused(fmt: str):
         key = launch.K_KEYS[fmt]
-        kernel = ks.kernels[key]
         from reference import fp8 as ref_fp8
         from reference import layout
         entry = layout.entry_bytes if fmt == "mxfp4" else ref_fp8.entry_bytes
@@ -141,7 +140,7 @@ def make_cuda_ops(ks, device: str) -> dict:
             (sc, bt, pos, req, slots, cs, w), back = on_device(device, state_cache, block_table, positions,
                                                              req_index, kv_slot_mapping, cos_sin_cache, norm_weight)
             out = kv_cache.to(device, copy=True).contiguous()
-            launch.run(kernel, launch.fused_k(fmt, state_cache=sc.contiguous(), block_table=bt.contiguous(),
+            launch.run(ks.kernels[key], launch.fused_k(fmt, state_cache=sc.contiguous(), block_table=bt.contiguous(),
                                               positions=pos.contiguous(), req_index=req.contiguous(),
                                               kv_slot_mapping=slots.contiguous(), cos_sin_cache=cs.contiguous(),
                                               norm_weight=w.contiguous(), norm_eps=norm_eps, kv_cache=out,
@@ -220,7 +219,6 @@ def cuda_limits(op: str, scalars: dict) -> Optional[str]:
 
 def make_rocm_ops(ks, device: str, *, interpret: bool) -> tuple[dict, str]:
     from .vllm_kernels import launch
-    kernel = ks.kernels[launch.POOL_KEY]
 
     def compress_pool(*, state_cache, block_table, positions, req_index, kv_slot_mapping,
                       compress_ratio: int = 4, rounding: str = "rocm") -> dict:
@@ -236,7 +234,7 @@ def make_rocm_ops(ks, device: str, *, interpret: bool) -> tuple[dict, str]:
         (sc, bt, pos, req, slots), back = on_device(device, state_cache, block_table, positions, req_index,
                                                     kv_slot_mapping)
         out = torch.full((positions.shape[0], d), float("nan"), dtype=torch.bfloat16, device=device)
-        launch.run(kernel, launch.pool(state_cache=sc.contiguous(), block_table=bt.contiguous(),
+        launch.run(ks.kernels[launch.POOL_KEY], launch.pool(state_cache=sc.contiguous(), block_table=bt.contiguous(),
                                        positions=pos.contiguous(), req_index=req.contiguous(),
                                        kv_slot_mapping=slots.contiguous(), out=out, compress_ratio=compress_ratio),
                    interpreted=ks.interpreted)

@@ -47,6 +47,9 @@ def test_validate_catches_a_broken_table():
 # --- synthetic sources written from the table ----------------------------------------------------
 
 def _def_text(t: Target, *, drop_clause: bool = False) -> str:
+    if t.kind == "class":
+        init = f"    def __init__(self, {', '.join(t.bound_params())}):\n        pass\n" if t.params else "    pass\n"
+        return f"class {t.name}:\n{init}"
     pos, kw = t.positional(), t.keyword()
     marks = {p.split(":")[0] for p in t.params if p.endswith(":constexpr")}
     args = [f"{p}: tl.constexpr" if p in marks else p for p in pos] + [f"{p}=None" for p in kw]

@@ -160,6 +160,9 @@ def test_drifted_kernel_makes_the_backend_unavailable(fetched, tmp_path, monkeyp
     f = root / "vllm/models/deepseek_v4/common/ops/fused_compress_quant_cache.py"
     text = f.read_text()
     f.write_text(text.replace("kv_cache_block_size", "kv_cache_blocks"))
+    with pytest.raises(kernelset.KernelSetError, match="refused: its sha256 .* is not the one pinned"):
+        kernelset.kernel_set(interpreted=True, path=str(root))
+    monkeypatch.setenv("MXVAL_TRUST_UPSTREAM", "1")          # named and trusted: read, and found drifted
     with pytest.raises(kernelset.KernelSetError, match="drifted.*kv_cache_blocks"):
         kernelset.kernel_set(interpreted=True, path=str(root))
 

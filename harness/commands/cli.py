@@ -207,6 +207,8 @@ def cmd_validate(args) -> int:
     budgets.check_run(keys, suite, known_cases=catalog.by_name, known_suites=set(catalog.suites) | {"diff", "cases"})
     for c in cases:
         geometry(c)
+    from harness.commands.upstream_cmd import apply_tree_args
+    apply_tree_args(args)
     be = _backend(args.backend)
     all_cases = cases
     if part:
@@ -445,6 +447,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                    help="run every case on this path (cuda: vLLM's fused pool+K op, natural pages; "
                         "default: each case's own)")
     p.add_argument("-j", "--jobs", type=int, default=1, help="cases in parallel (processes)")
+    from harness.commands.upstream_cmd import add_tree_args
+    add_tree_args(p)
     add_shard(p)
     add_case_timeout(p)
     common(p)

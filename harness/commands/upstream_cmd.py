@@ -569,6 +569,31 @@ def fetch(version: str, console, *, pip=None, table=upstream.TABLE) -> Path:
 
 # --- the command ------------------------------------------------------------------------
 
+def add_tree_args(p) -> None:
+    """`--aiter DIR` and `--trust-upstream` for commands that load upstream kernels (validate)."""
+    p.add_argument("--aiter", default=None, metavar="DIR",
+                   help="aiter source tree for the aiter-triton backends (default: $MXVAL_AITER_SRC, "
+                        "else the tree `mxval upstream fetch --aiter` cached)")
+    p.add_argument("--trust-upstream", action="store_true",
+                   help="load the upstream trees named here (--aiter, $MXVAL_AITER_SRC, $MXVAL_VLLM_SRC) even "
+                        "where a file is not the one optimized/upstream.py pins")
+
+
+def apply_tree_args(args) -> None:
+    """Hand the named trees to the backends (through the environment, so -j workers see them)."""
+    from optimized.vllm_kernels import source
+    aiter = getattr(args, "aiter", None)
+    if aiter is not None:
+        if not Path(aiter).expanduser().is_dir():
+            raise UpstreamError(f"--aiter {aiter}: no such directory")
+        os.environ[source.ENVS["aiter"]] = str(Path(aiter).expanduser().resolve())
+    if getattr(args, "trust_upstream", False):
+        if not any(os.environ.get(v) for v in source.ENVS.values()):
+            raise UpstreamError("--trust-upstream: name the tree it applies to (--aiter DIR, $MXVAL_AITER_SRC "
+                                "or $MXVAL_VLLM_SRC); fetched and installed sources are never trusted blind")
+        os.environ[source.TRUST_ENV] = "1"
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(COMMAND, help="fetch upstream sources and check the adapters' targets against them")
     s = p.add_subparsers(dest="upstream_cmd", required=True, parser_class=type(p))

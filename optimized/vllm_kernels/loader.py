@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib
 import linecache
 import textwrap
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 TRITON_MODULES = ("triton", "triton.language", "vllm.triton_utils")
+# names a kernel may import from triton itself besides `triton` / `tl` (bound to the real ones)
+TRITON_NAMES = {("triton.language.target_info", "is_hip_cdna4")}
+# modules a host function (a launcher loaded with `KernelRef(..., host=True)`) may use
+HOST_MODULES = ("torch", "triton")
+CONSTEXPR_NAMES = ("tl.constexpr", "triton.language.constexpr", "constexpr", "gl.constexpr")
 
 
 class LoadError(RuntimeError):
@@ -34,6 +40,7 @@ class LoadError(RuntimeError):
 class KernelRef:
     module: str
     name: str                        # "fn" or "Class.fn"
+    host: bool = False               # a plain Python launcher (wrapper), not a @triton.jit kernel
 
     def __str__(self) -> str:
         return f"{self.module}:{self.name}"
@@ -50,8 +57,9 @@ class Param:
 class Replacement:
     source: str                      # Python source defining `name` (and any helpers it needs)
     label: str                       # where it comes from, for the pseudo file name
-    params: tuple[str, ...]          # the upstream parameters it stands in for
+    params: tuple[str, ...]          # the upstream parameters it stands in for (a class: its methods)
     must_contain: str = ""           # text the upstream body must still hold (what is replaced)
+    kind: str = "jit"                # what upstream defines: "jit", "function" or "class"
 
 
 @dataclass
@@ -77,17 +85,16 @@ def is_jit(fn: ast.AST) -> bool:
     return any(dotted_name(d).split(".")[-1] == "jit" for d in getattr(fn, "decorator_list", []))
 
 
-def _is_constexpr(ann: Optional[ast.AST]) -> bool:
-    return ann is not None and ast.unparse(ann).strip("'\"") in ("tl.constexpr", "triton.language.constexpr",
-                                                                  "constexpr")
+def is_constexpr(ann: Optional[ast.AST]) -> bool:
+    return ann is not None and ast.unparse(ann).strip("'\"") in CONSTEXPR_NAMES
 
 
 def params_of(fn: ast.FunctionDef) -> tuple[Param, ...]:
     a = fn.args
     pos = a.posonlyargs + a.args
     n_def = len(a.defaults)
-    out = [Param(p.arg, _is_constexpr(p.annotation), i >= len(pos) - n_def) for i, p in enumerate(pos)]
-    out += [Param(p.arg, _is_constexpr(p.annotation), d is not None) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
+    out = [Param(p.arg, is_constexpr(p.annotation), i >= len(pos) - n_def) for i, p in enumerate(pos)]
+    out += [Param(p.arg, is_constexpr(p.annotation), d is not None) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
     return tuple(out)
 
 
@@ -125,6 +132,20 @@ class _Module:
     needed: dict = field(default_factory=dict)    # name -> node (or Replacement)
     imports: dict = field(default_factory=dict)   # alias -> (module, name)
     ns: Optional[dict] = None
+
+
+NS_PREFIX = "mxval_upstream"        # __name__ of every namespace the loader compiles into
+
+
+def import_target(node: ast.Import, alias: str) -> str:
+    """The module an `import` statement binds to `alias` (`import a.b as x` -> "a.b" for x;
+    `import a.b` -> "a" for a)."""
+    for a in node.names:
+        if a.asname == alias:
+            return a.name
+        if a.asname is None and a.name.split(".")[0] == alias:
+            return alias
+    return alias
 
 
 def _resolve_from(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
@@ -198,7 +219,9 @@ class Loader:
             raise LoadError(f"{m.rel}: {name} {what}")
         return node
 
-    def _need(self, module: str, name: str, used_by: str, line: int) -> None:
+    def _need(self, module: str, name: str, used_by: str, line: int, host: bool = False) -> None:
+        """Resolve `name` as `module` sees it. `host`: needed by a plain Python launcher, which
+        may also call plain functions and use torch; a kernel may not."""
         m = self._module(module)
         if name in m.needed or name in m.imports:
             return
@@ -216,46 +239,64 @@ class Loader:
             if target in TRITON_MODULES and orig in ("tl", "triton", "language"):
                 m.imports[name] = ("<triton>", orig)
                 return
+            if (target, orig) in TRITON_NAMES:
+                m.imports[name] = ("<object>", f"{target}:{orig}")
+                return
             if name in ("tl", "triton"):
                 raise LoadError(f"{m.rel}:{node.lineno}: {name} is imported from {target}, not from triton")
             m.imports[name] = (target, orig)
-            self._need(target, orig, f"{module}:{name}", node.lineno)
+            self._need(target, orig, f"{module}:{name}", node.lineno, host)
             return
         if isinstance(node, ast.Import):
-            top = name
-            if top == "triton":
-                m.imports[name] = ("<triton>", "triton")
+            full = import_target(node, name)
+            if full in ("triton", "triton.language"):
+                m.imports[name] = ("<triton>", "language" if full == "triton.language" else "triton")
                 return
-            raise LoadError(f"{m.rel}:{line}: {used_by} uses module {name!r}; only triton / tl may be "
-                            "used by a kernel")
+            if host and full in HOST_MODULES:
+                m.imports[name] = ("<module>", full)
+                return
+            allowed = "triton / tl" + (" / torch" if host else "")
+            raise LoadError(f"{m.rel}:{line}: {used_by} uses module {full!r}; only {allowed} may be "
+                            f"used by a {'launcher' if host else 'kernel'}")
         key = (module, name)
         if key in self.replace:
-            rep = self.replace[key]
-            fn = self._function(m, name)
-            have = tuple(p.name for p in params_of(fn))
-            if not is_jit(fn) or have != rep.params or (rep.must_contain and rep.must_contain
-                                                       not in ast.get_source_segment(m.text, fn)):
-                raise LoadError(f"{m.rel}:{fn.lineno}: {name} is no longer the helper mxval replaces "
-                                f"(expected @triton.jit {name}({', '.join(rep.params)})"
-                                + (f" holding {rep.must_contain!r}" if rep.must_contain else "") + ")")
-            m.needed[name] = rep
-            self.replaced.append(f"{module}:{name}")
+            self._replace(m, name, node, self.replace[key])
             return
         if isinstance(node, ast.FunctionDef):
-            if not is_jit(node):
+            if not is_jit(node) and not host:
                 raise LoadError(f"{m.rel}:{node.lineno}: {used_by} calls {name}, which is not a "
                                 "@triton.jit function")
             m.needed[name] = node
             for n, ln in free_names(node).items():
-                self._need(module, n, f"{module}:{name}", ln)
+                self._need(module, n, f"{module}:{name}", ln, host and not is_jit(node))
             return
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             m.needed[name] = node
             for n, ln in free_names(node.value).items():
-                self._need(module, n, f"{module}:{name}", ln)
+                self._need(module, n, f"{module}:{name}", ln, host)
             return
         raise LoadError(f"{m.rel}:{line}: {used_by} uses {name}, a {type(node).__name__}: only jit "
-                        "functions and constants can be loaded")
+                        "functions" + (", launchers" if host else "") + " and constants can be loaded")
+
+    def _replace(self, m: _Module, name: str, node: ast.AST, rep: Replacement) -> None:
+        """Check that upstream still defines `name` as the replacement expects, then take it."""
+        if rep.kind == "class":
+            methods = {n.name for n in getattr(node, "body", []) if isinstance(n, ast.FunctionDef)}
+            ok = isinstance(node, ast.ClassDef) and set(rep.params) <= methods
+            want = f"class {name} with {', '.join(rep.params)}"
+        else:
+            ok = (isinstance(node, ast.FunctionDef) and is_jit(node) == (rep.kind == "jit")
+                  and tuple(p.name for p in params_of(node)) == rep.params)
+            want = f"{'@triton.jit ' if rep.kind == 'jit' else ''}{name}({', '.join(rep.params)})"
+        if ok and rep.must_contain:
+            ok = rep.must_contain in (ast.get_source_segment(m.text, node) or "")
+        if not ok:
+            what = {"jit": "helper", "function": "function", "class": "class"}[rep.kind]
+            raise LoadError(f"{m.rel}:{node.lineno}: {name} is no longer the {what} mxval replaces "
+                            f"(expected {want}" + (f" holding {rep.must_contain!r}" if rep.must_contain else "")
+                            + ")")
+        m.needed[name] = rep
+        self.replaced.append(f"{m.name}:{name}")
 
     # --- compiling -------------------------------------------------------------------
 
@@ -264,18 +305,23 @@ class Loader:
             return m.ns
         if m.name in stack:
             raise LoadError(f"{m.rel}: circular imports between kernel modules ({' -> '.join(stack)})")
-        ns: dict = {"__name__": f"mxval_vllm.{m.name}", "__builtins__": builtins}
+        ns: dict = {"__name__": f"{NS_PREFIX}.{m.name}", "__builtins__": builtins}
         # triton's interpreter wants triton.language among every jit function's globals,
         # used or not: bind tl / triton wherever the module imports them
         for alias in ("tl", "triton"):
             node = m.defs.get(alias)
             if isinstance(node, ast.ImportFrom) and _resolve_from(m.name, False, node) in TRITON_MODULES:
                 ns[alias] = self.tl if alias == "tl" else self.triton
-            elif isinstance(node, ast.Import) and alias == "triton":
-                ns[alias] = self.triton
+            elif isinstance(node, ast.Import) and import_target(node, alias) in ("triton", "triton.language"):
+                ns[alias] = self.tl if import_target(node, alias) == "triton.language" else self.triton
         for alias, (target, orig) in m.imports.items():
             if target == "<triton>":
                 ns[alias] = self.tl if orig in ("tl", "language") else self.triton
+            elif target == "<module>":
+                ns[alias] = importlib.import_module(orig)
+            elif target == "<object>":
+                mod, _, attr = orig.partition(":")
+                ns[alias] = getattr(importlib.import_module(mod), attr)
             else:
                 other = self.mods[target]
                 ns[alias] = self._materialize(other, stack + (m.name,))[orig]
@@ -292,6 +338,14 @@ class Loader:
                 first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
                 seg = lines[first - 1:node.end_lineno]
             out[first - 1:first - 1 + len(seg)] = seg
+        # replacements first: an upstream constant may call one when the module text runs
+        # (`_repr = make_kernel_repr(...)`)
+        for name, rep in reps:
+            rfile = f"<mxval {rep.label} (replaces {m.rel}:{name})>"
+            linecache.cache[rfile] = (len(rep.source), None, rep.source.splitlines(keepends=True), rfile)
+            exec(compile(rep.source, rfile, "exec"), ns)
+            if name not in ns:
+                raise LoadError(f"{rep.label}: defines no {name}")
         filename = f"<mxval {self.label}: {m.rel}>"
         text = "".join(out)
         linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
@@ -299,34 +353,43 @@ class Loader:
             exec(compile(text, filename, "exec"), ns)
         except Exception as e:
             raise LoadError(f"{m.rel}: the selected definitions do not compile ({type(e).__name__}: {e})") from None
-        for name, rep in reps:
-            rfile = f"<mxval {rep.label} (replaces {m.rel}:{name})>"
-            linecache.cache[rfile] = (len(rep.source), None, rep.source.splitlines(keepends=True), rfile)
-            exec(compile(rep.source, rfile, "exec"), ns)
-            if name not in ns:
-                raise LoadError(f"{rep.label}: defines no {name}")
         m.ns = ns
         return ns
 
-    def load(self, refs) -> Loaded:
+    def resolve(self, refs) -> dict:
+        """Parse and resolve every name the kernels (and launchers) `refs` use; nothing is
+        compiled or run. -> {ref: its parameters}."""
         refs = list(refs)
         params = {}
         for ref in refs:
             m = self._module(ref.module)
             fn = self._function(m, ref.name)
-            if not is_jit(fn):
+            if ref.host and is_jit(fn):
+                raise LoadError(f"{m.rel}:{fn.lineno}: {ref.name} is a @triton.jit kernel, not a launcher")
+            if not ref.host and not is_jit(fn):
                 raise LoadError(f"{m.rel}:{fn.lineno}: {ref.name} is not a @triton.jit kernel")
             params[ref] = params_of(fn)
             for n, ln in free_names(fn).items():
-                self._need(ref.module, n, str(ref), ln)
+                self._need(ref.module, n, str(ref), ln, ref.host)
             if "." in ref.name:
                 self._class_kernels(m, ref.name, fn)
             else:
                 m.needed[ref.name] = fn
+        return params
+
+    def materialize(self, refs) -> dict:
+        """Compile what `resolve` selected (this runs upstream module text: the selected
+        definitions only) -> {ref: the function object}."""
         kernels = {}
         for ref in refs:
             ns = self._materialize(self.mods[ref.module])
             kernels[ref] = ns[ref.name.replace(".", "__")] if "." in ref.name else ns[ref.name]
+        return kernels
+
+    def load(self, refs) -> Loaded:
+        refs = list(refs)
+        params = self.resolve(refs)
+        kernels = self.materialize(refs)
         return Loaded(kernels, params, {k: v.rel for k, v in self.mods.items()}, list(self.replaced))
 
     def _class_kernels(self, m: _Module, qualname: str, fn: ast.FunctionDef) -> None:
