@@ -128,3 +128,19 @@ def test_the_backend_says_how_to_get_a_tree(tmp_path, monkeypatch):
     be = get_backend("aiter-triton-interpret", require=False)
     assert "mxval upstream fetch --aiter" in be.available()
     assert "Gluon" in be.description and "HIP" in be.description
+
+
+@pytest.mark.parametrize("page_size,ok", [(32, True), (64, True), (128, True), (96, False), (160, False)])
+def test_preshuffled_pages_follow_aiters_cache_format(page_size, ok):
+    """A preshuffled page must be a whole number of BLOCK_KV = min(64, page) entries (aiter's
+    cache_format, which vLLM calls); natural pages take any size."""
+    from reference import layout
+    if ok:
+        layout.check_layout(page_size, 128, layout.Shuffle(32, 16, 2))
+    else:
+        with pytest.raises(ValueError, match=r"not a multiple of aiter's BLOCK_KV = min\(64, page_size\) = 64"):
+            layout.check_layout(page_size, 128, layout.Shuffle(32, 16, 2))
+    layout.check_layout(page_size, 128, None)
+    if not ok:                                                    # the fake applies aiter's rule too
+        with pytest.raises(ValueError, match="BLOCK_KV"):
+            F.cache_format(64, 128, page_size)
