@@ -397,8 +397,8 @@ def pinned_releases(package: str, rel: str, digest: str | None = None) -> list[s
 def known_releases(package: str) -> list[str]:
     """The releases of `package` the table was read from ("0.33.0", ...), oldest first."""
     tags = {v.split("==", 1)[1] for t in TABLE for v in t.versions if v.startswith(package + "==")}
-    return sorted(tags, key=_version_key)
+    return sorted(tags, key=version_key)
 
 
-def _version_key(v: str) -> tuple:
+def version_key(v: str) -> tuple:
     return tuple(int(x) if x.isdigit() else 0 for x in re.split(r"[.+-]", v))

@@ -258,6 +258,7 @@ def fake_index(tmp_path, monkeypatch):
             for p in tree.rglob("*.py"):
                 z.write(p, p.relative_to(tree).as_posix())
     monkeypatch.setattr(uc, "_pip_download", pip)
+    monkeypatch.setattr(uc, "_pip_versions", lambda: ["0.33.0", "0.32.1", "0.33.0rc1"])
     return calls
 
 
@@ -276,6 +277,17 @@ def test_fetch_extracts_only_the_table_files_and_is_a_no_op_when_cached(fake_ind
     assert run_check(capsys)[0] == 0                    # check reads the fetched tree by default
     (root / "vllm/_version.py").unlink()                # a damaged cache is fetched again, from the wheel
     assert main(["upstream", "fetch"]) == 0 and (root / "vllm/_version.py").is_file() and fake_index == ["0.33.0"]
+
+
+def test_fetch_without_a_version_takes_the_newest_release_and_says_what_the_table_knows(monkeypatch):
+    from rich.console import Console
+    con = Console(record=True, width=300)
+    newer = ["0.99.0", "0.33.0", "0.100.0rc1"]
+    assert uc.newest_release(con, versions=lambda: newer) == "0.99.0"
+    out = con.export_text()
+    assert f"the table knows {', '.join(upstream.known_releases('vllm'))}" in out
+    assert "0.99.0 is newer: `mxval upstream check --vllm 0.99.0` says what moved" in out
+    assert uc.newest_release(con, versions=lambda: [upstream.newest("vllm")]) == upstream.newest("vllm")
 
 
 def test_fetch_of_an_unknown_or_malformed_version_is_one_line(fake_index, capsys):
@@ -298,3 +310,85 @@ def test_pip_failures_are_named(monkeypatch, tmp_path, stderr, says):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, None, stderr))
     with pytest.raises(uc.UpstreamError, match=says.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         uc._pip_download("0.33.0", tmp_path)
+
+
+# --- upstream trees are data until verified ---------------------------------------------------
+
+def _git(*args, cwd):
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                   env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(cwd), "PATH": "/usr/bin:/bin"})
+
+
+def test_fetch_aiter_takes_a_pinned_ref_from_git_and_records_the_hashes(tmp_path, monkeypatch, capsys):
+    import fake_upstream as F
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    repo = F.write_aiter_tree(tmp_path / "repo")
+    (repo / "aiter" / "unrelated.py").write_text("raise SystemExit('never read')\n")
+    _git("init", "-q", cwd=repo)
+    _git("add", "-A", cwd=repo)
+    _git("commit", "-qm", "one", cwd=repo)
+    first = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    (repo / "aiter/ops/triton/utils/logger.py").write_text("# moved on\n")
+    _git("commit", "-qam", "two", cwd=repo)
+    assert main(["upstream", "fetch", "--aiter", first, "--aiter-url", str(repo)]) == 0
+    out = capsys.readouterr().out
+    root = tmp_path / "cache" / "mxval" / "upstream" / f"aiter-{first}"
+    assert (root / "aiter/ops/triton/utils/logger.py").read_text() == F.AITER_TREE["aiter/ops/triton/utils/logger.py"]
+    assert not (root / "aiter/unrelated.py").exists()
+    manifest = json.loads((root / ".mxval-manifest.json").read_text())
+    assert manifest["commit"] == first and manifest["git"] == str(repo)
+    assert manifest["sha256"] == {rel: d for rel, d in F.aiter_pins(root).items()} | {
+        "aiter/__init__.py": manifest["sha256"]["aiter/__init__.py"]}
+    assert "not pinned by optimized/upstream.py" in out and "--trust-upstream" in out
+    from optimized.vllm_kernels.source import find_source
+    assert find_source(package="aiter", version=first).root == root
+    assert main(["upstream", "fetch", "--aiter", "no-such-ref", "--aiter-url", str(repo)]) == 2
+    assert "cannot fetch" in capsys.readouterr().err
+    assert main(["upstream", "fetch", "--aiter", "--upload-pack=touch /tmp/x"]) == 2
+
+
+def test_fetch_never_writes_through_a_symlinked_cache_dir(fake_index, tmp_path, capsys):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "cache" / "mxval" / "upstream" / "vllm-0.33.0"
+    root.mkdir(parents=True)
+    (root / "vllm").symlink_to(outside)
+    assert main(["upstream", "fetch", "--vllm", "0.33.0"]) == 2
+    assert "a symlink inside the upstream cache" in capsys.readouterr().err
+    assert list(outside.iterdir()) == []
+
+
+def test_a_zip_bomb_version_file_is_refused_unread(tmp_path, capsys):
+    whl = tmp_path / "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("vllm/__init__.py", "")
+        with z.open("vllm/_version.py", "w", force_zip64=True) as f:
+            chunk = b"#" * (1 << 20)
+            for _ in range(64):                       # 64 MiB of comment, a few kB compressed
+                f.write(chunk)
+    rc, out = run_check(capsys, "--vllm", str(whl))
+    assert rc == 2 and "more than" in out and "not read" in out and len(out.strip().splitlines()) == 1
+
+
+def test_a_deep_expression_is_refused_not_a_crash(tmp_path, capsys):
+    tree = write_tree(tmp_path / "v", "vllm", (upstream.VLLM_033,))
+    f = tree / "vllm/v1/attention/ops/common.py"
+    f.write_text("x = " + "+".join(["1"] * 200_000) + "\n" + f.read_text())
+    rc, out = run_check(capsys, "--vllm", str(tree))
+    assert rc == 1 and "nested too deeply to parse" in out
+    from optimized.vllm_kernels.loader import KernelRef, Loader, LoadError
+    from optimized.vllm_kernels.source import find_source
+    with pytest.raises(LoadError, match="nested too deeply to parse"):
+        Loader(find_source(str(tree), trusted=True).read).resolve([KernelRef("vllm.v1.attention.ops.common",
+                                                                             "pack_ue8m0_x4")])
+
+
+def test_check_runs_nothing_it_reads(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    hostile = f"import os\nos.system('touch {marker}')\nopen({str(marker)!r}, 'w').close()\n"
+    tree = write_tree(tmp_path / "v", "vllm", (upstream.VLLM_033,))
+    for p in tree.rglob("*.py"):
+        p.write_text(hostile + p.read_text())
+    rc, _ = run_check(capsys, "--vllm", str(tree))
+    assert rc == 0 and not marker.exists()

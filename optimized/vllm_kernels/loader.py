@@ -24,12 +24,25 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .reader import (
+    Param,
+    ReadError,
+    dotted_name,
+    import_target,
+    imported_name,
+    is_jit,
+    parse,
+    resolve_from,
+    top_level_defs,
+)
+from .reader import params_of as _all_params
+
 TRITON_MODULES = ("triton", "triton.language", "vllm.triton_utils")
 # names a kernel may import from triton itself besides `triton` / `tl` (bound to the real ones)
 TRITON_NAMES = {("triton.language.target_info", "is_hip_cdna4")}
 # modules a host function (a launcher loaded with `KernelRef(..., host=True)`) may use
 HOST_MODULES = ("torch", "triton")
-CONSTEXPR_NAMES = ("tl.constexpr", "triton.language.constexpr", "constexpr", "gl.constexpr")
+NS_PREFIX = "mxval_upstream"        # __name__ of every namespace the loader compiles into
 
 
 class LoadError(RuntimeError):
@@ -44,13 +57,6 @@ class KernelRef:
 
     def __str__(self) -> str:
         return f"{self.module}:{self.name}"
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    constexpr: bool
-    has_default: bool
 
 
 @dataclass(frozen=True)
@@ -70,32 +76,13 @@ class Loaded:
     replaced: list                   # "module:name" replaced by our source
 
 
-def dotted_name(node: ast.AST) -> str:
-    """`a.b.c` of a Name/Attribute chain (of a call's callee for a Call); "" otherwise."""
-    if isinstance(node, ast.Call):
-        return dotted_name(node.func)
-    if isinstance(node, ast.Attribute):
-        return f"{dotted_name(node.value)}.{node.attr}"
-    if isinstance(node, ast.Name):
-        return node.id
-    return ""
-
-
-def is_jit(fn: ast.AST) -> bool:
-    return any(dotted_name(d).split(".")[-1] == "jit" for d in getattr(fn, "decorator_list", []))
-
-
-def is_constexpr(ann: Optional[ast.AST]) -> bool:
-    return ann is not None and ast.unparse(ann).strip("'\"") in CONSTEXPR_NAMES
-
-
 def params_of(fn: ast.FunctionDef) -> tuple[Param, ...]:
-    a = fn.args
-    pos = a.posonlyargs + a.args
-    n_def = len(a.defaults)
-    out = [Param(p.arg, is_constexpr(p.annotation), i >= len(pos) - n_def) for i, p in enumerate(pos)]
-    out += [Param(p.arg, is_constexpr(p.annotation), d is not None) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
-    return tuple(out)
+    """A kernel's named parameters (positional and keyword-only), as the launch binds them."""
+    return tuple(p for p in _all_params(fn) if p.kind in ("pos", "kw"))
+
+
+__all__ = ["KernelRef", "Loader", "LoadError", "Loaded", "Param", "Replacement", "dotted_name", "free_names",
+           "is_jit", "params_of"]
 
 
 def free_names(fn: ast.AST) -> dict[str, int]:
@@ -134,30 +121,6 @@ class _Module:
     ns: Optional[dict] = None
 
 
-NS_PREFIX = "mxval_upstream"        # __name__ of every namespace the loader compiles into
-
-
-def import_target(node: ast.Import, alias: str) -> str:
-    """The module an `import` statement binds to `alias` (`import a.b as x` -> "a.b" for x;
-    `import a.b` -> "a" for a)."""
-    for a in node.names:
-        if a.asname == alias:
-            return a.name
-        if a.asname is None and a.name.split(".")[0] == alias:
-            return alias
-    return alias
-
-
-def _resolve_from(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
-    if not node.level:
-        return node.module or ""
-    parts = module.split(".")
-    base = parts if is_pkg else parts[:-1]
-    if node.level > 1:
-        base = base[:len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
 class Loader:
     """`read(module) -> (relative path, text)`; `replace`: {(module, name): Replacement}."""
 
@@ -182,25 +145,11 @@ class Loader:
             except Exception as e:
                 raise LoadError(f"{name}: cannot read its source ({e})") from None
             try:
-                tree = ast.parse(text, filename=rel)
-            except SyntaxError as e:
-                raise LoadError(f"{rel}: cannot parse ({e.msg}, line {e.lineno})") from None
+                tree = parse(text, rel)
+            except ReadError as e:
+                raise LoadError(str(e)) from None
             m = _Module(name, rel, text, tree)
-            for node in tree.body:            # the last definition wins, as at import
-                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                    m.defs[node.name] = node
-                elif isinstance(node, ast.Assign):
-                    for t in node.targets:
-                        if isinstance(t, ast.Name):
-                            m.defs[t.id] = node
-                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
-                    m.defs[node.target.id] = node
-                elif isinstance(node, ast.ImportFrom):
-                    for a in node.names:
-                        m.defs[a.asname or a.name] = node
-                elif isinstance(node, ast.Import):
-                    for a in node.names:
-                        m.defs[(a.asname or a.name).split(".")[0]] = node
+            m.defs = top_level_defs(tree)     # the last definition wins, as at import
             self.mods[name] = m
         return self.mods[name]
 
@@ -234,8 +183,8 @@ class Loader:
             raise LoadError(f"{m.rel}:{line}: {used_by} uses {name!r}, which {m.rel} does not define "
                             "(unresolved name)")
         if isinstance(node, ast.ImportFrom):
-            target = _resolve_from(module, m.rel.endswith("__init__.py"), node)
-            orig = next(a.name for a in node.names if (a.asname or a.name) == name)
+            target = resolve_from(module, m.rel.endswith("__init__.py"), node)
+            orig = imported_name(node, name)
             if target in TRITON_MODULES and orig in ("tl", "triton", "language"):
                 m.imports[name] = ("<triton>", orig)
                 return
@@ -310,7 +259,7 @@ class Loader:
         # used or not: bind tl / triton wherever the module imports them
         for alias in ("tl", "triton"):
             node = m.defs.get(alias)
-            if isinstance(node, ast.ImportFrom) and _resolve_from(m.name, False, node) in TRITON_MODULES:
+            if isinstance(node, ast.ImportFrom) and resolve_from(m.name, False, node) in TRITON_MODULES:
                 ns[alias] = self.tl if alias == "tl" else self.triton
             elif isinstance(node, ast.Import) and import_target(node, alias) in ("triton", "triton.language"):
                 ns[alias] = self.tl if import_target(node, alias) == "triton.language" else self.triton
