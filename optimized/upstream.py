@@ -111,14 +111,14 @@ VLLM_ROCM: tuple[Target, ...] = (
            ("state_cache", "token_to_req_indices", "positions", "kv_slot_mapping", "block_table",
             "block_size", "pooled_k", "state_width", "compress_ratio", "overlap"),
            "DispatchSpec; (pooled_k.shape[0],); HEAD_SIZE=pooled_k.shape[1]; STATE_WIDTH=state_width; "
-           "OVERLAP=overlap", (VLLM_033,)),
+           "OVERLAP=overlap", (VLLM_033, VLLM_034)),
     # 8e4f5df9: the model file launched the kernel itself, kernel[(num_tokens,)](...)
     Target("vllm.rocm.compress_pool@8e4f5df9", "vllm", _VLLM_ROCM_8E4F, "_compress_pool_kernel",
            "triton_jit", _POOL_KERNEL_HEAD + ("out_ptr", "out_stride") + _POOL_KERNEL_TAIL,
            "None", (VLLM_8E4F,)),
     Target("vllm.rocm.compress_pool_kernel", "vllm", _VLLM_ROCM, "_compress_pool_kernel", "triton_jit",
            _POOL_KERNEL_HEAD + ("pooled_k_ptr", "pooled_k_stride") + _POOL_KERNEL_TAIL,
-           "None", (VLLM_033,)),
+           "None", (VLLM_033, VLLM_034)),
     Target("vllm.rocm.compress_pool_kernel@8e4f5df9", "vllm", _VLLM_ROCM_8E4F, "_compress_pool_kernel",
            "triton_jit", _POOL_KERNEL_HEAD + ("out_ptr", "out_stride") + _POOL_KERNEL_TAIL,
            "None", (VLLM_8E4F,)),
@@ -126,22 +126,35 @@ VLLM_ROCM: tuple[Target, ...] = (
     Target("vllm.ops.k_store", "vllm", _VLLM_OPS, "rocm_mxfp4_indexer_k_store", "function",
            ("k_pre", "positions", "cos_sin_cache", "rms_norm_weight", "rms_norm_eps", "k_cache",
             "kv_slot_mapping", "compress_ratio", "use_fp4_cache", "*", "num_heads"),
-           "None", (VLLM_033, VLLM_8E4F)),
+           "None", (VLLM_033, VLLM_034, VLLM_8E4F)),
     # the scale comes back as one int32 per head, [T, H]: its bytes are the D/32 e8m0 scales
     Target("vllm.ops.q_quant", "vllm", _VLLM_OPS, "rocm_mxfp4_indexer_q_quant", "function",
            ("positions", "index_q", "index_q_cos_sin_cache", "index_weights",
             "index_weights_softmax_scale", "index_weights_head_scale"),
            "tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]; q_scale.view(torch.int32).squeeze(-1)",
-           (VLLM_033, VLLM_8E4F)),
-    # vLLM's top-k: aiter's kernel where its rule says so, else torch.ops._C's; -1 pads
+           (VLLM_033, VLLM_034, VLLM_8E4F)),
+    # vLLM's top-k: aiter's kernel where its rule says so, else torch.ops._C's; -1 pads rows
+    # shorter than k either way. 0.34.0 states the rule in _vllm_topk (the same rule) and stops
+    # pre-filling -1 the decode rows vLLM's own kernel writes (that kernel pads them itself;
+    # the rows aiter's kernel gets are still pre-filled): the padding is unchanged.
     Target("vllm.ops.topk", "vllm", _VLLM_OPS, "_topk", "function",
+           ("logits", "lengths", "out", "k"),
+           "None; width >= k and not _vllm_topk(rows, k); torch.ops._C.top_k_per_row_decode",
+           (VLLM_034,)),
+    Target("vllm.ops.topk@0.33.0", "vllm", _VLLM_OPS, "_topk", "function",
            ("logits", "lengths", "out", "k"),
            "None; width >= k and (k >= 2048 or rows >= 128); torch.ops._C.top_k_per_row_decode",
            (VLLM_033,)),
+    # the rule itself: vLLM's kernel below 128 rows and k < 2048 (0.33.0: inline in _topk)
+    Target("vllm.ops.vllm_topk", "vllm", _VLLM_OPS, "_vllm_topk", "function", ("rows", "k"),
+           "bool; rows < 128 and k < 2048", (VLLM_034,)),
+    Target("vllm.ops.vllm_topk@0.33.0", "vllm", _VLLM_OPS, "_topk", "function",
+           ("logits", "lengths", "out", "k"),
+           "None; width >= k and (k >= 2048 or rows >= 128); torch.ops._C.top_k_per_row_decode", (VLLM_033,)),
     # a functools.cache of aiter's K writer and Q quant: a hook installed after the first
     # call must clear it, or the cached originals keep running
     Target("vllm.ops.aiter_cache_ops", "vllm", _VLLM_OPS, "_aiter_indexer_cache_ops", "function",
-           (), "tuple[Callable[..., None], Callable[..., tuple]]", (VLLM_033,)),
+           (), "tuple[Callable[..., None], Callable[..., tuple]]", (VLLM_033, VLLM_034)),
 )
 
 
@@ -216,9 +229,9 @@ _K_LAUNCH_CLASS = "FusedKVCompressNormRopeInsertIndexerTritonKernel"
 # is drift in `mxval upstream check`, not a silent wrong launch).
 VLLM_TRITON: tuple[Target, ...] = (
     Target("vllm.cuda.k_mxfp4", "vllm", _VLLM_FUSED_K, "_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn",
-           "triton_jit", _FUSED_K_PARAMS, "None", (VLLM_033,)),
+           "triton_jit", _FUSED_K_PARAMS, "None", (VLLM_033, VLLM_034)),
     Target("vllm.cuda.k_fp8", "vllm", _VLLM_FUSED_K, "_fused_kv_compress_norm_rope_insert_indexer_attn",
-           "triton_jit", _FUSED_K_PARAMS, "None", (VLLM_033,)),
+           "triton_jit", _FUSED_K_PARAMS, "None", (VLLM_033, VLLM_034)),
     Target("vllm.cuda.k_launch", "vllm", _VLLM_FUSED_K, f"{_K_LAUNCH_CLASS}.__call__", "method",
            ("*", "state_cache", "num_actual", "token_to_req_indices", "positions", "slot_mapping", "block_table",
             "block_size", "state_width", "cos_sin_cache", "kv_cache", "k_cache_metadata", "pdl_kwargs", "head_dim",
@@ -226,32 +239,32 @@ VLLM_TRITON: tuple[Target, ...] = (
             "quant_block", "token_stride", "scale_dim"),
            "LaunchSpec; (num_actual,); TRITON_BLOCK_SIZE=triton.next_power_of_2(head_dim); FP8_MAX=448.0; "
            "KV_BLOCK_STRIDE=kv_cache.stride(0); kv_cache_block_size=kv_cache.shape[1]; "
-           "kv_slot_mapping_ptr=k_cache_metadata.slot_mapping; num_warps=1", (VLLM_033,)),
+           "kv_slot_mapping_ptr=k_cache_metadata.slot_mapping; num_warps=1", (VLLM_033, VLLM_034)),
     Target("vllm.cuda.k_dispatch", "vllm", _VLLM_FUSED_K, f"{_K_LAUNCH_CLASS}.dispatch", "method",
            ("*", "dtype", "use_fp4_cache", "head_dim", "rope_head_dim", "compress_ratio", "cache_block_size",
             "cache_alignment"),
            "CompileKey; compress_ratio == 4; 32 if use_fp4_cache else 128; "
            "head_dim // 2 if use_fp4_cache else head_dim; head_dim // quant_block if use_fp4_cache else 4; "
            "head_dim * (1 + overlap); "
-           "mx_scale=not use_fp4_cache and mqa_logits_use_mx_scales()", (VLLM_033,)),
+           "mx_scale=not use_fp4_cache and mqa_logits_use_mx_scales()", (VLLM_033, VLLM_034)),
     Target("vllm.cuda.q_mxfp4", "vllm", _VLLM_FUSED_Q, "FusedIndexerQRopeMxFp4TritonKernel.kernel", "triton_jit",
            _Q_HEAD + ("index_q_mxfp4_ptr", "index_q_mxfp4_stride0", "index_q_mxfp4_stride1", "index_q_scale_ptr",
                       "index_q_scale_stride0", "index_q_scale_stride1", "INDEX_Q_HEAD_DIM" + _C,
-                      "MXFP4_BLOCK" + _C) + _Q_WEIGHTS, "None", (VLLM_033,)),
+                      "MXFP4_BLOCK" + _C) + _Q_WEIGHTS, "None", (VLLM_033, VLLM_034)),
     Target("vllm.cuda.q_mxfp4_launch", "vllm", _VLLM_FUSED_Q, "FusedIndexerQRopeMxFp4TritonKernel.__call__",
            "method", _Q_LAUNCH + ("index_q_packed", "index_q_scale", "index_weights_out"),
            "LaunchSpec; (num_tokens, num_index_q_heads); INDEX_Q_HALF_ROT_DIM=index_q_cos_sin_cache.shape[-1] // 2; "
-           "MXFP4_BLOCK=MXFP4_BLOCK_SIZE; enable_fp_fusion=True; num_warps=1", (VLLM_033,)),
+           "MXFP4_BLOCK=MXFP4_BLOCK_SIZE; enable_fp_fusion=True; num_warps=1", (VLLM_033, VLLM_034)),
     Target("vllm.cuda.q_fp8", "vllm", _VLLM_FUSED_Q, "FusedIndexerQRopeQuantTritonKernel.kernel", "triton_jit",
            _Q_HEAD + ("index_q_fp8_ptr", "index_q_fp8_stride0", "index_q_fp8_stride1", "INDEX_Q_HEAD_DIM" + _C)
-           + _Q_WEIGHTS + ("FP8_MAX" + _C, "USE_FNUZ" + _C, "USE_EXPLICIT_FMA" + _C), "None", (VLLM_033,)),
+           + _Q_WEIGHTS + ("FP8_MAX" + _C, "USE_FNUZ" + _C, "USE_EXPLICIT_FMA" + _C), "None", (VLLM_033, VLLM_034)),
     Target("vllm.cuda.q_fp8_launch", "vllm", _VLLM_FUSED_Q, "FusedIndexerQRopeQuantTritonKernel.__call__",
            "method", _Q_LAUNCH + ("index_q_fp8", "index_weights_out", "*", "fp8_max", "use_fnuz"),
            "LaunchSpec; (num_tokens, num_index_q_heads); USE_EXPLICIT_FMA=current_platform.is_rocm(); "
-           "enable_fp_fusion=True; num_warps=1", (VLLM_033,)),
+           "enable_fp_fusion=True; num_warps=1", (VLLM_033, VLLM_034)),
     # the jit helper the FP8 writer calls with MX_SCALE (imported from another module)
     Target("vllm.cuda.pack_ue8m0_x4", "vllm", _VLLM_ATTN_COMMON, "pack_ue8m0_x4", "triton_jit", ("scale",),
-           "value", (VLLM_033,)),
+           "value", (VLLM_033, VLLM_034)),
 )
 
 

@@ -1,4 +1,4 @@
-"""Backends that run vLLM 0.33.0's own DeepSeek-V4 indexer Triton kernels, loaded from source
+"""Backends that run vLLM's own DeepSeek-V4 indexer Triton kernels (0.33.0, 0.34.0), loaded from source
 by optimized.vllm_kernels (vllm itself is not imported):
 
 * `vllm-cuda`: vLLM's CUDA indexer path. The fused K writers (pool -> RMSNorm -> RoPE ->
@@ -263,9 +263,9 @@ def rocm_limits(op: str, scalars: dict) -> Optional[str]:
 
 def _make(name: str, path: str, interpret: bool) -> Backend:
     from .vllm_kernels.kernelset import KernelSetError, kernel_set
-    head = {"cuda": "vLLM 0.33.0's CUDA indexer path (fused K writers MXFP4/FP8 + fused Q quant) with "
+    head = {"cuda": "vLLM's CUDA indexer path (fused K writers MXFP4/FP8 + fused Q quant) with "
                     "mxval's Triton scorer and top-k (vLLM's are DeepGEMM/CUDA ops)",
-            "rocm": "vLLM 0.33.0's ROCm pooling kernel _compress_pool_kernel"}[path]
+            "rocm": "vLLM's ROCm pooling kernel _compress_pool_kernel"}[path]
     why = _triton_mode(interpret)
     if why:
         return Backend(name, head, reason=why)

@@ -339,6 +339,21 @@ def _topk(logits, lengths, out, k) -> None:
         torch.ops._C.top_k_per_row_decode(logits, 1, lengths, out, rows, logits.stride(0), logits.stride(1), k)
 
 
+def _vllm_topk(rows: int, k: int) -> bool:
+    return rows < 128 and k < 2048
+
+
+def _topk_034(logits, lengths, out, k) -> None:
+    """vLLM 0.34.0's _topk: the same rule, stated in _vllm_topk."""
+    rows, width = logits.shape
+    if rows == 0:
+        return
+    if width >= k and not _vllm_topk(rows, k):
+        _aiter_topk()(logits, 1, lengths.reshape(-1), out, rows, logits.stride(0), logits.stride(1), k=k)
+    else:
+        torch.ops._C.top_k_per_row_decode(logits, 1, lengths, out, rows, logits.stride(0), logits.stride(1), k)
+
+
 def kv_tile(page_size: int) -> int:
     return min(64, page_size)
 
@@ -368,7 +383,10 @@ FAKES = {
     "vllm.rocm.compress_pool_kernel@8e4f5df9": POOL_KERNEL_8E4F,
     "vllm.ops.k_store": rocm_mxfp4_indexer_k_store,
     "vllm.ops.q_quant": rocm_mxfp4_indexer_q_quant,
-    "vllm.ops.topk": _topk,
+    "vllm.ops.topk": _topk_034,
+    "vllm.ops.topk@0.33.0": _topk,
+    "vllm.ops.vllm_topk": _vllm_topk,
+    "vllm.ops.vllm_topk@0.33.0": _topk,
     "vllm.ops.aiter_cache_ops": _aiter_indexer_cache_ops,
     "aiter.k_writer": k_norm_rope_mxfp4_cache,
     "aiter.q_quant": q_rope_mxfp4_quant,

@@ -164,11 +164,11 @@ def open_source(package: str, path: str) -> Source:
         return WheelSource(package, p)
     if not p.is_dir():
         raise UpstreamError(f"--{package} {path}: no such file or directory")
-    if (p / package / "__init__.py").is_file():
+    if (p / package).is_dir():
         return DirSource(package, p)
     if p.name == package and (p / "__init__.py").is_file():
         return DirSource(package, p.parent)
-    raise UpstreamError(f"--{package} {path}: holds no {package}/__init__.py (pass the directory "
+    raise UpstreamError(f"--{package} {path}: holds no {package}/ (pass the directory "
                         f"that contains the {package} package, or the package itself)")
 
 
