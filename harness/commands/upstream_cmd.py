@@ -774,8 +774,8 @@ def add_parser(sub) -> None:
     c = s.add_parser("check", help="parse every upstream target with ast and compare it with the table "
                                    "(nothing is imported or run)")
     c.add_argument("--vllm", default=None, metavar="DIR|WHEEL|VERSION",
-                   help="vLLM sources: a directory, a wheel, or a fetched version (default: the fetched "
-                        f"{upstream.newest('vllm')})")
+                   help="vLLM sources: a directory, a wheel, or a fetched version (default: the newest "
+                        "fetched one)")
     c.add_argument("--aiter", default=None, metavar="DIR", help="an aiter checkout (not checked without it)")
 
 
@@ -784,10 +784,18 @@ def _console():
     return Console(stderr=False, highlight=False)
 
 
+def _newest_fetched() -> Optional[str]:
+    """The newest vLLM release with a tree in the cache (what `fetch` last brought, usually)."""
+    root = upstream.cache_root()
+    have = [d.name[len("vllm-"):] for d in root.glob("vllm-*") if (d / "vllm").is_dir()] if root.is_dir() else []
+    have = [v for v in have if upstream.VERSION_RE.fullmatch(v)]
+    return max(have, key=upstream.version_key) if have else None
+
+
 def resolve_vllm(arg: Optional[str]) -> Source:
     if arg is not None and (os.path.sep in arg or os.path.exists(arg) or arg.endswith(".whl")):
         return open_source("vllm", arg)
-    version = arg or upstream.newest("vllm")
+    version = arg or _newest_fetched() or upstream.newest("vllm")
     root = tree_dir(version)
     if not (root / "vllm").is_dir():
         raise UpstreamError(f"vllm {version}: not fetched ({root} is missing); run "
