@@ -734,16 +734,6 @@ def fetch_aiter(ref: str, console, *, url: str = upstream.AITER_GIT) -> Path:
 
 # --- the command ------------------------------------------------------------------------
 
-def add_tree_args(p) -> None:
-    """`--aiter DIR` and `--trust-upstream` for commands that load upstream kernels (validate)."""
-    p.add_argument("--aiter", default=None, metavar="DIR",
-                   help="aiter source tree for the aiter-triton backends (default: $MXVAL_AITER_SRC, "
-                        "else the tree `mxval upstream fetch --aiter` cached)")
-    p.add_argument("--trust-upstream", action="store_true",
-                   help="load the upstream trees named here (--aiter, $MXVAL_AITER_SRC, $MXVAL_VLLM_SRC) even "
-                        "where a file is not the one optimized/upstream.py pins")
-
-
 def apply_tree_args(args) -> None:
     """Hand the named trees to the backends (through the environment, so -j workers see them)."""
     from optimized.vllm_kernels import source

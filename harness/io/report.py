@@ -69,8 +69,16 @@ def _num(v) -> Optional[float]:
     return None if math.isnan(f) else f
 
 
+def _chain_frac() -> str:
+    """The whole chain's K-byte headline column. The metric table is imported here, not at the
+    top: `mxval report DIR` re-renders a report without loading torch."""
+    from harness.diff.metrics import chain_key
+    return chain_key("page_bytes_mismatched_frac")
+
+
 def headline(row, suffix: str, how: str) -> Optional[float]:
-    vals = [_num(row[c]) for c in row.index if is_metric(c) and not c.startswith("chain.")
+    from harness.diff.metrics import is_chain  # (see _chain_frac)
+    vals = [_num(row[c]) for c in row.index if is_metric(c) and not is_chain(c)
             and c.endswith("." + suffix)]
     vals = [v for v in vals if v is not None]
     if not vals:
@@ -198,7 +206,7 @@ def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
         t.add_column(col, overflow="fold", max_width=60 if col == "reason" else None)
     for _, r in df.iterrows():
         st = r["status"]
-        chain = _num(r.get("chain.page_bytes_mismatched_frac")) if "chain.page_bytes_mismatched_frac" in r else None
+        chain = _num(r.get(_chain_frac())) if _chain_frac() in r else None
         t.add_row(str(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{st}[/]",
                   *[_fmt(headline(r, m, how)) for _, m, how in HEADLINE], _fmt(chain),
                   f"{_num(r['seconds']) or 0:.1f}", str(r["reason"] or ""))
@@ -238,7 +246,7 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
              "| case | status | " + " | ".join(h for h, _, _ in HEADLINE) + " | chain≠ frac | reason |",
              "|---|---|" + "---|" * len(HEADLINE) + "---|---|"]
     for _, r in df.iterrows():
-        chain = _num(r["chain.page_bytes_mismatched_frac"]) if "chain.page_bytes_mismatched_frac" in r else None
+        chain = _num(r[_chain_frac()]) if _chain_frac() in r else None
         reason = str(r["reason"] or "").replace("|", "\\|")
         lines.append(f"| {r['case']} | {r['status']} | "
                      + " | ".join(_fmt(headline(r, m, how)) for _, m, how in HEADLINE)
