@@ -396,3 +396,29 @@ def test_check_runs_nothing_it_reads(tmp_path, capsys):
         p.write_text(hostile + p.read_text())
     rc, _ = run_check(capsys, "--vllm", str(tree))
     assert rc == 0 and not marker.exists()
+
+
+def test_backends_runs_nothing_from_a_named_vllm_tree(tmp_path, monkeypatch, capsys):
+    """A kernel decorator that runs a command: `mxval backends` (which builds every backend)
+    must not run it, trusted or not; an untrusted tree is refused outright."""
+    from optimized.vllm_kernels import kernelset
+    marker = tmp_path / "ran"
+    tree = write_tree(tmp_path / "v", "vllm", (upstream.VLLM_033,))
+    for p in tree.rglob("*.py"):
+        p.write_text(p.read_text().replace("import triton\n", "import triton\nimport triton.language as tl\n", 1))
+    f = tree / (upstream.target("vllm.cuda.k_mxfp4").module.replace(".", "/") + ".py")
+    f.write_text(f.read_text().replace("@triton.jit\n", f"@triton.jit(repr=open({str(marker)!r}, 'w').close())\n", 1))
+    monkeypatch.setenv("MXVAL_VLLM_SRC", str(tree))
+    kernelset._CACHE.clear()
+    assert main(["backends"]) == 0
+    assert "refused" in capsys.readouterr().out and not marker.exists()
+    monkeypatch.setenv("MXVAL_TRUST_UPSTREAM", "1")
+    kernelset._CACHE.clear()
+    assert main(["backends"]) == 0
+    capsys.readouterr()
+    assert not marker.exists()
+    ks = kernelset.kernel_set(interpreted=True)
+    assert not marker.exists()
+    ks.kernels["vllm.cuda.k_mxfp4"]                  # first use compiles the selected definitions
+    assert marker.exists()
+    kernelset._CACHE.clear()
