@@ -347,6 +347,7 @@ def test_fetch_aiter_takes_a_pinned_ref_from_git_and_records_the_hashes(tmp_path
     assert "not pinned by optimized/upstream.py" in out and "--trust-upstream" in out
     from optimized.vllm_kernels.source import find_source
     assert find_source(package="aiter", version=first).root == root
+    assert find_source(package="aiter").root == root            # the tree fetched last is the default
     assert main(["upstream", "fetch", "--aiter", "no-such-ref", "--aiter-url", str(repo)]) == 2
     assert "cannot fetch" in capsys.readouterr().err
     assert main(["upstream", "fetch", "--aiter", "--upload-pack=touch /tmp/x"]) == 2

@@ -154,6 +154,11 @@ def find_source(explicit: Optional[str] = None, *, version: Optional[str] = None
     if package == "aiter":
         ref = version or upstream.AITER_REF
         root = upstream.cache_root() / f"aiter-{ref}"
+        if version is None and not (root / "aiter").is_dir():
+            # the tree `fetch --aiter` brought last (another ref, or an archive)
+            cands = sorted(upstream.cache_root().glob("aiter-*/.mxval-manifest.json"), key=lambda m: m.stat().st_mtime)
+            if cands:
+                root, ref = cands[-1].parent, cands[-1].parent.name[len("aiter-"):]
         if not (root / "aiter").is_dir():
             raise SourceError(f"aiter {ref} is not fetched ({root} is missing): run `mxval upstream fetch "
                               f"--aiter` or pass --aiter DIR / set {env} to an aiter tree")
