@@ -327,6 +327,7 @@ def _git(*args, cwd):
 def test_fetch_aiter_takes_a_pinned_ref_from_git_and_records_the_hashes(tmp_path, monkeypatch, capsys):
     import fake_upstream as F
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("MXVAL_AITER_SRC", raising=False)
     repo = F.write_aiter_tree(tmp_path / "repo")
     (repo / "aiter" / "unrelated.py").write_text("raise SystemExit('never read')\n")
     _git("init", "-q", cwd=repo)
