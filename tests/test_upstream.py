@@ -324,6 +324,7 @@ def _git(*args, cwd):
                         "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(cwd), "PATH": "/usr/bin:/bin"})
 
 
+@pytest.mark.skipif(__import__("shutil").which("git") is None, reason="needs git")
 def test_fetch_aiter_takes_a_pinned_ref_from_git_and_records_the_hashes(tmp_path, monkeypatch, capsys):
     import fake_upstream as F
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
