@@ -71,16 +71,10 @@ class _Wrappers(dict):
 
 def _make(name: str, interpret: bool) -> Backend:
     from .vllm_kernels.aiter_set import aiter_set
-    from .vllm_kernels.kernelset import KernelSetError
-    from .vllm_triton_backend import _mxval_triton_ops, _triton_mode
-    why = _triton_mode(interpret)
-    if why:
-        return Backend(name, HEAD, reason=why)
-    device = "cpu" if interpret else "cuda"
-    try:
-        s = aiter_set(interpreted=interpret)
-    except KernelSetError as e:
-        return Backend(name, HEAD, reason=str(e))
+    from .vllm_triton_backend import _mxval_triton_ops, load_upstream
+    s, device, unavailable = load_upstream(name, HEAD, interpret, aiter_set)
+    if unavailable:
+        return unavailable
     num = numerics(interpret)
     ops = make_ops(_Wrappers(s, interpret), device, num)
     ops.update(_mxval_triton_ops(device, MXVAL_OPS))

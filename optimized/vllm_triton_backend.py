@@ -261,19 +261,28 @@ def rocm_limits(op: str, scalars: dict) -> Optional[str]:
 
 # --- factories ---------------------------------------------------------------------------
 
+def load_upstream(name: str, head: str, interpret: bool, load) -> tuple:
+    """(the loaded upstream set, device, None), or (None, None, an unavailable Backend saying
+    why): Triton must run in this mode here, and `load(interpreted=...)` must find and resolve
+    the upstream source (KernelSetError otherwise)."""
+    from .vllm_kernels.kernelset import KernelSetError
+    why = _triton_mode(interpret)
+    if why:
+        return None, None, Backend(name, head, reason=why)
+    try:
+        return load(interpreted=interpret), ("cpu" if interpret else "cuda"), None
+    except KernelSetError as e:
+        return None, None, Backend(name, head, reason=str(e))
+
+
 def _make(name: str, path: str, interpret: bool) -> Backend:
-    from .vllm_kernels.kernelset import KernelSetError, kernel_set
+    from .vllm_kernels.kernelset import kernel_set
     head = {"cuda": "vLLM's CUDA indexer path (fused K writers MXFP4/FP8 + fused Q quant) with "
                     "mxval's Triton scorer and top-k (vLLM's are DeepGEMM/CUDA ops)",
             "rocm": "vLLM's ROCm pooling kernel _compress_pool_kernel"}[path]
-    why = _triton_mode(interpret)
-    if why:
-        return Backend(name, head, reason=why)
-    device = "cpu" if interpret else "cuda"
-    try:
-        ks = kernel_set(interpreted=interpret)
-    except KernelSetError as e:
-        return Backend(name, head, reason=str(e))
+    ks, device, unavailable = load_upstream(name, head, interpret, kernel_set)
+    if unavailable:
+        return unavailable
     numerics: dict = {}
     if path == "cuda":
         ops = make_cuda_ops(ks, device)
