@@ -266,6 +266,9 @@ def load_upstream(name: str, head: str, interpret: bool, load) -> tuple:
     why): Triton must run in this mode here, and `load(interpreted=...)` must find and resolve
     the upstream source (KernelSetError otherwise)."""
     from .vllm_kernels.kernelset import KernelSetError
+    if not interpret and not torch.cuda.is_available():
+        return None, None, Backend(name, head, reason=f"no CUDA or ROCm GPU visible to torch: use {name}-interpret "
+                                                      f"(the same kernels through the Triton interpreter on the CPU)")
     why = _triton_mode(interpret)
     if why:
         return None, None, Backend(name, head, reason=why)
