@@ -1,18 +1,21 @@
-"""Load vLLM's Triton kernels from source text without importing vllm.
+"""Load upstream Triton kernels (vLLM's, aiter's) from source text without importing the package.
 
 For each kernel asked for (`KernelRef(module, name)`, `name` may be `Class.kernel` for a
-`@staticmethod @triton.jit` in a class), the loader parses the module with `ast`, takes the
-function, and follows every global name it uses: a `@triton.jit` helper of the same module,
-a module constant, a name imported from another vLLM module (followed there), or `tl` /
-`triton` (bound to the real triton). A name that resolves to nothing, or to something
-that is not a jit function or a constant, is a `LoadError` naming the kernel, the name and
-the line: nothing runs half-resolved.
+`@staticmethod @triton.jit` in a class), the loader parses the module (reader.py) and
+follows every global name it uses: a `@triton.jit` helper of the same module, a module
+constant, a name imported from another upstream module (followed there), `tl` / `triton`
+(bound to the real triton, `import triton.language as tl` included) or one of triton's own
+functions (TRITON_NAMES). A `KernelRef(..., host=True)` is a Python launcher (aiter's
+wrappers): it may also call plain functions of the tree and use torch. A name that resolves
+to nothing, or to something that is not a jit function or a constant, is a `LoadError` naming
+the kernel, the name and the line: nothing runs half-resolved.
 
-The selected definitions are compiled in one fresh namespace per upstream module, at their
-upstream line numbers (the other lines blank, so tracebacks point at vLLM's lines), under a
-pseudo file registered in `linecache` (triton reads a kernel's source with `inspect`). A
-helper listed in `replace` is not taken from upstream: the given source is compiled in its
-place, after checking that upstream still defines it with the same parameters.
+`resolve` only parses and resolves. `materialize` compiles the selected definitions in one
+fresh namespace per upstream module, at their upstream line numbers (the other lines blank,
+so tracebacks point at upstream's lines), under a pseudo file registered in `linecache`
+(triton reads a kernel's source with `inspect`). A definition listed in `replace` (a jit
+helper, a function or a class) is not taken from upstream: the given source is compiled in
+its place, after checking that upstream still defines it as expected.
 """
 from __future__ import annotations
 
