@@ -30,6 +30,7 @@ from harness.commands.args import (
     add_common,
     add_force,
     add_shard,
+    add_tree_args,
     check_args,
     repeat_count,
 )
@@ -78,6 +79,8 @@ def cmd_validate(args) -> int:
     run = Run("validate", budgets=args.budgets, shard=args.shard, report_dir=args.report_dir, force=args.force,
               quiet=args.quiet, owner=args)
     all_cases = run.plan_cases(args.cases_dir, args.suite, args.case, args.path)
+    from harness.commands.upstream_cmd import apply_tree_args
+    apply_tree_args(args)
     be = backend(args.backend)
     if args.repeat is not None:          # every backend op N times on the same inputs, same bytes
         import dataclasses
@@ -258,6 +261,7 @@ def _validate_parser(sub) -> None:
     p.add_argument("--repeat", type=repeat_count, default=None, metavar="N",
                    help="run each backend op N times on the same inputs; every run must give the same "
                         "bytes (a case's `repeat` key otherwise; the full suite sets it)")
+    add_tree_args(p)
     add_shard(p)
     add_case_timeout(p)
     add_common(p)
