@@ -26,6 +26,7 @@ import reference
 from harness.diff import aggregate, diff_op
 from harness.diff.metrics import CHAIN, chain_key
 from harness.diff.scores import recall_rows
+from harness.run import memory
 from harness.run.cases import Case
 from harness.run.inputs import CaseInputs, build
 from harness.run.record import ROW_FINDINGS_PER_STAGE, case_row, jsonable
@@ -92,10 +93,10 @@ def _mismatch_map(before: torch.Tensor, actual: torch.Tensor, expected: torch.Te
     """[[page, entry, mismatched bytes], ...]; entry -1 for padding bytes."""
     if actual.shape != expected.shape:
         return []
-    diff = (actual.cpu() != expected.cpu())
+    diff = actual != expected.to(actual.device)       # on the device: a 2 GiB pool stays there
     if not bool(diff.any()):
         return []
-    page, off = diff.nonzero(as_tuple=True)
+    page, off = (x.cpu() for x in diff.nonzero(as_tuple=True))
     ps, d = geo.page_size, geo.head_dim
     inv = torch.full((actual.shape[1],), -1, dtype=torch.long)
     t = torch.arange(ps)
@@ -188,6 +189,7 @@ class ChainRun:
         self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
                               "recall_rows": []}
         self.diff_op = diff_op                 # tests replace it to prove a check's teeth
+        self.out_bytes: dict[str, int] = {}    # op -> its largest step's output bytes
 
     def scalars(self, op: str) -> dict:
         """The case's scalars of `op`, with the reference options the backend declares for it
@@ -227,6 +229,7 @@ class ChainRun:
         except ValueError as e:
             raise StageError(op, step, f"cannot compare the backend's output: {e}") from None
         self.col.add(op, step, report)
+        self.out_bytes[op] = max(self.out_bytes.get(op, 0), memory.tensor_bytes(actual))
         if report.metrics.get("nonfinite_inputs") and self.inp.planted:
             raise NonFiniteStage(op, step, NonFiniteInput(op, int(report.metrics["nonfinite_inputs"]), []))
         if self.recorder:
@@ -391,15 +394,32 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
     if missing:
         row.update(outcome="skipped", reason=f"backend {be.name} does not implement {', '.join(missing)}")
         return row
-    run = None
+    with memory.Peak(be.device) as peak:
+        run, inp = _run_chain(case, be, row, recorder, inputs)
+    if run is not None:
+        row["metrics"] = run.col.case_metrics()
+        row["findings"] = run.col.findings
+        row["summaries"] = {k: v for k, v in run.col.summaries.items()}
+        row["details"] = run.details
+    if inp is not None and row["outcome"] != "skipped":
+        row["gpu_peak_bytes"] = peak.bytes
+        row["tensor_bytes"] = memory.tensor_bytes(inp) + (sum(run.out_bytes.values()) if run else 0)
+    row["seconds"] = round(time.time() - t0, 3)
+    return row
+
+
+def _run_chain(case: Case, be: Backend, row: dict, recorder: Optional[Callable],
+               inputs: Optional[CaseInputs]) -> tuple[Optional[ChainRun], Optional[CaseInputs]]:
+    """Build the inputs and run the chain; a failure or a skip goes into `row`.
+    (the chain run or None, the inputs or None)."""
+    run = inp = None
     try:
         inp = inputs if inputs is not None else build(case, be.device)
         row["planted"] = list(inp.planted)
         why = next((w for w in (be.cannot(op, inp.scalars(op)) for op in case.ops) if w), None)
         if why:
             row.update(outcome="skipped", reason=f"backend {be.name}: {why}")
-            row["seconds"] = round(time.time() - t0, 3)
-            return row
+            return None, inp
         run = ChainRun(case, be, inp, recorder)
         run.run()
     except NonFiniteStage as e:
@@ -412,13 +432,7 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
         tb = traceback.extract_tb(e.__traceback__)[-1]
         row.update(outcome="error", reason=f"internal error {type(e).__name__}: {e} "
                                            f"({os.path.basename(tb.filename)}:{tb.lineno})")
-    if run is not None:
-        row["metrics"] = run.col.case_metrics()
-        row["findings"] = run.col.findings
-        row["summaries"] = {k: v for k, v in run.col.summaries.items()}
-        row["details"] = run.details
-    row["seconds"] = round(time.time() - t0, 3)
-    return row
+    return run, inp
 
 
 # --- many cases: mxval's own worker pool -----------------------------------------------------

@@ -1,0 +1,82 @@
+"""GPU memory per case: the tensors' bytes of a case, the peak (None on the CPU), the
+ratio in every report format, and the per-process cap from the environment."""
+import json
+
+import pytest
+import torch
+
+from harness.errors import UsageError
+from harness.io import report
+from harness.run import memory
+from harness.run.cases import Catalog
+from harness.run.pipeline import Run
+from harness.run.record import row
+from harness.run.runner import run_case
+
+
+def test_tensor_bytes_counts_each_storage_once():
+    a = torch.zeros(10, 4)                                  # 160 bytes
+    b = torch.zeros(3, dtype=torch.uint8)
+    assert memory.tensor_bytes(a, a[1:], {"x": [a.view(40), (b,)]}) == 160 + 3
+    assert memory.tensor_bytes() == 0 and memory.tensor_bytes(None, 3, "s") == 0
+
+
+def test_a_cpu_case_has_tensor_bytes_and_no_peak():
+    r = run_case(Catalog().case("smoke-chunks-shuffled"), "reference")
+    assert r["outcome"] == "ok", r["reason"]
+    assert r["gpu_peak_bytes"] is None
+    assert r["tensor_bytes"] > 0
+
+
+def _rows(peak):
+    out = []
+    for name, p in (("big", peak), ("small", None)):
+        r = row(name, "s", "b", gpu_peak_bytes=p, tensor_bytes=2**30)
+        r.update(status="pass", ok=True, violations=[])
+        out.append(r)
+    return out
+
+
+def test_reports_show_the_peak_and_its_ratio_only_when_measured(tmp_path):
+    meta = {"command": "validate", "suite": "s", "backend": "b", "machine": "m", "seconds": 1.0}
+    df = report.frame(_rows(3 * 2**30))
+    md, html = report.markdown(df, meta), report.html(df, meta)
+    assert report.MEMORY_HEAD in md and "3.00 GiB (3.0×)" in md and "3.00 GiB (3.0×)" in html
+    assert "at most 3.0× the case's tensors" in md
+    s = report.summary(df)
+    assert s["gpu_peak_bytes_max"] == 3 * 2**30 and s["gpu_peak_ratio_max"] == 3.0
+    report.write_all(df, meta, tmp_path)
+    cases = json.loads((tmp_path / "report.json").read_text())["cases"]
+    assert cases[0]["gpu_peak_bytes"] == 3 * 2**30 and cases[1]["gpu_peak_bytes"] is None
+    cpu = report.frame(_rows(None))
+    assert report.MEMORY_HEAD not in report.markdown(cpu, meta) and "gpu_peak_bytes_max" not in report.summary(cpu)
+
+
+@pytest.mark.parametrize("raw", ["0", "1.5", "half", "-0.2"])
+def test_a_bad_memory_cap_is_a_usage_error(monkeypatch, raw):
+    monkeypatch.setenv(memory.FRACTION_ENV, raw)
+    with pytest.raises(UsageError, match=memory.FRACTION_ENV):
+        Run("validate")
+
+
+def test_the_memory_cap_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv(memory.FRACTION_ENV, "0.25")
+    assert memory.fraction() == 0.25
+    monkeypatch.delenv(memory.FRACTION_ENV)
+    assert memory.fraction() is None
+    memory.apply_fraction("cpu")                            # the CPU: nothing to cap
+
+
+def test_peak_is_none_on_the_cpu():
+    with memory.Peak("cpu") as p:
+        torch.zeros(1000)
+    assert p.bytes is None
+    assert memory.ratio(None, 10) is None and memory.ratio(30, 10) == 3.0 and memory.ratio(5, 0) is None
+
+
+@pytest.mark.gpu
+def test_peak_on_the_gpu_counts_what_the_block_allocated():
+    with memory.Peak("cuda") as p:
+        x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del x
+    assert p.bytes >= 64 << 20
