@@ -567,11 +567,12 @@ def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
         exact, lost = arr[:, 2] == 1, arr[:, 1] < 1
         swap = ~exact & ~lost
         fig, ax = plt.subplots(figsize=(8, 3.2))
-        for sel, label, kw in ((exact, "the exact set", dict(c="tab:green", marker="o")),
-                               (swap, "tie swap (another set the tie rule accepts)", dict(c="tab:blue", marker="^")),
-                               (lost, "keys lost", dict(c="tab:red", marker="x"))):
+        for sel, label, kw in ((exact, "the exact set", dict(c="tab:green", marker="o", s=8, alpha=0.4)),
+                               (swap, "tie swap (another set the tie rule accepts)",
+                                dict(c="tab:blue", marker="^", s=40, alpha=0.9, zorder=3)),
+                               (lost, "keys lost", dict(c="tab:red", marker="x", s=30, alpha=0.9, zorder=4))):
             if sel.any():
-                ax.scatter(x[sel], arr[sel, 1], s=10, alpha=0.6, label=f"{label}: {int(sel.sum())} rows", **kw)
+                ax.scatter(x[sel], arr[sel, 1], label=f"{label}: {int(sel.sum())} rows", **kw)
         ax.set_xscale("log")
         ax.set_ylim(-0.02, 1.05)
         ax.set_xlabel("row length (compressed entries visible)")
@@ -588,14 +589,13 @@ def _slug(name) -> str:
 
 
 def case_order(df: pd.DataFrame) -> list[int]:
-    """Row positions, failing cases first (error, fail, non-finite input that is not ok,
-    then the rest), the run's order within each group."""
+    """Row positions, failing cases (not ok) first, errors before failures before the
+    rest of them; then the others; the run's order within each group."""
     def key(i):
         r = df.iloc[i]
-        rank = STATUS_ORDER.get(str(r["status"]), 5)
-        if not bool(r["ok"]) and rank > 1:
-            rank = 1
-        return (rank, i)
+        if bool(r["ok"]):
+            return (1, 0, i)
+        return (0, STATUS_ORDER.get(str(r["status"]), 5), i)
     return sorted(range(len(df)), key=key)
 
 
