@@ -505,6 +505,11 @@ def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return _mismatch_maps(df, plt) + _error_histograms(df, plt) + _recall_plot(df, plt)
+
+
+def _mismatch_maps(df: pd.DataFrame, plt) -> list:
+    """A mismatch map per case with K-cache mismatches (at most MAX_MAPS)."""
     import numpy as np
     from matplotlib.colors import LinearSegmentedColormap, Normalize
     out = []
@@ -536,6 +541,12 @@ def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
         ax.set_title(f"{r['case']}: mismatched K-cache bytes by page and entry")
         out.append((str(r["case"]), f"Mismatch map of {r['case']} (pages with a mismatch, bytes per entry)",
                     _png(fig)))
+    return out
+
+
+def _error_histograms(df: pd.DataFrame, plt) -> list:
+    """The pooled ulp distances and the scorer's relative errors over all cases."""
+    out = []
     ulp: dict[str, int] = {}
     errs = []
     for _, r in df.iterrows():
@@ -558,6 +569,13 @@ def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
             axes[1].set_ylabel("logits")
             axes[1].set_title("scorer: relative error")
         out.append((None, "Error histograms over all cases", _png(fig)))
+    return out
+
+
+def _recall_plot(df: pd.DataFrame, plt) -> list:
+    """Top-k recall per query row against its length."""
+    import numpy as np
+    out = []
     rec = []
     for _, r in df.iterrows():
         rec += [p for p in (r["details"] or {}).get("recall_rows") or [] if len(p) >= 3]
