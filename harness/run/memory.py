@@ -73,16 +73,17 @@ def tensor_bytes(*objs) -> int:
 
 
 class Peak:
-    """`with Peak(device) as p:` ... `p.bytes`: the peak GPU memory allocated inside the
-    block above what was allocated at its start; None on the CPU."""
+    """`p = Peak(device).start()` ... `p.stop()`; then `p.bytes`: the peak GPU memory
+    allocated between the two above what was allocated at the start; None on the CPU."""
 
     def __init__(self, device):
         dev = torch.device(device)
         self.cuda = dev.type == "cuda" and torch.cuda.is_available()
         self.device = dev
+        self.base = 0
         self.bytes: Optional[int] = None
 
-    def __enter__(self) -> "Peak":
+    def start(self) -> "Peak":
         if self.cuda:
             apply_fraction(self.device)
             torch.cuda.synchronize(self.device)
@@ -90,13 +91,20 @@ class Peak:
             self.base = torch.cuda.memory_allocated(self.device)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> Optional[int]:
         if self.cuda:
             try:
                 torch.cuda.synchronize(self.device)
             except RuntimeError:          # a device fault: the row says so, the peak stays unknown
-                return
+                return None
             self.bytes = int(torch.cuda.max_memory_allocated(self.device) - self.base)
+        return self.bytes
+
+    def __enter__(self) -> "Peak":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def ratio(peak: Optional[int], tensors: Optional[int]) -> Optional[float]:

@@ -185,11 +185,11 @@ class ChainRun:
                  recorder: Optional[Callable] = None):
         self.case, self.be, self.inp = case, backend, inputs
         self.recorder = recorder
+        self.out_bytes: dict[str, int] = {}    # op -> its largest step's output bytes
         self.col = _Collector()
         self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
                               "recall_rows": []}
         self.diff_op = diff_op                 # tests replace it to prove a check's teeth
-        self.out_bytes: dict[str, int] = {}    # op -> its largest step's output bytes
 
     def scalars(self, op: str) -> dict:
         """The case's scalars of `op`, with the reference options the backend declares for it
@@ -394,32 +394,16 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
     if missing:
         row.update(outcome="skipped", reason=f"backend {be.name} does not implement {', '.join(missing)}")
         return row
-    with memory.Peak(be.device) as peak:
-        run, inp = _run_chain(case, be, row, recorder, inputs)
-    if run is not None:
-        row["metrics"] = run.col.case_metrics()
-        row["findings"] = run.col.findings
-        row["summaries"] = {k: v for k, v in run.col.summaries.items()}
-        row["details"] = run.details
-    if inp is not None and row["outcome"] != "skipped":
-        row["gpu_peak_bytes"] = peak.bytes
-        row["tensor_bytes"] = memory.tensor_bytes(inp) + (sum(run.out_bytes.values()) if run else 0)
-    row["seconds"] = round(time.time() - t0, 3)
-    return row
-
-
-def _run_chain(case: Case, be: Backend, row: dict, recorder: Optional[Callable],
-               inputs: Optional[CaseInputs]) -> tuple[Optional[ChainRun], Optional[CaseInputs]]:
-    """Build the inputs and run the chain; a failure or a skip goes into `row`.
-    (the chain run or None, the inputs or None)."""
     run = inp = None
+    peak = memory.Peak(be.device).start()
     try:
         inp = inputs if inputs is not None else build(case, be.device)
         row["planted"] = list(inp.planted)
         why = next((w for w in (be.cannot(op, inp.scalars(op)) for op in case.ops) if w), None)
         if why:
             row.update(outcome="skipped", reason=f"backend {be.name}: {why}")
-            return None, inp
+            row["seconds"] = round(time.time() - t0, 3)
+            return row
         run = ChainRun(case, be, inp, recorder)
         run.run()
     except NonFiniteStage as e:
@@ -432,7 +416,17 @@ def _run_chain(case: Case, be: Backend, row: dict, recorder: Optional[Callable],
         tb = traceback.extract_tb(e.__traceback__)[-1]
         row.update(outcome="error", reason=f"internal error {type(e).__name__}: {e} "
                                            f"({os.path.basename(tb.filename)}:{tb.lineno})")
-    return run, inp
+    if run is not None:
+        row["metrics"] = run.col.case_metrics()
+        row["findings"] = run.col.findings
+        row["summaries"] = {k: v for k, v in run.col.summaries.items()}
+        row["details"] = run.details
+    peak.stop()
+    if inp is not None:
+        row["gpu_peak_bytes"] = peak.bytes
+        row["tensor_bytes"] = memory.tensor_bytes(inp) + (sum(run.out_bytes.values()) if run else 0)
+    row["seconds"] = round(time.time() - t0, 3)
+    return row
 
 
 # --- many cases: mxval's own worker pool -----------------------------------------------------
