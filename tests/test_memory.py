@@ -80,3 +80,25 @@ def test_peak_on_the_gpu_counts_what_the_block_allocated():
         x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
         del x
     assert p.bytes >= 64 << 20
+
+
+def test_pages_compared_in_chunks_give_the_same_report(monkeypatch):
+    """diff_pages walks a pool in CHUNK_BYTES pieces (no pool-sized mask on a GiB pool): chunk
+    edges must change no count and no finding, with writes inside and outside owned bytes."""
+    from helpers import make_layer
+
+    from harness.diff import pages
+    from harness.diff.ops import writer_slots
+    r = make_layer(1)["k_norm_rope_mxfp4_cache"]
+    slots = writer_slots(r.inputs, r.scalars)
+    act = r.outputs["kv_cache"].clone()
+    flat = act.view(-1)
+    gen = torch.Generator().manual_seed(5)
+    flat[torch.randperm(flat.numel(), generator=gen)[:300]] ^= 0x5A     # owned and not owned
+    kw = dict(page_size=64, head_dim=128, shuffle=[32, 16, 2], written_slots=slots)
+    whole = pages.diff_pages(act, r.outputs["kv_cache"], r.inputs["kv_cache"], **kw)
+    monkeypatch.setattr(pages, "CHUNK_BYTES", 1000)
+    assert flat.numel() > 10 * pages.CHUNK_BYTES
+    chunked = pages.diff_pages(act, r.outputs["kv_cache"], r.inputs["kv_cache"], **kw)
+    assert whole.metrics == chunked.metrics and whole.findings == chunked.findings
+    assert whole.metrics["page_bytes_outside_owned_changed"] > 0 and whole.metrics["page_value_bytes_mismatched"] > 0
