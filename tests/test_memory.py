@@ -102,3 +102,18 @@ def test_pages_compared_in_chunks_give_the_same_report(monkeypatch):
     chunked = pages.diff_pages(act, r.outputs["kv_cache"], r.inputs["kv_cache"], **kw)
     assert whole.metrics == chunked.metrics and whole.findings == chunked.findings
     assert whole.metrics["page_bytes_outside_owned_changed"] > 0 and whole.metrics["page_value_bytes_mismatched"] > 0
+
+
+def test_the_mismatch_map_in_chunks_is_the_whole_map(monkeypatch):
+    from harness.run import runner
+    from harness.run.inputs import build
+    inp = build(Catalog().case("smoke-chunks-shuffled"))
+    exp = inp.kv_cache
+    act = exp.clone()
+    gen = torch.Generator().manual_seed(3)
+    act.view(-1)[torch.randperm(act.numel(), generator=gen)[:500]] ^= 0x11
+    whole = runner._mismatch_map(None, act, exp, inp.geo, "k")
+    monkeypatch.setattr(runner, "MAP_CHUNK_BYTES", 1)                # one page at a time
+    assert runner._mismatch_map(None, act, exp, inp.geo, "k") == whole and len(whole) > 100
+    monkeypatch.setattr(runner, "MAX_MAP_POINTS", 7)
+    assert runner._mismatch_map(None, act, exp, inp.geo, "k") == whole[:7]

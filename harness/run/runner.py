@@ -39,6 +39,7 @@ from reference.ops import OPS, op_of
 # Scorers are judged against the op table's fp64 scores: the diff compares the backend's fp32
 # logits to the true scores of the quantized operands, not to another fp32 rounding of them.
 MAX_MAP_POINTS = 4000
+MAP_CHUNK_BYTES = 1 << 24
 MAX_RECALL_POINTS = 1500
 
 
@@ -90,13 +91,12 @@ class _Collector:
 
 def _mismatch_map(before: torch.Tensor, actual: torch.Tensor, expected: torch.Tensor,
                   geo, stage: str) -> list[list[int]]:
-    """[[page, entry, mismatched bytes], ...]; entry -1 for padding bytes."""
+    """[[page, entry, mismatched bytes], ...] of the first MAX_MAP_POINTS (page, entry)
+    pairs; entry -1 for padding bytes. Compared on the device, MAP_CHUNK_BYTES of pages at a
+    time: a pool of GiBs costs no pool-sized mask."""
     if actual.shape != expected.shape:
         return []
-    diff = actual != expected.to(actual.device)       # on the device: a 2 GiB pool stays there
-    if not bool(diff.any()):
-        return []
-    page, off = (x.cpu() for x in diff.nonzero(as_tuple=True))
+    expected = expected.to(actual.device)
     ps, d = geo.page_size, geo.head_dim
     inv = torch.full((actual.shape[1],), -1, dtype=torch.long)
     t = torch.arange(ps)
@@ -106,10 +106,19 @@ def _mismatch_map(before: torch.Tensor, actual: torch.Tensor, expected: torch.Te
     else:
         inv[:ps * d] = t.repeat_interleave(d)
         inv[ps * d:ps * (d + 4)] = t.repeat_interleave(4)
-    entry = inv[off]
-    pairs, counts = torch.stack((page, entry), 1).unique(dim=0, return_counts=True)
-    out = torch.cat((pairs, counts[:, None]), 1)[:MAX_MAP_POINTS]
-    return out.tolist()
+    rows = max(1, MAP_CHUNK_BYTES // max(1, actual.shape[1]))
+    parts, n = [], 0
+    for p0 in range(0, actual.shape[0], rows):
+        diff = actual[p0:p0 + rows] != expected[p0:p0 + rows]
+        if not bool(diff.any()):
+            continue
+        page, off = (x.cpu() for x in diff.nonzero(as_tuple=True))
+        pairs, counts = torch.stack((page + p0, inv[off]), 1).unique(dim=0, return_counts=True)
+        parts.append(torch.cat((pairs, counts[:, None]), 1))
+        n += len(pairs)
+        if n >= MAX_MAP_POINTS:          # later pages sort after these
+            break
+    return torch.cat(parts)[:MAX_MAP_POINTS].tolist() if parts else []
 
 
 def _ulp_hist(actual: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor) -> dict:
