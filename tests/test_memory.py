@@ -117,3 +117,40 @@ def test_the_mismatch_map_in_chunks_is_the_whole_map(monkeypatch):
     assert runner._mismatch_map(None, act, exp, inp.geo, "k") == whole and len(whole) > 100
     monkeypatch.setattr(runner, "MAX_MAP_POINTS", 7)
     assert runner._mismatch_map(None, act, exp, inp.geo, "k") == whole[:7]
+
+
+class _FakeAllocator:
+    """torch.cuda's allocator counters, played back: 100 bytes live at the start, a peak of 1100."""
+
+    def __init__(self, monkeypatch):
+        self.fractions = []
+        for name, fn in {"is_available": lambda: True, "synchronize": lambda d=None: None,
+                         "reset_peak_memory_stats": lambda d=None: None, "memory_allocated": lambda d=None: 100,
+                         "max_memory_allocated": lambda d=None: 1100, "current_device": lambda: 0,
+                         "set_per_process_memory_fraction": lambda f, i=None: self.fractions.append((f, i))}.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+        monkeypatch.setattr(memory, "_applied", set())
+
+
+def test_peak_is_what_the_block_allocated_above_its_start(monkeypatch):
+    """The GPU path on any machine: the allocator's counters are played back."""
+    fake = _FakeAllocator(monkeypatch)
+    monkeypatch.setenv(memory.FRACTION_ENV, "0.2")
+    with memory.Peak("cuda:0") as p:
+        pass
+    assert p.bytes == 1000
+    assert memory.Peak("cuda").start().stop() == 1000
+    assert fake.fractions == [(0.2, 0)]                  # the cap is set once per device
+
+
+def test_run_case_records_the_peak(monkeypatch):
+    class Peak(memory.Peak):
+        def stop(self):
+            self.bytes = 12345
+            return self.bytes
+    monkeypatch.setattr(memory, "Peak", Peak)
+    r = run_case(Catalog().case("smoke-chunks-shuffled"), "reference")
+    assert r["gpu_peak_bytes"] == 12345 and r["tensor_bytes"] > 0
+    r.update(status="pass", ok=True, violations=[])
+    df = report.frame([r])
+    assert report.memory_ratio(df.iloc[0]) == pytest.approx(12345 / r["tensor_bytes"])
