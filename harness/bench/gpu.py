@@ -27,6 +27,7 @@ import sys
 
 import torch
 
+from harness.bench import capture as capture_bench
 from harness.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 from reference import layout
 from reference.formats import E2M1_SIGNED
@@ -218,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="skip the wide-scale reference rows")
     ap.add_argument("--shortcuts", action="store_true",
                     help="also measure how often upstream-style shortcuts change bytes (docs/triton-notes.md)")
+    ap.add_argument("--skip", action="append", default=[], choices=sorted(PARTS),
+                    help="leave a part out (the report says so); may be repeated")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench-gpu: no CUDA/ROCm GPU visible to torch", file=sys.stderr)
@@ -229,11 +232,11 @@ def main(argv=None) -> int:
         print(f"bench-gpu: {e}", file=sys.stderr)
         return EXIT_USAGE
     bench = Bench(copy_bandwidth(), a.quick)
-    parts = [_k_path, _q_quant, _scorers, _top_k, _peers]
-    if a.shortcuts:
-        parts.append(_variants)
-    for part in parts:
-        bench.section(part)
+    for name, part in PARTS.items():
+        if name in a.skip:
+            bench.note("Parts left out of this run", name)
+        elif name != "shortcuts" or a.shortcuts:
+            bench.section(part)
     bench.write(a.out)
     return EXIT_FAIL if bench.failures else EXIT_OK
 
@@ -249,6 +252,7 @@ class Bench:
         self.notes: dict[str, list[str]] = {}
         self.sweeps: dict = {}
         self.failures: list[str] = []
+        self.extra: list[str] = []          # lines a part writes itself (after the tables)
 
     def section(self, fn) -> None:
         try:
@@ -312,6 +316,7 @@ class Bench:
             for name, (default, sweep) in self.sweeps.items():
                 lines.append(f"* {name}: " + ", ".join(
                     f"{c}{' (default)' if c == default else ''} {fmt(v)}" for c, v in sweep.items()))
+        lines += self.extra
         if self.failures:
             lines += ["", "## Failures", ""] + [f"* {f}" for f in self.failures]
         text = "\n".join(lines) + "\n"
@@ -570,6 +575,16 @@ def _variants(b: Bench):
     pd = measure_pool_fast_exp()
     b.note("Upstream-style shortcuts (measured on this GPU)",
            f"pooling with fp32 exp instead of fp64: {pd[0]} of {pd[1]} pooled bf16 values differ (max {pd[2]} ulp)")
+
+
+def _capture(b: Bench):
+    """The capture hook's overhead (harness.bench.capture), its rows after the tables."""
+    capture_bench.section_for(b.extra)()
+
+
+# the parts of a run, in order (a new section is a function of the Bench, added here)
+PARTS = {"k-path": _k_path, "q-quant": _q_quant, "scorers": _scorers, "top-k": _top_k, "peers": _peers,
+         "shortcuts": _variants, "capture": _capture}
 
 
 if __name__ == "__main__":
