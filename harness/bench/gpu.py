@@ -237,6 +237,7 @@ def main(argv=None) -> int:
             bench.note("Parts left out of this run", name)
         elif name != "shortcuts" or a.shortcuts:
             bench.section(part)
+            bench.write(a.out, quiet=True)       # a run stopped by a time limit keeps what it measured
     bench.write(a.out)
     return EXIT_FAIL if bench.failures else EXIT_OK
 
@@ -276,7 +277,7 @@ class Bench:
                          f"{_ms(ref_op)} | {_ms(ref_core)} | **{ratio(ref, tg)}** | {_ms(tor)} | {ratio(tor, tg)} |")
         print(self.rows[-1], flush=True)
 
-    def write(self, out: str) -> None:
+    def write(self, out: str, quiet: bool = False) -> None:
         import triton
         lines = ["# GPU benchmark: the Triton backend and the exact reference at DeepSeek-V4-Pro shapes", "",
                  f"Machine: {torch.cuda.get_device_name(0)}; torch {torch.__version__}, triton {triton.__version__}; "
@@ -322,7 +323,8 @@ class Bench:
         text = "\n".join(lines) + "\n"
         pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(out).write_text(text)
-        print(text)
+        if not quiet:
+            print(text)
 
 
 def _core(b: Bench, label: str, fn):
