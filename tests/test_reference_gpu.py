@@ -51,11 +51,12 @@ def test_gpu_reference_gives_the_cpu_bytes(op, kw):
     for name in cpu:
         assert gpu[name].is_cuda
         if name == "logits":
-            a, b = cpu[name], gpu[name].cpu()
+            # fp32 of two fp64 sums that differ by at most the bound: one ulp more at most
+            a, b = cpu[name].double(), gpu[name].cpu().double()
             assert torch.equal(a.isinf(), b.isinf())
             fin = a.isfinite()
-            ulps = (a[fin].view(torch.int32).long() - b[fin].view(torch.int32).long()).abs()
-            assert int(ulps.max()) <= 1 if ulps.numel() else True
+            tol = sum_bound(kw, "cpu") + a.abs() * torch.finfo(torch.float32).eps + 2.0 ** -149
+            assert bool(((a - b).abs() <= tol)[fin].all())
         else:
             assert same_bits(cpu[name], gpu[name]), f"{op}: {name} differs"
 
