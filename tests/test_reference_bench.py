@@ -70,3 +70,22 @@ def test_decode_step_dump_replays_clean(tmp_path):
     # teeth: a captured output that the reference does not reproduce shows
     d.ops["topk"].outputs["indices"][0, 0] = -1
     assert replay_dump(d)[-1].metrics["topk_padding_errors"] > 0
+
+
+def test_gpu_table_judges_reference_over_kernel(tmp_path):
+    """bench-gpu's table: the reference's better time (op eager, core from a graph) over the
+    kernel's graph time, judged against 20x; a part that fails is reported, the rest written."""
+    from harness.bench import gpu
+    b = gpu.Bench(4e12, quick=True)
+    b.row("K writer", "4096 entries", 0.012, 0.006, 0.0003, ref_op=0.3, ref_core=0.1)
+    b.row("top-k (k=1024)", "64 rows", 0.064, 0.059, 0.002, ref_op=0.5, tor=0.086)
+    b.section(lambda bench: 1 / 0)
+    out = tmp_path / "bench-gpu.md"
+    b.write(str(out), quiet=True)
+    text = out.read_text()
+    assert "| K writer | 4096 entries | 12.0 us | 6.0 us |" in text and "**16.7x**" in text
+    assert "reference / kernel <= 20x for every stage: met (largest: K writer, 16.7x)" in text
+    assert "ZeroDivisionError" in text
+    b.row("pooling", "16384 tokens", 0.046, 0.015, 0.009, ref_op=0.9, ref_core=0.4)
+    b.write(str(out), quiet=True)
+    assert "NOT met (largest: pooling, 26.7x)" in out.read_text()

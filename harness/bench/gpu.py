@@ -280,7 +280,8 @@ class Bench:
     def write(self, out: str, quiet: bool = False) -> None:
         import triton
         lines = ["# GPU benchmark: the Triton backend and the exact reference at DeepSeek-V4-Pro shapes", "",
-                 f"Machine: {torch.cuda.get_device_name(0)}; torch {torch.__version__}, triton {triton.__version__}; "
+                 f"Machine: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "
+                 f"torch {torch.__version__}, triton {triton.__version__}; "
                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, one run of `make bench-gpu`. "
                  f"Measured copy bandwidth {self.bw / 1e12:.2f} TB/s (read + written). Times are medians of "
                  "triton.testing.do_bench after a warm-up; 'graph' replays the launch from a CUDA graph (no host "
