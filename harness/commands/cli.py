@@ -215,13 +215,15 @@ def cmd_validate(args) -> int:
     say_cap(jobs_info)
     out = claim_report_dir(args, f"validate-{suite}-{be.name}" + (f"-shard{part[0]}of{part[1]}" if part else ""))
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from harness.io.escape import rich as rich_text
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("{task.fields[last]}"),
                   console=stderr_console(), transient=True, disable=args.quiet) as bar:
-        task = bar.add_task(f"{suite} on {be.name}", total=len(cases), last="")
+        task = bar.add_task(rich_text(f"{suite} on {be.name}"), total=len(cases), last="")
         try:
             rows = run_cases(cases, be.name, jobs=jobs, case_timeout=args.case_timeout,
-                             progress=lambda r: bar.update(task, advance=1, last=f"{r['case']}: {r['outcome']}"))
+                             progress=lambda r: bar.update(task, advance=1, last=rich_text(f"{r['case']}: {r['outcome']}")))
             stopped = None
         except RunInterrupted as e:
             rows, stopped = e.rows, interrupted_meta(e)
@@ -326,8 +328,9 @@ def cmd_dump(args) -> int:
         print(f"mxval: case {case.name}: no op of step {step} ran on the backend ({row['outcome']}: "
               f"{row['reason']})", file=sys.stderr)
         return EXIT_FAIL
-    out = args.output or str(Path("reports") / "dumps" / f"{case.name}.{be.name.replace(':', '_')}.step{step}.safetensors")
-    write_dump(out, records, source=f"mxval dump: case {case.name} (seed {case.seed}), backend {be.name} "
+    from harness.io.atomic import safe_name
+    out = args.output or str(Path("reports") / "dumps" / f"{safe_name(case.name)}.{safe_name(be.name)}.step{step}.safetensors")
+    write_dump(out, records, within=None if args.output else "reports", source=f"mxval dump: case {case.name} (seed {case.seed}), backend {be.name} "
                                     f"({be.description}), step {step} of {n_steps}, {machine(str(be.device))}",
                model=case.preset, step=step)
     print(f"wrote {out}: {', '.join(records)} (step {step} of {n_steps}; case outcome {row['outcome']}"
@@ -500,14 +503,17 @@ def add_force(p) -> None:
                    help="replace the report of another run in --report-dir (refused without it)")
 
 
+MAX_CASE_TIMEOUT = 7 * 24 * 3600.0
+
+
 def _seconds(text: str) -> float:
     """argparse type of --case-timeout: a positive number of seconds."""
     try:
         v = float(text)
     except ValueError:
         v = float("nan")
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    if not 0 < v <= MAX_CASE_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds in (0, {MAX_CASE_TIMEOUT}], got {text!r:.40}")
     return v
 
 
@@ -538,8 +544,10 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
 
 
 def _one_line(e: BaseException) -> str:
+    """The first line of an error, with no control character for the terminal."""
+    from harness.io.escape import terminal
     s = str(e).strip()
-    return s.splitlines()[0] if s else type(e).__name__
+    return terminal(s.splitlines()[0]) if s else type(e).__name__
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -591,24 +599,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _save_traceback(e: BaseException, args) -> str:
     """Write the traceback next to the run's report (or to a temporary file): the user gets
     one line, the developer who gets the bug report gets the whole story."""
-    import tempfile
     import traceback
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     target = getattr(args, "claimed_report_dir", None) or getattr(args, "report_dir", None)
+    from harness.io import atomic
     try:
         if target:
             Path(target).mkdir(parents=True, exist_ok=True)
-            path = Path(target) / "internal-error.txt"
-            path.write_text(text)
-            return str(path)
-    except OSError:
+            return atomic.write_text(Path(target) / "internal-error.txt", text)
+    except (OSError, InputError):
         pass
-    fd, name = tempfile.mkstemp(prefix="mxval-internal-error-", suffix=".txt")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    from harness.io.atomic import chmod_umask
-    chmod_umask(name)
-    return name
+    return atomic.write_new_temp("mxval-internal-error-", ".txt", text)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,6 +27,7 @@ QUICK_SEEDS = 4
 QUICK_INTERPRET_SEEDS = 2
 QUICK_INTERPRET_CASES = ("chain",)
 FULL_FAULT_SEEDS = 3           # each fault must be caught on every one of these seeds
+MAX_SEEDS = 1000               # --seeds: at most this many seeds per case
 SEED_STRIDE = 1000             # seed i of a case is its own seed + i * SEED_STRIDE
 # Column order of the matrix: the metrics as the diff engine names them.
 METRIC_ORDER = (
@@ -180,8 +181,8 @@ def run(args) -> int:
     if quick and args.large:
         raise UsageError("--large: not with --quick (the quick selftest never runs the > 2 GiB pool case)")
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
-    if seeds < 1:
-        raise UsageError(f"--seeds: expected a positive number, got {seeds}")
+    if not 1 <= seeds <= MAX_SEEDS:
+        raise UsageError(f"--seeds: expected an integer in [1, {MAX_SEEDS + 1}), got {seeds}")
     catalog = Catalog(args.cases_dir)
     cases = {c.name: c for c in catalog.suite_cases(SUITE)}
     for c in cases.values():

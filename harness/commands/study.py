@@ -40,9 +40,15 @@ from harness.commands.study_metrics import (  # noqa: F401
 from harness.commands.study_report import render, summary_markdown  # noqa: F401
 from harness.commands.study_variants import VARIANTS, Variant, key_side, ordered, query_side  # noqa: F401
 from harness.errors import StudyConfigError
+from harness.io import atomic, safe_input
+from reference import checks
 from reference.formats import preset
 from reference.k_writer import group_start, k_values
 from reference.q_quant import fold_weights, q_values
+
+MAX_CONTEXT = 2 ** 21          # tokens of one studied context (the preset's 1M and some)
+MAX_ROWS = 4096                # query rows per seed
+MAX_SEEDS = 1000
 
 
 @dataclass
@@ -62,10 +68,21 @@ class StudyConfig:
     tolerance: float = 0.01            # "within" in the decision: recall gap to FP8
 
     def __post_init__(self):
-        if self.rows < 1 or self.seeds < 1:
-            raise StudyConfigError("rows and seeds must be at least 1")
-        if not self.context_tokens or any(int(c) != c or c < 1 for c in self.context_tokens):
-            raise StudyConfigError(f"context_tokens must be positive integers, got {self.context_tokens}")
+        for key, hi in (("rows", MAX_ROWS), ("seeds", MAX_SEEDS), ("seed", 2 ** 63), ("value_dim", 4097)):
+            try:
+                checks.integer(key, getattr(self, key), 0 if key == "seed" else 1, hi)
+            except ValueError as e:
+                raise StudyConfigError(str(e)) from None
+        if self.heads is not None and not (checks.is_int(self.heads) and 1 <= self.heads <= 256):
+            raise StudyConfigError(f"heads: expected an integer in [1, 257), got {self.heads!r:.60}")
+        if (not isinstance(self.context_tokens, list) or not 1 <= len(self.context_tokens) <= 64
+                or any(not checks.is_int(c) or not 1 <= c <= MAX_CONTEXT for c in self.context_tokens)):
+            raise StudyConfigError(f"context_tokens: expected 1 to 64 integers in [1, {MAX_CONTEXT + 1}), "
+                                   f"got {self.context_tokens!r:.80}")
+        for key in ("needle_depths", "needle_margins", "variants", "distributions"):
+            v = getattr(self, key)
+            if not isinstance(v, list) or len(v) > 64:
+                raise StudyConfigError(f"{key}: expected a list of at most 64 entries, got {v!r:.80}")
         if any(not 0 <= dp <= 1 for dp in self.needle_depths):
             raise StudyConfigError(f"needle_depths must lie in [0, 1], got {self.needle_depths}")
         if any(not 0 < m < 1 for m in self.needle_margins):
@@ -217,12 +234,10 @@ STUDY_FILE = Path(__file__).resolve().parents[2] / "cases" / "study.toml"
 
 
 def load_config(name: str, path: Path = STUDY_FILE) -> StudyConfig:
-    import tomllib
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise StudyConfigError(f"{path}: cannot read study file: {e}") from None
+    data = safe_input.load_toml(path, error=StudyConfigError)
     studies = data.get("study", {})
+    if not isinstance(studies, dict) or not all(isinstance(v, dict) for v in studies.values()):
+        raise StudyConfigError(f"{path}: [study.<name>] tables expected")
     if name not in studies:
         raise StudyConfigError(f"{path}: no study named {name!r} (known: {', '.join(studies)})")
     s = dict(studies[name])
@@ -335,7 +350,7 @@ def run(args) -> int:
         raise StudyConfigError(f"--device: expected cpu or cuda, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise StudyConfigError(f"--device: {device} requested but torch sees no CUDA/ROCm GPU")
-    out = Path(args.report_dir or f"reports/study-{cfg.name}")
+    out = Path(args.report_dir or f"reports/study-{atomic.safe_name(cfg.name)}")
     t0 = time.time()
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if args.dump:
@@ -365,16 +380,15 @@ def run(args) -> int:
     print(md)
     print(f"\nreports: {', '.join(paths.values())}")
     if args.readme:
-        Path(args.readme).write_text(md + "\n")
+        atomic.write_text(args.readme, md + "\n")
     return 0
 
 
 def _rerender(args) -> int:
-    import json
 
     from harness.commands import study_report
+    saved = safe_input.load_json(args.from_json, error=StudyConfigError)
     try:
-        saved = json.loads(Path(args.from_json).read_text())
         meta = saved["meta"]
         result = {k: saved[k] for k in ("rows", "needles", "inputs", "merges")}
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -385,7 +399,7 @@ def _rerender(args) -> int:
     print(md)
     print(f"\nreports: {', '.join(paths.values())}")
     if args.readme:
-        Path(args.readme).write_text(md + "\n")
+        atomic.write_text(args.readme, md + "\n")
     return 0
 
 

@@ -14,7 +14,6 @@ import io
 import json
 import math
 import os
-import re
 from pathlib import Path
 from typing import Optional
 from xml.etree import ElementTree as ET
@@ -22,6 +21,7 @@ from xml.etree import ElementTree as ET
 import pandas as pd
 
 from harness.errors import ReportError
+from harness.io import escape, report_shape, safe_input
 
 SCHEMA = "mxval-report"
 SCHEMA_VERSION = 1
@@ -155,12 +155,7 @@ def to_json(df: pd.DataFrame, meta: dict) -> dict:
 def load(report_dir) -> tuple[pd.DataFrame, dict]:
     """(DataFrame, run meta) from DIR/report.json. ReportError (one line) on a bad file."""
     path = Path(report_dir) / "report.json"
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise ReportError(f"{path}: cannot read: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ReportError(f"{path}: not valid JSON ({e})") from None
+    data = safe_input.load_json(path, error=ReportError)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ReportError(f"{path}: not an mxval report (schema {data.get('schema') if isinstance(data, dict) else None!r})")
     if data.get("version") != SCHEMA_VERSION:
@@ -176,6 +171,7 @@ def load(report_dir) -> tuple[pd.DataFrame, dict]:
     for key in ("interrupted", "shard", "budgets", "jobs"):      # read with .get by the renderers
         if run.get(key) is not None and not isinstance(run[key], dict):
             raise ReportError(f"{path}: run.{key} must be an object, got {type(run[key]).__name__}")
+    report_shape.check(data, path)                  # every field the renderers read: type and bounds
     return frame(data["cases"]), run
 
 
@@ -191,27 +187,28 @@ def wide_console():
 def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     from rich.table import Table
     console = console or wide_console()
-    t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}"
-                    f"{part_note(meta)}",
-              caption=meta.get("backend_description") or None, show_lines=False)
+    t = Table(title=escape.rich(f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on "
+                                f"{meta.get('backend', '')}{part_note(meta)}"),
+              caption=escape.rich(meta.get("backend_description")) if meta.get("backend_description") else None,
+              show_lines=False)
     for col in ("case", "status", *[h for h, _, _ in HEADLINE], "chain≠", "s", "reason"):
         t.add_column(col, overflow="fold", max_width=60 if col == "reason" else None)
     for _, r in df.iterrows():
         st = r["status"]
         chain = _num(r.get("chain.page_bytes_mismatched_frac")) if "chain.page_bytes_mismatched_frac" in r else None
-        t.add_row(str(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{st}[/]",
+        t.add_row(escape.rich(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{escape.rich(st)}[/]",
                   *[_fmt(headline(r, m, how)) for _, m, how in HEADLINE], _fmt(chain),
-                  f"{_num(r['seconds']) or 0:.1f}", str(r["reason"] or ""))
+                  f"{_num(r['seconds']) or 0:.1f}", escape.rich(r["reason"] or ""))
     console.print(t)
     s = summary(df, meta)
     verdict = "[green]OK[/]" if s["ok"] else f"[bold red]{verdict_word(s)}[/]"
     if s.get("interrupted"):
-        console.print(f"[bold red]{_interrupt_note(meta)}[/]")
+        console.print(f"[bold red]{escape.rich(_interrupt_note(meta))}[/]")
     console.print(f"{verdict}: {s['pass']} pass, {s['fail']} fail, {s['error']} error, "
                   f"{s['nonfinite_input']} non-finite input, {s['skipped']} skipped")
     if meta.get("budgets_off"):
-        console.print(f"[yellow]checks turned off[/] by {(meta.get('budgets') or {}).get('path', '')}: "
-                      + "; ".join(meta["budgets_off"]))
+        console.print(f"[yellow]checks turned off[/] by {escape.rich((meta.get('budgets') or {}).get('path', ''))}: "
+                      + escape.rich("; ".join(map(str, meta["budgets_off"]))))
 
 
 # --- markdown --------------------------------------------------------------------------------
@@ -294,7 +291,7 @@ def figures(df: pd.DataFrame) -> list[tuple[str, str]]:
                                            for i, p in enumerate(pages)])
         ax.set_xlabel("entry in page")
         fig.colorbar(im, ax=ax, label="mismatched bytes")
-        ax.set_title(f"{r['case']}: mismatched K-cache bytes by page and entry")
+        ax.set_title(escape.mathtext(f"{escape.terminal(r['case'])}: mismatched K-cache bytes by page and entry"))
         out.append((f"Mismatch map of {r['case']} (pages with a mismatch, bytes per entry)", _png(fig)))
     ulp: dict[str, int] = {}
     errs = []
@@ -307,7 +304,7 @@ def figures(df: pd.DataFrame) -> list[tuple[str, str]]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
         if ulp:
             keys = list(ulp)
-            axes[0].bar(keys, [ulp[k] for k in keys], color="tab:blue")
+            axes[0].bar([escape.mathtext(k) for k in keys], [ulp[k] for k in keys], color="tab:blue")
             axes[0].set_yscale("log")
             axes[0].set_xlabel("bf16 ulps from the reference")
             axes[0].set_ylabel("pooled values")
@@ -407,7 +404,7 @@ def junit(df: pd.DataFrame, meta: dict) -> str:
             ET.SubElement(tc, "error", message="cancelled: the run was interrupted")
         suite.set("errors", str(s["error"] + len((meta.get("interrupted") or {}).get("cancelled") or [])))
         suite.set("tests", str(s["cases"] + len((meta.get("interrupted") or {}).get("cancelled") or [])))
-    return ET.tostring(suite, encoding="unicode")
+    return ET.tostring(escape.xml_tree(suite), encoding="unicode")
 
 
 # --- all of them -------------------------------------------------------------------------------
@@ -430,8 +427,8 @@ def write_all(df: pd.DataFrame, meta: dict, out_dir, *, json_source: Optional[Pa
     atomic.write_text(paths["md"], markdown(df, meta))
     atomic.write_text(paths["html"], html(df, meta))
     atomic.write_text(paths["junit"], junit(df, meta))
-    atomic.write_text(paths["csv"], df[[c for c in COLUMNS if c in df.columns] + metric_columns(df)]
-                      .to_csv(index=False))
+    atomic.write_text(paths["csv"], escape.csv_frame(df[[c for c in COLUMNS if c in df.columns]
+                                                       + metric_columns(df)]).to_csv(index=False))
     if json_source is None:
         atomic.write_text(paths["json"], json.dumps(to_json(df, meta), indent=1, default=str))
     elif not _same_file(json_source, paths["json"]):
@@ -452,7 +449,9 @@ def default_dir(name: str, root="reports") -> Path:
     """A fresh directory `<root>/<name>-<YYYYmmdd-HHMMSS>-<pid>[-n]`, created here: two runs
     started in the same second (or one pid reused) never share one."""
     import datetime
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", name)      # suite and backend names become one path part
+
+    from harness.io.atomic import safe_name
+    name = safe_name(name)                            # suite and backend names become one path part
     base = f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     Path(root).mkdir(parents=True, exist_ok=True)
     for n in range(1000):

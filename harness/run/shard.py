@@ -21,7 +21,7 @@ from typing import Callable, Sequence, TypeVar
 from harness.errors import InputError
 
 T = TypeVar("T")
-_SHARD = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
+_SHARD = re.compile(r"^\s*(\d{1,9})\s*/\s*(\d{1,9})\s*$")       # bounded before int()
 MAX_SHARDS = 4096
 
 
