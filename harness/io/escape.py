@@ -3,7 +3,7 @@ it is shown. One function per destination; the renderers call them at the point 
 
   csv_cell   a spreadsheet never evaluates a cell: a text cell starting with `=`, `+`, `-`,
              `@`, a tab or a carriage return gets a leading `'` (OWASP's rule for CSV
-             injection). Numbers are left as numbers.
+             injection); other control characters become `?`. Numbers are left as numbers.
   terminal   no control character reaches a terminal: C0 (but tab), DEL and C1 characters,
              escape sequences included, become `?`; newlines too unless `lines=True`.
   xml_text   characters XML 1.0 cannot hold (C0 but tab/LF/CR, surrogates, U+FFFE/U+FFFF)
@@ -24,17 +24,22 @@ _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
 def csv_cell(v):
-    """A CSV cell that no spreadsheet evaluates (non-strings unchanged)."""
-    if isinstance(v, str) and v.startswith(_FORMULA_START):
-        return "'" + v
-    return v
+    """A CSV cell that no spreadsheet evaluates and no reader splits: a leading `'` before
+    a formula start, control characters but tab and newline (which the writer quotes) as
+    `?` (a bare carriage return would end the row for some readers). Non-strings unchanged."""
+    if not isinstance(v, str):
+        return v
+    if v.startswith(_FORMULA_START):
+        v = "'" + v
+    return _CONTROL.sub("?", v.replace("\r", "?"))
 
 
 def csv_frame(df):
     """A copy of a DataFrame with every text cell through `csv_cell` (column names too)."""
+    from pandas.api.types import is_numeric_dtype
     out = df.copy()
     for c in out.columns:
-        if out[c].dtype == object:
+        if not is_numeric_dtype(out[c]):
             out[c] = out[c].map(csv_cell)
     out.columns = [csv_cell(str(c)) for c in out.columns]
     return out
