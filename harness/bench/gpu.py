@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from harness.io import atomic
 from reference import layout
 
 ENTRY = layout.entry_bytes(128)          # bytes of one MXFP4 key (D = 128)
@@ -450,7 +451,7 @@ def _write_report(out, lines, results, sweeps, notes, var, pd, failures):
     text = "\n".join(lines) + "\n"
     import pathlib
     pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(out).write_text(text)
+    atomic.write_text(out, text)
     print(text)
 
 
