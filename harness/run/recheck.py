@@ -1,0 +1,121 @@
+"""A verdict is computed, never read: the rows of a stored report.json judged again.
+
+`mxval report DIR` and `mxval report --merge DIR...` never take a row's `status` or `ok`
+as written. The budgets the run recorded (`run.budgets`, the limits as texts) are parsed
+back, each row's status is computed again from its metrics (`budgets.verdict`, the judge
+every run uses), and a row whose stored status, `ok` or violations disagree with the
+recomputed ones is refused with one line naming it (exit 2): a report.json passes
+through other hands (a CI artefact, a shard from another machine), and an edited
+`ok = true` must not turn a failure into a pass.
+
+What the metrics cannot say is checked for consistency instead:
+  error            never ok;
+  skipped          ok, and no metrics (a skipped case ran nothing);
+  nonfinite_input  ok exactly when the case declares `expect_nonfinite` (and planted
+                   something).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional
+
+from harness.diff.metrics import Limit
+from harness.errors import ReportError
+from harness.run import budgets as B
+
+_PART = re.compile(r"^(<=|>=) (\S+)$")
+
+
+def _limit(where: str, key: str, text) -> Limit:
+    """A limit from its recorded text ("<= 1", ">= 0.99", "<= 1 and >= 0", "off")."""
+    if text == "off":
+        return B.OFF
+    if not isinstance(text, str):
+        raise ReportError(f"{where}: {key}: expected a limit text such as \"<= 0\", got {text!r:.60}")
+    mx = mn = None
+    for part in text.split(" and "):
+        m = _PART.match(part.strip())
+        try:
+            v = float(m.group(2)) if m else math.nan
+        except ValueError:
+            v = math.nan
+        if not m or not math.isfinite(v):
+            raise ReportError(f"{where}: {key}: expected a limit text such as \"<= 0\", got {text!r:.60}")
+        if m.group(1) == "<=":
+            mx = v
+        else:
+            mn = v
+    return Limit(max=mx, min=mn)
+
+
+def recorded_budgets(meta: dict, where: str) -> B.Budgets:
+    """The budgets a report recorded (`run.budgets`), as the judge uses them."""
+    d = meta.get("budgets")
+    if not isinstance(d, dict) or not isinstance(d.get("default"), dict):
+        raise ReportError(f"{where}: run.budgets: no budgets recorded, so no verdict can be computed")
+
+    def table(scope: str, t) -> dict:
+        if not isinstance(t, dict):
+            raise ReportError(f"{where}: run.budgets.{scope}: expected an object of limits")
+        return {k: _limit(f"{where}: run.budgets.{scope}", k, v) for k, v in t.items()}
+
+    def scopes(name: str) -> dict:
+        t = d.get(name) or {}
+        if not isinstance(t, dict):
+            raise ReportError(f"{where}: run.budgets.{name}: expected an object of scopes")
+        return {s: table(f"{name}.{s}", v) for s, v in t.items()}
+
+    return B.Budgets(str(d.get("path", "")), table("default", d["default"]), scopes("suite"), scopes("case"))
+
+
+def _violated(row: dict) -> set:
+    return {v.get("metric") for v in row.get("violations") or [] if isinstance(v, dict)}
+
+
+def disagreement(row: dict, budgets: B.Budgets, suite: str) -> Optional[str]:
+    """None when the stored verdict of `row` is the one its metrics and the budgets give,
+    else what disagrees."""
+    status, ok = row.get("status"), row.get("ok")
+    metrics = row.get("metrics") or {}
+    if status == "error":
+        return None if ok is False else f"status error with ok = {ok!r} (an error is never ok)"
+    if status == "skipped":
+        if metrics:
+            return f"status skipped but it reports {len(metrics)} metric(s) (a skipped case runs nothing)"
+        return None if ok is True else f"status skipped with ok = {ok!r}"
+    if status == "nonfinite_input":
+        want = bool(row.get("expect_nonfinite")) and bool(row.get("planted"))
+        return None if ok is want else (f"status nonfinite_input with ok = {ok!r}, but the case "
+                                        f"{'declares' if want else 'does not declare (with a plant)'} "
+                                        f"expect_nonfinite")
+    judged = B.verdict({**row, "outcome": "ok", "reason": row.get("reason") or "",
+                        "metrics": {k: _value(v) for k, v in metrics.items()}}, budgets, suite)
+    if judged["status"] != status or judged["ok"] is not ok:
+        why = judged["reason"] if judged["status"] != "pass" else "every budget holds"
+        return f"stored status {status!r} (ok = {ok!r}), but its metrics give {judged['status']!r}: {why}"
+    if _violated(judged) != _violated(row):
+        return (f"its violations {sorted(map(str, _violated(row)))} differ from those its metrics give "
+                f"{sorted(_violated(judged))}")
+    return None
+
+
+def _value(v):
+    """A stored metric value as the judge reads it ("inf" and "nan" were written as text)."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return math.nan
+    return v
+
+
+def check_rows(rows: list, meta: dict, where: str) -> None:
+    """ReportError naming the first row whose stored verdict is not the computed one."""
+    budgets = recorded_budgets(meta, where)
+    suite = str(meta.get("suite") or "")
+    for r in rows:
+        why = disagreement(r, budgets, suite)
+        if why:
+            raise ReportError(f"{where}: case {str(r.get('case'))!r:.80}: {why}; the verdict is computed, "
+                              "never read (refused)")
