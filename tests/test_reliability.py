@@ -303,18 +303,22 @@ def test_an_output_that_is_not_a_regular_file_is_refused_never_replaced(tmp_path
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []     # no temporary left
 
 
-def test_a_study_name_never_leads_its_reports_out_of_reports(tmp_path, capsys, monkeypatch):
-    from harness.io import atomic
+@pytest.mark.parametrize("kind, name", [("study", "../../../x"), ("distribution", '=HYPERLINK(1)$\\macro$[/]')])
+def test_a_study_or_distribution_name_is_a_plain_name(tmp_path, capsys, monkeypatch, kind, name):
+    """A study name becomes part of a path (`reports/study-<name>`), a distribution name a
+    CSV cell and a figure title: one that is not letters, digits and `._-` is refused."""
     work = tmp_path / "a" / "b"
     work.mkdir(parents=True)
-    (work / "study.toml").write_text('[distribution.normal]\n[study."../../../x"]\nvariants = ["exact"]\n'
+    study, dist = (name, "normal") if kind == "study" else ("s", name)
+    (work / "study.toml").write_text(f'[distribution.{json.dumps(dist)}]\n[study.{json.dumps(study)}]\n'
+                                     f'distributions = [{json.dumps(dist)}]\nvariants = ["exact"]\n'
                                      'context_tokens = [512]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
                                      'needle_margins = []\nheads = 2\n')
     monkeypatch.chdir(work)
-    rc, out, err = run(capsys, "study", "--study", "../../../x", "--study-file", work / "study.toml", "--device", "cpu")
-    assert rc == 0, err
-    assert not (tmp_path / "x").exists() and not (tmp_path / "study-x").exists()
-    assert [p.name for p in (work / "reports").iterdir()] == ["study-" + atomic.safe_name("../../../x")]
+    rc, out, err = run(capsys, "study", "--study", study, "--study-file", work / "study.toml", "--device", "cpu")
+    assert rc == 2, (out, err)
+    one_line(err, "study.toml", kind)
+    assert _tree(tmp_path) == {"a", "a/b", "a/b/study.toml"}
 
 
 def test_every_write_goes_through_atomic_with_fsync(tmp_path, monkeypatch):
@@ -640,3 +644,14 @@ def test_the_diff_api_refuses_meta_sparse_and_nested_tensors(kind, where):
         call()
     msg = str(e.value).splitlines()[0]
     assert arg in msg and ("meta" in msg or "strided" in msg or "nested" in msg), msg
+
+
+def test_a_link_inside_a_report_directory_is_refused_not_written_through(tmp_path, capsys, a_report):
+    outside = tmp_path / "outside.md"
+    outside.write_text("keep")
+    d = _report_dir(tmp_path, a_report)
+    (d / "report.md").symlink_to(outside)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, d / "report.md", "symbolic link")
+    assert outside.read_text() == "keep" and (d / "report.md").is_symlink()

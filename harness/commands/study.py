@@ -21,6 +21,7 @@ t-interval of the seeds' means (harness/commands/study_report.py).
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,12 +41,13 @@ from harness.commands.study_metrics import (  # noqa: F401
 from harness.commands.study_report import render, summary_markdown  # noqa: F401
 from harness.commands.study_variants import VARIANTS, Variant, key_side, ordered, query_side  # noqa: F401
 from harness.errors import StudyConfigError
-from harness.io import atomic, safe_input
+from harness.io import atomic, escape, safe_input
 from reference import checks
 from reference.formats import preset
 from reference.k_writer import group_start, k_values
 from reference.q_quant import fold_weights, q_values
 
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
 MAX_CONTEXT = 2 ** 21          # tokens of one studied context (the preset's 1M and some)
 MAX_ROWS = 4096                # query rows per seed
 MAX_SEEDS = 1000
@@ -234,10 +236,23 @@ STUDY_FILE = Path(__file__).resolve().parents[2] / "cases" / "study.toml"
 
 
 def load_config(name: str, path: Path = STUDY_FILE) -> StudyConfig:
-    data = safe_input.load_toml(path, error=StudyConfigError)
+    try:
+        data = safe_input.load_toml(path, error=StudyConfigError)
+    except StudyConfigError as e:
+        msg = str(e)
+        if "cannot read" not in msg:
+            msg = msg.replace(f"{path}: ", f"{path}: cannot read study file: ", 1)
+        raise StudyConfigError(msg) from None
     studies = data.get("study", {})
     if not isinstance(studies, dict) or not all(isinstance(v, dict) for v in studies.values()):
         raise StudyConfigError(f"{path}: [study.<name>] tables expected")
+    if not isinstance(data.get("distribution", {}), dict):
+        raise StudyConfigError(f"{path}: [distribution.<name>] tables expected")
+    for kind, names in (("study", list(studies)), ("distribution", list(data.get("distribution", {})))):
+        bad = next((n for n in names if not _NAME.fullmatch(n)), None)
+        if bad is not None:                 # names become file names, CSV cells, figure titles
+            raise StudyConfigError(f"{path}: [{kind}.{bad!r:.60}]: a name is 1 to 64 letters, digits, "
+                                   "'.', '_' or '-' (not starting with '.' or '-')")
     if name not in studies:
         raise StudyConfigError(f"{path}: no study named {name!r} (known: {', '.join(studies)})")
     s = dict(studies[name])
@@ -377,7 +392,7 @@ def run(args) -> int:
             "tolerance": cfg.tolerance, "dump": bool(args.dump)}
     paths = study_report.render(result, out, title=f"mxval study: {cfg.name}", meta=meta)
     md = study_report.summary_markdown(result, meta)
-    print(md)
+    print(escape.terminal(md, lines=True))
     print(f"\nreports: {', '.join(paths.values())}")
     if args.readme:
         atomic.write_text(args.readme, md + "\n")
@@ -387,7 +402,10 @@ def run(args) -> int:
 def _rerender(args) -> int:
 
     from harness.commands import study_report
-    saved = safe_input.load_json(args.from_json, error=StudyConfigError)
+    try:
+        saved = safe_input.load_json(args.from_json, error=StudyConfigError)
+    except StudyConfigError as e:
+        raise StudyConfigError(f"--from-json: not a study.json ({e})") from None
     try:
         meta = saved["meta"]
         result = {k: saved[k] for k in ("rows", "needles", "inputs", "merges")}
@@ -396,7 +414,7 @@ def _rerender(args) -> int:
     out = Path(args.report_dir or Path(args.from_json).parent)
     paths = study_report.render(result, out, title=f"mxval study: {meta.get('study', '?')}", meta=meta)
     md = study_report.summary_markdown(result, meta)
-    print(md)
+    print(escape.terminal(md, lines=True))
     print(f"\nreports: {', '.join(paths.values())}")
     if args.readme:
         atomic.write_text(args.readme, md + "\n")
