@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness.bench import startup
 from harness.io import atomic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -418,7 +419,7 @@ def main(argv=None) -> int:
     results = {d: {w: _run_worker(w, d, args.repeats) for w in ("k_path", "scoring", "scoring_wide")} for d in devices}
     if not args.skip_waits:
         results.setdefault("cpu", {})["user_waits"] = _run_worker("user_waits", "cpu", 1)
-    text = table(machine(), results)
+    text = table(machine(), results) + "\n" + startup.section(args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(args.out, text + "\n")
     print(text)

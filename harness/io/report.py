@@ -69,8 +69,16 @@ def _num(v) -> Optional[float]:
     return None if math.isnan(f) else f
 
 
+def _chain_frac() -> str:
+    """The whole chain's K-byte headline column. The metric table is imported here, not at the
+    top: `mxval report DIR` re-renders a report without loading torch."""
+    from harness.diff.metrics import chain_key
+    return chain_key("page_bytes_mismatched_frac")
+
+
 def headline(row, suffix: str, how: str) -> Optional[float]:
-    vals = [_num(row[c]) for c in row.index if is_metric(c) and not c.startswith("chain.")
+    from harness.diff.metrics import is_chain  # (see _chain_frac)
+    vals = [_num(row[c]) for c in row.index if is_metric(c) and not is_chain(c)
             and c.endswith("." + suffix)]
     vals = [v for v in vals if v is not None]
     if not vals:
@@ -88,12 +96,15 @@ def _fmt(v) -> str:
 
 def summary(df: pd.DataFrame, meta: Optional[dict] = None) -> dict:
     """Counts and the verdict. A run that was interrupted (`meta["interrupted"]`) is never
-    ok, whatever its finished cases say."""
+    ok, whatever its finished cases say; nor is one that checked nothing: every case
+    skipped, or no case at all (a merge of zero cases; but a shard that was given none)."""
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     out = {s: int(counts.get(s, 0)) for s in ("pass", "fail", "error", "nonfinite_input", "skipped")}
     out["cases"] = int(len(df))
     out["ok"] = bool(df["ok"].all()) if len(df) else True
-    if len(df) and out["skipped"] == len(df):      # every case skipped: nothing was checked, never a pass
+    sh = (meta or {}).get("shard")
+    empty_shard = isinstance(sh, dict) and not sh.get("cases")
+    if (len(df) and out["skipped"] == len(df)) or (not len(df) and not empty_shard):   # never a pass
         out["nothing_checked"] = True
         out["ok"] = False
     if (meta or {}).get("interrupted"):
@@ -116,7 +127,7 @@ def verdict_word(s: dict) -> str:
     if s.get("interrupted"):
         return "INTERRUPTED"
     if s.get("nothing_checked"):
-        return "NOTHING CHECKED (every case skipped)"
+        return "NOTHING CHECKED (" + ("every case skipped)" if s.get("cases") else "no case)")
     return "OK" if s["ok"] else "FAILED"
 
 
@@ -195,7 +206,7 @@ def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
         t.add_column(col, overflow="fold", max_width=60 if col == "reason" else None)
     for _, r in df.iterrows():
         st = r["status"]
-        chain = _num(r.get("chain.page_bytes_mismatched_frac")) if "chain.page_bytes_mismatched_frac" in r else None
+        chain = _num(r.get(_chain_frac())) if _chain_frac() in r else None
         t.add_row(escape.rich(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{escape.rich(st)}[/]",
                   *[_fmt(headline(r, m, how)) for _, m, how in HEADLINE], _fmt(chain),
                   f"{_num(r['seconds']) or 0:.1f}", escape.rich(r["reason"] or ""))
@@ -235,7 +246,7 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
              "| case | status | " + " | ".join(h for h, _, _ in HEADLINE) + " | chain≠ frac | reason |",
              "|---|---|" + "---|" * len(HEADLINE) + "---|---|"]
     for _, r in df.iterrows():
-        chain = _num(r["chain.page_bytes_mismatched_frac"]) if "chain.page_bytes_mismatched_frac" in r else None
+        chain = _num(r[_chain_frac()]) if _chain_frac() in r else None
         reason = str(r["reason"] or "").replace("|", "\\|")
         lines.append(f"| {r['case']} | {r['status']} | "
                      + " | ".join(_fmt(headline(r, m, how)) for _, m, how in HEADLINE)

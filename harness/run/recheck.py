@@ -8,6 +8,10 @@ recomputed ones is refused with one line naming it (exit 2): a report.json passe
 through other hands (a CI artefact, a shard from another machine), and an edited
 `ok = true` must not turn a failure into a pass.
 
+A selftest report's rows judge the judge: a fault run passes when a budget breaks (its
+stored pass needs violations its metrics give), a correct run passes when none does; a
+row stored as failing is never more favourable than the truth and stands as written.
+
 What the metrics cannot say is checked for consistency instead:
   error            never ok;
   skipped          ok, and no metrics (a skipped case ran nothing);
@@ -22,6 +26,7 @@ from typing import Optional
 
 from harness.diff.metrics import Limit
 from harness.errors import ReportError
+from harness.io import report
 from harness.run import budgets as B
 
 _PART = re.compile(r"^(<=|>=) (\S+)$")
@@ -73,9 +78,27 @@ def _violated(row: dict) -> set:
     return {v.get("metric") for v in row.get("violations") or [] if isinstance(v, dict)}
 
 
-def disagreement(row: dict, budgets: B.Budgets, suite: str) -> Optional[str]:
+def _selftest_disagreement(row: dict, budgets: B.Budgets, suite: str) -> Optional[str]:
+    status, ok = row.get("status"), row.get("ok")
+    if status in ("fail", "error"):
+        return None if ok is False else f"status {status} with ok = {ok!r}"
+    if status == "skipped":
+        return None if ok is True and not row.get("metrics") else f"status skipped with ok = {ok!r} or metrics"
+    if status != "pass" or ok is not True:
+        return f"status {status!r} with ok = {ok!r} in a selftest report"
+    case = str(row.get("case")).split(" [seed ")[0]          # "<case> [seed N] on <backend>"
+    broke = budgets.check({k: _value(v) for k, v in (row.get("metrics") or {}).items()}, suite, case)
+    if str(row.get("backend", "")).startswith("fault:"):
+        return None if broke else "a fault run stored as caught, but no budget breaks on its metrics"
+    return None if not broke else (f"a correct run stored as pass, but its metrics break "
+                                   f"{', '.join(v['metric'] for v in broke[:3])}")
+
+
+def disagreement(row: dict, budgets: B.Budgets, suite: str, *, selftest: bool = False) -> Optional[str]:
     """None when the stored verdict of `row` is the one its metrics and the budgets give,
     else what disagrees."""
+    if selftest:
+        return _selftest_disagreement(row, budgets, suite)
     status, ok = row.get("status"), row.get("ok")
     metrics = row.get("metrics") or {}
     if status == "error":
@@ -110,12 +133,18 @@ def _value(v):
     return v
 
 
+def check_frame(df, meta: dict, where) -> None:
+    """`check_rows` on the rows of a loaded report (harness.io.report.load)."""
+    check_rows(report.to_json(df, meta)["cases"], meta, str(where))
+
+
 def check_rows(rows: list, meta: dict, where: str) -> None:
     """ReportError naming the first row whose stored verdict is not the computed one."""
     budgets = recorded_budgets(meta, where)
     suite = str(meta.get("suite") or "")
+    selftest = meta.get("command") == "selftest"
     for r in rows:
-        why = disagreement(r, budgets, suite)
+        why = disagreement(r, budgets, suite, selftest=selftest)
         if why:
             raise ReportError(f"{where}: case {str(r.get('case'))!r:.80}: {why}; the verdict is computed, "
                               "never read (refused)")
