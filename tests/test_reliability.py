@@ -655,3 +655,166 @@ def test_a_link_inside_a_report_directory_is_refused_not_written_through(tmp_pat
     assert rc == 2, (out, err)
     one_line(err, d / "report.md", "symbolic link")
     assert outside.read_text() == "keep" and (d / "report.md").is_symlink()
+
+
+# --- a verdict is computed, never read ---------------------------------------------------------------
+
+def _failing(a_report):
+    data = json.loads(json.dumps(a_report))
+    c = data["cases"][0]
+    c["metrics"]["k_norm_rope_mxfp4_cache.page_bytes_mismatched"] = 3
+    c.update(status="fail", ok=False, reason="k_norm_rope_mxfp4_cache.page_bytes_mismatched 3 > 0",
+             violations=[{"metric": "k_norm_rope_mxfp4_cache.page_bytes_mismatched", "value": 3, "limit": "<= 0",
+                          "why": "3 > 0"}])
+    return data
+
+
+def test_an_honest_failing_report_re_renders_as_failing(tmp_path, capsys, a_report):
+    rc, out, err = run(capsys, "report", _report_dir(tmp_path, _failing(a_report)), "-q")
+    assert rc == 1, err
+
+
+VERDICT_EDITS = [
+    ("ok = true on a failing row", lambda c: c.update(ok=True)),
+    ("status pass, ok true, violations kept", lambda c: c.update(status="pass", ok=True)),
+    ("status pass, violations dropped", lambda c: c.update(status="pass", ok=True, violations=[], reason="")),
+    ("status skipped with metrics", lambda c: c.update(status="skipped", ok=True, violations=[])),
+    ("status error, ok true", lambda c: c.update(status="error", ok=True)),
+    ("nonfinite_input ok without expect_nonfinite", lambda c: c.update(status="nonfinite_input", ok=True)),
+    ("ok the string false", lambda c: c.update(ok="false")),
+]
+
+
+@pytest.mark.parametrize("label, edit", VERDICT_EDITS, ids=[v[0] for v in VERDICT_EDITS])
+def test_an_edited_verdict_is_refused_naming_the_row(tmp_path, capsys, a_report, label, edit):
+    data = _failing(a_report)
+    edit(data["cases"][0])
+    data["summary"]["ok"] = True
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (label, out, err)
+    one_line(err, d / "report.json", "smoke-rowend-k")
+
+
+def test_a_report_of_zero_cases_is_nothing_checked(tmp_path, capsys, a_report):
+    data = _failing(a_report)
+    data["cases"] = []
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d)
+    assert rc == 1, (out, err)
+    assert "NOTHING CHECKED" in out and "NOTHING CHECKED" in (d / "report.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    for k in (1, 2):
+        assert main(["validate", "--case", "smoke-rowend-k", "--case", "smoke-chunks-shuffled", "--backend", "reference",
+                     "--shard", f"{k}/2", "--report-dir", str(d / f"s{k}"), "-q"]) == 0
+    return d
+
+
+def _copy_shards(shards, tmp_path, edit=None):
+    import shutil
+    out = []
+    for k in (1, 2):
+        dst = tmp_path / f"s{k}"
+        shutil.copytree(shards / f"s{k}", dst)
+        if edit:
+            data = json.loads((dst / "report.json").read_text())
+            edit(k, data)
+            (dst / "report.json").write_text(json.dumps(data))
+        out.append(dst)
+    return out
+
+
+def test_a_merge_recomputes_each_shards_verdicts(tmp_path, capsys, shards):
+    def edit(k, data):
+        if data["cases"]:
+            c = data["cases"][0]
+            c["metrics"]["k_norm_rope_mxfp4_cache.page_bytes_mismatched"] = 7    # failing; verdict left as pass
+    dirs = _copy_shards(shards, tmp_path, edit)
+    rc, out, err = run(capsys, "report", "--merge", *dirs, "--report-dir", tmp_path / "m", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "page_bytes_mismatched", "report.json")
+
+
+def test_a_merge_of_zero_cases_is_nothing_checked(tmp_path, capsys, shards):
+    def edit(k, data):
+        data["cases"] = []
+        data["run"]["shard"]["cases"] = []
+        data["run"]["shard"]["all_cases"] = []
+    dirs = _copy_shards(shards, tmp_path, edit)
+    rc, out, err = run(capsys, "report", "--merge", *dirs, "--report-dir", tmp_path / "m", "-q")
+    assert rc == 1, (out, err)
+    assert "NOTHING CHECKED" in (tmp_path / "m" / "report.md").read_text()
+
+
+# --- interrupts keep what finished ---------------------------------------------------------------------
+
+def test_diff_interrupted_keeps_the_files_replayed(tmp_path, capsys, monkeypatch, dumps):
+    """Ctrl-C during the third of four dumps: a partial report of the two, re-renderable."""
+    from harness.run import replay
+    files = []
+    for i in range(4):
+        f = tmp_path / f"d{i}.safetensors"
+        f.write_bytes(dumps["good"].read_bytes())
+        files.append(f)
+    real, calls = replay.replay_dump, []
+
+    def replay_dump(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(replay, "replay_dump", replay_dump)
+    rc, out, err = run(capsys, "diff", *files, "--report-dir", tmp_path / "r", "-q")
+    assert rc == 130, err
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert [c["case"] for c in data["cases"]] == ["d0.safetensors", "d1.safetensors"]
+    assert data["run"]["interrupted"]["cancelled"] == ["d2.safetensors", "d3.safetensors"]
+    assert run(capsys, "report", tmp_path / "r", "-q")[0] == 130
+
+
+def test_a_signal_while_the_reports_are_written_leaves_them_whole(tmp_path, capsys, monkeypatch):
+    """SIGINT arriving in the middle of writing the report files: they are finished first
+    (report.json included), then the run exits 130."""
+    import os
+    import signal
+
+    from harness.io import report
+    real = report.markdown
+
+    def markdown(*a, **kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **kw)
+    monkeypatch.setattr(report, "markdown", markdown)
+    rc, out, err = run(capsys, "validate", "--case", "smoke-rowend-k", "--backend", "reference",
+                       "--report-dir", tmp_path / "r", "-q")
+    assert rc == 130, err
+    assert {p.name for p in (tmp_path / "r").iterdir()} >= {"report.json", "report.md", "junit.xml", "metrics.csv"}
+    monkeypatch.setattr(report, "markdown", real)
+    assert run(capsys, "report", tmp_path / "r", "-q")[0] == 0
+
+
+def test_study_interrupted_keeps_the_contexts_that_finished(tmp_path, capsys, monkeypatch):
+    from harness.commands import study
+    (tmp_path / "s.toml").write_text('[distribution.normal]\n[study.s]\nvariants = ["exact", "mxfp4"]\n'
+                                     'context_tokens = [512, 1024, 2048]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
+                                     'needle_margins = []\nheads = 2\n')
+    real, calls = study._study_context, []
+
+    def context(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(study, "_study_context", context)
+    rc, out, err = run(capsys, "study", "--study", "s", "--study-file", tmp_path / "s.toml", "--device", "cpu",
+                       "--report-dir", tmp_path / "r")
+    assert rc == 130, err
+    saved = json.loads((tmp_path / "r" / "study.json").read_text())
+    assert saved["meta"]["interrupted"]["cases_done"] == 1
+    assert {r["context_tokens"] for r in saved["rows"]} == {512}
+    rc, out, err = run(capsys, "study", "--from-json", tmp_path / "r" / "study.json", "--report-dir", tmp_path / "r2")
+    assert rc == 0, err

@@ -34,7 +34,7 @@ from harness.errors import (
     UsageError,
 )
 from harness.io import atomic, escape
-from harness.run.signals import catch_sigterm, restore_sigterm
+from harness.run.signals import catch_sigterm, hold, release_all, restore_sigterm, stopped_by
 
 __all__ = ["EXIT_FAIL", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UsageError",
            "build_parser", "main"]
@@ -107,10 +107,15 @@ def cmd_diff(args) -> int:
     run.check_budgets({os.path.basename(d.path): d.ops for d in dumps}, chain=False, what="file")
     run.claim(f"diff-diff-{be.name if be else 'reference'}")
     rows = []
-    for d in dumps:
-        t = time.time()
-        reports = replay_dump(d, backend=be)
-        rows.append(dump_row(d.path, reports, be.name if be else "reference", time.time() - t))
+    try:
+        for d in dumps:
+            t = time.time()
+            reports = replay_dump(d, backend=be)
+            rows.append(dump_row(d.path, reports, be.name if be else "reference", time.time() - t))
+    except KeyboardInterrupt:                   # Ctrl-C/SIGTERM: the files replayed so far are the report
+        run.stopped = {"signal": stopped_by(), "cases_done": len(rows),
+                       "cancelled": [os.path.basename(d.path) for d in dumps[len(rows):]]}
+    hold()                                       # released by `record`, once the report is whole
     shown = be or Backend("reference", "the reference replays each dump's inputs")
     meta = run.meta(backend=shown.name, backend_requested=args.backend or "reference",
                     backend_description=shown.description, device=str(shown.device), files=list(args.files))
@@ -338,6 +343,7 @@ def _run(args, run: dict) -> int:
         report = sys.modules.get("harness.io.report")     # locks exist only once it was loaded
         if report is not None:
             report.release_locks()
+        release_all()
         restore_sigterm(previous)
 
 
@@ -349,7 +355,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         args = ap.parse_args(argv)
         check_args(ap, args)
         return _run(args, run)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:                # before any work finished: no half-made report directory
+        _unclaim(args)
         print("mxval: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except SystemExit as e:           # --help

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +41,9 @@ from harness.commands.study_metrics import (  # noqa: F401
 )
 from harness.commands.study_report import render, summary_markdown  # noqa: F401
 from harness.commands.study_variants import VARIANTS, Variant, key_side, ordered, query_side  # noqa: F401
-from harness.errors import StudyConfigError
+from harness.errors import EXIT_INTERRUPTED, StudyConfigError
 from harness.io import atomic, escape, safe_input
+from harness.run.signals import hold, release, stopped_by
 from reference import checks
 from reference.formats import preset
 from reference.k_writer import group_start, k_values
@@ -196,7 +198,8 @@ def _study_context(cfg, d, names, kside, same_k, tokens, res, merges):
 def run_study(cfg: StudyConfig, *, device: str = "cpu", progress=None) -> dict:
     """-> {"rows": per (distribution, seed, context, variant), "needles": per (..., depth,
     margin), "inputs": per (distribution, seed) statistics, "merges": variants whose
-    operands were compared with another's}."""
+    operands were compared with another's}. Ctrl-C or SIGTERM stops it: the contexts that
+    finished are kept (a context half scored is dropped), and "interrupted" says so."""
     p = preset(cfg.model)
     heads = cfg.heads or p.index_heads
     contexts = sorted(set(int(c) for c in cfg.context_tokens))
@@ -205,6 +208,21 @@ def run_study(cfg: StudyConfig, *, device: str = "cpu", progress=None) -> dict:
     res = {"rows": [], "needles": [], "inputs": [], "merges": {}}
     merges = {n: {"into": VARIANTS[n].merge_into, "values": 0, "differ": 0}
               for n in names if VARIANTS[n].merge_into}
+    mark = {k: 0 for k in ("rows", "needles", "inputs")}
+    units = len(cfg.distributions) * len(cfg.seed_list) * len(contexts)
+    try:
+        _study_all(cfg, device, progress, contexts, jmax, names, heads, res, merges, mark)
+    except KeyboardInterrupt:
+        for k, n in mark.items():
+            del res[k][n:]
+        done = len({(r["distribution"], r["seed"], r["context_tokens"]) for r in res["rows"]})
+        res["interrupted"] = {"signal": stopped_by(), "cases_done": done, "cancelled": [f"{units - done} of {units} "
+                                                                                        "(distribution, seed, context)"]}
+    res["merges"] = merges
+    return res
+
+
+def _study_all(cfg, device, progress, contexts, jmax, names, heads, res, merges, mark) -> None:
     with torch.no_grad():
         for dist in cfg.distributions:
             for seed in cfg.seed_list:
@@ -224,10 +242,9 @@ def run_study(cfg: StudyConfig, *, device: str = "cpu", progress=None) -> dict:
                         merges[n]["differ"] += int((a != b).sum())
                 for tokens in contexts:
                     _study_context(cfg, d, names, kside, same_k, tokens, res, merges)
+                    mark.update({k: len(res[k]) for k in mark})      # a whole context: kept on Ctrl-C
                     if progress:
                         progress()
-    res["merges"] = merges
-    return res
 
 
 # --- configuration ------------------------------------------------------------------------
@@ -369,17 +386,27 @@ def run(args) -> int:
     t0 = time.time()
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if args.dump:
-        parts = [study_dump(path, cfg, device=device) for path in args.dump]
+        parts = []
+        try:
+            for path in args.dump:
+                parts.append(study_dump(path, cfg, device=device))
+            stopped = None
+        except KeyboardInterrupt:               # the dumps studied so far are the report
+            stopped = {"signal": stopped_by(), "cases_done": len(parts), "cancelled": list(args.dump[len(parts):])}
         result = {k: sum((p[k] for p in parts), []) for k in ("rows", "needles", "inputs")}
         result["merges"] = {}
+        if stopped:
+            result["interrupted"] = stopped
     else:
         from rich.progress import Progress
         total = len(cfg.distributions) * len(cfg.seed_list) * len(set(cfg.context_tokens))
         with Progress(transient=True) as bar:
             task = bar.add_task(f"study {cfg.name}", total=total)
             result = run_study(cfg, device=device, progress=lambda: bar.advance(task))
+    hold()                                    # from here a Ctrl-C waits until the report is whole
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+    stopped = result.pop("interrupted", None)
     p = preset(cfg.model)
     meta = {"study": cfg.name, "machine": machine_name(device), "device": device,
             "seconds": time.time() - t0, "when": datetime.date.today().isoformat(),
@@ -390,10 +417,17 @@ def run(args) -> int:
             "distribution_fields": {d.name: study_report.distribution_fields(d) for d in cfg.distributions},
             "needle_depths": cfg.needle_depths, "needle_margins": cfg.needle_margins,
             "tolerance": cfg.tolerance, "dump": bool(args.dump)}
+    if stopped:
+        meta["interrupted"] = stopped
     paths = study_report.render(result, out, title=f"mxval study: {cfg.name}", meta=meta)
     md = study_report.summary_markdown(result, meta)
+    late = release()
     print(escape.terminal(md, lines=True))
     print(f"\nreports: {', '.join(paths.values())}")
+    if stopped or late:
+        print(f"mxval: interrupted: partial study report ({len(result['rows'])} row(s) kept; re-render with "
+              f"`mxval study --from-json {out / 'study.json'}`)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if args.readme:
         atomic.write_text(args.readme, md + "\n")
     return 0

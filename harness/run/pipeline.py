@@ -33,7 +33,7 @@ from harness.run import shard as S
 from harness.run.cases import Catalog, on_path
 from harness.run.inputs import geometry
 from harness.run.record import run_meta
-from harness.run.signals import stopped_by
+from harness.run.signals import deferred, hold, release, stopped_by
 from optimized import BackendUnavailable, get_backend
 
 # --- helpers of the plan ---------------------------------------------------------------------
@@ -187,6 +187,7 @@ class Run:
                     self.stopped["cases_done"] = len(results)
                     self.stopped["cancelled"] = [label(x) for _, its in groups for x in its if id(x) not in finished]
                     break
+        hold()                                   # released by `record`, once the report is whole
         return results
 
     # judge and record
@@ -219,8 +220,13 @@ class Run:
         """Judge the rows, write every report format, show the console table: the exit status."""
         meta.update(self.budgets_meta())
         df = report.frame(self.judge(rows))
-        paths = self.write(df, meta)
+        with deferred() as late:                 # a Ctrl-C now waits until the report is whole
+            paths = self.write(df, meta)
+            late += release()                    # the hold `execute` (or the command) took
         print(f"reports: {self.out}/ ({', '.join(Path(p).name for p in paths.values())})")
+        if late:
+            print(f"mxval: {late[0]} while the reports were written: they were finished first", file=sys.stderr)
+            return EXIT_INTERRUPTED
         if meta.get("interrupted"):
             print(f"mxval: interrupted: partial report ({len(rows)} case(s) finished, "
                   f"{len(meta['interrupted']['cancelled'])} cancelled)", file=sys.stderr)
