@@ -20,13 +20,14 @@ else
 endif
 MXVAL := $(PY) -m harness
 
-.PHONY: env lint test test-upstream test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
+.PHONY: report-screenshot env lint test test-upstream test-aiter test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
 
 env: $(ENV_STAMP)
 
 $(VENV)/.mxval-installed: pyproject.toml constraints.txt
+	@echo "mxval: creating $(VENV) and installing the pinned CPU stack (constraints.txt: torch, triton, pandas, matplotlib, pytest, ...); a first install downloads about 1 GB and takes minutes"
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt torch triton -e '.[test]'
+	$(VENV)/bin/pip install --disable-pip-version-check -c constraints.txt torch triton -e '.[test]'
 	touch $@
 
 .mxval-env-system: pyproject.toml tools/ensure_env.py
@@ -51,6 +52,13 @@ test-upstream: $(ENV_STAMP)
 	$(MXVAL) upstream fetch
 	$(PY) -m pytest -q -m "upstream and not gpu"
 
+# aiter's real K writer and Q quant (wrappers + Triton kernels, loaded from the aiter tree
+# AITER=DIR, never imported; its files must match optimized/upstream.py's pins) through the
+# Triton interpreter, byte for byte against the reference (tests marked `upstream`).
+test-aiter: $(ENV_STAMP)
+	@if [ -z "$(AITER)" ]; then echo "mxval: make test-aiter: give the aiter tree, AITER=DIR"; exit 2; fi
+	MXVAL_AITER_SRC="$(abspath $(AITER))" $(PY) -m pytest -q -m "upstream and not gpu" tests/test_aiter_upstream.py
+
 # GPU suite: compiled Triton against the reference (an NVIDIA or AMD GPU).
 test-gpu: $(ENV_STAMP)
 	$(PY) -m pytest -q -m gpu
@@ -74,8 +82,8 @@ study: $(ENV_STAMP)
 
 # The adapters' and the capture hook's upstream targets (optimized/upstream.py) against a
 # vLLM release, read with ast: the wheel is downloaded once (no dependencies) into
-# ~/.cache/mxval/upstream. VLLM=VERSION picks the release (default: the newest the table
-# knows), AITER=DIR adds an aiter checkout.
+# ~/.cache/mxval/upstream. VLLM=VERSION picks the release (default: the newest on the
+# package index), AITER=DIR adds an aiter tree.
 check-upstream: $(ENV_STAMP)
 	$(MXVAL) upstream fetch $(if $(VLLM),--vllm $(VLLM))
 	$(MXVAL) upstream check $(if $(VLLM),--vllm $(VLLM)) $(if $(AITER),--aiter $(AITER))
@@ -91,3 +99,9 @@ readme-matrix: $(ENV_STAMP)
 readme-study: $(ENV_STAMP)
 	$(MXVAL) study --report-dir reports/study --readme docs/study-summary.md
 	$(PY) tools/splice_readme.py study docs/study-summary.md
+
+# docs/report-example.png: the HTML report of a failing run (the smoke suite with a K-writer
+# fault) as headless Chromium draws it (tools/chromium.py; Debian: apt-get install chromium).
+report-screenshot: $(ENV_STAMP)
+	$(MXVAL) validate --suite smoke --backend fault:nibbles-swapped --budgets cases/budgets.toml -q --report-dir reports/report-example --force || test $$? -eq 1
+	$(PY) tools/chromium.py screenshot reports/report-example/report.html docs/report-example.png --height 2400

@@ -4,10 +4,11 @@ goes to the module's own layer or below, and no import cycle exists.
 The order, lowest first (README's tour says the same):
 
     reference < optimized < harness.errors < harness.diff < harness.io < harness.run
-      < {harness.capture, harness.study, harness.bench} < harness.commands
+      < harness.capture < {harness.study, harness.bench} < harness.commands
 
 `reference/` is pure torch: it imports no Triton. A module imports only from its own layer or
-below; the three peers of the sixth layer do not import each other.
+below; the two peers of the eighth layer do not import each other (the capture hook is below
+them: the bench measures its cost).
 """
 from __future__ import annotations
 
@@ -27,15 +28,14 @@ LAYERS = (
     ("harness.diff", 3),
     ("harness.io", 4),
     ("harness.run", 5),
-    ("harness.capture", 6), ("harness.study", 6), ("harness.bench", 6),
-    ("harness.commands", 7), ("harness.__main__", 7), ("harness", 7),
+    ("harness.capture", 6),
+    ("harness.study", 7), ("harness.bench", 7),
+    ("harness.commands", 8), ("harness.__main__", 8), ("harness", 8),
 )
 
 # Violations that remain in modules other work is moving, each named, with why it is allowed
 # for now. An entry that no longer occurs fails the test (the list only shrinks).
 ALLOWED: dict[tuple[str, str], str] = {
-    # the capture hook sits in io/ and replays through run/: it moves next to what it hooks
-    ("harness.io.capture", "harness.run.replay"): "harness/io/capture.py moves out of io/",
 }
 
 
@@ -89,7 +89,7 @@ def upward(g: dict, mods: dict[str, Path]) -> list[str]:
         rank, name = layer(m)
         for t, line in edges:
             trank, tname = layer(t)
-            if trank > rank or (trank == rank and tname != name and rank == 6):
+            if trank > rank or (trank == rank and tname != name and rank == 7):
                 out.append(f"{m} -> {t} ({mods[m].relative_to(ROOT) if mods[m].is_relative_to(ROOT) else mods[m]}"
                            f":{line}: {name} imports {tname})")
     return out
@@ -179,7 +179,7 @@ def test_the_checker_sees_upward_imports_and_cycles_inside_functions(tmp_path):
 
 
 @pytest.mark.parametrize("module,rank", [("reference.ops", 0), ("optimized.faults", 1), ("harness.errors", 2),
-                                         ("harness.run.pipeline", 5), ("harness.bench.gpu", 6),
-                                         ("harness.commands.cli", 7), ("harness", 7)])
+                                         ("harness.run.pipeline", 5), ("harness.capture.hook", 6),
+                                         ("harness.bench.gpu", 7), ("harness.commands.cli", 8), ("harness", 8)])
 def test_layer_of(module, rank):
     assert layer(module)[0] == rank

@@ -818,3 +818,23 @@ def test_study_interrupted_keeps_the_contexts_that_finished(tmp_path, capsys, mo
     assert {r["context_tokens"] for r in saved["rows"]} == {512}
     rc, out, err = run(capsys, "study", "--from-json", tmp_path / "r" / "study.json", "--report-dir", tmp_path / "r2")
     assert rc == 0, err
+
+
+def test_recorded_budgets_edited_to_pass_are_refused(tmp_path, capsys, a_report, shards):
+    """The recomputation trusts no edited limit silently: a check turned "off" must show in
+    run.budgets_off, and a shard's limits must be those its digest names."""
+    data = _failing(a_report)
+    c = data["cases"][0]
+    c.update(status="pass", ok=True, violations=[], reason="")
+    data["run"]["budgets"]["default"]["page_bytes_mismatched"] = "off"
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "page_bytes_mismatched", "budgets_off")
+
+    def loosen(k, data):
+        data["run"]["budgets"]["default"]["page_bytes_mismatched"] = "<= 1000000"
+    dirs = _copy_shards(shards, tmp_path / "m", loosen)
+    rc, out, err = run(capsys, "report", "--merge", *dirs, "--report-dir", tmp_path / "out", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "budgets_digest")

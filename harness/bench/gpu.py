@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from harness.bench import capture as capture_bench
 from harness.io import atomic
 from reference import layout
 
@@ -266,6 +267,7 @@ def main(argv=None) -> int:
         pd = measure_pool_fast_exp()
 
     section(variants)
+    section(capture_bench.section_for(lines))
     _write_report(a.out, lines, results, sweeps, notes, var, pd, failures)
     return 1 if failures else 0
 

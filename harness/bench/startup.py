@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness.errors import EXIT_OK
+
 REPO = Path(__file__).resolve().parents[2]
 TARGET = 0.3
 COMMANDS = (
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.bench.startup", description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     print(section(ap.parse_args(argv).repeats))
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -110,6 +110,13 @@ _TABLE = (
     _m("topk_out_of_range", "topk", "count", "indices < -1 or past the row's length", required=True,
        chain="required"),
     _m("topk_below_threshold", "topk", "count", "indices failing the tie rule", required=True, chain="allowed"),
+    # top-k: what the selection keeps of the exact top-k (diff_topk -> selection_metrics)
+    _m("topk_mass_kept_min", "topk", "min", "min over rows of the proxy attention mass kept (softmax of the "
+       "exact logits, harness/diff/scores.py score_weights)", chain="allowed"),
+    _m("topk_top64_kept_min", "topk", "min", "min over rows of the exact top-64 kept (k > 64)", chain="allowed"),
+    _m("topk_top256_kept_min", "topk", "min", "min over rows of the exact top-256 kept (k > 256)", chain="allowed"),
+    _m("topk_rank_lost_min", "topk", "min", "the best exact rank among keys lost beyond the tie rule (emitted "
+       "only by a step that lost one)", chain="allowed", hi=math.inf),
     # any stage
     _m("nonfinite_inputs", ANY, "count", "non-finite inputs (outside the contract)", always_fail=True,
        chain="allowed"),

@@ -100,10 +100,12 @@ def _scalar(where: str, v) -> None:
         raise _Bad(f"{where}: expected a number, a string or a list of them, got {_kind(v)}")
 
 
-def _rows(where: str, v, width: int) -> None:
+def _rows(where: str, v, width: int, most: Optional[int] = None) -> None:
+    most = most or width
     for i, r in enumerate(_list(where, v)):
-        if not (isinstance(r, list) and len(r) == width and all(_is_num(x) and math.isfinite(x) for x in r)):
-            raise _Bad(f"{where}[{i}]: expected {width} finite numbers, got {_kind(r)}")
+        if not (isinstance(r, list) and width <= len(r) <= most and all(_is_num(x) and math.isfinite(x) for x in r)):
+            n = str(width) if most == width else f"{width} to {most}"
+            raise _Bad(f"{where}[{i}]: expected {n} finite numbers, got {_kind(r)}")
 
 
 def _details(where: str, v) -> None:
@@ -112,7 +114,7 @@ def _details(where: str, v) -> None:
     for i, r in enumerate(_list(f"{where}.mismatch_map", d.get("mismatch_map"))):
         if not all(isinstance(x, int) and abs(x) < 2 ** 40 for x in r):
             raise _Bad(f"{where}.mismatch_map[{i}]: expected [page, entry, count] integers")
-    _rows(f"{where}.recall_rows", d.get("recall_rows"), 2)
+    _rows(f"{where}.recall_rows", d.get("recall_rows"), 2, 8)
     for i, x in enumerate(_list(f"{where}.logit_log10_err", d.get("logit_log10_err"))):
         _number(f"{where}.logit_log10_err[{i}]", x, none=False, lo=-1e6, hi=1e6)
     for k, x in _obj(f"{where}.pooled_ulp", d.get("pooled_ulp")).items():
@@ -155,6 +157,9 @@ def check_case(where: str, c) -> None:
     for i, s in enumerate(_list(f"{where}: planted", c.get("planted"))):
         _text(f"{where}: planted[{i}]", s, none=False)
     _details(f"{where}: details", c.get("details"))
+    for k, v in _obj(f"{where}: selection", c.get("selection")).items():
+        for kk, x in _obj(f"{where}: selection.{k}", v).items():
+            _scalar(f"{where}: selection.{k}.{kk}", x)
 
 
 def check_run(run) -> None:

@@ -36,7 +36,7 @@ from harness.run.record import run_meta
 from harness.run.signals import deferred, hold, release, stopped_by
 from optimized import BackendUnavailable, get_backend
 
-# --- helpers of the plan ---------------------------------------------------------------------
+# --- helpers: what a command resolves before its run, and what a stopped run records ------------
 
 def interrupted_meta(e: runner.RunInterrupted) -> dict:
     """`run.interrupted` of a partial report."""
@@ -172,11 +172,13 @@ class Run:
                       TimeElapsedColumn(), TextColumn("{task.fields[last]}"), console=Console(stderr=True),
                       transient=True, disable=self.quiet) as bar:
             task = bar.add_task(escape.rich(title), total=total, last="")
+            lines = report.CaseLines(total, lambda r: self.judge([r])[0], enabled=not self.quiet)  # CI logs
             for name, items in groups:
                 try:
                     rows = runner.run_cases([case_of(x) for x in items], name, jobs=jobs, case_timeout=case_timeout,
-                                            progress=lambda r: bar.update(task, advance=1,
-                                                                          last=escape.rich(f"{r['case']}: {r['outcome']}")))
+                                            progress=lambda r: (bar.update(task, advance=1,
+                                                                           last=escape.rich(f"{r['case']}: {r['outcome']}")),
+                                                                lines(r)))
                     done = list(items)
                 except runner.RunInterrupted as e:
                     rows, done = e.rows, [items[i] for i in e.done]

@@ -28,6 +28,7 @@ from harness.diff.metrics import Limit
 from harness.errors import ReportError
 from harness.io import report
 from harness.run import budgets as B
+from harness.run import shard as S
 
 _PART = re.compile(r"^(<=|>=) (\S+)$")
 
@@ -138,9 +139,27 @@ def check_frame(df, meta: dict, where) -> None:
     check_rows(report.to_json(df, meta)["cases"], meta, str(where))
 
 
+def check_budgets(rows: list, meta: dict, budgets: B.Budgets, where: str) -> None:
+    """The recorded budgets agree with what the report says of them: a shard's budgets
+    digest (`run.shard.budgets_digest`, what --merge compares) is theirs, and every
+    required or always-fail check they turn "off" for a metric the rows report is listed in
+    `run.budgets_off` (which every format shows)."""
+    sh = meta.get("shard")
+    if isinstance(sh, dict) and "budgets_digest" in sh and sh["budgets_digest"] != S.budgets_digest(budgets):
+        raise ReportError(f"{where}: run.budgets: the limits differ from those the shard was run with "
+                          "(run.shard.budgets_digest); refused")
+    keys = {str(r.get("case")): [k for k in (r.get("metrics") or {})] for r in rows}
+    off = set(budgets.disabled(keys, str(meta.get("suite") or "")))
+    listed = set(map(str, meta.get("budgets_off") or []))
+    if off - listed:
+        raise ReportError(f"{where}: run.budgets turns off {sorted(off - listed)[0]}, which run.budgets_off "
+                          "does not list (every report shows a check turned off); refused")
+
+
 def check_rows(rows: list, meta: dict, where: str) -> None:
     """ReportError naming the first row whose stored verdict is not the computed one."""
     budgets = recorded_budgets(meta, where)
+    check_budgets(rows, meta, budgets, where)
     suite = str(meta.get("suite") or "")
     selftest = meta.get("command") == "selftest"
     for r in rows:

@@ -25,6 +25,7 @@ import torch
 import reference
 from harness.diff import aggregate, diff_op
 from harness.diff.metrics import CHAIN, chain_key
+from harness.diff.scores import recall_rows
 from harness.run.cases import Case
 from harness.run.inputs import CaseInputs, build
 from harness.run.record import ROW_FINDINGS_PER_STAGE, case_row, jsonable
@@ -149,18 +150,12 @@ def _logit_errors(actual: torch.Tensor, expected: torch.Tensor, row_ends: torch.
     return [round(float(x), 3) for x in err]
 
 
-def _recall_rows(actual: torch.Tensor, expected: torch.Tensor, lengths: torch.Tensor, k: int) -> list[list]:
-    """[[row_end, recall], ...] of the backend's top-k against the reference chain's."""
-    a, e = actual.long().cpu(), expected.long().cpu()
-    if a.shape != e.shape:
+def _recall_rows(actual: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> list[list]:
+    """The backend's top-k against the reference chain's scores, per row (`recall_rows`)."""
+    try:
+        out = recall_rows(actual, scores, lengths, k)
+    except ValueError:           # a misshapen output: its stage's report says so
         return []
-    out = []
-    for r in range(a.shape[0]):
-        n = int(lengths[r])
-        want = set(e[r][e[r] >= 0].tolist())
-        got = set(a[r][a[r] >= 0].tolist())
-        if want:
-            out.append([n, len(want & got) / len(want)])
     if len(out) > MAX_RECALL_POINTS:
         step = len(out) / MAX_RECALL_POINTS
         out = [out[int(i * step)] for i in range(MAX_RECALL_POINTS)]
@@ -352,7 +347,7 @@ class ChainRun:
             self.col.add(CHAIN, i, self.diff_op("topk", dict(logits=chain_logits, lengths=st.row_ends),
                                                 self.scalars("topk"), {"indices": idx_b},
                                                 {"indices": chain_idx}))
-            self.details["recall_rows"] += _recall_rows(idx_b, chain_idx, st.row_ends, inp.geo.topk)
+            self.details["recall_rows"] += _recall_rows(idx_b, chain_logits, st.row_ends, inp.geo.topk)
 
     def _chain_pool(self, kw: str) -> None:
         """The whole chain's pool against the reference chain's, and the mismatched share
