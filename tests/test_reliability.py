@@ -838,3 +838,17 @@ def test_recorded_budgets_edited_to_pass_are_refused(tmp_path, capsys, a_report,
     rc, out, err = run(capsys, "report", "--merge", *dirs, "--report-dir", tmp_path / "out", "-q")
     assert rc == 2, (out, err)
     one_line(err, "budgets_digest")
+
+
+def test_report_budgets_judges_against_a_trusted_file(tmp_path, capsys, a_report):
+    """Limits loosened in report.json itself pass their own recomputation; `--budgets FILE`
+    judges the rows against a file the user trusts instead."""
+    data = _failing(a_report)
+    c = data["cases"][0]
+    c.update(status="pass", ok=True, violations=[], reason="")
+    data["run"]["budgets"]["default"]["page_bytes_mismatched"] = "<= 1000"
+    d = _report_dir(tmp_path, data)
+    assert run(capsys, "report", d, "-q")[0] == 0
+    rc, out, err = run(capsys, "report", d, "-q", "--budgets", ROOT / "cases" / "budgets.toml")
+    assert rc == 2, (out, err)
+    one_line(err, "smoke-rowend-k", "page_bytes_mismatched")

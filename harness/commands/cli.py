@@ -229,7 +229,7 @@ def cmd_report(args) -> int:
         raise UsageError("report: give a report directory DIR (or --merge DIR...)")
     src = Path(args.dir) / "report.json"
     df, meta = report.load(args.dir)
-    recheck.check_frame(df, meta, src)            # the verdict is computed, never read
+    recheck.check_frame(df, meta, src, budgets=args.budgets)      # the verdict is computed, never read
     out = Path(args.report_dir or args.dir)
     if args.report_dir and not report._same_file(src.parent, out):
         report.claim_dir(out, force=args.force)
@@ -287,6 +287,8 @@ def _other_parsers(sub) -> None:
     p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                    help="combine the reports of `--shard K/N` runs into one (every format)")
     p.add_argument("--report-dir", default=None, help="write there instead of DIR")
+    p.add_argument("--budgets", default=None,
+                   help="judge every row again against this budgets file (default: the limits the report recorded)")
     add_force(p)
     p.add_argument("-q", "--quiet", action="store_true")
 

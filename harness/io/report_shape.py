@@ -148,6 +148,9 @@ def check_case(where: str, c) -> None:
         for k, x in _obj(vw, v, none=False).items():
             _scalar(f"{vw}.{k}", x)
         _text(f"{vw}.metric", v.get("metric"), none=False)
+        for k in ("value", "limit"):
+            if k not in v:
+                raise _Bad(f"{vw}: no {k!r}")
     for i, f in enumerate(_list(f"{where}: findings", c.get("findings"))):
         for k, x in _obj(f"{where}: findings[{i}]", f, none=False).items():
             _scalar(f"{where}: findings[{i}].{k}", x)
@@ -158,8 +161,10 @@ def check_case(where: str, c) -> None:
         _text(f"{where}: planted[{i}]", s, none=False)
     _details(f"{where}: details", c.get("details"))
     for k, v in _obj(f"{where}: selection", c.get("selection")).items():
-        for kk, x in _obj(f"{where}: selection.{k}", v).items():
-            _scalar(f"{where}: selection.{k}.{kk}", x)
+        for kk, x in _obj(f"{where}: selection.{k}", v, none=False).items():
+            if kk != "verdict":
+                _number(f"{where}: selection.{k}.{kk}", x)
+        _text(f"{where}: selection.{k}.verdict", v.get("verdict"), none=False)
 
 
 def check_run(run) -> None:

@@ -26,7 +26,7 @@ from typing import Optional
 
 from harness.diff.metrics import Limit
 from harness.errors import ReportError
-from harness.io import report
+from harness.io import safe_input
 from harness.run import budgets as B
 from harness.run import shard as S
 
@@ -113,8 +113,12 @@ def disagreement(row: dict, budgets: B.Budgets, suite: str, *, selftest: bool = 
         return None if ok is want else (f"status nonfinite_input with ok = {ok!r}, but the case "
                                         f"{'declares' if want else 'does not declare (with a plant)'} "
                                         f"expect_nonfinite")
-    judged = B.verdict({**row, "outcome": "ok", "reason": row.get("reason") or "",
-                        "metrics": {k: _value(v) for k, v in metrics.items()}}, budgets, suite)
+    values = {k: _value(v) for k, v in metrics.items()}
+    for v in row.get("violations") or []:            # a NaN metric: report.json keeps its violation, not its value
+        if isinstance(v, dict) and v.get("metric") not in values and v.get("why") == "is NaN":
+            values[v["metric"]] = math.nan
+    judged = B.verdict({**row, "outcome": "ok", "reason": row.get("reason") or "", "metrics": values},
+                       budgets, suite)
     if judged["status"] != status or judged["ok"] is not ok:
         why = judged["reason"] if judged["status"] != "pass" else "every budget holds"
         return f"stored status {status!r} (ok = {ok!r}), but its metrics give {judged['status']!r}: {why}"
@@ -134,9 +138,12 @@ def _value(v):
     return v
 
 
-def check_frame(df, meta: dict, where) -> None:
-    """`check_rows` on the rows of a loaded report (harness.io.report.load)."""
-    check_rows(report.to_json(df, meta)["cases"], meta, str(where))
+def check_frame(df, meta: dict, where, *, budgets=None) -> None:
+    """`check_rows` on the rows of the report.json at `where` (already loaded and shape-checked
+    by harness.io.report.load into `df`; read again raw, so that a value the DataFrame cannot
+    tell from a missing one, a NaN metric, is judged as written)."""
+    data = safe_input.load_json(where, error=ReportError)
+    check_rows(data["cases"], meta, str(where), budgets=B.load(budgets) if budgets else None)
 
 
 def check_budgets(rows: list, meta: dict, budgets: B.Budgets, where: str) -> None:
@@ -156,10 +163,13 @@ def check_budgets(rows: list, meta: dict, budgets: B.Budgets, where: str) -> Non
                           "does not list (every report shows a check turned off); refused")
 
 
-def check_rows(rows: list, meta: dict, where: str) -> None:
-    """ReportError naming the first row whose stored verdict is not the computed one."""
-    budgets = recorded_budgets(meta, where)
-    check_budgets(rows, meta, budgets, where)
+def check_rows(rows: list, meta: dict, where: str, *, budgets: Optional[B.Budgets] = None) -> None:
+    """ReportError naming the first row whose stored verdict is not the computed one, judged
+    by `budgets` (a trusted file, `mxval report --budgets`) or else by the limits the report
+    recorded (checked against what the report says of them)."""
+    if budgets is None:
+        budgets = recorded_budgets(meta, where)
+        check_budgets(rows, meta, budgets, where)
     suite = str(meta.get("suite") or "")
     selftest = meta.get("command") == "selftest"
     for r in rows:
