@@ -153,7 +153,7 @@ def check_budgets(rows: list, meta: dict, budgets: B.Budgets, where: str) -> Non
     `run.budgets_off` (which every format shows)."""
     sh = meta.get("shard")
     if isinstance(sh, dict) and "budgets_digest" in sh and sh["budgets_digest"] != S.budgets_digest(budgets):
-        raise ReportError(f"{where}: run.budgets: the limits differ from those the shard was run with "
+        raise ReportError(f"{where}: run.budgets: different budgets from those the shard was run with "
                           "(run.shard.budgets_digest); refused")
     keys = {str(r.get("case")): [k for k in (r.get("metrics") or {})] for r in rows}
     off = set(budgets.disabled(keys, str(meta.get("suite") or "")))
