@@ -29,6 +29,7 @@ import torch
 
 from harness.bench import capture as capture_bench
 from harness.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+from harness.io import atomic
 from reference import layout
 from reference.formats import E2M1_SIGNED
 
@@ -323,7 +324,7 @@ class Bench:
             lines += ["", "## Failures", ""] + [f"* {f}" for f in self.failures]
         text = "\n".join(lines) + "\n"
         pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(out).write_text(text)
+        atomic.write_text(out, text)
         if not quiet:
             print(text)
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from harness.bench import startup
+from harness.io import atomic
 
 REPO = Path(__file__).resolve().parents[2]
 REPORT = REPO / "reports" / "bench-reference.md"
@@ -422,7 +423,7 @@ def main(argv=None) -> int:
         results.setdefault("cpu", {})["user_waits"] = _run_worker("user_waits", "cpu", 1)
     text = table(machine(), results) + "\n" + startup.section(args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    atomic.write_text(args.out, text + "\n")
     print(text)
     print(f"written: {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}")
     gpu = Path(__file__).with_name("gpu.py")
