@@ -26,7 +26,7 @@ from harness.errors import ReportError
 SCHEMA = "mxval-report"
 SCHEMA_VERSION = 1
 COLUMNS = ["case", "suite", "backend", "status", "ok", "reason", "seconds", "context", "shape",
-           "description", "expect_nonfinite"]
+           "description", "expect_nonfinite", "gpu_peak_bytes", "tensor_bytes"]
 OBJECT_COLUMNS = ["violations", "findings", "summaries", "details", "planted"]
 STATUS_STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "nonfinite_input": "magenta",
                 "skipped": "yellow"}
@@ -184,6 +184,41 @@ def _fmt(v) -> str:
     return f"{v:g}" if isinstance(v, (int, float)) else str(v)
 
 
+# --- GPU memory (harness.run.memory): the case's peak against its tensors' bytes ----------
+
+MEMORY_HEAD = "GPU peak"
+
+
+def has_memory(df: pd.DataFrame) -> bool:
+    """Whether any case measured its GPU peak (a GPU run): the reports then show it."""
+    return "gpu_peak_bytes" in df.columns and bool(df["gpu_peak_bytes"].notna().any())
+
+
+def memory_ratio(row) -> Optional[float]:
+    """The case's GPU peak over its tensors' bytes (None when either is unknown)."""
+    peak, tensors = _num(row.get("gpu_peak_bytes")), _num(row.get("tensor_bytes"))
+    return peak / tensors if peak is not None and tensors else None
+
+
+def memory_cell(row) -> str:
+    """`1.23 GiB (2.1×)`: the peak and its ratio to the case's tensors; "" when unmeasured."""
+    peak = _num(row.get("gpu_peak_bytes"))
+    if peak is None:
+        return ""
+    ratio = memory_ratio(row)
+    return f"{peak / 2**30:.2f} GiB" + (f" ({ratio:.1f}×)" if ratio is not None else "")
+
+
+def memory_note(df: pd.DataFrame) -> str:
+    """One line for the report heads: the largest peak and the largest ratio; "" on the CPU."""
+    if not has_memory(df):
+        return ""
+    ratios = [x for x in (memory_ratio(r) for _, r in df.iterrows()) if x is not None]
+    top = float(df["gpu_peak_bytes"].max())
+    return (f"GPU peak per case: largest {top / 2**30:.2f} GiB"
+            + (f", at most {max(ratios):.1f}× the case's tensors" if ratios else ""))
+
+
 def summary(df: pd.DataFrame, meta: Optional[dict] = None) -> dict:
     """Counts and the verdict. A run that was interrupted (`meta["interrupted"]`) is never
     ok, whatever its finished cases say."""
@@ -197,6 +232,10 @@ def summary(df: pd.DataFrame, meta: Optional[dict] = None) -> dict:
     if (meta or {}).get("interrupted"):
         out["interrupted"] = True
         out["ok"] = False
+    if has_memory(df):
+        ratios = [x for x in (memory_ratio(r) for _, r in df.iterrows()) if x is not None]
+        out["gpu_peak_bytes_max"] = int(df["gpu_peak_bytes"].max())
+        out["gpu_peak_ratio_max"] = round(max(ratios), 3) if ratios else None
     return out
 
 
@@ -295,12 +334,13 @@ def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}"
                     f"{part_note(meta)}",
               caption=meta.get("backend_description") or None, show_lines=False)
-    for col in ("case", "status", *OVERVIEW, "s", "reason"):
+    mem = has_memory(df)
+    for col in ("case", "status", *OVERVIEW, *([MEMORY_HEAD] if mem else []), "s", "reason"):
         t.add_column(col, overflow="fold", max_width=60 if col == "reason" else None)
     for _, r in df.iterrows():
         st = r["status"]
         t.add_row(str(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{st}[/]", *overview_cells(r),
-                  f"{_num(r['seconds']) or 0:.1f}", str(r["reason"] or ""))
+                  *([memory_cell(r)] if mem else []), f"{_num(r['seconds']) or 0:.1f}", str(r["reason"] or ""))
     console.print(t)
     console_selection(df, console)
     s = summary(df, meta)
@@ -309,6 +349,8 @@ def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
         console.print(f"[bold red]{_interrupt_note(meta)}[/]")
     console.print(f"{verdict}: {s['pass']} pass, {s['fail']} fail, {s['error']} error, "
                   f"{s['nonfinite_input']} non-finite input, {s['skipped']} skipped")
+    if memory_note(df):
+        console.print(memory_note(df))
     if meta.get("budgets_off"):
         console.print(f"[yellow]checks turned off[/] by {(meta.get('budgets') or {}).get('path', '')}: "
                       + "; ".join(meta["budgets_off"]))
@@ -396,6 +438,8 @@ def _where_lines(r, n: int = 6) -> list[str]:
 
 def markdown(df: pd.DataFrame, meta: dict) -> str:
     s = summary(df, meta)
+    mem = has_memory(df)
+    heads = OVERVIEW + ([MEMORY_HEAD] if mem else [])
     lines = [f"### mxval {meta.get('command', '')}: `{meta.get('suite', '')}` on `{meta.get('backend', '')}`"
              f"{part_note(meta)} "
              f"— {'✅ OK' if s['ok'] else '❌ ' + verdict_word(s)}", "",
@@ -406,11 +450,13 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
              *([f"backend: {meta['backend_description']}", ""] if meta.get("backend_description") else []),
              *([f"> **checks turned off** by the budgets file: {'; '.join(f'`{x}`' for x in meta['budgets_off'])}", ""]
                if meta.get("budgets_off") else []),
-             "| case | status | " + " | ".join(OVERVIEW) + " | reason |",
-             "|---|---|" + "---|" * len(OVERVIEW) + "---|"]
+             *([memory_note(df), ""] if mem else []),
+             "| case | status | " + " | ".join(heads) + " | reason |",
+             "|---|---|" + "---|" * len(heads) + "---|"]
     for _, r in df.iterrows():
         reason = str(r["reason"] or "").replace("|", "\\|")
-        lines.append(f"| {r['case']} | {r['status']} | " + " | ".join(overview_cells(r)) + f" | {reason} |")
+        cells = overview_cells(r) + ([memory_cell(r)] if mem else [])
+        lines.append(f"| {r['case']} | {r['status']} | " + " | ".join(cells) + f" | {reason} |")
     sel = _selection_rows(df)
     if sel:
         lines += ["", "#### Does the difference matter? The top-k selection against the exact one", "",
@@ -459,6 +505,11 @@ def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return _mismatch_maps(df, plt) + _error_histograms(df, plt) + _recall_plot(df, plt)
+
+
+def _mismatch_maps(df: pd.DataFrame, plt) -> list:
+    """A mismatch map per case with K-cache mismatches (at most MAX_MAPS)."""
     import numpy as np
     from matplotlib.colors import LinearSegmentedColormap, Normalize
     out = []
@@ -490,6 +541,12 @@ def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
         ax.set_title(f"{r['case']}: mismatched K-cache bytes by page and entry")
         out.append((str(r["case"]), f"Mismatch map of {r['case']} (pages with a mismatch, bytes per entry)",
                     _png(fig)))
+    return out
+
+
+def _error_histograms(df: pd.DataFrame, plt) -> list:
+    """The pooled ulp distances and the scorer's relative errors over all cases."""
+    out = []
     ulp: dict[str, int] = {}
     errs = []
     for _, r in df.iterrows():
@@ -512,6 +569,13 @@ def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
             axes[1].set_ylabel("logits")
             axes[1].set_title("scorer: relative error")
         out.append((None, "Error histograms over all cases", _png(fig)))
+    return out
+
+
+def _recall_plot(df: pd.DataFrame, plt) -> list:
+    """Top-k recall per query row against its length."""
+    import numpy as np
+    out = []
     rec = []
     for _, r in df.iterrows():
         rec += [p for p in (r["details"] or {}).get("recall_rows") or [] if len(p) >= 3]
@@ -663,6 +727,13 @@ section.case.bad{border-top-color:#c00}.stage{margin:.8em 0 .8em 1em}.stage.chai
 .toolbar{margin:.6em 0}#cases td:first-child{white-space:nowrap}.toolbar input{width:24em}.top{font-size:12px;margin-left:1em}"""
 
 
+def _memory_td(r) -> str:
+    peak = _num(r.get("gpu_peak_bytes"))
+    if peak is None:
+        return "<td data-v=''></td>"
+    return f"<td data-v='{peak!r}' data-n='{peak!r}'>{_html.escape(memory_cell(r))}</td>"
+
+
 def html(df: pd.DataFrame, meta: dict) -> str:
     """One self-contained page: the overview table (sortable by any column, filtered by a text
     box and a status menu, failing cases first, each case linked to its section), the figures,
@@ -671,7 +742,8 @@ def html(df: pd.DataFrame, meta: dict) -> str:
     s = summary(df, meta)
     e = _html.escape
     order = case_order(df)
-    cols = ["case", "status", *OVERVIEW, "seconds", "reason"]
+    mem = has_memory(df)
+    cols = ["case", "status", *OVERVIEW, *([MEMORY_HEAD] if mem else []), "seconds", "reason"]
     rows = []
     for i in order:
         r = df.iloc[i]
@@ -682,6 +754,7 @@ def html(df: pd.DataFrame, meta: dict) -> str:
                  f"<td data-v='{STATUS_ORDER.get(st, 5)}{e(st)}'><span class='{e(st)}'>{e(st)}</span></td>",
                  *["<td data-v=''></td>" if v is None else f"<td data-v='{v!r}' data-n='{v!r}'>{e(_fmt(v))}</td>"
                    for v in nums[:-1]],
+                 *([_memory_td(r)] if mem else []),
                  f"<td data-v='{nums[-1]!r}' data-n='{nums[-1]!r}'>{nums[-1]:.1f}</td>",
                  f"<td data-v='{e(str(r['reason'] or ''))}'>{e(str(r['reason'] or ''))}</td>"]
         rows.append(f"<tr data-status='{e(st)}' data-ok='{int(bool(r['ok']))}'>" + "".join(cells) + "</tr>")
@@ -719,6 +792,7 @@ def html(df: pd.DataFrame, meta: dict) -> str:
 <p>{s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['nonfinite_input']} non-finite input, {s['skipped']} skipped ·
 {e(str(meta.get('machine', '')))} · {e(str(meta.get('started', '')))} · budgets {e(str((meta.get('budgets') or {}).get('path', '')))}</p>
 <p>backend: {e(str(meta.get('backend_description', '')))}</p>
+{f"<p>{e(memory_note(df))}</p>" if mem else ""}
 {f"<p><b>checks turned off</b> by the budgets file: {e('; '.join(meta['budgets_off']))}</p>" if meta.get('budgets_off') else ''}
 <h2 id="overview">Cases</h2>
 <p>Failing cases first; click a column to sort, a case to open its section. The chain columns compare

@@ -28,7 +28,7 @@ from harness.diff.metrics import run_keys
 from harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, InputError, ReportError, UsageError
 from harness.io import report
 from harness.run import budgets as B
-from harness.run import runner
+from harness.run import memory, runner
 from harness.run import shard as S
 from harness.run.cases import Catalog, on_path
 from harness.run.inputs import geometry
@@ -92,6 +92,10 @@ class Run:
     def __init__(self, command: str, *, budgets=None, suite: str = "", shard: Optional[str] = None,
                  report_dir=None, force: bool = False, quiet: bool = False, owner=None):
         self.command, self.suite, self.quiet = command, suite, quiet
+        try:
+            memory.fraction()                  # a bad cap is a usage error before any work
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         self.started = time.time()
         self.part = S.parse(shard) if shard is not None else None
         self.budgets_path = budgets

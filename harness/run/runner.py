@@ -26,6 +26,7 @@ import reference
 from harness.diff import aggregate, diff_op
 from harness.diff.metrics import CHAIN, chain_key
 from harness.diff.scores import recall_rows
+from harness.run import memory
 from harness.run.cases import Case
 from harness.run.inputs import CaseInputs, build
 from harness.run.record import ROW_FINDINGS_PER_STAGE, case_row, jsonable
@@ -38,6 +39,7 @@ from reference.ops import OPS, op_of
 # Scorers are judged against the op table's fp64 scores: the diff compares the backend's fp32
 # logits to the true scores of the quantized operands, not to another fp32 rounding of them.
 MAX_MAP_POINTS = 4000
+MAP_CHUNK_BYTES = 1 << 24
 MAX_RECALL_POINTS = 1500
 
 
@@ -98,13 +100,12 @@ class _Collector:
 
 def _mismatch_map(before: torch.Tensor, actual: torch.Tensor, expected: torch.Tensor,
                   geo, stage: str) -> list[list[int]]:
-    """[[page, entry, mismatched bytes], ...]; entry -1 for padding bytes."""
+    """[[page, entry, mismatched bytes], ...] of the first MAX_MAP_POINTS (page, entry)
+    pairs; entry -1 for padding bytes. Compared on the device, MAP_CHUNK_BYTES of pages at a
+    time: a pool of GiBs costs no pool-sized mask."""
     if actual.shape != expected.shape:
         return []
-    diff = (actual.cpu() != expected.cpu())
-    if not bool(diff.any()):
-        return []
-    page, off = diff.nonzero(as_tuple=True)
+    expected = expected.to(actual.device)
     ps, d = geo.page_size, geo.head_dim
     inv = torch.full((actual.shape[1],), -1, dtype=torch.long)
     t = torch.arange(ps)
@@ -114,10 +115,19 @@ def _mismatch_map(before: torch.Tensor, actual: torch.Tensor, expected: torch.Te
     else:
         inv[:ps * d] = t.repeat_interleave(d)
         inv[ps * d:ps * (d + 4)] = t.repeat_interleave(4)
-    entry = inv[off]
-    pairs, counts = torch.stack((page, entry), 1).unique(dim=0, return_counts=True)
-    out = torch.cat((pairs, counts[:, None]), 1)[:MAX_MAP_POINTS]
-    return out.tolist()
+    rows = max(1, MAP_CHUNK_BYTES // max(1, actual.shape[1]))
+    parts, n = [], 0
+    for p0 in range(0, actual.shape[0], rows):
+        diff = actual[p0:p0 + rows] != expected[p0:p0 + rows]
+        if not bool(diff.any()):
+            continue
+        page, off = (x.cpu() for x in diff.nonzero(as_tuple=True))
+        pairs, counts = torch.stack((page + p0, inv[off]), 1).unique(dim=0, return_counts=True)
+        parts.append(torch.cat((pairs, counts[:, None]), 1))
+        n += len(pairs)
+        if n >= MAX_MAP_POINTS:          # later pages sort after these
+            break
+    return torch.cat(parts)[:MAX_MAP_POINTS].tolist() if parts else []
 
 
 def _ulp_hist(actual: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor) -> dict:
@@ -193,6 +203,7 @@ class ChainRun:
                  recorder: Optional[Callable] = None):
         self.case, self.be, self.inp = case, backend, inputs
         self.recorder = recorder
+        self.out_bytes: dict[str, int] = {}    # op -> its largest step's output bytes
         self.col = _Collector()
         self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
                               "recall_rows": []}
@@ -255,6 +266,7 @@ class ChainRun:
         except ValueError as e:
             raise StageError(op, step, f"cannot compare the backend's output: {e}") from None
         self.col.add(op, step, report)
+        self.out_bytes[op] = max(self.out_bytes.get(op, 0), memory.tensor_bytes(actual))
         if report.metrics.get("nonfinite_inputs") and self.inp.planted:
             raise NonFiniteStage(op, step, NonFiniteInput(op, int(report.metrics["nonfinite_inputs"]), []))
         if self.recorder:
@@ -471,7 +483,8 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
     if missing:
         row.update(outcome="skipped", reason=f"backend {be.name} does not implement {', '.join(missing)}")
         return row
-    run = None
+    run = inp = None
+    peak = memory.Peak(be.device).start()
     try:
         inp = inputs if inputs is not None else build(case, be.device)
         row["planted"] = list(inp.planted)
@@ -501,6 +514,10 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
             row["nondeterministic"] = [f["where"] for f in run.nondeterministic]
         row["summaries"] = {k: v for k, v in run.col.summaries.items()}
         row["details"] = run.details
+    peak.stop()
+    if inp is not None:
+        row["gpu_peak_bytes"] = peak.bytes
+        row["tensor_bytes"] = memory.tensor_bytes(inp) + (sum(run.out_bytes.values()) if run else 0)
     row["seconds"] = round(time.time() - t0, 3)
     return row
 
