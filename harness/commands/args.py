@@ -39,6 +39,17 @@ def add_case_timeout(p) -> None:
                         "kernel costs one case, not the run)")
 
 
+def repeat_count(text: str) -> int:
+    """argparse type of --repeat: runs of each backend op, 1 to 100."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if not 1 <= v <= 100:
+        raise argparse.ArgumentTypeError(f"expected a whole number of runs from 1 to 100, got {text!r}")
+    return v
+
+
 def add_shard(p) -> None:
     p.add_argument("--shard", default=None, metavar="K/N",
                    help="run only shard K of N (1-based; a deterministic, balanced slice) and "

@@ -24,7 +24,16 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from harness.commands.args import Parser, add_case_timeout, add_common, add_force, add_shard, add_tree_args, check_args
+from harness.commands.args import (
+    Parser,
+    add_case_timeout,
+    add_common,
+    add_force,
+    add_shard,
+    add_tree_args,
+    check_args,
+    repeat_count,
+)
 from harness.errors import (
     EXIT_FAIL,
     EXIT_INTERNAL,
@@ -73,6 +82,9 @@ def cmd_validate(args) -> int:
     from harness.commands.upstream_cmd import apply_tree_args
     apply_tree_args(args)
     be = backend(args.backend)
+    if args.repeat is not None:          # every backend op N times on the same inputs, same bytes
+        import dataclasses
+        all_cases = [dataclasses.replace(c, repeat=args.repeat) for c in all_cases]
     cases = run.pick(all_cases)
     jobs = run.cap_jobs(args.jobs, len(cases), str(be.device))
     run.claim(f"validate-{run.suite}-{be.name}" + run.shard_suffix())
@@ -246,6 +258,9 @@ def _validate_parser(sub) -> None:
                    help="run every case on this path (cuda: vLLM's fused pool+K op, natural pages; "
                         "default: each case's own)")
     p.add_argument("-j", "--jobs", type=int, default=1, help="cases in parallel (processes)")
+    p.add_argument("--repeat", type=repeat_count, default=None, metavar="N",
+                   help="run each backend op N times on the same inputs; every run must give the same "
+                        "bytes (a case's `repeat` key otherwise; the full suite sets it)")
     add_tree_args(p)
     add_shard(p)
     add_case_timeout(p)

@@ -34,7 +34,8 @@ BUDGETS_FILE = "budgets.toml"
 
 MXFP4_CHAIN = chain("mxfp4")
 DISTRIBUTIONS = ("normal", "outlier_channels", "heavy_tails", "zero_rows", "neg_zero", "tiny",
-                 "e2m1_midpoints", "pow2_boundary")
+                 "e2m1_midpoints", "pow2_boundary", "narrow_band")
+HISTORY_MODES = ("pooled", "direct")
 PLANT_TENSORS = ("state_kv", "state_score", "q", "weights")
 PLANT_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
@@ -91,6 +92,12 @@ class Case:
     spare_pages: int = 2
     pool_pages: Optional[int] = None     # None: what the sequences need + spare_pages
     state_block: int = 16                # positions per state-cache block
+    history: str = "pooled"              # "direct": history entries written from random K rows
+                                         # (no pooling); state rows only where steps read them
+    table_pages: Optional[int] = None    # block-table width in pages (the logits width / page
+                                         # size); None: what the longest sequence needs
+    repeat: int = 1                      # runs of each backend op on the same inputs; every run
+                                         # must give the first run's bytes (`--repeat N` overrides)
     fp8_dtype: str = "e4m3fn"
     clean_logits: bool = False
     weights_dtype: str = "bfloat16"
@@ -129,6 +136,7 @@ MAX_PAD = 2 ** 16
 MAX_PLANT = 2 ** 20
 MAX_SCALE = 2.0 ** 64
 MAX_SEED = 2 ** 63 - 1
+MAX_REPEAT = 100
 
 
 class _Bad(Exception):
@@ -282,6 +290,9 @@ CASE_SCHEMA = Table({
     "spare_pages": Int(0, MAX_POOL_PAGES),
     "pool_pages": Int(1, MAX_POOL_PAGES),
     "state_block": Int(1, MAX_PAGE_SIZE),
+    "history": Choice(HISTORY_MODES),
+    "table_pages": Int(1, MAX_POOL_PAGES),
+    "repeat": Int(1, MAX_REPEAT),
     "fp8_dtype": Choice(("e4m3fn", "e4m3fnuz")),
     "clean_logits": Bool(),
     "weights_dtype": Choice(("bfloat16", "float32")),

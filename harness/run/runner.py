@@ -49,6 +49,15 @@ class StageError(Exception):
         super().__init__(f"{stage} (step {step}): {message}")
 
 
+class NotJudged(Exception):
+    """A stage whose inputs (a backend's upstream output) the reference cannot take and no
+    reference substitute exists: this stage and the rest of the case are not judged."""
+
+    def __init__(self, stage: str, step: int, message: str):
+        self.stage, self.step = stage, step
+        super().__init__(f"{stage} (step {step}): {message}")
+
+
 class NonFiniteStage(Exception):
     def __init__(self, stage: str, step: int, err: NonFiniteInput):
         self.stage, self.step, self.err = stage, step, err
@@ -199,15 +208,24 @@ class ChainRun:
         self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
                               "recall_rows": []}
         self.diff_op = diff_op                 # tests replace it to prove a check's teeth
+        self.nondeterministic: list[dict] = []     # runs of an op that did not repeat its bytes
 
     def scalars(self, op: str) -> dict:
         """The case's scalars of `op`, with the reference options the backend declares for it
         (`Backend.numerics`: what it computes where the reference offers a choice)."""
         return {**self.inp.scalars(op), **self.be.numerics.get(op, {})}
 
-    def _stage(self, op: str, step: int, ins: dict) -> dict:
+    def _stage(self, op: str, step: int, ins: dict, *,
+               fallback: Optional[Callable[[], dict]] = None) -> dict:
         """Reference and backend on `ins`; diff; the backend's outputs. Ops outside the
-        case's chain run through the reference only (they feed the ops under test)."""
+        case's chain run through the reference only (they feed the ops under test).
+
+        A backend's upstream output the reference cannot take (NaN/inf where the reference's
+        own is finite: that upstream stage already failed, with its findings) does not end
+        the case: with `fallback` (the same inputs with the reference's upstream output)
+        this stage runs and is judged on those, and `details["substituted"]` says so;
+        without one, NotJudged: this stage and the rest are not judged, and the case's
+        verdict is a failure (budgets.verdict)."""
         scalars = self.scalars(op)
         try:
             if reference.OPS[op].fp64 and op in self.case.ops:
@@ -217,7 +235,13 @@ class ChainRun:
         except NonFiniteInput as e:
             if self.inp.planted:
                 raise NonFiniteStage(op, step, e) from None
-            raise StageError(op, step, f"the reference rejects the backend's upstream output: {e}") from None
+            if fallback is not None:
+                self.details.setdefault("substituted", []).append(
+                    f"{op} (step {step}): run on the reference's upstream output where the backend's "
+                    f"was rejected ({e})")
+                return self._stage(op, step, fallback())
+            raise NotJudged(op, step, f"not judged: the reference cannot take the backend's upstream "
+                                      f"output ({e})") from None
         except ValueError as e:
             raise StageError(op, step, f"the reference rejects the inputs: {e}") from None
         if op not in self.case.ops:
@@ -233,6 +257,10 @@ class ChainRun:
         if not isinstance(actual, dict) or set(expected) - set(actual):
             raise StageError(op, step, f"backend {self.be.name} returned {type(actual).__name__} "
                                        f"without {sorted(set(expected) - set(actual or {}))}")
+        for run in range(2, self.case.repeat + 1):
+            self._same_bytes(op, step, run, actual,
+                             getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars),
+                             ins, scalars)
         try:
             report = self.diff_op(op, ins, scalars, actual, expected)
         except ValueError as e:
@@ -245,6 +273,54 @@ class ChainRun:
             self.recorder(step, op, ins, scalars, actual)
         self._details(op, ins, actual, expected)
         return actual
+
+    def _same_bytes(self, op: str, step: int, run: int, first: dict, again, ins: dict, scalars: dict) -> None:
+        """Run `run` of a backend op on the same inputs must repeat the first run's bytes;
+        each output that does not is a `nondeterministic` finding with the bytes that changed.
+        Logits columns past a row's end are unspecified without `clean_logits` (NUMERICS.md
+        §6): only the valid region is compared there."""
+        for name, a in first.items():
+            b = again.get(name) if isinstance(again, dict) else None
+            if not isinstance(a, torch.Tensor):
+                continue
+            if not isinstance(b, torch.Tensor) or b.shape != a.shape or b.dtype != a.dtype:
+                changed, where = a.numel() * a.element_size(), "a different shape or dtype"
+            else:
+                if name == "logits" and not scalars.get("clean_logits") and a.dim() == 2:
+                    valid = (torch.arange(a.shape[1], device=a.device)[None, :]
+                             < ins["row_ends"].to(a.device).long()[:, None])
+                    a, b = a[valid], b[valid]
+                x = a.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+                y = b.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+                diff = (x != y).nonzero().flatten()
+                if diff.numel() == 0:
+                    continue
+                i = int(diff[0])
+                changed = int(diff.numel())
+                where = (f"{changed} of {x.numel()} bytes changed, first at byte {i}: "
+                         f"0x{int(x[i]):02x} in run 1, 0x{int(y[i]):02x} in run {run}")
+            self.nondeterministic.append({"stage": op, "step": step, "class": "nondeterministic", "output": name,
+                                          "run": run, "bytes_changed": changed,
+                                          "where": f"{op} (step {step}) output {name}: {where}"})
+
+    def _finite_logits(self, sc: str, step: int, logits_b, sins: dict, ref_sins: dict, row_ends):
+        """The backend's logits for top-k: NaN/inf inside a row's valid columns (the scorer
+        stage fails on them, with their findings) replaced by the reference's logits of the
+        same inputs, so that top-k is still judged."""
+        if self.inp.planted or sc not in self.case.ops:
+            return logits_b
+        valid = torch.arange(logits_b.shape[1], device=logits_b.device)[None, :] < row_ends.long()[:, None]
+        bad = valid & ~torch.isfinite(logits_b)
+        if not bool(bad.any()):
+            return logits_b
+        try:
+            ref = reference.OPS[sc].fn(**sins, **self.scalars(sc))["logits"]
+        except (NonFiniteInput, ValueError):
+            ref = reference.OPS[sc].fn(**ref_sins, **self.scalars(sc))["logits"]
+        self.details.setdefault("substituted", []).append(
+            f"topk (step {step}): {int(bad.sum())} non-finite logit(s) of the backend inside row ends "
+            f"replaced by the reference's (the scorer fails on them)")
+        return torch.where(bad, ref.to(logits_b.dtype), logits_b)
 
     def _details(self, op, ins, actual, expected):
         geo = self.inp.geo
@@ -297,14 +373,17 @@ class ChainRun:
         inp, h = self.inp, self.inp.history
         if h is None:
             return inp.kv_cache
-        if self.fused:
+        if self.fused and h.k is None:
             return reference.OPS[kw].fn(**self._fused_ins(h, inp.kv_cache), **self.scalars(kw))["kv_cache"]
-        pooled = reference.compress_pool(state_cache=inp.state_cache, block_table=inp.state_block_table,
-                                         positions=h.positions, req_index=h.req_index,
-                                         kv_slot_mapping=h.slot_mapping, **self.scalars("compress_pool"))["pooled"]
-        return reference.OPS[kw].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
+        # direct history (h.k given): entries from K rows, no pooling; written by the rocm
+        # path's writer on the cuda path too (history is only the pool the steps find)
+        wk = op_of(inp.geo.fmt, "k_writer", "rocm") if self.fused else kw
+        pooled = h.k if h.k is not None else reference.compress_pool(
+            state_cache=inp.state_cache, block_table=inp.state_block_table, positions=h.positions,
+            req_index=h.req_index, kv_slot_mapping=h.slot_mapping, **self.scalars("compress_pool"))["pooled"]
+        return reference.OPS[wk].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
                                     norm_weight=inp.norm_weight, slot_mapping=h.slot_mapping,
-                                    kv_cache=inp.kv_cache, **self.scalars(kw))["kv_cache"]
+                                    kv_cache=inp.kv_cache, **self.scalars(wk))["kv_cache"]
 
     def _k_step(self, kw: str, i: int, st, need_k: bool) -> None:
         """Pooling and the K writer of step i (or the fused pool+K op) on the backend's pool;
@@ -328,7 +407,7 @@ class ChainRun:
         if need_k:
             ins = dict(k=pooled_b, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
                        norm_weight=inp.norm_weight, slot_mapping=st.slot_mapping, kv_cache=self.pool_b)
-            self.pool_b = self._stage(kw, i, ins)["kv_cache"]
+            self.pool_b = self._stage(kw, i, ins, fallback=lambda: dict(ins, k=pooled_ref))["kv_cache"]
             self.chain_pool = reference.OPS[kw].fn(**{**ins, "k": pooled_ref, "kv_cache": self.chain_pool},
                                                    **self.scalars(kw))["kv_cache"]
             self._chain_entries(pooled_ref, st)
@@ -346,13 +425,14 @@ class ChainRun:
                        block_table=st.block_table, row_ends=st.row_ends)
         qk = ("q_fp8",) if inp.geo.fmt == "fp8" else ("q_fp4", "q_scale")
         sins = dict({n: q_b[n] for n in qk}, weights=q_b["weights"], kv_cache=self.pool_b, **geo_ins)
-        logits_b = self._stage(sc, i, sins)["logits"]
         q_ref = reference.OPS[qq].fn(**qins, **self.scalars(qq))
-        chain_logits = reference.OPS[sc].fp64(**dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"],
-                                              kv_cache=self.chain_pool, **geo_ins), **self.scalars(sc))
+        ref_sins = dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"], kv_cache=self.chain_pool, **geo_ins)
+        logits_raw = self._stage(sc, i, sins, fallback=lambda: ref_sins)["logits"]
+        logits_b = self._finite_logits(sc, i, logits_raw, sins, ref_sins, st.row_ends)
+        chain_logits = reference.OPS[sc].fp64(**ref_sins, **self.scalars(sc))
         idx_b = self._stage("topk", i, dict(logits=logits_b, lengths=st.row_ends))["indices"]
         if sc in ops:
-            self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_b},
+            self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_raw},
                                                 {"logits": chain_logits}))
         if "topk" in ops:
             chain_idx = reference.topk(logits=chain_logits, lengths=st.row_ends, k=inp.geo.topk)["indices"]
@@ -417,6 +497,8 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
         run.run()
     except NonFiniteStage as e:
         row.update(outcome="nonfinite_input", reason=str(e))
+    except NotJudged as e:
+        row["not_judged"] = str(e)             # a failure, named by budgets.verdict
     except StageError as e:
         row.update(outcome="error", reason=str(e))
     except (BackendUnavailable, ValueError) as e:
@@ -427,7 +509,9 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
                                            f"({os.path.basename(tb.filename)}:{tb.lineno})")
     if run is not None:
         row["metrics"] = run.col.case_metrics()
-        row["findings"] = run.col.findings
+        row["findings"] = run.nondeterministic[:ROW_FINDINGS_PER_STAGE] + run.col.findings
+        if run.nondeterministic:
+            row["nondeterministic"] = [f["where"] for f in run.nondeterministic]
         row["summaries"] = {k: v for k, v in run.col.summaries.items()}
         row["details"] = run.details
     peak.stop()
