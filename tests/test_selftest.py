@@ -67,7 +67,7 @@ def test_a_fault_no_budget_catches_fails_the_selftest(tmp_path):
 def test_a_correct_run_that_breaks_a_budget_is_a_false_alarm(tmp_path):
     """A budget the correct backend cannot meet (no pooled row compared at all) must fail
     the selftest even though every fault is still caught."""
-    rc, v = selftest(tmp_path, "--fault", "window-shift", "--backend", "reference", "--seeds", "2",
+    rc, v = selftest(tmp_path, "--fault", "window-shift", "--backend", "reference", "--seeds", "1",
                      budgets=POOLING_ONLY + "pooled_rows_compared = {max = 0}\n")
     assert v["faults"][0]["caught"] is True
     assert v["false_alarms"] > 0 and v["false_alarm_runs"][0]["violations"]
