@@ -607,3 +607,18 @@ def test_graph_methods_a_class_inherits_are_wrapped_and_removed_again(monkeypatc
     assert "replay" in Inheriting.__dict__ and Inheriting.replay.__mxval_capture__ == "replay"
     uninstall()
     assert not {"capture_begin", "capture_end", "replay"} & set(Inheriting.__dict__)
+
+
+def test_calls_that_cannot_be_recorded_pass_straight_through(monkeypatch, env):
+    """Installed but idle, a wrapper looks at nothing: not even the arguments' binding."""
+    seen = []
+    amap = ArgMap({"x": lambda b: seen.append("read") or b["x"]}, {})
+    install([], quiet=True)
+    w = wrap(lambda x: x, "topk", amap)
+    set_context(layer=13, step=0)                  # not a chosen layer
+    assert w(1) == 1 and seen == []
+    set_context(layer=12, step=0)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        w(torch.zeros(1))
+    assert seen == ["read"]
