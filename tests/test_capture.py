@@ -622,3 +622,21 @@ def test_calls_that_cannot_be_recorded_pass_straight_through(monkeypatch, env):
         warnings.simplefilter("always")
         w(torch.zeros(1))
     assert seen == ["read"]
+
+
+def test_capture_on_vllm_034_every_op_and_the_fused_kernels(monkeypatch, env, layer):
+    """0.34.0 reaches the ops through the same table entries (its own versions listed there)."""
+    v034 = "vllm==0.34.0"
+    fk.install(monkeypatch, v034, ROW_ENDS, fused=True)
+    plain = vllm_step(layer)
+    done = install(quiet=True)
+    keys = ("vllm.rocm.compress_pool", "aiter.k_writer", "aiter.q_quant", "aiter.scorer", "vllm.ops.topk",
+            "vllm.cuda.k_mxfp4", "vllm.cuda.k_fp8")
+    assert all(v034 in upstream.target(k).versions for k in keys if k.startswith("vllm"))
+    assert sorted(done) == sorted(f"{upstream.target(k).module}.{upstream.target(k).name}" for k in keys)
+    set_context(layer=12, step=0)
+    assert _same(plain, vllm_step(layer))
+    args, consts, kv = fused_launch("mxfp4")
+    fk._load("vllm.cuda.k_mxfp4")[(40,)](*args, **consts, num_warps=1)
+    (path,) = capture.flush()
+    assert set(_replays_exactly(path).ops) == ALL_OPS | {"compress_norm_rope_mxfp4_cache"}
