@@ -75,6 +75,7 @@ def test_peak_is_none_on_the_cpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 def test_peak_on_the_gpu_counts_what_the_block_allocated():
     with memory.Peak("cuda") as p:
         x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")

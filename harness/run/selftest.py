@@ -220,6 +220,7 @@ def plan(faults, backends, cases: dict, results: dict, *, seeds: int, quick: boo
         for name in f.cases:
             for i in range(1 if name in large_cases else fault_seeds):
                 out.append(("fault", f, with_seed(cases[name], i)))
+    scale = scale_cases()
     for be in backends:
         interp = be == "triton-interpret" and quick
         n = min(seeds, interpret_seeds) if interp else seeds
@@ -230,8 +231,15 @@ def plan(faults, backends, cases: dict, results: dict, *, seeds: int, quick: boo
                 continue
             if interp and name not in QUICK_INTERPRET_CASES:
                 continue
-            out += [("correct", be, with_seed(c, i)) for i in range(n)]
+            # --quick: the scale cases (thousands of rows) once each, the others on every seed
+            out += [("correct", be, with_seed(c, i)) for i in range(1 if quick and name in scale else n)]
     return out
+
+
+def scale_cases() -> set:
+    """Cases only the field's faults use (their sizes: thousands of rows, rows of 16k entries)."""
+    field = {c for f in F.FAULTS.values() if f.source for c in f.cases}
+    return field - {c for f in F.FAULTS.values() if not f.source for c in f.cases}
 
 
 def _verdict(results: dict, correct_rows: list, backends, notes, *, seeds: int, quick: bool, run: Run) -> dict:
