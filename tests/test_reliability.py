@@ -816,6 +816,7 @@ def test_study_interrupted_keeps_the_contexts_that_finished(tmp_path, capsys, mo
     saved = json.loads((tmp_path / "r" / "study.json").read_text())
     assert saved["meta"]["interrupted"]["cases_done"] == 1
     assert {r["context_tokens"] for r in saved["rows"]} == {512}
+    assert "interrupted" in (tmp_path / "r" / "study.md").read_text().splitlines()[0]
     rc, out, err = run(capsys, "study", "--from-json", tmp_path / "r" / "study.json", "--report-dir", tmp_path / "r2")
     assert rc == 0, err
 

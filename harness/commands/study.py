@@ -419,7 +419,7 @@ def run(args) -> int:
             "tolerance": cfg.tolerance, "dump": bool(args.dump)}
     if stopped:
         meta["interrupted"] = stopped
-    paths = study_report.render(result, out, title=f"mxval study: {cfg.name}", meta=meta)
+    paths = study_report.render(result, out, title=f"mxval study: {cfg.name}{_partial(meta)}", meta=meta)
     md = study_report.summary_markdown(result, meta)
     late = release()
     print(escape.terminal(md, lines=True))
@@ -431,6 +431,14 @@ def run(args) -> int:
     if args.readme:
         atomic.write_text(args.readme, md + "\n")
     return 0
+
+
+def _partial(meta: dict) -> str:
+    """The title's mark of a study stopped by Ctrl-C/SIGTERM (its finished contexts only)."""
+    i = meta.get("interrupted") if isinstance(meta, dict) else None
+    if not isinstance(i, dict):
+        return ""
+    return f" (interrupted by {i.get('signal', 'SIGINT')}: partial, {i.get('cases_done', 0)} context(s) finished)"
 
 
 def _rerender(args) -> int:
@@ -446,7 +454,7 @@ def _rerender(args) -> int:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise StudyConfigError(f"--from-json: {args.from_json}: not a study.json ({e})") from None
     out = Path(args.report_dir or Path(args.from_json).parent)
-    paths = study_report.render(result, out, title=f"mxval study: {meta.get('study', '?')}", meta=meta)
+    paths = study_report.render(result, out, title=f"mxval study: {meta.get('study', '?')}{_partial(meta)}", meta=meta)
     md = study_report.summary_markdown(result, meta)
     print(escape.terminal(md, lines=True))
     print(f"\nreports: {', '.join(paths.values())}")
