@@ -69,8 +69,11 @@ def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     w = torch.softmax(score.double(), dim=1)
     terms = w * kv.double()
     c = terms.sum(dim=1)
-    all_neg_zero = ((terms == 0) & torch.signbit(terms)).all(dim=1)
-    return torch.where(all_neg_zero, -c.abs(), c).float()
+    all_neg_zero = (terms.view(torch.int64) == _NEG_ZERO_BITS).all(dim=1)     # every term is -0.0
+    return torch.where(all_neg_zero, -0.0, c).float()
+
+
+_NEG_ZERO_BITS = -(1 << 63)          # the fp64 bits of -0.0 as an int64
 
 
 def softmax_pool_fp32(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
