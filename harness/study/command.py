@@ -71,7 +71,7 @@ def execute(*, study: str = "default", study_file: str | Path = STUDY_FILE, dump
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise StudyConfigError(f"--device: {device} requested but torch sees no CUDA/ROCm GPU")
     out = Path(report_dir or f"reports/study-{cfg.name}")
-    jobs = jobs or min(2, os.cpu_count() or 1)
+    jobs = min(2, os.cpu_count() or 1) if jobs is None else jobs
     if jobs < 1:
         raise StudyConfigError(f"--jobs: expected a positive count, got {jobs}")
     t0, c0, c0_children, load0 = time.time(), time.process_time(), _children_cpu(), _load()

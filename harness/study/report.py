@@ -35,15 +35,16 @@ STATS = (("k_block_crest", "key 32-block crest factor (amax/RMS)"),
          ("k_channel_ratio", "key channel RMS, max/median"))
 
 # End-to-end evaluations reported with an FP8 and an MXFP4 (FP4) indexer, as their sources
-# give them: (source, model, benchmark, questions, FP8, MXFP4, note)
+# give them: (short name, source, model, benchmark, questions, FP8, MXFP4, note)
 END_TO_END = (
-    ("the vLLM change that adds the MXFP4 indexer cache on ROCm (its reported evaluation)", "DeepSeek-V4",
+    ("vLLM", "the vLLM change that adds the MXFP4 indexer cache on ROCm (its reported evaluation)", "DeepSeek-V4",
      "GSM8K", 1319, "0.9492", "0.9477", ""),
-    ("the same change", "DeepSeek-V4", "GPQA-Diamond", 198, "0.7121", "0.7121",
+    ("vLLM", "the same change", "DeepSeek-V4", "GPQA-Diamond", 198, "0.7121", "0.7121",
      "124 questions right in both runs; 17 right only with FP8, 17 only with MXFP4"),
-    ("sglang #26209 (sgl-project/sglang pull request 26209)", "DeepSeek-V4-Flash", "GSM8K", 1319, "0.980", "0.965",
-     ""),
-    ("ROCm/ATOM #2216 (ROCm/ATOM pull request 2216)", "DeepSeek-V4", "GSM8K", 1319, "0.9682", "0.9636", ""),
+    ("sglang #26209", "sglang #26209 (sgl-project/sglang pull request 26209)", "DeepSeek-V4-Flash", "GSM8K", 1319,
+     "0.980", "0.965", ""),
+    ("ROCm/ATOM #2216", "ROCm/ATOM #2216 (ROCm/ATOM pull request 2216)", "DeepSeek-V4", "GSM8K", 1319, "0.9682",
+     "0.9636", ""),
 )
 
 
@@ -608,14 +609,14 @@ def end_to_end_lines(sel, meta, longest) -> list[str]:
              "| source | model | benchmark | FP8 indexer | MXFP4 indexer | FP8 − MXFP4 | in standard errors |",
              "|---|---|---|---|---|---|---|"]
     zs = []
-    for src, model, bench, n, a, b, note in END_TO_END:
+    for short, src, model, bench, n, a, b, note in END_TO_END:
         pa, pb = float(a), float(b)
         z = (pa - pb) / math.sqrt(2 * pa * (1 - pa) / n)
-        zs.append((src, bench, z))
+        zs.append((short, bench, z))
         lines.append(f"| {src} | {model} | {bench} | {a} | {b}" + (f" ({note})" if note else "")
                      + f" | {pa - pb:+.4f} | {z:.1f} |")
-    small = [f"{s.split(' (')[0]} {bench}" for s, bench, z in zs if abs(z) < 1]
-    large = [f"{s.split(' (')[0]} {bench} ({z:.1f})" for s, bench, z in zs if abs(z) >= 2]
+    small = [f"{short} {bench}" for short, bench, z in zs if abs(z) < 1]
+    large = [f"{short} {bench} ({z:.1f})" for short, bench, z in zs if abs(z) >= 2]
     lines += ["", (f"Within one standard error: {', '.join(small)}. " if small else "")
               + (f"Two or more: {', '.join(large)}. " if large else "")
               + "The 17 / 17 split of the GPQA-Diamond questions only one run got right is what two runs of equal "
