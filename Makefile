@@ -20,13 +20,14 @@ else
 endif
 MXVAL := $(PY) -m harness
 
-.PHONY: env lint test test-upstream test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
+.PHONY: report-screenshot env lint test test-upstream test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
 
 env: $(ENV_STAMP)
 
 $(VENV)/.mxval-installed: pyproject.toml constraints.txt
+	@echo "mxval: creating $(VENV) and installing the pinned CPU stack (constraints.txt: torch, triton, pandas, matplotlib, pytest, ...); a first install downloads about 1 GB and takes minutes"
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt torch triton -e '.[test]'
+	$(VENV)/bin/pip install --disable-pip-version-check -c constraints.txt torch triton -e '.[test]'
 	touch $@
 
 .mxval-env-system: pyproject.toml tools/ensure_env.py
@@ -91,3 +92,9 @@ readme-matrix: $(ENV_STAMP)
 readme-study: $(ENV_STAMP)
 	$(MXVAL) study --report-dir reports/study --readme docs/study-summary.md
 	$(PY) tools/splice_readme.py study docs/study-summary.md
+
+# docs/report-example.png: the HTML report of a failing run (the smoke suite with a K-writer
+# fault) as headless Chromium draws it (tools/chromium.py; Debian: apt-get install chromium).
+report-screenshot: $(ENV_STAMP)
+	$(MXVAL) validate --suite smoke --backend fault:nibbles-swapped --budgets cases/budgets.toml -q --report-dir reports/report-example --force || test $$? -eq 1
+	$(PY) tools/chromium.py screenshot reports/report-example/report.html docs/report-example.png --height 2400

@@ -17,6 +17,10 @@ class InputError(ValueError):
     """Bad input; the message is one line naming the file or argument and the problem."""
 
 
+class UsageError(InputError):
+    """A bad argument or input file; the message is the one line printed."""
+
+
 class ReportError(InputError):
     """A report directory or report.json that cannot be used."""
 

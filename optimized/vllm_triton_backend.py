@@ -268,6 +268,9 @@ def _make(name: str, path: str, interpret: bool) -> Backend:
     head = {"cuda": "vLLM 0.33.0's CUDA indexer path (fused K writers MXFP4/FP8 + fused Q quant) with "
                     "mxval's Triton scorer and top-k (vLLM's are DeepGEMM/CUDA ops)",
             "rocm": "vLLM 0.33.0's ROCm pooling kernel _compress_pool_kernel"}[path]
+    if not interpret and not torch.cuda.is_available():
+        return Backend(name, head, reason=f"no CUDA or ROCm GPU visible to torch: use {name}-interpret "
+                                          f"(the same kernels through the Triton interpreter on the CPU)")
     why = _triton_mode(interpret)
     if why:
         return Backend(name, head, reason=why)

@@ -73,12 +73,15 @@ _LOGITS_OUT = {"logits": Field(F32, ("Rw", "W"))}
 _K_SCALARS = {"norm_eps": "float+", "compress_ratio": "int+", "page_size": "int+"}
 _STUDY_K = {"rounding": "rounding", "hadamard": "bool", "rope": "rope"}
 _Q_OPTIONS = {"hadamard": "bool", "rope": "rope", "softmax_scale": "float+", "head_scale": "float+"}
-_FUSED_IN = {
+_POOL_IN = {
     "state_cache": Field(F32, ("num_blocks", "block_size", "4*D")),
     "block_table": Field(INT, ("num_reqs", "max_blocks")),
     "positions": Field(INT, ("T",)),
     "req_index": Field(INT, ("T",)),
     "kv_slot_mapping": Field(INT, ("T",)),
+}
+_FUSED_IN = {
+    **_POOL_IN,
     "cos_sin_cache": Field(F32, ("max_pos", "R")),
     "norm_weight": Field(FLT, ("D",)),
     "kv_cache": Field(U8, ("P", "page_bytes")),
@@ -88,13 +91,7 @@ _FUSED_OPTIONS = {"rope": "rope", "softmax": "softmax"}
 
 _FIELDS: dict[str, OpSpec] = {
     "compress_pool": OpSpec(
-        inputs={
-            "state_cache": Field(F32, ("num_blocks", "block_size", "4*D")),
-            "block_table": Field(INT, ("num_reqs", "max_blocks")),
-            "positions": Field(INT, ("T",)),
-            "req_index": Field(INT, ("T",)),
-            "kv_slot_mapping": Field(INT, ("T",)),
-        },
+        inputs=_POOL_IN,
         outputs={"pooled": Field(BF16, ("T", "D"))},
         scalars={"compress_ratio": "int+"},
         optional={"softmax": "softmax"}),
@@ -163,10 +160,22 @@ class Op:
     fields: OpSpec                    # what a dump of it carries
     fp64: Optional[Callable] = None   # exact scores (scorers): what their logits are judged against
     paths: tuple = BOTH               # the paths whose chain holds the op
+    fuses: tuple = ()                 # a fused op: the stages it does in one launch, in chain order
 
     @property
     def chain_pos(self) -> int:
         return STAGES.index(self.stage)
+
+    @property
+    def diffed_as(self) -> str:
+        """The stage whose output the op writes, and whose metrics it reports: its own, or a
+        fused op's last (the fused pool+K op writes K pages, judged as a K writer's)."""
+        return self.fuses[-1] if self.fuses else self.stage
+
+    @property
+    def stages(self) -> tuple:
+        """Every stage whose metrics the op reports: its own, and the one it is diffed as."""
+        return tuple(dict.fromkeys((self.stage, self.diffed_as)))
 
 
 _OPS = (
@@ -183,9 +192,9 @@ _OPS = (
     Op("paged_fp8_mqa_logits", "scorer", "fp8", paged_fp8_mqa_logits, _FIELDS["paged_fp8_mqa_logits"],
        fp64=paged_fp8_mqa_logits_fp64),
     Op("compress_norm_rope_mxfp4_cache", "pool_k", "mxfp4", compress_norm_rope_mxfp4_cache,
-       _FIELDS["compress_norm_rope_mxfp4_cache"], paths=("cuda",)),
+       _FIELDS["compress_norm_rope_mxfp4_cache"], paths=("cuda",), fuses=("pooling", "k_writer")),
     Op("compress_norm_rope_fp8_cache", "pool_k", "fp8", compress_norm_rope_fp8_cache,
-       _FIELDS["compress_norm_rope_fp8_cache"], paths=("cuda",)),
+       _FIELDS["compress_norm_rope_fp8_cache"], paths=("cuda",), fuses=("pooling", "k_writer")),
 )
 OPS: dict[str, Op] = {op.name: op for op in _OPS}
 OP_NAMES: tuple[str, ...] = tuple(OPS)

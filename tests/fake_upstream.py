@@ -339,6 +339,58 @@ def _topk(logits, lengths, out, k) -> None:
         torch.ops._C.top_k_per_row_decode(logits, 1, lengths, out, rows, logits.stride(0), logits.stride(1), k)
 
 
+def _fused_k(fmt: str, kw: dict, grid) -> None:
+    """What vLLM's fused K kernels read: state rows [kv (from 0) | score (from STATE_WIDTH)],
+    one program per token of the grid, a token written when its compressor slot, its
+    boundary and its cache slot say so; pages [P, page_size, entry bytes]."""
+    t, d, sw = grid[0], kw["HEAD_SIZE"], kw["STATE_WIDTH"]
+    sc, kv, table = kw["state_cache_ptr"], kw["k_cache_ptr"], kw["block_table_ptr"]
+    assert (kw["state_cache_stride0"], kw["state_cache_stride1"]) == sc.stride()[:2] and kw["block_size"] == sc.shape[1]
+    assert kw["block_table_stride"] == table.stride(0) and kw["cos_sin_stride"] == kw["cos_sin_cache_ptr"].stride(0)
+    assert kw["KV_BLOCK_STRIDE"] == kv.stride(0) and kw["kv_cache_block_size"] == kv.shape[1] and kv.dtype == torch.uint8
+    assert kw["OVERLAP"] and sw == 2 * d and kw["TRITON_BLOCK_SIZE"] == d and not kw["MX_SCALE"]
+    assert kw["QUANT_BLOCK"] == (32 if fmt == "mxfp4" else d) and kw["ROPE_HEAD_DIM"] == kw["cos_sin_cache_ptr"].shape[1]
+    slots = kw["kv_slot_mapping_ptr"][:t].masked_fill(kw["slot_mapping_ptr"][:t] < 0, -1)
+    pages = kv.view(kv.shape[0], -1)
+    rows = torch.cat((sc[..., :2 * d], sc[..., sw:sw + 2 * d]), -1)
+    op = reference.compress_norm_rope_mxfp4_cache if fmt == "mxfp4" else reference.compress_norm_rope_fp8_cache
+    out = op(state_cache=rows, block_table=table, positions=kw["positions_ptr"][:t],
+             req_index=kw["token_to_req_indices_ptr"][:t], kv_slot_mapping=slots, cos_sin_cache=kw["cos_sin_cache_ptr"],
+             norm_weight=kw["rms_norm_weight_ptr"], kv_cache=pages.clone(), compress_ratio=kw["COMPRESS_RATIO"],
+             norm_eps=kw["rms_norm_eps"], page_size=kv.shape[1])["kv_cache"]
+    pages.copy_(out)
+
+
+def _fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn(
+        state_cache_ptr, state_cache_stride0, state_cache_stride1, token_to_req_indices_ptr, positions_ptr,
+        slot_mapping_ptr, block_table_ptr, block_table_stride, block_size, rms_norm_weight_ptr, rms_norm_eps,
+        cos_sin_cache_ptr, cos_sin_stride, k_cache_ptr, kv_slot_mapping_ptr, kv_cache_block_size,
+        HEAD_SIZE: tl.constexpr, TRITON_BLOCK_SIZE: tl.constexpr, STATE_WIDTH: tl.constexpr,
+        COMPRESS_RATIO: tl.constexpr, OVERLAP: tl.constexpr, ROPE_HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr,
+        QUANT_BLOCK: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_DIM: tl.constexpr,
+        KV_BLOCK_STRIDE: tl.constexpr, MX_SCALE: tl.constexpr):
+    CALLS.append(("vllm.cuda.k_mxfp4",))
+    _fused_k("mxfp4", dict(locals()), FUSED_K_MXFP4.grid)
+
+
+def _fused_kv_compress_norm_rope_insert_indexer_attn(
+        state_cache_ptr, state_cache_stride0, state_cache_stride1, token_to_req_indices_ptr, positions_ptr,
+        slot_mapping_ptr, block_table_ptr, block_table_stride, block_size, rms_norm_weight_ptr, rms_norm_eps,
+        cos_sin_cache_ptr, cos_sin_stride, k_cache_ptr, kv_slot_mapping_ptr, kv_cache_block_size,
+        HEAD_SIZE: tl.constexpr, TRITON_BLOCK_SIZE: tl.constexpr, STATE_WIDTH: tl.constexpr,
+        COMPRESS_RATIO: tl.constexpr, OVERLAP: tl.constexpr, ROPE_HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr,
+        QUANT_BLOCK: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_DIM: tl.constexpr,
+        KV_BLOCK_STRIDE: tl.constexpr, MX_SCALE: tl.constexpr):
+    CALLS.append(("vllm.cuda.k_fp8",))
+    _fused_k("fp8", dict(locals()), FUSED_K_FP8.grid)
+
+
+FUSED_K_MXFP4 = _Jit(_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn)
+FUSED_K_FP8 = _Jit(_fused_kv_compress_norm_rope_insert_indexer_attn)
+# vLLM's CUDA-path kernels the capture hook wraps (install(..., fused=True) puts them in place)
+FUSED_KEYS = ("vllm.cuda.k_mxfp4", "vllm.cuda.k_fp8")
+
+
 FAKES = {
     "vllm.rocm.compress_pool": POOL_DISPATCHER,
     "vllm.rocm.compress_pool@8e4f5df9": POOL_KERNEL_8E4F,
@@ -353,6 +405,8 @@ FAKES = {
     "aiter.scorer": paged_mxfp4_mqa_logits,
     "aiter.scorer@cu_ends": paged_mxfp4_mqa_logits_cu_ends,
     "aiter.topk": top_k_per_row_decode,
+    "vllm.cuda.k_mxfp4": FUSED_K_MXFP4,
+    "vllm.cuda.k_fp8": FUSED_K_FP8,
 }
 # helpers vLLM's ops module has next to the targets (installed with them)
 OPS_HELPERS = {"_aiter": _aiter, "_aiter_topk": _aiter_topk}
@@ -376,9 +430,11 @@ def reset() -> None:
 _INSTALLED: list[str] = []
 
 
-def install(monkeypatch, *versions: str, without: tuple[str, ...] = ()) -> dict[str, types.ModuleType]:
+def install(monkeypatch, *versions: str, without: tuple[str, ...] = (),
+            fused: bool = False) -> dict[str, types.ModuleType]:
     """Put the fakes of every table entry known for `versions` ("vllm==0.33.0",
-    "aiter:row_ends", ...) into sys.modules at the table's module paths; -> {module: fake module}."""
+    "aiter:row_ends", ...) into sys.modules at the table's module paths; -> {module: fake module}.
+    `fused`: vLLM's CUDA-path fused K kernels too (read from source elsewhere, never imported)."""
     reset()
     for name in _INSTALLED:                  # a second install in one test replaces the first
         monkeypatch.delitem(sys.modules, name, raising=False)
@@ -400,8 +456,8 @@ def install(monkeypatch, *versions: str, without: tuple[str, ...] = ()) -> dict[
     for t in upstream.TABLE:
         if t.key in without or not set(t.versions) & set(versions):
             continue
-        if t in upstream.VLLM_TRITON:        # read from source by optimized.vllm_kernels, never imported
-            continue
+        if t in upstream.VLLM_TRITON and not (fused and t.key in FUSED_KEYS):
+            continue                         # read from source by optimized.vllm_kernels, never imported
         m = module(t.module)
         setattr(m, t.name, FAKES[t.key])
         if t.module == upstream.target("vllm.ops.k_store").module:

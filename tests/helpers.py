@@ -264,7 +264,7 @@ def make_layer(seed: int = 0, *, shuffle=(32, 16, 2), page_size: int = 64, heads
 
     def add(op, inputs, scalars):
         out = reference.OPS[op].fn(**inputs, **scalars)
-        if op.startswith("paged_"):
+        if reference.OPS[op].stage == "scorer":
             out = {"logits": out["logits"]}
         recs[op] = OpRecord(op, dict(scalars), inputs, out)
         return out

@@ -65,7 +65,7 @@ def test_every_fake_matches_its_table_entry(key):
 
 
 def test_every_target_the_adapters_and_the_hook_use_has_a_fake():
-    from harness.io import capture
+    from harness import capture
     used = set(aiter_backend.FUNCTIONS.values()) | set(vllm_backend.FUNCTIONS.values())
     used |= {k for h in capture.HOOKS for k, _ in h.maps} | set(capture.CACHED_LOOKUPS)
     keys = {t.key for k in used for t in upstream.group(k)}

@@ -11,8 +11,8 @@ import torch
 from helpers import make_layer
 
 import reference
-from harness.io import capture
-from harness.io.capture import (
+from harness import capture
+from harness.capture import (
     AITER_K_WRITER,
     AITER_Q_QUANT,
     VLLM_COMPRESS_POOL,
@@ -20,6 +20,7 @@ from harness.io.capture import (
     ArgMap,
     Selection,
     Target,
+    hook,
     install,
     set_context,
     uninstall,
@@ -35,6 +36,7 @@ EXACT = {"page_bytes_mismatched": 0, "page_bytes_outside_owned_changed": 0, "poo
          "logits_nonfinite": 0, "topk_below_threshold": 0, "topk_padding_errors": 0, "topk_duplicates": 0,
          "topk_out_of_range": 0}
 ALL_OPS = {"compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"}
+FUSED_OPS = {"compress_norm_rope_mxfp4_cache", "compress_norm_rope_fp8_cache"}
 HEADS = 32                                   # [32, 16, 2] pages are what aiter reads for 32 heads
 
 
@@ -43,7 +45,7 @@ def env(monkeypatch, tmp_path):
     monkeypatch.setenv("MXVAL_CAPTURE_DIR", str(tmp_path / "dumps"))
     monkeypatch.setenv("MXVAL_CAPTURE_LAYERS", "12,20")
     monkeypatch.setenv("MXVAL_CAPTURE_STEPS", "0-1,300")
-    for name in ("RANK", "LOCAL_RANK", "MXVAL_CAPTURE_AUTO_LAYERS"):
+    for name in ("RANK", "LOCAL_RANK", "MXVAL_CAPTURE_AUTO_LAYERS", "MXVAL_CAPTURE_RING", "MXVAL_CAPTURE_ANCHOR"):
         monkeypatch.delenv(name, raising=False)
     yield tmp_path / "dumps"
     uninstall()
@@ -166,10 +168,10 @@ def test_install_is_a_no_op_without_the_env(monkeypatch, env):
 
 
 def test_targets_come_from_the_upstream_table():
-    for hook, alts in zip(capture.HOOKS, capture.TARGETS):
-        want = [(m, upstream.target(k).name) for k, _ in hook.maps for m in upstream.target(k).modules]
-        assert [(t.module, t.attr) for t in alts] == want and {t.op for t in alts} == {hook.op}
-    assert {h.op for h in capture.HOOKS} == ALL_OPS
+    for hk, alts in zip(capture.HOOKS, capture.TARGETS):
+        want = [(m, upstream.target(k).name) for k, _ in hk.maps for m in upstream.target(k).modules]
+        assert [(t.module, t.attr) for t in alts] == want and {t.op for t in alts} == {hk.op}
+    assert {h.op for h in capture.HOOKS} == ALL_OPS | FUSED_OPS
 
 
 # --- vLLM 0.33.0 ------------------------------------------------------------------------------
@@ -356,3 +358,247 @@ def test_wrap_generic_function_with_out_argument(monkeypatch, env):
     assert calls == [1] and torch.equal(out, rec.outputs["indices"])
     (p,) = capture.flush()
     assert torch.equal(read_dump(p).ops["topk"].outputs["indices"], rec.outputs["indices"])
+
+
+# --- vLLM's CUDA path: the fused K kernels -------------------------------------------------------
+
+def fused_launch(fmt, *, seed=0, tokens=40, page_size=16, mx_scale=False, pad_token=None):
+    """One launch of vLLM's fused K kernel as its launcher makes it; -> (kwargs, pool)."""
+    from helpers import pool_case
+
+    from reference import fp8 as ref_fp8
+    from reference import layout, rope
+    kw = pool_case(seed=seed, tokens=tokens)
+    g = torch.Generator().manual_seed(seed + 7)
+    d = 128
+    entry = layout.entry_bytes(d) if fmt == "mxfp4" else ref_fp8.entry_bytes(d)
+    pages = -(-tokens // page_size) + 1
+    kv = torch.randint(0, 256, (pages, page_size, entry), dtype=torch.uint8, generator=g)   # vLLM's pages
+    sc, bt, cs = kw["state_cache"], kw["block_table"], rope.cos_sin_cache(64, 64, 160000.0)
+    state_slots = torch.arange(tokens)
+    if pad_token is not None:
+        state_slots[pad_token] = -1                            # a padding token: writes nothing
+    args = (sc, sc.stride(0), sc.stride(1), kw["req_index"], kw["positions"], state_slots, bt, bt.stride(0),
+            sc.shape[1], (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16), 1e-6, cs, cs.stride(0), kv,
+            kw["kv_slot_mapping"], page_size)
+    consts = dict(HEAD_SIZE=d, TRITON_BLOCK_SIZE=d, STATE_WIDTH=2 * d, COMPRESS_RATIO=4, OVERLAP=True,
+                  ROPE_HEAD_DIM=64, FP8_MAX=448.0, QUANT_BLOCK=32 if fmt == "mxfp4" else d,
+                  TOKEN_STRIDE=d // 2 if fmt == "mxfp4" else d, SCALE_DIM=d // 32 if fmt == "mxfp4" else 4,
+                  KV_BLOCK_STRIDE=kv.stride(0), MX_SCALE=mx_scale)
+    return args, consts, kv
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_capture_of_vllm_cuda_fused_k_kernels(monkeypatch, env, fmt):
+    fk.install(monkeypatch, V033, ROW_ENDS, fused=True)
+    key = f"vllm.cuda.k_{fmt}"
+    args, consts, kv = fused_launch(fmt, pad_token=11)
+    plain = kv.clone()
+    fk._load(key)[(40,)](*args[:13], plain, *args[14:], **consts, num_warps=1)
+    assert f"{upstream.target(key).module}.{upstream.target(key).name}" in install(quiet=True)
+    kernel = fk._load(key)
+    assert kernel.__wrapped__ is fk.FAKES[key] and kernel.arg_names == fk.FAKES[key].arg_names
+    set_context(layer=12, step=0)
+    before = kv.clone()
+    kernel[(40,)](*args, **consts, num_warps=1)
+    assert torch.equal(kv, plain)                          # the kernel computes exactly the same
+    (path,) = capture.flush()
+    d = _replays_exactly(path)
+    op = f"compress_norm_rope_{fmt}_cache"
+    rec = d.ops[op]
+    assert set(d.ops) == {op}
+    assert torch.equal(rec.inputs["kv_cache"], before.view(before.shape[0], -1))
+    assert torch.equal(rec.outputs["kv_cache"], kv.view(kv.shape[0], -1))
+    assert rec.inputs["kv_slot_mapping"][11] == -1 and rec.inputs["kv_slot_mapping"][15] == 15   # padding folded in
+    assert rec.scalars["page_size"] == 16 and rec.scalars["compress_ratio"] == 4
+
+
+def test_fused_launches_that_are_not_the_indexers_pass_through(monkeypatch, env):
+    fk.install(monkeypatch, V033, ROW_ENDS, fused=True)
+    install(quiet=True)
+    set_context(layer=12, step=0)
+    args, consts, kv = fused_launch("fp8")
+    amap = capture.VLLM_FUSED_K_FP8
+    bound = dict(zip(amap.params, args), **consts)
+    assert amap.classify(bound) is None
+    assert "MX scales" in amap.classify({**bound, "MX_SCALE": True})
+    assert "HEAD_SIZE=96" in amap.classify({**bound, "HEAD_SIZE": 96})
+
+
+# --- under CUDA graphs (the graph faked on the CPU: captured work replays as thunks) ---------------
+
+class FakeGraph:
+    """torch.cuda.CUDAGraph's methods, on the CPU: while capturing, emit() keeps the work
+    (the model's and the hook's device copies) instead of running it; replay() runs it."""
+    capturing = None
+
+    def __init__(self):
+        self.work = []
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        FakeGraph.capturing = self
+
+    def capture_end(self):
+        FakeGraph.capturing = None
+
+    def replay(self):
+        for w in self.work:
+            w()
+
+
+def emit(work):
+    if FakeGraph.capturing is not None:
+        FakeGraph.capturing.work.append(work)
+    else:
+        work()
+
+
+@pytest.fixture
+def graphs(monkeypatch, env):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph, raising=False)
+    monkeypatch.setattr(hook, "_graph_capturing", lambda: FakeGraph.capturing is not None)
+    monkeypatch.setattr(hook, "_capture_device", lambda: torch.device("cpu"))
+    real = hook._device_copy
+    monkeypatch.setattr(hook, "_device_copy", lambda buf, slot, src: emit(lambda: real(buf, slot, src)))
+    monkeypatch.setattr(FakeGraph, "capturing", None)
+    return env
+
+
+def _topk_op(fault=False):
+    """A top-k launch with vLLM's _topk signature that writes `out` in place, as a kernel
+    in the graph would (`fault`: row 0's last index replaced by its lowest-scoring entry)."""
+    def _topk(logits, lengths, out, k):
+        def work():
+            idx = reference.topk(logits=logits, lengths=lengths, k=k)["indices"]
+            if fault:
+                idx[0, -1] = logits[0, :int(lengths[0])].argmin()
+            out.copy_(idx)
+        emit(work)
+    return wrap(_topk, "topk", capture.VLLM_TOPK)
+
+
+class Model:
+    """Two indexer layers of top-k on static input buffers, as a graph-captured forward reads them."""
+
+    def __init__(self, seed=0, layers=2, rows=3, width=40, k=5, fault=False):
+        self.g = torch.Generator().manual_seed(seed)
+        self.logits = torch.zeros(layers, rows, width)
+        self.lengths = torch.zeros(rows, dtype=torch.int32)
+        self.out = torch.full((layers, rows, k + 2), -1, dtype=torch.int32)
+        self.k, self.topk = k, _topk_op(fault)
+
+    def feed(self):
+        """New inputs for the next step (copied into the static buffers); -> them."""
+        self.logits.copy_(torch.randn(self.logits.shape, generator=self.g))
+        self.lengths.copy_(torch.randint(self.k + 1, self.logits.shape[2] + 1, self.lengths.shape, generator=self.g))
+        return self.logits.clone(), self.lengths.clone()
+
+    def forward(self, explicit=False):
+        for layer in range(self.logits.shape[0]):
+            if explicit:
+                set_context(layer=layer, step=capture.context()[1])
+            self.topk(self.logits[layer], self.lengths, self.out[layer, :, :self.k], self.k)
+
+    def capture(self, explicit=False):
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin()
+        self.forward(explicit)
+        g.capture_end()
+        return g
+
+
+def _names(paths):
+    return [p.rsplit("/", 1)[1] for p in paths]
+
+
+def test_graph_replays_record_the_chosen_steps_into_a_ring(monkeypatch, graphs):
+    monkeypatch.setenv("MXVAL_CAPTURE_LAYERS", "1")
+    monkeypatch.setenv("MXVAL_CAPTURE_STEPS", "1-3,5")
+    monkeypatch.setenv("MXVAL_CAPTURE_AUTO_LAYERS", "2")
+    monkeypatch.setenv("MXVAL_CAPTURE_ANCHOR", "topk")
+    monkeypatch.setenv("MXVAL_CAPTURE_RING", "2")
+    install([], quiet=True)
+    m = Model()
+    m.feed()
+    m.forward()                                            # eager warm-up: step 0 (not chosen)
+    g = m.capture()
+    rec = getattr(g, hook.GRAPH_ATTR)
+    assert [(c.op, c.layer) for c in rec.calls] == [("topk", 1)]           # layer 1 only, chosen at capture
+    assert rec.calls[0].inputs["logits"].shape == (3, 3, 40)               # ring 2 + the scratch slot
+    fed, written_at = {}, []
+    for step in range(1, 7):                               # a replay is one forward step
+        fed[step] = m.feed()
+        g.replay()
+        assert torch.equal(m.out[1, :, :m.k], reference.topk(logits=fed[step][0][1], lengths=fed[step][1],
+                                                              k=m.k)["indices"])    # the graph's own work ran
+        written_at.append(_names(capture.written()))
+    assert written_at[1] == [] and written_at[2] == ["layer1_step1.safetensors", "layer1_step2.safetensors"]
+    assert hook._S.slots["cpu"][1] == 2                    # step 6: the scratch slot
+    assert _names(capture.flush()) == ["layer1_step3.safetensors", "layer1_step5.safetensors"]
+    for p in capture.written():
+        d = _replays_exactly(p)
+        logits, lengths = fed[d.meta["step"]]
+        assert d.meta["layer"] == 1 and torch.equal(d.ops["topk"].inputs["logits"], logits[1])
+        assert torch.equal(d.ops["topk"].inputs["lengths"], lengths)
+
+
+def test_graph_capture_with_explicit_context_and_two_graphs_in_one_step(monkeypatch, graphs):
+    monkeypatch.setenv("MXVAL_CAPTURE_LAYERS", "0")
+    monkeypatch.setenv("MXVAL_CAPTURE_STEPS", "7")
+    install([], quiet=True)
+    a, b = Model(seed=1), Model(seed=2, layers=1)
+    a.feed(), b.feed()
+    ga, gb = a.capture(explicit=True), b.capture(explicit=True)
+    idle = Model(seed=3)
+    set_context(layer=5)                                   # not a chosen layer: nothing recorded
+    g_idle = idle.capture()
+    assert not hasattr(g_idle, hook.GRAPH_ATTR)
+    for step in (6, 7):
+        set_context(step=step)
+        fa, fb = a.feed(), b.feed()
+        ga.replay(), gb.replay(), g_idle.replay()
+    paths = capture.drain()
+    assert _names(paths) == ["layer0_step7.safetensors", "layer0_step7_1.safetensors"]
+    da, db = (read_dump(p) for p in paths)
+    assert torch.equal(da.ops["topk"].inputs["logits"], fa[0][0]) and torch.equal(db.ops["topk"].inputs["logits"], fb[0][0])
+    assert capture.drain() == []
+
+
+def test_a_fault_inside_the_graph_is_caught_from_the_dumps(monkeypatch, graphs):
+    monkeypatch.setenv("MXVAL_CAPTURE_LAYERS", "all")
+    monkeypatch.setenv("MXVAL_CAPTURE_STEPS", "all")
+    install([], quiet=True)
+    m = Model(fault=True, layers=1, width=64, k=8)
+    g = m.capture()
+    for _ in range(3):
+        m.feed()
+        g.replay()
+    paths = capture.flush()
+    assert _names(paths) == [f"layerx_step{s}.safetensors" for s in range(3)]     # steps number the replays
+    for p in paths:
+        (r,) = replay_dump(read_dump(p))
+        assert not r.ok(EXACT)
+
+
+def test_uninstall_restores_the_graph_methods(monkeypatch, graphs):
+    orig = dict(FakeGraph.__dict__)
+    install([], quiet=True)
+    assert FakeGraph.replay is not orig["replay"] and FakeGraph.replay.__mxval_capture__ == "replay"
+    uninstall()
+    assert all(FakeGraph.__dict__[n] is orig[n] for n in ("capture_begin", "capture_end", "replay"))
+
+
+def test_bad_ring_size_is_refused(monkeypatch, env):
+    monkeypatch.setenv("MXVAL_CAPTURE_RING", "0")
+    with pytest.raises(ValueError, match="MXVAL_CAPTURE_RING"):
+        install([], quiet=True)
+
+
+def test_graph_methods_a_class_inherits_are_wrapped_and_removed_again(monkeypatch, graphs):
+    class Inheriting(FakeGraph):
+        pass
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Inheriting)
+    install([], quiet=True)
+    assert "replay" in Inheriting.__dict__ and Inheriting.replay.__mxval_capture__ == "replay"
+    uninstall()
+    assert not {"capture_begin", "capture_end", "replay"} & set(Inheriting.__dict__)

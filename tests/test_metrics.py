@@ -111,3 +111,26 @@ def test_differs_report_only_table_metrics():
     assert set(rep.metrics) <= set(METRICS)
     rep = diff_logits(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.float64), torch.tensor([3, 8]), clean=True)
     assert set(rep.metrics) <= set(METRICS)
+
+
+def test_the_fused_stage_reports_what_its_op_table_entry_says():
+    """The fused pool+K op is judged as a K writer because its op-table entry says it fuses
+    pooling and the K writer (`Op.fuses`): no stage alias, no op-name prefix."""
+    from harness.diff.metrics import emitted_by, op_emits
+    from reference.ops import OPS
+    fused = OPS["compress_norm_rope_mxfp4_cache"]
+    assert fused.stage == "pool_k" and fused.fuses == ("pooling", "k_writer") and fused.diffed_as == "k_writer"
+    assert OPS["k_norm_rope_mxfp4_cache"].stages == ("k_writer",)
+    # the attribute is what makes the K writer's metrics the fused op's: its own stage alone has none
+    assert not emitted_by("page_bytes_outside_owned_changed", "pool_k")
+    assert op_emits("page_bytes_outside_owned_changed", fused.name)
+    assert op_emits("pool_k_bytes_mismatched_frac", fused.name)
+    assert not op_emits("pool_k_bytes_mismatched_frac", "k_norm_rope_mxfp4_cache")
+    assert not op_emits("pooled_max_ulp", fused.name)           # its output is pages, not pooled rows
+    assert "compress_norm_rope_mxfp4_cache.page_bytes_mismatched" in run_keys([fused.name])
+
+
+def test_one_chain_prefix():
+    from harness.diff.metrics import CHAIN, chain_key, is_chain
+    assert chain_key("logits_diff") == f"{CHAIN}.logits_diff" and is_chain(chain_key("logits_diff"))
+    assert not is_chain("paged_mxfp4_mqa_logits.logits_diff") and not is_chain("chainx.logits_diff")

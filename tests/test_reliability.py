@@ -226,7 +226,7 @@ def test_the_reference_refuses_nan_or_negative_eps_and_scales():
             reference.q_rope_mxfp4_quant(**q, weights_scale=ws)
 
 
-# --- issue 10: counts summed over steps, one judge for "off" -------------------------------------
+# --- counts summed over steps, one judge for "off" ----------------------------------------------
 
 def test_counts_are_summed_over_steps():
     case = Catalog().case("smoke-chunks-shuffled")

@@ -128,3 +128,12 @@ def test_parallel_matches_serial_and_sees_registered_backends(cat):
         assert p["outcome"] == "ok", p["reason"]
         assert s["case"] == p["case"] and s["metrics"] == p["metrics"]
         assert p["metrics"][f"{KW}.page_bytes_mismatched"] >= 1
+
+
+def test_a_report_row_has_one_shape():
+    """Rows are built in one place (harness/run/record.py): a field it does not know is a bug."""
+    from harness.run.record import row
+    r = row("c", "s", "reference", metrics={"x.y": 1.0})
+    assert r["outcome"] == "ok" and r["metrics"] == {"x.y": 1.0} and r["findings"] == []
+    with pytest.raises(TypeError, match="metricz"):
+        row("c", "s", "reference", metricz={})

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from harness.bench import capture as capture_bench
 from reference import layout
 
 ENTRY = layout.entry_bytes(128)          # bytes of one MXFP4 key (D = 128)
@@ -265,6 +266,7 @@ def main(argv=None) -> int:
         pd = measure_pool_fast_exp()
 
     section(variants)
+    section(capture_bench.section_for(lines))
     _write_report(a.out, lines, results, sweeps, notes, var, pd, failures)
     return 1 if failures else 0
 

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness.bench import startup
+
 REPO = Path(__file__).resolve().parents[2]
 REPORT = REPO / "reports" / "bench-reference.md"
 
@@ -416,7 +418,7 @@ def main(argv=None) -> int:
     results = {d: {w: _run_worker(w, d, args.repeats) for w in ("k_path", "scoring", "scoring_wide")} for d in devices}
     if not args.skip_waits:
         results.setdefault("cpu", {})["user_waits"] = _run_worker("user_waits", "cpu", 1)
-    text = table(machine(), results)
+    text = table(machine(), results) + "\n" + startup.section(args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")
     print(text)

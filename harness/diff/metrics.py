@@ -25,12 +25,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-STAGES = ("pooling", "k_writer", "pool_k", "q_quant", "scorer", "topk")
-# The CUDA path's fused stage (pool -> K pages in one op) is diffed as a K writer: it emits
-# every K writer metric, and its own fraction below.
-AS_STAGE = {"pool_k": "k_writer"}
+from reference.ops import OPS, STAGES
+
 ANY = "any"                      # emitted by whatever stage meets the condition
-CHAIN = "chain"                  # the whole-chain comparison's stage prefix
+CHAIN = "chain"                  # the whole-chain comparison's stage, the prefix of its keys
+CHAIN_PREFIX = CHAIN + "."
 KINDS = ("count", "max", "ratio", "min", "info")
 
 
@@ -79,7 +78,8 @@ _TABLE = (
        chain="allowed"),
     _m("page_bytes_mismatched_frac", "k_writer", "ratio", "whole chain: mismatched share of the owned K bytes",
        chain="only", hi=1.0),
-    # the fused pool+K stage (CUDA path): its pages are diffed as a writer's, plus
+    # the fused pool+K stage (CUDA path): its pages are diffed as a writer's (its op's
+    # `diffed_as`, reference/ops.py), plus
     _m("pool_k_bytes_mismatched_frac", "pool_k", "ratio", "owned K bytes of the fused stage that differ, "
        "as a fraction (it pools too: the kernel's fp32 pooling may move a few)", required=True, chain="allowed",
        hi=1.0),
@@ -110,6 +110,13 @@ _TABLE = (
     _m("topk_out_of_range", "topk", "count", "indices < -1 or past the row's length", required=True,
        chain="required"),
     _m("topk_below_threshold", "topk", "count", "indices failing the tie rule", required=True, chain="allowed"),
+    # top-k: what the selection keeps of the exact top-k (diff_topk -> selection_metrics)
+    _m("topk_mass_kept_min", "topk", "min", "min over rows of the proxy attention mass kept (softmax of the "
+       "exact logits, harness/diff/scores.py score_weights)", chain="allowed"),
+    _m("topk_top64_kept_min", "topk", "min", "min over rows of the exact top-64 kept (k > 64)", chain="allowed"),
+    _m("topk_top256_kept_min", "topk", "min", "min over rows of the exact top-256 kept (k > 256)", chain="allowed"),
+    _m("topk_rank_lost_min", "topk", "min", "the best exact rank among keys lost beyond the tie rule (emitted "
+       "only by a step that lost one)", chain="allowed", hi=math.inf),
     # any stage
     _m("nonfinite_inputs", ANY, "count", "non-finite inputs (outside the contract)", always_fail=True,
        chain="allowed"),
@@ -148,6 +155,15 @@ def metric(name: str) -> Metric:
         raise KeyError(f"metric {name!r} is not in the metric table (harness/diff/metrics.py)") from None
 
 
+def chain_key(name: str) -> str:
+    """The whole-chain comparison's key of a metric: `chain.<metric>`."""
+    return CHAIN_PREFIX + name
+
+
+def is_chain(key: str) -> bool:
+    return key.startswith(CHAIN_PREFIX)
+
+
 def bare(key: str) -> str:
     """`<stage>.<metric>` or `chain.<metric>` -> metric; a bare name stays as it is."""
     return key.rpartition(".")[2]
@@ -168,19 +184,21 @@ def emitted_by(name: str, stage: str) -> bool:
         return False
     if m.stage == stage:
         return True
-    stage = AS_STAGE.get(stage, stage)
     if name in _CLASS_STAGES:
         return stage in _CLASS_STAGES[name]
     return m.stage in (stage, ANY)
 
 
+def op_emits(name: str, op: str) -> bool:
+    """Whether a metric can come out of op `op` (of its own stage, or the stage it is diffed as)."""
+    return any(emitted_by(name, s) for s in OPS[op].stages)
+
+
 def run_keys(ops: Iterable[str], *, chain: bool = True) -> set[str]:
     """Every `<op>.<metric>` and `chain.<metric>` key a run of `ops` can report (the
     harness's chain: the whole-chain comparison covers its K writer, scorer and top-k)."""
-    from reference.ops import OPS
-    own = {OPS[op].stage for op in ops}
-    stages = own | {AS_STAGE[s] for s in own if s in AS_STAGE}      # the fused stage is also a K writer
-    out = {f"{op}.{n}" for op in ops for n in METRICS if emitted_by(n, OPS[op].stage)}
+    stages = {s for op in ops for s in OPS[op].stages}
+    out = {f"{op}.{n}" for op in ops for n in METRICS if op_emits(n, op)}
     in_chain = stages & {"k_writer", "pool_k", "scorer", "topk"}
     if chain and in_chain:
         for n, m in METRICS.items():
@@ -188,7 +206,7 @@ def run_keys(ops: Iterable[str], *, chain: bool = True) -> set[str]:
                 continue
             src = _CLASS_STAGES.get(n) or ((m.stage,) if m.stage != ANY else tuple(in_chain))
             if set(src) & in_chain:
-                out.add(f"{CHAIN}.{n}")
+                out.add(chain_key(n))
     return out
 
 
@@ -199,7 +217,7 @@ def required_keys(keys: Iterable[str]) -> list[str]:
         m = METRICS.get(bare(k))
         if m is None:
             continue
-        if k.startswith(CHAIN + "."):
+        if is_chain(k):
             if m.chain in ("required", "only"):
                 out.append(k)
         elif m.required:
@@ -299,7 +317,7 @@ def judge(metrics: dict, limit_of: Callable[[str], Optional[Limit]]) -> list[dic
     then `chain.*`. `limit_of(key)` gives the budget of a key (None: no budget; OFF: turned
     off). Without a budget, always-fail metrics must be 0; others are not judged."""
     out = []
-    for key, value in sorted(metrics.items(), key=lambda kv: (kv[0].startswith(CHAIN + "."), kv[0])):
+    for key, value in sorted(metrics.items(), key=lambda kv: (is_chain(kv[0]), kv[0])):
         lim = limit_of(key)
         if lim is None:
             lim = default_limit(bare(key))

@@ -6,6 +6,8 @@ from typing import Optional
 
 from .metrics import METRICS, Limit, bare, judge
 
+# Findings a DiffReport keeps, per comparison (each one is counted in the metrics either way).
+# A report row keeps fewer per stage: harness.run.record.ROW_FINDINGS_PER_STAGE.
 MAX_FINDINGS = 50
 
 

@@ -1,4 +1,5 @@
-"""Scores: logits against the fp64 reference, and top-k sets with the tie tolerance."""
+"""Scores: logits against the fp64 reference, top-k sets with the tie tolerance, and what a
+different selection costs (the selection metrics, with the declared mass proxy)."""
 from __future__ import annotations
 
 import math
@@ -82,10 +83,92 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
     return col.report(op, metrics)
 
 
+# --- what a selection keeps (shared with `mxval study`) ------------------------------------
+#
+# The declared proxy of attention mass: the softmax of the exact indexer logits over a
+# row's valid entries. vLLM folds the softmax scale into the indexer's head weights
+# (weights * head_dim**-0.5 * heads**-0.5), so the logits sit on the attention-logit scale
+# and their softmax is the indexer's own estimate of where the attention mass lies.
+# `mass_kept` is the one formula: the weight a selection holds over the weight the exact
+# top-k holds (per row; weights with a head dimension are summed over heads first). The
+# study passes its per-head attention probabilities, the reports this proxy.
+
+TOP_M = (64, 256)          # the exact top-m whose keeping the reports show (m < k only)
+MASS_PROXY = ("mass kept: the softmax of the exact indexer logits over each row's valid entries "
+              "(the logits carry the softmax scale), held by the selection over that held by the exact top-k")
+
+
+def score_weights(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The mass proxy: softmax over each row's valid, finite scores (fp64 [R, J]); entries
+    outside `valid` weigh 0, and a row without any valid score is all 0."""
+    s = scores.double()
+    ok = valid & torch.isfinite(s)
+    top = torch.where(ok, s, -math.inf).amax(1, keepdim=True) if s.shape[1] else s[:, :1]
+    e = torch.where(ok, torch.exp(s - torch.where(torch.isfinite(top), top, 0.0)), 0.0)
+    return e / e.sum(1, keepdim=True).clamp_min(1e-300)
+
+
+def mass_kept(weights: torch.Tensor, selected: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Per row (fp64 [R]): the weight of `selected` over the weight of `exact` (both bool
+    masks, or index tensors [R, n] into the last dim of `weights`). `weights` [R, J] or
+    [R, H, J] (summed over H). 1 where the exact selection weighs nothing; at most 1 when
+    `exact` is the top-|selected| by weight (rounding clamped)."""
+    w = weights.double()
+    if w.dim() == 3:
+        def held(sel):
+            m = sel if sel.dtype == torch.bool else torch.zeros(w.shape[0], w.shape[2], dtype=torch.bool,
+                                                                 device=w.device).scatter_(1, sel, True)
+            return (w * m[:, None, :]).sum((1, 2))
+    else:
+        def held(sel):
+            m = sel if sel.dtype == torch.bool else torch.zeros_like(w, dtype=torch.bool).scatter_(1, sel, True)
+            return (w * m).sum(1)
+    num, den = held(selected), held(exact)
+    return torch.where(den > 0, (num / den.clamp_min(1e-300)).clamp(max=1.0), 1.0)
+
+
+def selection_metrics(scores: torch.Tensor, lengths: torch.Tensor, selected: torch.Tensor, k: int,
+                      tol: torch.Tensor, recall: torch.Tensor) -> dict:
+    """What a selection keeps of the exact top-k, per row (fp64 [R] each):
+      mass       `mass_kept` of the proxy `score_weights`
+      top<m>     of the exact top-min(m, len), the share the selection keeps, an entry tied
+                 with the m-th (within `tol`) standing for it; for each m in TOP_M below k
+      rank_lost  the exact rank (1 = the best key) of the best exact top-k key the selection
+                 lacks, in rows the tie rule does not excuse (recall < 1); NaN elsewhere
+    `scores` fp64 [R, W], `selected` bool [R, W] (distinct in-range indices), `tol` and
+    `recall` [R] as `diff_topk` computes them."""
+    rw, w = scores.shape
+    valid = torch.arange(w)[None, :] < lengths[:, None]
+    fin = valid & torch.isfinite(scores)
+    masked = torch.where(fin, scores, -math.inf)
+    size = torch.minimum(lengths, torch.tensor(k))
+    kk = min(k, w)
+    topv, topi = torch.topk(masked, kk, dim=1) if kk else (masked[:, :0], torch.zeros(rw, 0, dtype=torch.long))
+    in_ref = torch.arange(kk)[None, :] < size[:, None]
+    exact = torch.zeros(rw, w, dtype=torch.bool).scatter_(1, topi, in_ref) if kk else torch.zeros(rw, w, dtype=torch.bool)
+    out = {"mass": mass_kept(score_weights(scores, valid), selected, exact)}
+    for m in TOP_M:
+        if m >= k:
+            continue
+        me = torch.minimum(lengths, torch.tensor(m))
+        mth = topv.gather(1, (me - 1).clamp_min(0)[:, None])[:, 0] if kk else torch.zeros(rw, dtype=torch.float64)
+        held = (selected & fin & (scores >= (mth - tol)[:, None])).sum(1)
+        out[f"top{m}"] = torch.where(me > 0, torch.minimum(held, me).double() / me.clamp_min(1).double(), 1.0)
+    rank = torch.full((rw,), math.nan, dtype=torch.float64)
+    if kk:
+        lacks = ~selected.gather(1, topi) & in_ref
+        first = lacks.int().argmax(1)
+        at = topv.gather(1, first[:, None])
+        best = 1 + (topv > at).sum(1).double()
+        rank = torch.where(lacks.any(1) & (recall < 1), best, rank)
+    out["rank_lost"] = rank
+    return out
+
+
 # --- top-k ---------------------------------------------------------------------------------
 
 def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: int, *,
-              tol: Optional[float] = None, op: str = "topk") -> DiffReport:
+              tol: Optional[float] = None, op: str = "topk", rows: Optional[dict] = None) -> DiffReport:
     """Top-k indices [Rw, k] against reference scores [Rw, W].
 
     Rows with length <= k must read 0..len-1 then -1. Longer rows are sets with a tie
@@ -99,7 +182,13 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
       topk_padding_errors       rows: short rows not 0..len-1 then -1; long rows holding -1
       topk_duplicates           repeated indices (other than -1)
       topk_out_of_range         indices < -1 or >= the row's length
-      topk_below_threshold      distinct in-range indices of long rows failing the tie rule"""
+      topk_below_threshold      distinct in-range indices of long rows failing the tie rule
+    and what the selection keeps (`selection_metrics`, min over rows):
+      topk_mass_kept_min        the proxy attention mass kept (`score_weights`, `mass_kept`)
+      topk_top64_kept_min       the exact top-64 kept (k > 64 only); topk_top256_kept_min alike
+      topk_rank_lost_min        the best exact rank lost beyond the tie rule (absent: none lost)
+    `rows`: a dict to receive the per-row tensors recall, exact (the reference's own set),
+    mass and lengths (`recall_rows`)."""
     A.pos_int("k", k)
     A.tensor("ref_logits_fp64", ref_logits_fp64, A.FLOATS, 2)
     A.tensor("indices", indices, A.INT_DTYPES, 2)
@@ -182,16 +271,38 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
                 detail += f"; position {c} holds {int(idx[r, c])}, expected {int(want_short[r, c])}"
         f["where"] = detail
         col.keep(f)
+    sel_cols = torch.zeros(rw, w + 1, dtype=torch.bool).scatter_(1, torch.where(s_in, srt, w), True)[:, :w]
+    kept = selection_metrics(s, lens, sel_cols, k, row_tol, recall)
     metrics = {"topk_rows_not_exact_frac": float((~exact).sum()) / rw if rw else 0.0,
                "topk_recall_min": float(recall.min()) if rw else 1.0,
                "topk_jaccard_min": float(jacc.min()) if rw else 1.0,
                "topk_padding_errors": int(pad_err.sum()),
                "topk_duplicates": int(dups.sum()),
                "topk_out_of_range": int(oor.sum()),
-               "topk_below_threshold": int(below.sum())}
+               "topk_below_threshold": int(below.sum()),
+               "topk_mass_kept_min": float(kept["mass"].min()) if rw else 1.0}
+    lost = kept["rank_lost"][~torch.isnan(kept["rank_lost"])]
+    if lost.numel():
+        metrics["topk_rank_lost_min"] = float(lost.min())
+    for top_m in TOP_M:
+        if f"top{top_m}" in kept:
+            metrics[f"topk_top{top_m}_kept_min"] = float(kept[f"top{top_m}"].min()) if rw else 1.0
+    if rows is not None:
+        rows.update(recall=recall, exact=exact, mass=kept["mass"], lengths=lens)
     notes = []
     if nan_scores:
         metrics["nonfinite_inputs"] = nan_scores
         notes.append(f"{nan_scores} NaN reference score(s) in the valid region")
     return col.report(op, metrics, notes)
 
+
+
+def recall_rows(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: int) -> list[list]:
+    """[[row length, recall within the tie rule, 1 if the set is the reference's own else 0,
+    proxy mass kept], ...] of the rows with a non-empty reference set (the recall plot: a
+    row below 1 lost keys; a row at 1 marked 0 is a tie swap the rule accepts)."""
+    rows: dict = {}
+    diff_topk(indices, ref_logits_fp64, lengths, k, rows=rows)
+    return [[int(n), float(r), int(e), float(m)] for n, r, e, m in
+            zip(rows["lengths"].tolist(), rows["recall"].tolist(), rows["exact"].tolist(), rows["mass"].tolist())
+            if n > 0]

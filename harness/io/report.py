@@ -34,6 +34,19 @@ STATUS_STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "nonfi
 HEADLINE = [("pages≠", "page_bytes_mismatched", "sum"), ("outside", "page_bytes_outside_owned_changed", "sum"),
             ("pool ulp", "pooled_max_ulp", "max"), ("q≠", "q_bytes_mismatched", "sum"),
             ("logits diff", "logits_diff", "max"), ("top-k recall", "topk_recall_min", "min")]
+# the whole chain's numbers, beside the stages' (heading, chain metric)
+CHAIN_HEADLINE = [("chain recall", "topk_recall_min"), ("chain mass", "topk_mass_kept_min"),
+                  ("chain≠", "page_bytes_mismatched_frac")]
+# the "does it matter" block: (heading, metric suffix, how the op stages combine)
+SELECTION = [("recall", "topk_recall_min", "min"), ("mass kept", "topk_mass_kept_min", "min"),
+             ("top-64 kept", "topk_top64_kept_min", "min"), ("top-256 kept", "topk_top256_kept_min", "min"),
+             ("best rank lost", "topk_rank_lost_min", "min"), ("tie swaps", "class_tie_swap", "sum"),
+             ("rows ≠ ref set", "topk_rows_not_exact_frac", "max")]
+SELECTION_WHERE = {"stage": "top-k stage (on the backend's logits)",
+                   "chain": "whole chain (against the reference chain)"}
+IDENTICAL = "identical to the exact selection"
+# failing cases first in the HTML report
+STATUS_ORDER = {"error": 0, "fail": 1, "nonfinite_input": 2, "skipped": 3, "pass": 4}
 
 
 def is_metric(col: str) -> bool:
@@ -69,8 +82,16 @@ def _num(v) -> Optional[float]:
     return None if math.isnan(f) else f
 
 
+def _chain_frac() -> str:
+    """The whole chain's K-byte headline column. The metric table is imported here, not at the
+    top: `mxval report DIR` re-renders a report without loading torch."""
+    from harness.diff.metrics import chain_key
+    return chain_key("page_bytes_mismatched_frac")
+
+
 def headline(row, suffix: str, how: str) -> Optional[float]:
-    vals = [_num(row[c]) for c in row.index if is_metric(c) and not c.startswith("chain.")
+    from harness.diff.metrics import is_chain  # (see _chain_frac)
+    vals = [_num(row[c]) for c in row.index if is_metric(c) and not is_chain(c)
             and c.endswith("." + suffix)]
     vals = [v for v in vals if v is not None]
     if not vals:
@@ -78,10 +99,87 @@ def headline(row, suffix: str, how: str) -> Optional[float]:
     return {"sum": sum, "max": max, "min": min}[how](vals)
 
 
+def chain_value(row, metric: str) -> Optional[float]:
+    from harness.diff.metrics import chain_key  # (see _chain_frac)
+    key = chain_key(metric)
+    return _num(row[key]) if key in row.index else None
+
+
+def _proxy() -> str:
+    from harness.diff.scores import MASS_PROXY  # (see _chain_frac)
+    return MASS_PROXY
+
+
+def overview_values(row) -> list[Optional[float]]:
+    """The overview tables' metric values: the stages' headline, then the chain's."""
+    return ([headline(row, m, how) for _, m, how in HEADLINE]
+            + [chain_value(row, m) for _, m in CHAIN_HEADLINE])
+
+
+def overview_cells(row) -> list[str]:
+    return [_fmt(v) for v in overview_values(row)]
+
+
+OVERVIEW = [h for h, _, _ in HEADLINE] + [h for h, _ in CHAIN_HEADLINE]
+
+
+def selection(row) -> dict:
+    """The "does it matter" block of a case: {"stage": {...}, "chain": {...}} (each only when
+    its top-k was compared), each with the SELECTION values (None: not emitted, e.g. top-m
+    for m >= k, or no key lost) and a one-line verdict."""
+    out = {}
+    for where in ("stage", "chain"):
+        vals = {}
+        for _, m, how in SELECTION:
+            vals[m] = chain_value(row, m) if where == "chain" else headline(row, m, how)
+        if vals["topk_recall_min"] is None:
+            continue
+        vals["verdict"] = selection_verdict(vals)
+        out[where] = vals
+    return out
+
+
+def selection_verdict(v: dict) -> str:
+    recall, ties = v.get("topk_recall_min"), v.get("class_tie_swap") or 0
+    differ = v.get("topk_rows_not_exact_frac") or 0
+    if recall is not None and recall < 1:
+        parts = [f"recall {_fmt(recall)}"]
+        if v.get("topk_mass_kept_min") is not None:
+            parts.append(f"mass kept {_fmt(v['topk_mass_kept_min'])}")
+        for m in (64, 256):
+            if v.get(f"topk_top{m}_kept_min") is not None:
+                parts.append(f"top-{m} kept {_fmt(v[f'topk_top{m}_kept_min'])}")
+        if v.get("topk_rank_lost_min") is not None:
+            parts.append(f"best exact rank lost {_fmt(v['topk_rank_lost_min'])}")
+        return "keys lost: " + ", ".join(parts)
+    if ties:
+        return f"nothing lost: {_fmt(ties)} tie swap(s), sets the tie rule accepts"
+    if differ:
+        return "nothing lost within the tie rule; some sets differ (see the findings)"
+    return IDENTICAL
+
+
+def _sel_cells(v: dict) -> list[str]:
+    cells = []
+    for _, m, _ in SELECTION:
+        x = v.get(m)
+        if m == "topk_rank_lost_min" and x is None:
+            cells.append("none")
+        elif m.startswith("topk_top") and x is None:
+            cells.append("k ≤ m")
+        elif m == "class_tie_swap" and x is None:
+            cells.append("0")
+        else:
+            cells.append(_fmt(x))
+    return cells
+
+
 def _fmt(v) -> str:
     if v is None:
         return ""
     if isinstance(v, float) and not v.is_integer():
+        if 0 < v < 1 and f"{v:.3g}" == "1":        # never round a loss away: 0.9996 is not 1
+            return f"{v:.6g}" if f"{v:.6g}" != "1" else "<1"
         return f"{v:.3g}"
     return f"{v:g}" if isinstance(v, (int, float)) else str(v)
 
@@ -147,9 +245,12 @@ def to_json(df: pd.DataFrame, meta: dict) -> dict:
     for _, r in df.iterrows():
         d = {c: _clean(r[c]) for c in COLUMNS + OBJECT_COLUMNS}
         d["metrics"] = {c: _clean(r[c]) for c in metric_columns(df) if _num(r[c]) is not None}
+        sel = selection(r)
+        if sel:
+            d["selection"] = _clean(sel)
         cases.append(d)
     return {"schema": SCHEMA, "version": SCHEMA_VERSION, "run": meta, "summary": summary(df, meta),
-            "cases": cases}
+            "selection_proxy": _proxy(), "cases": cases}
 
 
 def load(report_dir) -> tuple[pd.DataFrame, dict]:
@@ -194,15 +295,14 @@ def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}"
                     f"{part_note(meta)}",
               caption=meta.get("backend_description") or None, show_lines=False)
-    for col in ("case", "status", *[h for h, _, _ in HEADLINE], "chain≠", "s", "reason"):
+    for col in ("case", "status", *OVERVIEW, "s", "reason"):
         t.add_column(col, overflow="fold", max_width=60 if col == "reason" else None)
     for _, r in df.iterrows():
         st = r["status"]
-        chain = _num(r.get("chain.page_bytes_mismatched_frac")) if "chain.page_bytes_mismatched_frac" in r else None
-        t.add_row(str(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{st}[/]",
-                  *[_fmt(headline(r, m, how)) for _, m, how in HEADLINE], _fmt(chain),
+        t.add_row(str(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{st}[/]", *overview_cells(r),
                   f"{_num(r['seconds']) or 0:.1f}", str(r["reason"] or ""))
     console.print(t)
+    console_selection(df, console)
     s = summary(df, meta)
     verdict = "[green]OK[/]" if s["ok"] else f"[bold red]{verdict_word(s)}[/]"
     if s.get("interrupted"):
@@ -212,6 +312,77 @@ def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     if meta.get("budgets_off"):
         console.print(f"[yellow]checks turned off[/] by {(meta.get('budgets') or {}).get('path', '')}: "
                       + "; ".join(meta["budgets_off"]))
+
+
+def _selection_rows(df: pd.DataFrame) -> list[tuple[str, str, dict]]:
+    """(case, where, values) of every case with a top-k comparison; a case whose stage and
+    chain both select exactly the reference's set is one row ("stage and chain")."""
+    out = []
+    for _, r in df.iterrows():
+        sel = selection(r)
+        if not sel:
+            continue
+        same = all(v["verdict"] == IDENTICAL for v in sel.values())
+        if same:
+            out.append((str(r["case"]), "stage and chain", next(iter(sel.values()))))
+            continue
+        for where, v in sel.items():
+            out.append((str(r["case"]), where, v))
+    return out
+
+
+def console_selection(df: pd.DataFrame, console) -> None:
+    """The "does it matter" table; cases whose stage and chain both select exactly the
+    reference's set are counted in one line below it (every other format lists them)."""
+    from rich.table import Table
+    rows = _selection_rows(df)
+    if not rows:
+        return
+    same = [c for c, where, _ in rows if where == "stage and chain"]
+    rows = [x for x in rows if x[1] != "stage and chain"]
+    note = (f"{len(same)} case(s) select exactly the reference's top-k at the stage and across the chain"
+            + (f": {', '.join(same)}" if len(same) <= 8 else ""))
+    if not rows:
+        console.print(f"does the difference matter? no: {note}")
+        return
+    t = Table(title="does the difference matter? the top-k selection against the exact one",
+              caption=_proxy(), show_lines=False)
+    for col in ("case", "where", *[h for h, _, _ in SELECTION], "verdict"):
+        t.add_column(col, overflow="fold", max_width=70 if col == "verdict" else None)
+    for case, where, v in rows:
+        lost = (v.get("topk_recall_min") or 1) < 1
+        t.add_row(case, where, *_sel_cells(v), "[bold red]keys lost[/]" if lost else v["verdict"])
+    console.print(t)
+    if same:
+        console.print(note)
+
+
+class CaseLines:
+    """Progress for logs: one line per finished case, `[n/N] case: status (seconds) reason`,
+    flushed at once, when `stream` (stdout) is not a terminal; silent on a terminal, where
+    the progress bar shows. `judge(row)` turns a runner row into a verdicted one (status)."""
+
+    def __init__(self, total: int, judge=None, stream=None, *, enabled: bool = True):
+        import sys
+        self.total, self.judge, self.n = total, judge, 0
+        self.stream = stream if stream is not None else sys.stdout
+        tty = getattr(self.stream, "isatty", lambda: False)()
+        self.on = enabled and not tty
+
+    def __call__(self, row: dict) -> None:
+        if not self.on:
+            return
+        self.n += 1
+        try:
+            r = self.judge(row) if self.judge else row
+        except Exception:                      # a line must never stop the run
+            r = row
+        status = r.get("status") or r.get("outcome", "")
+        reason = str(r.get("reason") or "").splitlines()[0] if r.get("reason") else ""
+        if len(reason) > 140:
+            reason = reason[:139] + "…"
+        print(f"[{self.n}/{self.total}] {r.get('case')}: {status} ({_num(r.get('seconds')) or 0:.1f} s)"
+              + (f": {reason}" if reason else ""), file=self.stream, flush=True)
 
 
 # --- markdown --------------------------------------------------------------------------------
@@ -235,14 +406,20 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
              *([f"backend: {meta['backend_description']}", ""] if meta.get("backend_description") else []),
              *([f"> **checks turned off** by the budgets file: {'; '.join(f'`{x}`' for x in meta['budgets_off'])}", ""]
                if meta.get("budgets_off") else []),
-             "| case | status | " + " | ".join(h for h, _, _ in HEADLINE) + " | chain≠ frac | reason |",
-             "|---|---|" + "---|" * len(HEADLINE) + "---|---|"]
+             "| case | status | " + " | ".join(OVERVIEW) + " | reason |",
+             "|---|---|" + "---|" * len(OVERVIEW) + "---|"]
     for _, r in df.iterrows():
-        chain = _num(r["chain.page_bytes_mismatched_frac"]) if "chain.page_bytes_mismatched_frac" in r else None
         reason = str(r["reason"] or "").replace("|", "\\|")
-        lines.append(f"| {r['case']} | {r['status']} | "
-                     + " | ".join(_fmt(headline(r, m, how)) for _, m, how in HEADLINE)
-                     + f" | {_fmt(chain)} | {reason} |")
+        lines.append(f"| {r['case']} | {r['status']} | " + " | ".join(overview_cells(r)) + f" | {reason} |")
+    sel = _selection_rows(df)
+    if sel:
+        lines += ["", "#### Does the difference matter? The top-k selection against the exact one", "",
+                  f"_{_proxy()}._ Tie swaps: rows holding another set whose every index the tie rule "
+                  "accepts (nothing lost).", "",
+                  "| case | where | " + " | ".join(h for h, _, _ in SELECTION) + " | verdict |",
+                  "|---|---|" + "---|" * len(SELECTION) + "---|"]
+        for case, where, v in sel:
+            lines.append(f"| {case} | {where} | " + " | ".join(_sel_cells(v)) + f" | {v['verdict']} |")
     bad = df[~df["ok"].astype(bool)]
     if len(bad):
         lines += ["", "#### Failures", ""]
@@ -252,6 +429,9 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
                 lines.append(f"- `{v['metric']}` = {_fmt(v['value'])} (budget {v['limit']})")
             for w in _where_lines(r):
                 lines.append(f"  - {w}")
+            more = len(r["findings"] or []) - len(_where_lines(r))
+            if more > 0:
+                lines.append(f"  - … {more} more findings listed in report.html (this case's section) and report.json")
             lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -268,14 +448,26 @@ def _png(fig) -> str:
 
 def figures(df: pd.DataFrame) -> list[tuple[str, str]]:
     """(caption, data URI) of every figure the data supports."""
+    return [(cap, uri) for _, cap, uri in _figures(df)]
+
+
+MAX_MAPS = 12             # mismatch maps drawn (each in its case's section)
+
+
+def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
+    """(case or None for the run's, caption, data URI) of every figure the data supports."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.colors import LinearSegmentedColormap, Normalize
     out = []
+    # the scale starts at 0 and a single mismatched byte is already a clear red; clean
+    # entries (0) are drawn white
+    reds = LinearSegmentedColormap.from_list("mismatch", ["#f7a08a", "#d7301f", "#67000d"]).with_extremes(bad="white")
     for _, r in df.iterrows():
         pts = (r["details"] or {}).get("mismatch_map") or []
-        if not pts or len(out) >= 6:
+        if not pts or len(out) >= MAX_MAPS:
             continue
         arr = np.array(pts)
         pages = sorted(set(arr[:, 0].tolist()))
@@ -289,13 +481,15 @@ def figures(df: pd.DataFrame) -> list[tuple[str, str]]:
             else:
                 pad[row_of[p]] += c
         fig, ax = plt.subplots(figsize=(8, 0.6 + 0.35 * len(pages)))
-        im = ax.imshow(np.ma.masked_equal(img, 0), aspect="auto", interpolation="nearest", cmap="Reds")
+        im = ax.imshow(np.ma.masked_equal(img, 0), aspect="auto", interpolation="nearest", cmap=reds,
+                       norm=Normalize(vmin=0, vmax=max(float(img.max()), 1.0)))
         ax.set_yticks(range(len(pages)), [f"page {p}" + (f" (+{int(pad[i])} pad)" if pad[i] else "")
                                            for i, p in enumerate(pages)])
         ax.set_xlabel("entry in page")
-        fig.colorbar(im, ax=ax, label="mismatched bytes")
+        fig.colorbar(im, ax=ax, label="mismatched bytes (white: none)")
         ax.set_title(f"{r['case']}: mismatched K-cache bytes by page and entry")
-        out.append((f"Mismatch map of {r['case']} (pages with a mismatch, bytes per entry)", _png(fig)))
+        out.append((str(r["case"]), f"Mismatch map of {r['case']} (pages with a mismatch, bytes per entry)",
+                    _png(fig)))
     ulp: dict[str, int] = {}
     errs = []
     for _, r in df.iterrows():
@@ -317,50 +511,208 @@ def figures(df: pd.DataFrame) -> list[tuple[str, str]]:
             axes[1].set_xlabel("log10(|logit - reference| / max|reference|); -20 = exact")
             axes[1].set_ylabel("logits")
             axes[1].set_title("scorer: relative error")
-        out.append(("Error histograms over all cases", _png(fig)))
+        out.append((None, "Error histograms over all cases", _png(fig)))
     rec = []
     for _, r in df.iterrows():
-        rec += (r["details"] or {}).get("recall_rows") or []
+        rec += [p for p in (r["details"] or {}).get("recall_rows") or [] if len(p) >= 3]
     if rec:
-        arr = np.array(rec, dtype=float)
+        arr = np.array([p[:3] for p in rec], dtype=float)
+        x = np.maximum(arr[:, 0], 1)
+        exact, lost = arr[:, 2] == 1, arr[:, 1] < 1
+        swap = ~exact & ~lost
         fig, ax = plt.subplots(figsize=(8, 3.2))
-        ax.scatter(np.maximum(arr[:, 0], 1), arr[:, 1], s=6, alpha=0.5)
+        for sel, label, kw in ((exact, "the exact set", dict(c="tab:green", marker="o", s=8, alpha=0.4)),
+                               (swap, "tie swap (another set the tie rule accepts)",
+                                dict(c="tab:blue", marker="^", s=40, alpha=0.9, zorder=3)),
+                               (lost, "keys lost", dict(c="tab:red", marker="x", s=30, alpha=0.9, zorder=4))):
+            if sel.any():
+                ax.scatter(x[sel], arr[sel, 1], label=f"{label}: {int(sel.sum())} rows", **kw)
         ax.set_xscale("log")
-        ax.set_ylim(-0.02, 1.02)
+        ax.set_ylim(-0.02, 1.05)
         ax.set_xlabel("row length (compressed entries visible)")
-        ax.set_ylabel("top-k recall")
-        ax.set_title("backend chain top-k against the reference chain")
-        out.append(("Top-k recall against context length (per query row)", _png(fig)))
+        ax.set_ylabel("top-k recall (tie rule)")
+        ax.set_title("backend chain top-k against the reference chain's scores")
+        ax.legend(loc="lower left", fontsize=8)
+        out.append((None, "Top-k recall within the tie rule against context length (per query row); a tie swap "
+                    "holds another set whose every index the rule accepts: recall 1", _png(fig)))
     return out
 
 
+def _slug(name) -> str:
+    return "case-" + re.sub(r"[^A-Za-z0-9_-]", "_", str(name))
+
+
+def case_order(df: pd.DataFrame) -> list[int]:
+    """Row positions, failing cases (not ok) first, errors before failures before the
+    rest of them; then the others; the run's order within each group."""
+    def key(i):
+        r = df.iloc[i]
+        if bool(r["ok"]):
+            return (1, 0, i)
+        return (0, STATUS_ORDER.get(str(r["status"]), 5), i)
+    return sorted(range(len(df)), key=key)
+
+
+_MORE = re.compile(r"^\s*\.\.\. (\d+) more findings listed$")
+_KEPT_NOTE = re.compile(r"^\s*note: \d+ findings, the first \d+ listed$")
+
+
+def _stage_blocks(r, slug: str) -> str:
+    """One labelled block per stage (the op stages, then the whole chain): its per-step
+    metric lines, and every finding report.json keeps, collapsed."""
+    e = _html.escape
+    findings: dict[str, list] = {}
+    for f in r["findings"] or []:
+        findings.setdefault(str(f.get("stage")), []).append(f)
+    stages = list((r["summaries"] or {}).keys())
+    stages += [s for s in findings if s not in stages]
+    stages.sort(key=lambda s: s == "chain")
+    out = []
+    for st in stages:
+        sid = f"{slug}-{re.sub(r'[^A-Za-z0-9_-]', '_', st)}"
+        fs = findings.get(st, [])
+        counted = sum(int(_num(r[c]) or 0) for c in r.index
+                      if is_metric(c) and c.startswith(st + ".class_"))
+        lines = []
+        for line in "\n".join(r["summaries"].get(st, []) if r["summaries"] else []).splitlines():
+            if line.startswith("  [") or _MORE.match(line) or _KEPT_NOTE.match(line):
+                continue                        # the findings are listed below, each once
+            lines.append(e(line))
+        label = ("whole chain: the backend's chain against the reference chain" if st == "chain"
+                 else f"stage {st}: the backend against the reference on the backend's upstream outputs")
+        items = "".join(f"<li><code>[{e(str(f.get('class', '')))}, step {e(str(f.get('step')))}]</code> "
+                        f"{e(str(f.get('where', f.get('text', ''))))}</li>" for f in fs)
+        more = (f" ({counted} counted in the class_* metrics; report.json keeps the first {len(fs)})"
+                if counted > len(fs) else "")
+        fblock = (f"<details class='findings' id='{sid}-findings'><summary>{len(fs)} finding(s) listed{e(more)}"
+                  f"</summary><ol>{items}</ol></details>" if fs else "")
+        out.append(f"<div class='stage{' chain' if st == 'chain' else ''}' id='{sid}'><h4>{e(label)}</h4>"
+                   f"<pre>{chr(10).join(lines)}</pre>{fblock}</div>")
+    return "".join(out)
+
+
+def _selection_html(r) -> str:
+    e = _html.escape
+    sel = selection(r)
+    if not sel:
+        return ""
+    head = "".join(f"<th>{e(h)}</th>" for h, _, _ in SELECTION)
+    body = "".join(f"<tr class='{'lost' if (v.get('topk_recall_min') or 1) < 1 else ''}'>"
+                   f"<th>{e(SELECTION_WHERE[w])}</th>" + "".join(f"<td>{e(c)}</td>" for c in _sel_cells(v))
+                   + f"<td>{e(v['verdict'])}</td></tr>" for w, v in sel.items())
+    return (f"<div class='matter'><h4>Does the difference matter? The top-k selection against the exact one</h4>"
+            f"<table><tr><th></th>{head}<th>verdict</th></tr>{body}</table></div>")
+
+
+_SCRIPT = """
+(function () {
+  var table = document.getElementById('cases');
+  var body = table.tBodies[0];
+  var filter = document.getElementById('filter');
+  var status = document.getElementById('status-filter');
+  function apply() {
+    var q = filter.value.toLowerCase(), s = status.value, shown = 0;
+    Array.prototype.forEach.call(body.rows, function (tr) {
+      var ok = (!q || tr.textContent.toLowerCase().indexOf(q) >= 0) &&
+               (!s || tr.getAttribute('data-status') === s || (s === 'failing' && tr.getAttribute('data-ok') === '0'));
+      tr.style.display = ok ? '' : 'none';
+      if (ok) shown++;
+    });
+    document.getElementById('shown').textContent = shown + ' of ' + body.rows.length + ' cases shown';
+  }
+  filter.addEventListener('input', apply);
+  status.addEventListener('change', apply);
+  Array.prototype.forEach.call(table.tHead.rows[0].cells, function (th, col) {
+    th.addEventListener('click', function () {
+      var asc = th.getAttribute('data-dir') !== 'asc';
+      Array.prototype.forEach.call(table.tHead.rows[0].cells, function (o) { o.removeAttribute('data-dir'); });
+      th.setAttribute('data-dir', asc ? 'asc' : 'desc');
+      var rows = Array.prototype.slice.call(body.rows);
+      rows.sort(function (a, b) {
+        var ca = a.cells[col], cb = b.cells[col], c;
+        var x = ca.getAttribute('data-v'), y = cb.getAttribute('data-v');
+        if (x === '' || y === '') return x === y ? 0 : (x === '' ? 1 : -1);    /* empty cells last */
+        if (ca.hasAttribute('data-n') && cb.hasAttribute('data-n'))
+          c = parseFloat(ca.getAttribute('data-n')) - parseFloat(cb.getAttribute('data-n'));
+        else c = x < y ? -1 : x > y ? 1 : 0;
+        return asc ? c : -c;
+      });
+      rows.forEach(function (tr) { body.appendChild(tr); });
+    });
+  });
+  function openTarget() {
+    var id = decodeURIComponent(location.hash.slice(1));
+    var el = id && document.getElementById(id);
+    for (var n = el; n; n = n.parentElement) { if (n.tagName === 'DETAILS') n.open = true; }
+    if (el) el.scrollIntoView();
+  }
+  window.addEventListener('hashchange', openTarget);
+  openTarget();
+  apply();
+})();
+"""
+
+_STYLE = """body{font-family:sans-serif;margin:2em;max-width:1500px}table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}#cases thead th{cursor:pointer;background:#f0f0f0;
+position:sticky;top:0}#cases thead th[data-dir=asc]::after{content:' \\25B2'}#cases thead th[data-dir=desc]::after{
+content:' \\25BC'}.pass{color:green}.fail,.error{color:#c00;font-weight:bold}.nonfinite_input{color:#a0a}
+.skipped{color:#b80}pre{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:12px;white-space:pre-wrap}
+figure{margin:1em 0}section.case{border-top:2px solid #ddd;margin-top:1.5em;padding-top:.5em}
+section.case.bad{border-top-color:#c00}.stage{margin:.8em 0 .8em 1em}.stage.chain h4{color:#036}
+.matter tr.lost td,.matter tr.lost th{background:#fde8e8}details.findings summary{cursor:pointer;color:#036}
+.toolbar{margin:.6em 0}#cases td:first-child{white-space:nowrap}.toolbar input{width:24em}.top{font-size:12px;margin-left:1em}"""
+
+
 def html(df: pd.DataFrame, meta: dict) -> str:
+    """One self-contained page: the overview table (sortable by any column, filtered by a text
+    box and a status menu, failing cases first, each case linked to its section), the figures,
+    one section per case (violations, the "does it matter" block, a labelled block per stage and
+    one for the whole chain, findings collapsed), and every metric. Inline CSS, script and PNGs."""
     s = summary(df, meta)
     e = _html.escape
-    cols = ["case", "status", *[h for h, _, _ in HEADLINE], "seconds", "reason"]
+    order = case_order(df)
+    cols = ["case", "status", *OVERVIEW, "seconds", "reason"]
     rows = []
-    for _, r in df.iterrows():
-        cells = [e(str(r["case"])), f"<span class='{e(str(r['status']))}'>{e(str(r['status']))}</span>",
-                 *[_fmt(headline(r, m, how)) for _, m, how in HEADLINE], f"{_num(r['seconds']) or 0:.1f}",
-                 e(str(r["reason"] or ""))]
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    figs = "".join(f"<figure><img src='{uri}'><figcaption>{e(cap)}</figcaption></figure>"
-                   for cap, uri in figures(df))
-    details = []
-    for _, r in df.iterrows():
-        if r["ok"] and r["status"] != "nonfinite_input":
-            continue
+    for i in order:
+        r = df.iloc[i]
+        slug = _slug(r["case"])
+        st = str(r["status"])
+        nums = [*overview_values(r), _num(r["seconds"]) or 0.0]
+        cells = [f"<td data-v='{e(str(r['case']))}'><a href='#{slug}'>{e(str(r['case']))}</a></td>",
+                 f"<td data-v='{STATUS_ORDER.get(st, 5)}{e(st)}'><span class='{e(st)}'>{e(st)}</span></td>",
+                 *["<td data-v=''></td>" if v is None else f"<td data-v='{v!r}' data-n='{v!r}'>{e(_fmt(v))}</td>"
+                   for v in nums[:-1]],
+                 f"<td data-v='{nums[-1]!r}' data-n='{nums[-1]!r}'>{nums[-1]:.1f}</td>",
+                 f"<td data-v='{e(str(r['reason'] or ''))}'>{e(str(r['reason'] or ''))}</td>"]
+        rows.append(f"<tr data-status='{e(st)}' data-ok='{int(bool(r['ok']))}'>" + "".join(cells) + "</tr>")
+    allfigs = _figures(df)
+
+    def fig(cap, uri):
+        return f"<figure><img src='{uri}' alt='{e(cap)}'><figcaption>{e(cap)}</figcaption></figure>"
+    figs = "".join(fig(cap, uri) for case, cap, uri in allfigs if case is None)
+    case_figs: dict[str, str] = {}
+    for case, cap, uri in allfigs:
+        if case is not None:
+            case_figs[case] = case_figs.get(case, "") + fig(cap, uri)
+    sections = []
+    for i in order:
+        r = df.iloc[i]
+        slug = _slug(r["case"])
+        bad = not bool(r["ok"])
         viol = "".join(f"<li><code>{e(v['metric'])}</code> = {e(_fmt(v['value']))} (budget {e(v['limit'])})</li>"
                        for v in r["violations"] or [])
-        summ = "\n".join("\n".join(v) for v in (r["summaries"] or {}).values())
-        details.append(f"<h3>{e(str(r['case']))} — {e(str(r['status']))}</h3><p>{e(str(r['reason'] or ''))}</p>"
-                       f"<ul>{viol}</ul><pre>{e(summ)}</pre>")
+        sections.append(
+            f"<section class='case{' bad' if bad else ''}' id='{slug}'><h3>{e(str(r['case']))} — "
+            f"<span class='{e(str(r['status']))}'>{e(str(r['status']))}</span>"
+            f"<a class='top' href='#overview'>↑ overview</a></h3>"
+            f"<p>{e(str(r['description'] or ''))}</p>"
+            + (f"<p><b>{e(str(r['reason']))}</b></p>" if r["reason"] else "")
+            + (f"<ul class='violations'>{viol}</ul>" if viol else "")
+            + _selection_html(r) + case_figs.get(str(r["case"]), "") + _stage_blocks(r, slug) + "</section>")
     metrics = df[["case", *metric_columns(df)]].to_html(index=False, na_rep="", float_format=lambda v: f"{v:.4g}")
+    statuses = "".join(f"<option value='{st}'>{st}</option>" for st in STATUS_ORDER)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>mxval report</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:1400px}}table{{border-collapse:collapse;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:3px 6px;text-align:left}}.pass{{color:green}}.fail,.error{{color:#c00;font-weight:bold}}
-.nonfinite_input{{color:#a0a}}.skipped{{color:#b80}}pre{{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:12px}}
-figure{{margin:1em 0}}details{{margin-top:2em}}</style></head><body>
+<style>{_STYLE}</style></head><body>
 <h1>mxval {e(str(meta.get('command', '')))}: {e(str(meta.get('suite', '')))} on {e(str(meta.get('backend', '')))}{e(part_note(meta))}
 — {verdict_word(s)}</h1>
 {f"<p class='fail'>{e(_interrupt_note(meta))}</p>" if s.get("interrupted") else ""}
@@ -368,10 +720,18 @@ figure{{margin:1em 0}}details{{margin-top:2em}}</style></head><body>
 {e(str(meta.get('machine', '')))} · {e(str(meta.get('started', '')))} · budgets {e(str((meta.get('budgets') or {}).get('path', '')))}</p>
 <p>backend: {e(str(meta.get('backend_description', '')))}</p>
 {f"<p><b>checks turned off</b> by the budgets file: {e('; '.join(meta['budgets_off']))}</p>" if meta.get('budgets_off') else ''}
-<table><tr>{''.join(f'<th>{e(c)}</th>' for c in cols)}</tr>{''.join(rows)}</table>
+<h2 id="overview">Cases</h2>
+<p>Failing cases first; click a column to sort, a case to open its section. The chain columns compare
+the backend's whole chain with the reference chain; {e(_proxy())}.</p>
+<div class="toolbar"><input id="filter" type="search" placeholder="filter: case, status, reason…">
+<select id="status-filter"><option value="">every status</option><option value="failing">failing (not ok)</option>{statuses}</select>
+<span id="shown"></span></div>
+<table id="cases"><thead><tr>{''.join(f'<th>{e(c)}</th>' for c in cols)}</tr></thead><tbody>{''.join(rows)}</tbody></table>
 {figs}
-{''.join(details)}
-<details><summary>all metrics</summary>{metrics}</details>
+<h2>Each case</h2>
+{''.join(sections)}
+<details id="all-metrics"><summary>all metrics</summary>{metrics}</details>
+<script>{_SCRIPT}</script>
 </body></html>
 """
 

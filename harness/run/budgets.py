@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-from harness.diff.metrics import CHAIN, METRICS, OFF, Limit, bare, emitted_by, judge, required_keys
+from harness.diff.metrics import CHAIN, METRICS, OFF, Limit, bare, emitted_by, is_chain, judge, op_emits, required_keys
 from harness.errors import InputError
 from harness.run.cases import BUDGETS_FILE, CASES_DIR, tomllib
+from reference.ops import OPS
 
-CHAIN_PREFIX = CHAIN
 __all__ = ["BudgetError", "Budgets", "Limit", "OFF", "load", "verdict"]
 
 
@@ -50,7 +50,6 @@ class BudgetError(InputError):
 
 def _key_problem(key: str) -> Optional[str]:
     """None when a budget key names a metric some stage emits, else why not."""
-    from reference.ops import OPS
     if not isinstance(key, str) or not key:
         return "empty key"
     stage, dot, name = key.rpartition(".")
@@ -65,7 +64,7 @@ def _key_problem(key: str) -> Optional[str]:
         return None if emitted_by(name, CHAIN) else f"the whole-chain comparison does not report {name}"
     if stage not in OPS:
         return f"unknown stage {stage!r} (an op name or {CHAIN!r})"
-    if not emitted_by(name, OPS[stage].stage):
+    if not op_emits(name, stage):
         return f"op {stage} does not report {name}"
     return None
 
@@ -98,7 +97,7 @@ class Budgets:
     def _find(self, key: str, suite: str, case: str) -> tuple[Optional[Limit], str, str]:
         """(limit, scope, budget key) of the most specific budget of `key`."""
         stage, _, name = key.partition(".")
-        names = (key,) if stage == CHAIN_PREFIX else (key, name)
+        names = (key,) if stage == CHAIN else (key, name)
         for scope, table in ((f"case.{case}", self.cases.get(case)), (f"suite.{suite}", self.suites.get(suite)),
                              ("default", self.default)):
             for n in names:
@@ -141,7 +140,7 @@ class Budgets:
         scoped = [(f"suite.{suite}", self.suites.get(suite, {}), every)]
         scoped += [(f"case.{c}", self.cases.get(c, {}), keys) for c, keys in run.items()]
         for where, table, keys in scoped:
-            bare_keys = {bare(k) for k in keys if not k.startswith(CHAIN + ".")}
+            bare_keys = {bare(k) for k in keys if not is_chain(k)}
             for k in table:
                 if k not in keys and k not in bare_keys:
                     raise BudgetError(f"{self.path}: [{where}] {k}: matches no metric of this run "
@@ -150,7 +149,7 @@ class Budgets:
         for c, keys in run.items():
             for k in required_keys(keys):
                 if self.limit(k, suite, c) is None:
-                    shown = k if k.startswith(CHAIN + ".") else bare(k)
+                    shown = k if is_chain(k) else bare(k)
                     missing.setdefault(shown, []).append(c)
         if missing:
             names = sorted(missing)

@@ -18,6 +18,7 @@ from harness.run.cases import PLANT_VALUES, Case, CaseError
 from reference import layout
 from reference.formats import E2M1_VALUES, ModelPreset
 from reference.formats import preset as get_preset
+from reference.ops import OPS
 from reference.pooling import state_rows, write_state
 from reference.rope import cos_sin_cache
 
@@ -155,10 +156,10 @@ class CaseInputs:
                                              "page_size": g.page_size, "fp8_dtype": c.fp8_dtype},
         }
         out = dict(table[op])
-        if op.startswith("compress_norm_rope"):
+        if OPS[op].fuses:
             from reference.fused import CUDA_ROPE
             out["rope"] = CUDA_ROPE          # said in every dump; a backend's numerics may override
-        if c.path == "cuda" and op.startswith("q_rope"):
+        if c.path == "cuda" and OPS[op].stage == "q_quant":
             # vLLM's CUDA Q kernels multiply by softmax_scale, then head_scale, and contract
             # their rotation as `fma-es` (NUMERICS.md §3); a backend's numerics may override
             from reference.fused import CUDA_Q_ROPE

@@ -11,29 +11,32 @@ A case yields one row (a dict) of raw metrics; `budgets` turn rows into pass/fai
 """
 from __future__ import annotations
 
-import dataclasses
-import math
+import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
+from collections import deque
+from multiprocessing.connection import wait
 from typing import Callable, Optional
 
 import torch
 
 import reference
 from harness.diff import aggregate, diff_op
+from harness.diff.metrics import CHAIN, chain_key
+from harness.diff.scores import recall_rows
 from harness.run.cases import Case
 from harness.run.inputs import CaseInputs, build
+from harness.run.record import ROW_FINDINGS_PER_STAGE, case_row, jsonable
 from optimized import Backend, BackendUnavailable, get_backend
 from reference import fp8 as ref_fp8
 from reference import layout
 from reference.checks import NonFiniteInput
-from reference.ops import op_of
+from reference.ops import OPS, op_of
 
-CHAIN = "chain"
 # Scorers are judged against the op table's fp64 scores: the diff compares the backend's fp32
 # logits to the true scores of the quantized operands, not to another fp32 rounding of them.
-MAX_FINDINGS = 12        # per stage and case, in the report; the counts are in the metrics
 MAX_MAP_POINTS = 4000
 MAX_RECALL_POINTS = 1500
 
@@ -48,22 +51,6 @@ class NonFiniteStage(Exception):
     def __init__(self, stage: str, step: int, err: NonFiniteInput):
         self.stage, self.step, self.err = stage, step, err
         super().__init__(f"{stage} (step {step}): {err}")
-
-
-def jsonable(x):
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return jsonable(dataclasses.asdict(x))
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, torch.Tensor):
-        return jsonable(x.tolist())
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    return str(x)
 
 
 class _Collector:
@@ -89,7 +76,7 @@ class _Collector:
         for f in list(report.findings):
             n = self.per_stage_findings.get(stage, 0)
             self.per_stage_findings[stage] = n + 1
-            if n < MAX_FINDINGS:
+            if n < ROW_FINDINGS_PER_STAGE:
                 d = jsonable(f)
                 d = d if isinstance(d, dict) else {"text": d}
                 self.findings.append({"stage": stage, "step": step, **d})
@@ -163,18 +150,12 @@ def _logit_errors(actual: torch.Tensor, expected: torch.Tensor, row_ends: torch.
     return [round(float(x), 3) for x in err]
 
 
-def _recall_rows(actual: torch.Tensor, expected: torch.Tensor, lengths: torch.Tensor, k: int) -> list[list]:
-    """[[row_end, recall], ...] of the backend's top-k against the reference chain's."""
-    a, e = actual.long().cpu(), expected.long().cpu()
-    if a.shape != e.shape:
+def _recall_rows(actual: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> list[list]:
+    """The backend's top-k against the reference chain's scores, per row (`recall_rows`)."""
+    try:
+        out = recall_rows(actual, scores, lengths, k)
+    except ValueError:           # a misshapen output: its stage's report says so
         return []
-    out = []
-    for r in range(a.shape[0]):
-        n = int(lengths[r])
-        want = set(e[r][e[r] >= 0].tolist())
-        got = set(a[r][a[r] >= 0].tolist())
-        if want:
-            out.append([n, len(want & got) / len(want)])
     if len(out) > MAX_RECALL_POINTS:
         step = len(out) / MAX_RECALL_POINTS
         out = [out[int(i * step)] for i in range(MAX_RECALL_POINTS)]
@@ -206,14 +187,14 @@ class ChainRun:
         self.col = _Collector()
         self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
                               "recall_rows": []}
-        self.diff_op = diff_op
+        self.diff_op = diff_op                 # tests replace it to prove a check's teeth
 
     def scalars(self, op: str) -> dict:
         """The case's scalars of `op`, with the reference options the backend declares for it
         (`Backend.numerics`: what it computes where the reference offers a choice)."""
         return {**self.inp.scalars(op), **self.be.numerics.get(op, {})}
 
-    def _stage(self, op: str, step: int, ins: dict, *, diff_as: Optional[str] = None) -> dict:
+    def _stage(self, op: str, step: int, ins: dict) -> dict:
         """Reference and backend on `ins`; diff; the backend's outputs. Ops outside the
         case's chain run through the reference only (they feed the ops under test)."""
         scalars = self.scalars(op)
@@ -255,16 +236,17 @@ class ChainRun:
 
     def _details(self, op, ins, actual, expected):
         geo = self.inp.geo
+        stage = OPS[op].diffed_as
         try:
-            if op.startswith(("k_norm_rope", "compress_norm_rope")):
+            if stage == "k_writer":
                 self.details["mismatch_map"] += _mismatch_map(ins["kv_cache"], actual["kv_cache"],
                                                               expected["kv_cache"], geo, op)
-            elif op == "compress_pool":
+            elif stage == "pooling":
                 rows = ((ins["positions"] + 1) % geo.ratio == 0) & (ins["kv_slot_mapping"] >= 0)
                 h = _ulp_hist(actual["pooled"], expected["pooled"], rows)
                 for k, v in h.items():
                     self.details["pooled_ulp"][k] = self.details["pooled_ulp"].get(k, 0) + v
-            elif op.startswith("paged_"):
+            elif stage == "scorer":
                 self.details["logit_log10_err"] += _logit_errors(actual["logits"], expected["logits"],
                                                                  ins["row_ends"])
         except Exception as e:   # plots are a convenience; the metrics are the verdict, but say so
@@ -277,121 +259,125 @@ class ChainRun:
                     cos_sin_cache=inp.cos_sin_cache, norm_weight=inp.norm_weight, kv_cache=pool)
 
     def run(self) -> None:
-        inp, ops = self.inp, self.case.ops
-        kw, qq, sc = _ops(inp)
-        need_k = kw in ops or sc in ops or "topk" in ops
-        need_q = qq in ops or sc in ops or "topk" in ops
+        """Every step of the case through the chain: each stage on the backend's upstream
+        output, the reference chain alongside, then the whole chain's pool."""
+        ops = self.case.ops
+        kw, qq, sc = _ops(self.inp)
         need_logits = sc in ops or "topk" in ops
-        pool_b = inp.kv_cache
-        fused = inp.case.path == "cuda"
-        if inp.history is not None and need_k and fused:
-            h = inp.history
-            pool_b = reference.OPS[kw].fn(**self._fused_ins(h, pool_b), **self.scalars(kw))["kv_cache"]
-        elif inp.history is not None and need_k:
-            h = inp.history
-            pooled = reference.compress_pool(state_cache=inp.state_cache, block_table=inp.state_block_table,
-                                             positions=h.positions, req_index=h.req_index,
-                                             kv_slot_mapping=h.slot_mapping,
-                                             **self.scalars("compress_pool"))["pooled"]
-            pool_b = reference.OPS[kw].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
-                                       norm_weight=inp.norm_weight, slot_mapping=h.slot_mapping,
-                                       kv_cache=pool_b, **self.scalars(kw))["kv_cache"]
-        pool_start = pool_b
-        chain_pool = pool_b
-        chain_k, chain_pos, chain_slot = [], [], []
-        for i, st in enumerate(inp.steps):
-            # 1+2 (cuda path): the fused pool+K stage on the backend's pool
-            if fused and need_k:
-                ins = self._fused_ins(st, pool_b)
-                pool_b = self._stage(kw, i, ins)["kv_cache"]
-                chain_pool = reference.OPS[kw].fn(**{**ins, "kv_cache": chain_pool},
-                                                  **self.scalars(kw))["kv_cache"]
-                chain_pos.append(st.positions)
-                chain_slot.append(st.slot_mapping)
-                chain_k.append(st.req_index)
-            # 1. pooling (its inputs do not depend on the backend)
-            if fused:
-                pass
-            elif "compress_pool" in ops:
-                ins = dict(state_cache=inp.state_cache, block_table=inp.state_block_table,
-                           positions=st.positions, req_index=st.req_index, kv_slot_mapping=st.slot_mapping)
-                pooled_b = self._stage("compress_pool", i, ins)["pooled"]
-                pooled_ref = reference.compress_pool(**ins, **self.scalars("compress_pool"))["pooled"]
-            else:
-                pooled_b = pooled_ref = st.k
-            # 2. K writer on the backend's pooled rows and the backend's pool
-            if need_k and not fused:
-                ins = dict(k=pooled_b, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
-                           norm_weight=inp.norm_weight, slot_mapping=st.slot_mapping, kv_cache=pool_b)
-                pool_b = self._stage(kw, i, ins)["kv_cache"]
-                chain_pool = reference.OPS[kw].fn(**{**ins, "k": pooled_ref, "kv_cache": chain_pool},
-                                               **self.scalars(kw))["kv_cache"]
-                chain_k.append(pooled_ref)
-                chain_pos.append(st.positions)
-                chain_slot.append(st.slot_mapping)
-            # 3. Q quant
-            if need_q:
-                qins = dict(q=st.q, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
+        need_k = kw in ops or need_logits
+        self.fused = bool(OPS[kw].fuses)
+        self.pool_b = self._history(kw) if need_k else self.inp.kv_cache
+        self.pool_start = self.chain_pool = self.pool_b
+        self.chain_k, self.chain_pos, self.chain_slot = [], [], []
+        for i, st in enumerate(self.inp.steps):
+            self._k_step(kw, i, st, need_k)
+            if qq in ops or need_logits:
+                qins = dict(q=st.q, positions=st.positions, cos_sin_cache=self.inp.cos_sin_cache,
                             weights=st.weights)
                 q_b = self._stage(qq, i, qins)
-            if not need_logits:
-                continue
-            # 4. scoring on the backend's q and pool; the chain scores the reference's
-            geo_ins = dict(query_start_loc=st.query_start_loc, context_lens=st.context_lens,
-                           block_table=st.block_table, row_ends=st.row_ends)
-            qk = ("q_fp8",) if inp.geo.fmt == "fp8" else ("q_fp4", "q_scale")
-            sins = dict({n: q_b[n] for n in qk}, weights=q_b["weights"], kv_cache=pool_b, **geo_ins)
-            logits_b = self._stage(sc, i, sins)["logits"]
-            q_ref = reference.OPS[qq].fn(**qins, **self.scalars(qq))
-            chain_logits = reference.OPS[sc].fp64(**dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"],
-                                                  kv_cache=chain_pool, **geo_ins), **self.scalars(sc))
-            # 5. top-k of the backend's logits
-            tins = dict(logits=logits_b, lengths=st.row_ends)
-            idx_b = self._stage("topk", i, tins)["indices"]
-            if sc in ops:
-                self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_b},
-                                                    {"logits": chain_logits}))
-            if "topk" in ops:
-                chain_idx = reference.topk(logits=chain_logits, lengths=st.row_ends, k=inp.geo.topk)["indices"]
-                self.col.add(CHAIN, i, self.diff_op("topk", dict(logits=chain_logits, lengths=st.row_ends),
-                                                    self.scalars("topk"), {"indices": idx_b},
-                                                    {"indices": chain_idx}))
-                self.details["recall_rows"] += _recall_rows(idx_b, chain_idx, st.row_ends, inp.geo.topk)
-        # the whole chain's pool against the reference chain's
-        if kw in ops and chain_k:
-            if fused:
-                ins = dict(state_cache=inp.state_cache, block_table=inp.state_block_table,
-                           positions=_cat(chain_pos), req_index=_cat(chain_k),
-                           kv_slot_mapping=_cat(chain_slot), cos_sin_cache=inp.cos_sin_cache,
-                           norm_weight=inp.norm_weight, kv_cache=pool_start)
-            else:
-                ins = dict(k=_cat(chain_k), positions=_cat(chain_pos), cos_sin_cache=inp.cos_sin_cache,
-                           norm_weight=inp.norm_weight, slot_mapping=_cat(chain_slot), kv_cache=pool_start)
-            rep = self.diff_op(kw, ins, self.scalars(kw), {"kv_cache": pool_b}, {"kv_cache": chain_pool})
-            self.col.add(CHAIN, len(inp.steps) - 1, rep)
-            slots = ins["kv_slot_mapping" if fused else "slot_mapping"]
-            written = slots[((ins["positions"] + 1) % inp.geo.ratio == 0) & (slots >= 0)]
-            d = inp.geo.head_dim
-            owned = int(written.unique().numel()) * (layout.entry_bytes(d) if inp.geo.fmt == "mxfp4"
-                                                     else ref_fp8.entry_bytes(d))
-            mism = rep.metrics.get("page_bytes_mismatched")
-            if mism is not None and owned:
-                self.col.metrics.setdefault(f"{CHAIN}.page_bytes_mismatched_frac", []).append(
-                    float(mism) / owned)
+                if need_logits:
+                    self._score_step(qq, sc, i, st, qins, q_b)
+        if kw in ops and self.chain_k:
+            self._chain_pool(kw)
 
+    def _history(self, kw: str):
+        """The pool with each sequence's history written by the reference."""
+        inp, h = self.inp, self.inp.history
+        if h is None:
+            return inp.kv_cache
+        if self.fused:
+            return reference.OPS[kw].fn(**self._fused_ins(h, inp.kv_cache), **self.scalars(kw))["kv_cache"]
+        pooled = reference.compress_pool(state_cache=inp.state_cache, block_table=inp.state_block_table,
+                                         positions=h.positions, req_index=h.req_index,
+                                         kv_slot_mapping=h.slot_mapping, **self.scalars("compress_pool"))["pooled"]
+        return reference.OPS[kw].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
+                                    norm_weight=inp.norm_weight, slot_mapping=h.slot_mapping,
+                                    kv_cache=inp.kv_cache, **self.scalars(kw))["kv_cache"]
 
-def context_of(case: Case) -> int:
-    return max(s.len for s in case.seqs)
+    def _k_step(self, kw: str, i: int, st, need_k: bool) -> None:
+        """Pooling and the K writer of step i (or the fused pool+K op) on the backend's pool;
+        the reference chain writes its own pool from the reference's pooled rows."""
+        inp = self.inp
+        if self.fused:
+            if need_k:
+                ins = self._fused_ins(st, self.pool_b)
+                self.pool_b = self._stage(kw, i, ins)["kv_cache"]
+                self.chain_pool = reference.OPS[kw].fn(**{**ins, "kv_cache": self.chain_pool},
+                                                       **self.scalars(kw))["kv_cache"]
+                self._chain_entries(st.req_index, st)
+            return
+        if "compress_pool" in self.case.ops:          # its inputs do not depend on the backend
+            ins = dict(state_cache=inp.state_cache, block_table=inp.state_block_table,
+                       positions=st.positions, req_index=st.req_index, kv_slot_mapping=st.slot_mapping)
+            pooled_b = self._stage("compress_pool", i, ins)["pooled"]
+            pooled_ref = reference.compress_pool(**ins, **self.scalars("compress_pool"))["pooled"]
+        else:
+            pooled_b = pooled_ref = st.k
+        if need_k:
+            ins = dict(k=pooled_b, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
+                       norm_weight=inp.norm_weight, slot_mapping=st.slot_mapping, kv_cache=self.pool_b)
+            self.pool_b = self._stage(kw, i, ins)["kv_cache"]
+            self.chain_pool = reference.OPS[kw].fn(**{**ins, "k": pooled_ref, "kv_cache": self.chain_pool},
+                                                   **self.scalars(kw))["kv_cache"]
+            self._chain_entries(pooled_ref, st)
+
+    def _chain_entries(self, k, st) -> None:
+        self.chain_k.append(k)
+        self.chain_pos.append(st.positions)
+        self.chain_slot.append(st.slot_mapping)
+
+    def _score_step(self, qq: str, sc: str, i: int, st, qins: dict, q_b: dict) -> None:
+        """Scoring on the backend's q and pool, top-k of the backend's logits; the reference
+        chain scores the reference's q and pool, and both are compared with it."""
+        inp, ops = self.inp, self.case.ops
+        geo_ins = dict(query_start_loc=st.query_start_loc, context_lens=st.context_lens,
+                       block_table=st.block_table, row_ends=st.row_ends)
+        qk = ("q_fp8",) if inp.geo.fmt == "fp8" else ("q_fp4", "q_scale")
+        sins = dict({n: q_b[n] for n in qk}, weights=q_b["weights"], kv_cache=self.pool_b, **geo_ins)
+        logits_b = self._stage(sc, i, sins)["logits"]
+        q_ref = reference.OPS[qq].fn(**qins, **self.scalars(qq))
+        chain_logits = reference.OPS[sc].fp64(**dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"],
+                                              kv_cache=self.chain_pool, **geo_ins), **self.scalars(sc))
+        idx_b = self._stage("topk", i, dict(logits=logits_b, lengths=st.row_ends))["indices"]
+        if sc in ops:
+            self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_b},
+                                                {"logits": chain_logits}))
+        if "topk" in ops:
+            chain_idx = reference.topk(logits=chain_logits, lengths=st.row_ends, k=inp.geo.topk)["indices"]
+            self.col.add(CHAIN, i, self.diff_op("topk", dict(logits=chain_logits, lengths=st.row_ends),
+                                                self.scalars("topk"), {"indices": idx_b},
+                                                {"indices": chain_idx}))
+            self.details["recall_rows"] += _recall_rows(idx_b, chain_logits, st.row_ends, inp.geo.topk)
+
+    def _chain_pool(self, kw: str) -> None:
+        """The whole chain's pool against the reference chain's, and the mismatched share
+        of the owned K bytes."""
+        inp = self.inp
+        if self.fused:
+            ins = dict(state_cache=inp.state_cache, block_table=inp.state_block_table,
+                       positions=_cat(self.chain_pos), req_index=_cat(self.chain_k),
+                       kv_slot_mapping=_cat(self.chain_slot), cos_sin_cache=inp.cos_sin_cache,
+                       norm_weight=inp.norm_weight, kv_cache=self.pool_start)
+        else:
+            ins = dict(k=_cat(self.chain_k), positions=_cat(self.chain_pos), cos_sin_cache=inp.cos_sin_cache,
+                       norm_weight=inp.norm_weight, slot_mapping=_cat(self.chain_slot), kv_cache=self.pool_start)
+        rep = self.diff_op(kw, ins, self.scalars(kw), {"kv_cache": self.pool_b}, {"kv_cache": self.chain_pool})
+        self.col.add(CHAIN, len(inp.steps) - 1, rep)
+        slots = ins["kv_slot_mapping" if self.fused else "slot_mapping"]
+        written = slots[((ins["positions"] + 1) % inp.geo.ratio == 0) & (slots >= 0)]
+        d = inp.geo.head_dim
+        owned = int(written.unique().numel()) * (layout.entry_bytes(d) if inp.geo.fmt == "mxfp4"
+                                                 else ref_fp8.entry_bytes(d))
+        mism = rep.metrics.get("page_bytes_mismatched")
+        if mism is not None and owned:
+            self.col.metrics.setdefault(chain_key("page_bytes_mismatched_frac"), []).append(float(mism) / owned)
 
 
 def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = None,
              inputs: Optional[CaseInputs] = None) -> dict:
     """One row of raw results: outcome in ok | error | nonfinite_input | skipped."""
     t0 = time.time()
-    row = {"case": case.name, "suite": case.suite, "backend": backend_name, "outcome": "ok",
-           "reason": "", "description": case.description, "shape": case.summary(),
-           "context": context_of(case), "expect_nonfinite": case.expect_nonfinite, "planted": [],
-           "metrics": {}, "findings": [], "summaries": {}, "details": {}, "seconds": 0.0}
+    row = case_row(case, backend_name)
     try:
         be = get_backend(backend_name)
     except BackendUnavailable as e:
@@ -489,7 +475,6 @@ def _maybe_die(case_name: str) -> None:
     if name != case_name:
         return
     if how == "kill":
-        import signal
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "hang":                    # a hung kernel: only --case-timeout ends it
         while True:
@@ -500,7 +485,6 @@ def _maybe_die(case_name: str) -> None:
 def _worker_main(conn, env: dict, threads: int) -> None:
     """A pool worker: pinned to its GPU before CUDA initializes, then one case per message
     until it gets None (or the parent goes away)."""
-    import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)      # the parent's stop (a forked child inherits its handler)
     for k, v in env.items():
@@ -530,14 +514,10 @@ def _worker_main(conn, env: dict, threads: int) -> None:
 
 
 def _error_row(c: Case, backend_name: str, reason: str) -> dict:
-    return {"case": c.name, "suite": c.suite, "backend": backend_name, "outcome": "error", "reason": reason,
-            "metrics": {}, "findings": [], "summaries": {}, "details": {}, "planted": [], "seconds": 0.0,
-            "expect_nonfinite": c.expect_nonfinite, "context": context_of(c), "shape": c.summary(),
-            "description": c.description}
+    return case_row(c, backend_name, outcome="error", reason=reason)
 
 
 def _death(proc) -> str:
-    import signal
     code = proc.exitcode
     if code is not None and code < 0:
         try:
@@ -601,103 +581,122 @@ def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
         except KeyboardInterrupt:
             raise RunInterrupted(rows, [c.name for c in cases[len(rows):]]) from None
         return rows
-    import multiprocessing as mp
-    from collections import deque
-    from multiprocessing.connection import wait
-    gpu = str(be.device) != "cpu" and torch.cuda.is_available()
-    ctx = mp.get_context(start_method or ("spawn" if gpu else "fork"))
-    var, devices = _visible_gpus() if gpu else ("", [])
-    n = min(jobs, len(cases))
-    # A forked worker stays on one intra-op thread: the parent's OpenMP pool does not survive
-    # fork (libgomp), and the child's first parallel region would hang (seen in CI with two
-    # threads per worker). Spawned workers start clean.
-    forked = ctx.get_start_method() == "fork"
-    threads = 1 if gpu or forked else max(1, (os.cpu_count() or 1) // n)
-    queue = deque(range(len(cases)))
-    out: dict[int, dict] = {}
-    workers: list[_Worker] = []
+    return _Pool(cases, be, backend_name, jobs=jobs, progress=progress, start_method=start_method,
+                 case_timeout=case_timeout).run()
 
-    def finished(i: int, row: dict) -> None:
-        out[i] = row
-        if progress:
-            progress(row)
 
-    def feed(w: _Worker) -> None:
-        while queue:
-            i = queue.popleft()
+class _Pool:
+    """mxval's worker pool over one list of cases (see above): `run()` -> the rows in case order."""
+
+    def __init__(self, cases: list[Case], be: Backend, backend_name: str, *, jobs: int,
+                 progress: Optional[Callable[[dict], None]], start_method: Optional[str],
+                 case_timeout: Optional[float]):
+        self.cases, self.be, self.backend_name = cases, be, backend_name
+        self.progress, self.case_timeout = progress, case_timeout
+        gpu = str(be.device) != "cpu" and torch.cuda.is_available()
+        self.ctx = mp.get_context(start_method or ("spawn" if gpu else "fork"))
+        self.var, self.devices = _visible_gpus() if gpu else ("", [])
+        self.n = min(jobs, len(cases))
+        # A forked worker stays on one intra-op thread: the parent's OpenMP pool does not survive
+        # fork (libgomp), and the child's first parallel region would hang (seen in CI with two
+        # threads per worker). Spawned workers start clean.
+        forked = self.ctx.get_start_method() == "fork"
+        self.threads = 1 if gpu or forked else max(1, (os.cpu_count() or 1) // self.n)
+        self.queue = deque(range(len(cases)))
+        self.out: dict[int, dict] = {}
+        self.workers: list = []
+
+    def finished(self, i: int, row: dict) -> None:
+        self.out[i] = row
+        if self.progress:
+            self.progress(row)
+
+    def feed(self, w: _Worker) -> None:
+        while self.queue:
+            i = self.queue.popleft()
             try:
-                w.conn.send((i, cases[i], backend_name))
+                w.conn.send((i, self.cases[i], self.backend_name))
             except (BrokenPipeError, OSError):
-                queue.appendleft(i)          # never received: it runs elsewhere
+                self.queue.appendleft(i)          # never received: it runs elsewhere
                 return
             w.busy = i
             w.started = time.time()
             return
         w.busy = None
 
-    try:
-        for slot in range(n):
-            workers.append(_Worker(ctx, slot, worker_env(slot, var, devices), threads))
-            feed(workers[-1])
-        while len(out) < len(cases):
-            live = [w for w in workers if w.proc is not None]
-            ready = set(wait([w.conn for w in live] + [w.proc.sentinel for w in live], timeout=1.0))
-            now = time.time()
-            for w in live:
-                # a worker whose row is already in its pipe finished in time: read, not killed
-                if (case_timeout is not None and w.busy is not None and w.timed_out is None
-                        and now - w.started > case_timeout and w.proc.is_alive() and not _has_row(w.conn)):
-                    w.timed_out = case_timeout
-                    w.proc.kill()
-                    w.proc.join(5.0)
-            for w in live:
-                if w.conn in ready and w.timed_out is None:
-                    try:
-                        i, row = w.conn.recv()
-                    except (EOFError, OSError):
-                        pass                         # gone: reaped below once it has exited
-                    else:
-                        w.busy = None
-                        finished(i, row)
-                        feed(w)
-                        if w.busy is not None:
-                            continue
-                if w.proc.is_alive():
-                    continue
-                w.proc.join()
-                if w.busy is not None:
-                    c = cases[w.busy]
-                    why = (f"still running after --case-timeout {w.timed_out:g} s: its worker was killed"
-                           if w.timed_out is not None else f"died while running this case: {_death(w.proc)}")
-                    finished(w.busy, _error_row(c, be.name, f"{w.where()} {why}"))
-                    w.busy = None
-                w.conn.close()
-                if queue:
-                    nw = _Worker(ctx, w.slot, w.env, threads)
-                    workers[workers.index(w)] = nw
-                    feed(nw)
+    def run(self) -> list[dict]:
+        try:
+            for slot in range(self.n):
+                self.workers.append(_Worker(self.ctx, slot, worker_env(slot, self.var, self.devices), self.threads))
+                self.feed(self.workers[-1])
+            while len(self.out) < len(self.cases):
+                self._turn()
+        except KeyboardInterrupt:
+            _stop([w for w in self.workers if not isinstance(w, _Dead)])
+            done = sorted(self.out)
+            raise RunInterrupted([self.out[i] for i in done],
+                                 [c.name for i, c in enumerate(self.cases) if i not in self.out], done) from None
+        except BaseException:
+            _stop([w for w in self.workers if not isinstance(w, _Dead)])
+            raise
+        self._close()
+        return [self.out[i] for i in range(len(self.cases))]
+
+    def _turn(self) -> None:
+        """Wait up to a second; kill the workers past --case-timeout, read finished rows,
+        reap dead workers (an error row for the case each held) and replace them."""
+        live = [w for w in self.workers if w.proc is not None]
+        ready = set(wait([w.conn for w in live] + [w.proc.sentinel for w in live], timeout=1.0))
+        now = time.time()
+        for w in live:
+            # a worker whose row is already in its pipe finished in time: read, not killed
+            if (self.case_timeout is not None and w.busy is not None and w.timed_out is None
+                    and now - w.started > self.case_timeout and w.proc.is_alive() and not _has_row(w.conn)):
+                w.timed_out = self.case_timeout
+                w.proc.kill()
+                w.proc.join(5.0)
+        for w in live:
+            if w.conn in ready and w.timed_out is None:
+                try:
+                    i, row = w.conn.recv()
+                except (EOFError, OSError):
+                    pass                         # gone: reaped below once it has exited
                 else:
-                    workers[workers.index(w)] = _Dead(w)
-    except KeyboardInterrupt:
-        _stop([w for w in workers if not isinstance(w, _Dead)])
-        done = sorted(out)
-        raise RunInterrupted([out[i] for i in done], [c.name for i, c in enumerate(cases) if i not in out],
-                             done) from None
-    except BaseException:
-        _stop([w for w in workers if not isinstance(w, _Dead)])
-        raise
-    for w in workers:
-        if not isinstance(w, _Dead):
+                    w.busy = None
+                    self.finished(i, row)
+                    self.feed(w)
+                    if w.busy is not None:
+                        continue
+            if not w.proc.is_alive():
+                self._reap(w)
+
+    def _reap(self, w: _Worker) -> None:
+        w.proc.join()
+        if w.busy is not None:
+            c = self.cases[w.busy]
+            why = (f"still running after --case-timeout {w.timed_out:g} s: its worker was killed"
+                   if w.timed_out is not None else f"died while running this case: {_death(w.proc)}")
+            self.finished(w.busy, _error_row(c, self.be.name, f"{w.where()} {why}"))
+            w.busy = None
+        w.conn.close()
+        if self.queue:
+            nw = _Worker(self.ctx, w.slot, w.env, self.threads)
+            self.workers[self.workers.index(w)] = nw
+            self.feed(nw)
+        else:
+            self.workers[self.workers.index(w)] = _Dead(w)
+
+    def _close(self) -> None:
+        live = [w for w in self.workers if not isinstance(w, _Dead)]
+        for w in live:
             try:
                 w.conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-    live = [w for w in workers if not isinstance(w, _Dead)]
-    deadline = time.time() + 5.0
-    for w in live:
-        w.proc.join(max(0.0, deadline - time.time()))
-    _stop(live)
-    return [out[i] for i in range(len(cases))]
+        deadline = time.time() + 5.0
+        for w in live:
+            w.proc.join(max(0.0, deadline - time.time()))
+        _stop(live)
 
 
 def _has_row(conn) -> bool:

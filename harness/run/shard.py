@@ -7,7 +7,7 @@ nothing measured, nothing that depends on the machine), the cases are sorted by 
 (largest first, ties by name) and each goes to the least loaded shard (greedy LPT; ties to
 the lowest shard). K is 1-based. The shard's identity (K, N, suite, the budgets' digest,
 mxval's version, the digest of the whole case list and the list itself) goes into
-report.json under `run.shard`; `mxval report --merge` checks it (harness/io/merge.py).
+report.json under `run.shard`; `mxval report --merge` checks it (harness/commands/merge.py).
 """
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ import dataclasses
 import hashlib
 import json
 import re
+import tomllib
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 from harness.errors import InputError
+from harness.run.inputs import geometry
 
 T = TypeVar("T")
 _SHARD = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
@@ -44,7 +47,6 @@ def parse(text: str) -> tuple[int, int]:
 
 def case_cost(case) -> float:
     """Work of one case, in arbitrary units, from its geometry only (stable everywhere)."""
-    from harness.run.inputs import geometry
     g = geometry(case)
     heads, d = g.heads, g.head_dim
     cost = 0.0
@@ -100,13 +102,11 @@ def budgets_digest(budgets) -> str:
 
 
 def mxval_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
     try:
         return version("mxval")
     except PackageNotFoundError:                # a checkout that was never installed
         pass
     try:
-        import tomllib
         data = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
         return str(data["project"]["version"])
     except Exception:

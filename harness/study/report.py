@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from matplotlib.figure import Figure
 
 from harness.io import atomic
 from harness.study.metrics import TOP_M, bootstrap, over_select
@@ -822,8 +823,6 @@ def _figure_png(fig) -> str:
 
 
 def _html(result, meta, title, md) -> str:
-    # matplotlib only here: importing it costs every `mxval` command a second
-    from matplotlib.figure import Figure
     rows, needles, _, merged = frames(result)
     imgs = []
     sel = rows[rows.selection] if not rows.empty else rows

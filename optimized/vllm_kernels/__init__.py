@@ -1,4 +1,4 @@
-"""vLLM's own DeepSeek-V4 indexer Triton kernels, run outside vLLM (issue 11).
+"""vLLM's own DeepSeek-V4 indexer Triton kernels, run outside vLLM.
 
 * source.py     where the kernel source comes from (installed vllm, the fetched release,
                 or a directory), recorded so every result can say it

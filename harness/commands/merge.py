@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.errors import ReportError
+import pandas as pd
+
+from harness.errors import EXIT_FAIL, EXIT_OK, ReportError, UsageError
+from harness.io import report
+from harness.run import selftest
+from harness.run.pipeline import Run
 
 # run.shard fields every shard must agree on, and what to call them in the message
 AGREE = (("command", "commands"), ("suite", "suites"), ("backend", "backends"),
@@ -24,7 +29,6 @@ class MergeError(ReportError):
 
 
 def load_shards(dirs: list) -> list[tuple[Path, object, dict]]:
-    from harness.io import report
     out = []
     for d in dirs:
         df, meta = report.load(d)
@@ -91,7 +95,6 @@ def check(shards: list[tuple[Path, object, dict]]) -> None:
 
 def merge(shards: list[tuple[Path, object, dict]]):
     """(DataFrame in the unsharded run's case order, run meta) of checked shards."""
-    import pandas as pd
     check(shards)
     shards = sorted(shards, key=lambda s: int(s[2]["shard"]["k"]))
     order = {c: i for i, c in enumerate(shards[0][2]["shard"]["all_cases"])}
@@ -111,31 +114,23 @@ def merge(shards: list[tuple[Path, object, dict]]):
                             "seconds": m.get("seconds"), "cases": len(df_)} for d, df_, m in shards]
     # budgets_off comes from the first shard: each shard derives it from the whole run's cases
     if first.get("command") == "selftest":
-        from harness.commands.selftest import merge_verdicts
-        meta["selftest"] = merge_verdicts([m.get("selftest") or {} for _, _, m in shards])
+        meta["selftest"] = selftest.merge_verdicts([m.get("selftest") or {} for _, _, m in shards])
     return df, meta
 
 
-def merge_command(args) -> int:
-    from harness.commands.cli import EXIT_FAIL, EXIT_OK, UsageError
-    from harness.io import report
+def run(args) -> int:
+    """`mxval report --merge DIR...`: the checked shards written as one run's report."""
     if args.dir is not None:
         raise UsageError(f"report: give either DIR or --merge DIR..., not both ({args.dir!r})")
     shards = load_shards(args.merge)
     df, meta = merge(shards)
-    if args.report_dir:
-        out = report.claim_dir(args.report_dir, force=args.force)
-    else:
-        out = report.claim_dir(report.default_dir(f"merged-{meta.get('command', 'run')}-{meta.get('suite', '')}"))
-    paths = report.write_all(df, meta, out)
+    out = Run("merge", report_dir=args.report_dir, force=args.force, quiet=args.quiet, owner=args)
+    out.claim(f"merged-{meta.get('command', 'run')}-{meta.get('suite', '')}")
+    paths = out.write(df, meta)
     ok = report.summary(df, meta)["ok"]
     if meta.get("command") == "selftest":
-        from harness.commands.selftest import write_merged_extras
-        write_merged_extras(out, df, meta)
+        selftest.write_merged_extras(out.out, df, meta)
         ok = ok and bool(meta["selftest"].get("ok"))
-    if not args.quiet:
-        report.console_table(df, meta)
-    print(f"merged {len(shards)} shard(s), {len(df)} case(s): reports: {out}/ "
+    print(f"merged {len(shards)} shard(s), {len(df)} case(s): reports: {out.out}/ "
           f"({', '.join(Path(p).name for p in paths.values())})")
     return EXIT_OK if ok else EXIT_FAIL
-

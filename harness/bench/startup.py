@@ -1,0 +1,74 @@
+"""Start-up of the commands a user expects at once, as a ratio to `python -c "import torch"`
+measured in the same run (`make bench` adds these rows; `python -m harness.bench.startup`
+prints them alone).
+
+Each command runs as a fresh process, the way a user waits for it; the commands and the torch
+import take turns, and each time is the best of the repeats (other work on the machine only
+ever adds time). Targets: help and a usage error at most 0.3x the torch import; `mxval cases`
+and `mxval backends` are shown for what they load (both need the op table, which is torch).
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness.errors import EXIT_OK
+
+REPO = Path(__file__).resolve().parents[2]
+TARGET = 0.3
+COMMANDS = (
+    ("`mxval --help`", ["-m", "harness", "--help"], TARGET),
+    ("a usage error (`mxval validate --bogus`)", ["-m", "harness", "validate", "--bogus"], TARGET),
+    ("`mxval cases`", ["-m", "harness", "cases"], None),
+    ("`mxval backends`", ["-m", "harness", "backends"], None),
+)
+TORCH = ["-c", "import torch"]
+
+
+def _wall(args: list[str]) -> float:
+    t = time.perf_counter()
+    subprocess.run([sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t
+
+
+def measure(repeats: int = 5) -> dict:
+    """{"torch_s": best import time, "commands": [(label, best seconds, ratio, target)]}."""
+    best = {"torch": float("inf"), **{label: float("inf") for label, _, _ in COMMANDS}}
+    for _ in range(max(1, repeats)):
+        best["torch"] = min(best["torch"], _wall(TORCH))
+        for label, args, _ in COMMANDS:
+            best[label] = min(best[label], _wall(args))
+    return {"torch_s": best["torch"],
+            "commands": [(label, best[label], best[label] / best["torch"], target) for label, _, target in COMMANDS]}
+
+
+def rows(result: dict, device: str = "cpu") -> list[str]:
+    """Rows of the `make bench` table: | device | workload | measured | target | peak RSS | met |."""
+    out = []
+    for label, s, ratio, target in result["commands"]:
+        met = "-" if target is None else ("yes" if ratio <= target else "no")
+        out.append(f"| {device} | start-up: {label} | {s:.2f} s = {ratio:.2f}x `import torch` "
+                   f"({result['torch_s']:.2f} s, same run) | "
+                   + (f"<= {target}x `import torch`" if target is not None else "-") + f" | - | {met} |")
+    return out
+
+
+def section(repeats: int = 5) -> str:
+    """The start-up rows under their own table head, for the benchmark report."""
+    return "\n".join(["Start-up (fresh processes, best of the repeats):", "",
+                      "| device | workload | measured | target | peak RSS | met |", "|---|---|---|---|---|---|",
+                      *rows(measure(repeats)), ""])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.bench.startup", description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    print(section(ap.parse_args(argv).repeats))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,640 @@
+"""The capture hook's state and wrappers: eager calls are cloned on the host side of the
+call; calls made while a CUDA/HIP graph is captured become device-to-device copies into a
+ring of preallocated buffers that every replay refills, drained to dumps afterwards
+(harness.capture's docstring says how to use it)."""
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import inspect
+import os
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from harness.io.dumps import write_dump
+from harness.run.replay import record_op
+from optimized import upstream
+
+from .maps import CACHED_LOOKUPS, LAST, TARGETS, ArgMap, Selection, _get
+
+ENV_DIR = "MXVAL_CAPTURE_DIR"
+ENV_LAYERS = "MXVAL_CAPTURE_LAYERS"
+ENV_STEPS = "MXVAL_CAPTURE_STEPS"
+ENV_AUTO = "MXVAL_CAPTURE_AUTO_LAYERS"
+ENV_ANCHOR = "MXVAL_CAPTURE_ANCHOR"
+ENV_MODEL = "MXVAL_CAPTURE_MODEL"
+ENV_RING = "MXVAL_CAPTURE_RING"
+RING_DEFAULT = 4
+GRAPH_ATTR = "_mxval_capture"          # a captured graph's record set, on the CUDAGraph object
+
+
+# --- state --------------------------------------------------------------------------------
+
+def _positive_int(name: str, text: Optional[str], default: Optional[int]) -> Optional[int]:
+    if text is None or not text.strip():
+        return default
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{name}: expected a positive whole number, got {text!r}")
+    return n
+
+
+@dataclass
+class _Config:
+    directory: Optional[str]
+    layers: Selection
+    steps: Selection
+    auto_layers: Optional[int]
+    anchor: str
+    model: str
+    ring: int = RING_DEFAULT              # graph steps held on the device between drains
+
+    @classmethod
+    def from_env(cls) -> "_Config":
+        return cls(os.environ.get(ENV_DIR) or None, Selection(os.environ.get(ENV_LAYERS, "all")),
+                   Selection(os.environ.get(ENV_STEPS, "all")),
+                   _positive_int(ENV_AUTO, os.environ.get(ENV_AUTO), None),
+                   os.environ.get(ENV_ANCHOR, "compress_pool"),
+                   os.environ.get(ENV_MODEL, "deepseek-v4-pro"),
+                   _positive_int(ENV_RING, os.environ.get(ENV_RING), RING_DEFAULT))
+
+
+@dataclass
+class _GraphCall:
+    """One op call recorded in a graph: per field a ring buffer [ring + 1, *shape] that
+    each replay fills at the slot the replay hook chose (the last one is the scratch)."""
+    op: str
+    layer: Optional[int]
+    scalars: dict
+    inputs: dict
+    outputs: dict
+
+
+@dataclass
+class _GraphRecord:
+    """What one graph capture recorded."""
+    slot: list                                          # [device index tensor, the value it holds]
+    calls: list = field(default_factory=list)
+    anchor_calls: int = 0
+    layer: Optional[int] = None                         # auto counting inside the capture
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.config: Optional[_Config] = None
+        self.layer: Optional[int] = None
+        self.step: Optional[int] = None
+        self.selected = False                 # (layer, step) is a chosen one
+        self.explicit = False                 # set_context was called: no auto counting
+        self.anchor_calls = 0
+        self.pending: dict[tuple, dict] = {}
+        self.installed: list[tuple[Any, str, Any]] = []
+        self.rebound: list[tuple[Any, str, Any]] = []
+        self.written: list[str] = []
+        self.warned: set[str] = set()
+        self.capture: Optional[_GraphRecord] = None    # between capture_begin and capture_end
+        self.slots: dict[str, list] = {}               # device -> [slot index tensor, value]
+        self.ring: list[dict] = []                     # position -> {"step", "records"}
+        self.replays = 0                               # replays of recording graphs (step without context)
+        self.atexit = False
+
+
+_S = _State()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _S.warned:
+        _S.warned.add(key)
+        warnings.warn(f"mxval capture: {msg}", RuntimeWarning, stacklevel=3)
+
+
+def _move_to(layer: Optional[int], step: Optional[int]) -> None:
+    if layer != _S.layer or step != _S.step:
+        if _S.pending:
+            with _S.lock:
+                _flush_except((layer, step))
+        _S.layer, _S.step = layer, step
+    cfg = _S.config
+    _S.selected = cfg is not None and layer in cfg.layers and step in cfg.steps
+
+
+def set_context(layer: Optional[int] = None, step: Optional[int] = None) -> None:
+    """Where the model is now; records of the previous (layer, step) are written. Under
+    CUDA graphs: set the layer while the graph is captured, the step before each replay."""
+    with _S.lock:
+        _S.explicit = True
+        _move_to(layer, step)
+
+
+def context() -> tuple[Optional[int], Optional[int]]:
+    return _S.layer, _S.step
+
+
+def written() -> list[str]:
+    """Paths of the dumps written since install()."""
+    return list(_S.written)
+
+
+def flush() -> list[str]:
+    """Write every pending record and drain the graph ring; returns the paths written."""
+    with _S.lock:
+        before = len(_S.written)
+        _drain_locked()
+        _flush_except(None)
+        return _S.written[before:]
+
+
+def drain() -> list[str]:
+    """Move the ring's recorded graph steps to the host and write them as dumps (the model
+    runner may call it after a replay, e.g. between requests; it synchronizes the device).
+    Returns the paths written."""
+    with _S.lock:
+        before = len(_S.written)
+        _drain_locked()
+        return _S.written[before:]
+
+
+def _flush_except(keep) -> None:
+    for key in [k for k in _S.pending if k != keep]:
+        _write(key, _S.pending.pop(key))
+
+
+def _source() -> str:
+    parts = [f"mxval capture pid {os.getpid()}", f"torch {torch.__version__}"]
+    for mod in ("vllm", "aiter", "triton"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            parts.append(f"{mod} {getattr(m, '__version__', '?')}")
+    if torch.cuda.is_available():
+        try:
+            parts.append(torch.cuda.get_device_name())
+        except Exception:
+            pass
+    return "; ".join(parts)
+
+
+def _write(key: tuple, calls: dict) -> None:
+    layer, step = key
+    records = {}
+    for op, (ins, scalars, outs) in calls.items():
+        try:
+            records[op] = record_op(op, ins, scalars, outs)
+        except Exception as e:
+            _warn_once(f"record:{op}", f"{op} not recorded: {e}")
+    if not records:
+        return
+    cfg = _S.config
+    tag = lambda v: "x" if v is None else str(v)
+    rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK")   # one file per rank under TP/DP
+    base = os.path.join(cfg.directory, f"layer{tag(layer)}_step{tag(step)}" + (f"_rank{rank}" if rank else ""))
+    path, n = base + ".safetensors", 1
+    while os.path.exists(path) or path in _S.written:
+        path, n = f"{base}_{n}.safetensors", n + 1
+    try:
+        _S.written.append(write_dump(path, records, source=_source(), model=cfg.model, layer=layer,
+                                     step=step))
+    except Exception as e:
+        _warn_once(f"write:{path}", f"cannot write {path}: {e}")
+
+
+def _graph_capturing() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return False
+
+
+EAGER, GRAPH = "eager", "graph"
+
+
+def _active(op: str) -> Optional[tuple]:
+    """(EAGER, (layer, step)) or (GRAPH, layer) to record this call under, or None to let it
+    pass untouched."""
+    cfg = _S.config
+    if cfg is None:
+        return None
+    if _S.capture is not None and _graph_capturing():
+        return _graph_layer(op, cfg, _S.capture)
+    if not _S.explicit and cfg.auto_layers and op == cfg.anchor:
+        c = _S.anchor_calls
+        _S.anchor_calls += 1
+        _move_to(c % cfg.auto_layers, c // cfg.auto_layers)
+    if not _S.selected:
+        return None
+    if _graph_capturing():
+        _warn_once("graph", "a graph capture not begun through torch.cuda.CUDAGraph: its calls are not recorded")
+        return None
+    return EAGER, (_S.layer, _S.step)
+
+
+def _graph_layer(op: str, cfg: _Config, rec: _GraphRecord) -> Optional[tuple]:
+    """Inside a capture the layer is set_context's, or counted from the anchor calls of this
+    capture (every capture is one whole forward); steps are chosen at replay."""
+    if _S.explicit:
+        layer = _S.layer
+    else:
+        if cfg.auto_layers and op == cfg.anchor:
+            rec.layer = rec.anchor_calls % cfg.auto_layers
+            rec.anchor_calls += 1
+        layer = rec.layer
+    return (GRAPH, layer) if layer in cfg.layers else None
+
+
+def _clone(v):
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _device_copy(buf: torch.Tensor, slot: torch.Tensor, src: torch.Tensor) -> None:
+    """buf[slot] = src, the slot read on the device (so a captured graph copies into the
+    slot that the replay hook set)."""
+    buf.index_copy_(0, slot, src.detach().unsqueeze(0))
+
+
+def _ring_copy(v, slot: torch.Tensor, ring: int) -> torch.Tensor:
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"a recorded field is a {type(v).__name__}, not a tensor")
+    if v.device != slot.device:
+        raise ValueError(f"a tensor on {v.device}, the graph is captured on {slot.device}")
+    buf = torch.empty((ring + 1, *v.shape), dtype=v.dtype, device=v.device)
+    _device_copy(buf, slot, v)
+    return buf
+
+
+# --- graphs: capture, replay, drain ----------------------------------------------------------
+
+def _capture_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _slot(device: torch.device) -> list:
+    """The device's slot index (one int64 per device, shared by every graph), made before
+    a capture begins: filling it is never part of a graph."""
+    key = str(device)
+    if key not in _S.slots:
+        ring = _S.config.ring
+        _S.slots[key] = [torch.full((1,), ring, dtype=torch.int64, device=device), ring]
+    return _S.slots[key]
+
+
+def _capture_begin(orig):
+    @functools.wraps(orig)
+    def capture_begin(self, *args, **kwargs):
+        with _S.lock:
+            if _S.config is not None:
+                try:
+                    _S.capture = _GraphRecord(_slot(_capture_device()))
+                except Exception as e:
+                    _warn_once("slot", f"graph capture not recorded ({type(e).__name__}: {e})")
+                    _S.capture = None
+        return orig(self, *args, **kwargs)
+    return capture_begin
+
+
+def _capture_end(orig):
+    @functools.wraps(orig)
+    def capture_end(self, *args, **kwargs):
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            with _S.lock:
+                rec, _S.capture = _S.capture, None
+                if rec is not None and rec.calls:
+                    setattr(self, GRAPH_ATTR, rec)
+    return capture_end
+
+
+def _replay(orig):
+    @functools.wraps(orig)
+    def replay(self, *args, **kwargs):
+        rec = getattr(self, GRAPH_ATTR, None)
+        if rec is not None and _S.config is not None:
+            with _S.lock:
+                _before_replay(rec)
+        return orig(self, *args, **kwargs)
+    return replay
+
+
+INHERITED = object()                   # a wrapped method the class had from its base: deleted again
+GRAPH_METHODS = {"capture_begin": _capture_begin, "capture_end": _capture_end, "replay": _replay}
+
+
+def _graph_step(cfg: _Config) -> Optional[int]:
+    """The step a replay stands for: set_context's; with auto counting the next whole
+    forward (a replay is one); else the number of recording replays so far."""
+    if _S.explicit:
+        return _S.step
+    if cfg.auto_layers:
+        n = cfg.auto_layers
+        step = -(-_S.anchor_calls // n)
+        _S.anchor_calls = (step + 1) * n
+        _move_to(None, step)
+        return step
+    step = _S.replays
+    _S.replays += 1
+    return step
+
+
+def _before_replay(rec: _GraphRecord) -> None:
+    """Point the slot at this step's ring position (or the scratch one when the step is not
+    chosen), draining the ring first when it is full."""
+    cfg = _S.config
+    step = _graph_step(cfg)
+    pos = cfg.ring                                        # the scratch slot
+    if step in cfg.steps:
+        last = _S.ring[-1] if _S.ring else None
+        if last is not None and last["step"] == step and all(r is not rec for r in last["records"]):
+            last["records"].append(rec)                   # another graph of the same step
+        else:
+            if len(_S.ring) >= cfg.ring:
+                _drain_locked()
+            _S.ring.append({"step": step, "records": [rec]})
+        pos = len(_S.ring) - 1
+    slot = rec.slot
+    if slot[1] != pos:
+        slot[0].fill_(pos)
+        slot[1] = pos
+
+
+def _drain_locked() -> None:
+    ring, _S.ring = _S.ring, []
+    if not ring:
+        return
+    for d in {str(s[0].device) for s in _S.slots.values() if s[0].is_cuda}:
+        torch.cuda.synchronize(d)
+    for pos, entry in enumerate(ring):
+        for rec in entry["records"]:
+            for layer in dict.fromkeys(c.layer for c in rec.calls):
+                calls: dict = {}
+                for c in rec.calls:
+                    if c.layer != layer:
+                        continue
+                    if c.op in calls:                 # a second call in the same (layer, step)
+                        _write((layer, entry["step"]), calls)
+                        calls = {}
+                    calls[c.op] = ({n: b[pos] for n, b in c.inputs.items()}, c.scalars,
+                                   {n: b[pos] for n, b in c.outputs.items()})
+                if calls:
+                    _write((layer, entry["step"]), calls)
+
+
+# --- wrapping -------------------------------------------------------------------------------
+
+def _binder(fn, arg_map: ArgMap):
+    if arg_map.params is not None:
+        names = arg_map.params
+
+        def bind(args, kwargs):
+            bound = dict(zip(names, args))
+            bound.update(kwargs)
+            return bound
+        return bind
+    sig = inspect.signature(fn)
+
+    def bind(args, kwargs):
+        b = sig.bind(*args, **kwargs)
+        b.apply_defaults()
+        return dict(b.arguments)
+    return bind
+
+
+class _Wrapped:
+    """Stands in for a callable object (vLLM's kernel dispatcher, a functools cache, ...):
+    calls go through the capture, every attribute and `[...]` reach the original."""
+
+    def __init__(self, wrapped, call, op: str):
+        functools.update_wrapper(self, wrapped, updated=())
+        self._mxval_call = call
+        self.__mxval_capture__ = op
+
+    def __call__(self, *args, **kwargs):
+        return self._mxval_call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name == "__wrapped__":
+            raise AttributeError(name)
+        return getattr(self.__wrapped__, name)
+
+    def __getitem__(self, key):
+        return self.__wrapped__[key]
+
+    def __repr__(self) -> str:
+        return f"<mxval capture of {self.__wrapped__!r}>"
+
+
+def _capture_call(fn, op: str, arg_map: ArgMap, bind, args, kwargs, extra: Optional[dict] = None):
+    """One call of `fn` through the capture."""
+    key = _active(op)              # the model's thread: counting and selection need no lock
+    if key is None:
+        return fn(*args, **kwargs)
+    mode, where = key
+    try:
+        bound = bind(args, kwargs)
+        if extra is not None:
+            bound.update(extra)
+        why = arg_map.classify(bound) if arg_map.classify is not None else None
+        if why:
+            _warn_once(f"skip:{op}:{why}", f"{op}: {why}; passed through, not recorded")
+            return fn(*args, **kwargs)
+        if mode == GRAPH:                      # copies captured into the graph, before the call
+            slot, ring = _S.capture.slot[0], _S.config.ring
+            ins = {name: _ring_copy(_get(g, bound), slot, ring) for name, g in arg_map.inputs.items()}
+        else:
+            ins = {name: _clone(_get(g, bound)) for name, g in arg_map.inputs.items()}
+        scalars = {name: (_get(g, bound) if callable(g) or isinstance(g, str) and g in bound else g)
+                   for name, g in arg_map.scalars.items()}
+    except Exception as e:
+        _warn_once(f"in:{op}", f"{op}: cannot read the call's inputs ({type(e).__name__}: {e}); not captured")
+        return fn(*args, **kwargs)
+    result = fn(*args, **kwargs)
+    try:
+        got = {name: bound[g] if isinstance(g, str) else g(bound, result) for name, g in arg_map.outputs.items()}
+        with _S.lock:
+            if mode == GRAPH:
+                outs = {name: _ring_copy(v, slot, ring) for name, v in got.items()}
+                _S.capture.calls.append(_GraphCall(op, where, scalars, ins, outs))
+            else:
+                outs = {name: _clone(v) for name, v in got.items()}
+                calls = _S.pending.setdefault(where, {})
+                if op in calls:                   # a second call in the same (layer, step)
+                    _write(where, _S.pending.pop(where))
+                    calls = _S.pending.setdefault(where, {})
+                calls[op] = (ins, scalars, outs)
+    except Exception as e:
+        _warn_once(f"out:{op}", f"{op}: cannot read the call's outputs ({type(e).__name__}: {e}); not captured")
+    return result
+
+
+def wrap(fn: Callable, op: str, arg_map: ArgMap, *, extra: Optional[Callable[[], dict]] = None) -> Callable:
+    """`fn` with capture around it. The call itself is `fn(*args, **kwargs)`, unchanged; the
+    capture only ever reads the arguments and the result (clones them; inside a graph
+    capture, copies them into ring buffers). A plain function gets a
+    function (functools.wraps); any other callable an object that passes its attributes on."""
+    bind = _binder(fn, arg_map)
+
+    def wrapper(*args, **kwargs):
+        if _S.config is None:
+            return fn(*args, **kwargs)
+        return _capture_call(fn, op, arg_map, bind, args, kwargs, extra() if extra is not None else None)
+
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        wrapper = functools.wraps(fn)(wrapper)
+        wrapper.__mxval_capture__ = op
+        return wrapper
+    return _Wrapped(fn, wrapper, op)
+
+
+class _Launcher:
+    """Stands in for a Triton kernel: `kernel[grid](...)` launches through the capture."""
+
+    def __init__(self, kernel, op: str, arg_map: ArgMap):
+        self.__wrapped__ = kernel
+        self.__mxval_capture__ = op
+        self._op, self._map = op, arg_map
+        self._bind = _binder(kernel, arg_map)
+
+    def __getitem__(self, grid):
+        launch = self.__wrapped__[grid]
+        if _S.config is None:
+            return launch
+        op, amap, bind = self._op, self._map, self._bind
+
+        def call(*args, **kwargs):
+            return _capture_call(launch, op, amap, bind, args, kwargs, {"__grid__": grid})
+        return call
+
+    def __getattr__(self, name):
+        return getattr(self.__wrapped__, name)
+
+
+def wrap_launcher(kernel, op: str, arg_map: ArgMap) -> _Launcher:
+    return _Launcher(kernel, op, arg_map)
+
+
+REBIND_PREFIXES = ("vllm", "aiter")
+
+
+def _clear_cached_lookups() -> None:
+    """vLLM fetches aiter's K writer and Q quant once, through a functools cache: clear it so
+    the next call fetches the attribute as it is now (wrapped, or restored)."""
+    for key in CACHED_LOOKUPS:
+        t = upstream.target(key)
+        for mname in t.modules:
+            fn = getattr(sys.modules.get(mname), t.name, None)
+            if hasattr(fn, "cache_clear"):
+                fn.cache_clear()
+
+
+def _rebind(mod, orig, new, prefixes) -> None:
+    """Loaded modules under `prefixes` that did `from x import fn`, and the classes they
+    define that hold `fn` as an attribute (a launcher's kernel), get the wrapper too."""
+    for mname, m in list(sys.modules.items()):
+        d = getattr(m, "__dict__", None)
+        if not isinstance(d, dict) or not mname.startswith(prefixes):
+            continue
+        holders = [] if m is mod else [m]
+        holders += [v for v in list(d.values()) if isinstance(v, type) and getattr(v, "__module__", None) == mname]
+        for h in holders:
+            for name, v in list(vars(h).items()):
+                if v is orig:
+                    setattr(h, name, new)
+                    _S.rebound.append((h, name, orig))
+
+
+def _wrap_graphs() -> None:
+    """Wrap torch.cuda.CUDAGraph's capture_begin, capture_end and replay (once)."""
+    cls = getattr(torch.cuda, "CUDAGraph", None)
+    if cls is None:
+        return
+    for name, make in GRAPH_METHODS.items():
+        orig = getattr(cls, name, None)
+        if orig is None or getattr(orig, "__mxval_capture__", None):
+            continue
+        new = make(orig)
+        new.__mxval_capture__ = name
+        own = name in cls.__dict__
+        setattr(cls, name, new)
+        _S.installed.append((cls, name, orig if own else INHERITED))
+
+
+def install(targets: Optional[list] = None, *, quiet: bool = False,
+            rebind_prefixes: tuple = REBIND_PREFIXES) -> list[str]:
+    """Wrap every importable target when MXVAL_CAPTURE_DIR is set (else do nothing).
+    `targets`: Targets, or tuples of alternative Targets of which the first that imports is
+    wrapped (default: TARGETS, read from optimized.upstream). Returns the `module.attr`
+    names wrapped; targets that cannot be imported are skipped. Loaded modules under
+    `rebind_prefixes` that imported a target by name get the wrapper too."""
+    cfg = _Config.from_env()
+    if cfg.directory is None:
+        return []
+    os.makedirs(cfg.directory, exist_ok=True)
+    done, skipped = [], []
+    with _S.lock:
+        _S.config = cfg
+        _S.written = []
+        for alts in TARGETS if targets is None else targets:
+            alts = alts if isinstance(alts, (tuple, list)) else (alts,)
+            tried = []
+            for t in alts:
+                try:
+                    mod = importlib.import_module(t.module)
+                    orig = getattr(mod, t.attr)
+                except Exception as e:
+                    tried.append(f"{t.module}.{t.attr} ({type(e).__name__})")
+                    continue
+                break
+            else:
+                skipped.append(" or ".join(dict.fromkeys(tried)) if tried else "?")
+                continue
+            if getattr(orig, "__mxval_capture__", None):
+                continue
+            new = wrap_launcher(orig, t.op, t.arg_map) if t.launcher else wrap(orig, t.op, t.arg_map)
+            setattr(mod, t.attr, new)
+            _S.installed.append((mod, t.attr, orig))
+            _rebind(mod, orig, new, rebind_prefixes)
+            done.append(f"{t.module}.{t.attr}")
+        _clear_cached_lookups()
+        _wrap_graphs()
+        _move_to(_S.layer, _S.step)
+    if not _S.atexit:
+        atexit.register(flush)
+        _S.atexit = True
+    if not quiet:
+        print(f"mxval capture: {len(done)} op(s) wrapped ({', '.join(done) or 'none'}); "
+              f"layers {cfg.layers.text}, steps {cfg.steps.text} -> {cfg.directory}"
+              + (f"; skipped {', '.join(skipped)}" if skipped else ""), file=sys.stderr)
+    return done
+
+
+def uninstall() -> None:
+    """Flush (the graph ring too), restore every wrapped attribute, and forget the context.
+    Graphs captured while installed keep their copies (into the slot last set)."""
+    with _S.lock:
+        if _S.config is not None:
+            _drain_locked()
+            _flush_except(None)
+        for mod, name, orig in reversed(_S.rebound + _S.installed):
+            if orig is INHERITED:
+                delattr(mod, name)
+            else:
+                setattr(mod, name, orig)
+        _S.installed.clear()
+        _S.rebound.clear()
+        _clear_cached_lookups()
+        LAST["block_scores"] = None
+        _S.config = None
+        _S.layer = _S.step = None
+        _S.selected = _S.explicit = False
+        _S.anchor_calls = _S.replays = 0
+        _S.capture = None
+        _S.slots.clear()
+        _S.ring.clear()
