@@ -547,3 +547,16 @@ def test_bad_jobs_is_bad_input(capsys):
     assert cli.main(["study", "--study", "quick", "--jobs", "0"]) == 2
     err = capsys.readouterr().err
     assert "--jobs" in err and err.strip().count("\n") == 0
+
+
+def test_mass_kept_is_the_reports_formula_on_the_heads_attention():
+    from harness.diff.scores import mass_kept
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(2, 4, 300, generator=g) * 30
+    values = torch.randn(300, 8, generator=g)
+    exact = torch.topk(scores.sum(1), 64, dim=1).indices
+    att = study.SparseAttention(scores, values, exact, 0.1)
+    sel = torch.topk(scores.sum(1) + 20 * torch.randn(2, 300, generator=g), 64, dim=1).indices
+    p = torch.softmax(scores * 0.1, -1)
+    assert torch.allclose(att.cost(sel)["mass_kept"], mass_kept(p, sel, exact))
+    assert (att.cost(sel)["mass_kept"] <= 1).all() and (att.cost(exact)["mass_kept"] == 1).all()

@@ -41,6 +41,7 @@ from harness.study.metrics import (
     needles_kept,
     noise_metrics,
     over_select,
+    proxy_mass_kept,
     row_metrics,
     select,
 )
@@ -134,7 +135,9 @@ def _score_variant(v: Variant, q, w, ws, keys, ref: ExactTopK, att: SparseAttent
         logits = reuse if reuse is not None else \
             indexer_logits(qv, keys, wv).masked_fill(~valid, float("-inf"))
     m = row_metrics(ref.exact, logits, topk, ref=ref)
-    m.update(att.cost(select(logits, topk)))
+    sel = select(logits, topk)
+    m.update(att.cost(sel))
+    m["proxy_mass_kept"] = proxy_mass_kept(ref, sel)
     m.update(noise_metrics(ref, logits))
     cell = _mean_rows(m)
     key_nan = torch.isnan(keys).any(1) if key_nan is None else key_nan
@@ -144,7 +147,7 @@ def _score_variant(v: Variant, q, w, ws, keys, ref: ExactTopK, att: SparseAttent
 
 def _no_selection_rows(base, names):
     full = {"recall": 1.0, "recall_min": 1.0, "jaccard": 1.0, "kth_rank": float(base["entries"]),
-            "out_err": 0.0, "mass_kept": 1.0, "nan_keys": 0.0, "miss_n": 0.0,
+            "out_err": 0.0, "mass_kept": 1.0, "proxy_mass_kept": 1.0, "nan_keys": 0.0, "miss_n": 0.0,
             **{f"top{m}": 1.0 for m in TOP_M}, **{f"cover{k}": 1.0 for k in over_select(base["topk"])}}
     return [{**base, "variant": n, "kind": VARIANTS[n].kind, "selection": False, **full} for n in names]
 

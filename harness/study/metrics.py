@@ -15,6 +15,8 @@ import functools
 import numpy as np
 import torch
 
+from harness.diff.scores import TOP_M, mass_kept, score_weights
+
 BOOT_REPS = 2000   # bootstrap resamples of the seeds
 
 
@@ -86,9 +88,9 @@ class ExactTopK:
         self.keep = torch.zeros_like(exact, dtype=torch.bool).scatter_(1, self.idx, True)
         self.kth_key = self.idx[:, -1:]
         self.sd = None                 # the exact logits' SD per row, once asked for
+        self.proxy_w = None            # the reports' mass proxy over the exact logits, once asked for
 
 
-TOP_M = (64, 256)                          # the exact top-m whose share kept is reported
 OVER_SELECT = (1.0, 1.25, 1.5, 2.0)        # k' / k of the over-selection sweep
 
 
@@ -181,7 +183,9 @@ class SparseAttention:
         self.p = torch.softmax(x, dim=-1)                              # [R, H, J]
         self.v = values.float()                                        # [J, Dv]
         r, h, j = self.p.shape
+        self.exact_sel = exact_sel
         self.o_exact, self.mass_exact = self._over(exact_sel)
+        self.w_heads = self.p.sum(1).double()                          # [R, J]: mass_kept sums over heads
         dense = (self.p.reshape(r * h, j) @ self.v).reshape(r, h, -1)
         self.topk_mass = self.mass_exact.mean(1).double()              # [R]: share the top-k holds
         self.topk_vs_dense = _rel(self.o_exact, dense)
@@ -195,11 +199,19 @@ class SparseAttention:
 
     def cost(self, sel: torch.Tensor) -> dict:
         """-> per row: out_err (relative L2 over heads and value dims against the exact
-        top-k's output) and mass_kept (the attention mass of the selection over the
-        exact top-k's, summed over heads)."""
-        out, mass = self._over(sel)
-        return {"out_err": _rel(out, self.o_exact),
-                "mass_kept": (mass.sum(1) / self.mass_exact.sum(1)).double()}
+        top-k's output) and mass_kept (harness.diff.scores.mass_kept, the one formula the
+        reports use too, of the heads' attention probabilities: the mass the selection
+        holds over the mass the exact top-k holds, summed over heads, at most 1)."""
+        out, _ = self._over(sel)
+        return {"out_err": _rel(out, self.o_exact), "mass_kept": mass_kept(self.w_heads, sel, self.exact_sel)}
+
+
+def proxy_mass_kept(ref: "ExactTopK", sel: torch.Tensor) -> torch.Tensor:
+    """Per row: `mass_kept` of the reports' proxy (harness.diff.scores.MASS_PROXY: the softmax
+    of the exact indexer logits over the row's entries)."""
+    if ref.proxy_w is None:
+        ref.proxy_w = score_weights(ref.exact, ref.valid)
+    return mass_kept(ref.proxy_w, sel, ref.idx)
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -455,12 +455,13 @@ def _stats_line(inputs, d, rows=None) -> str:
     return text
 
 
-def headline_table(sel, meta, merged, longest, variants=None) -> list[str]:
+def headline_table(sel, meta, merged, longest, variants=None, proxy=False) -> list[str]:
     cells = Cells(sel)
     variants = variants or [v for v, _ in HEADLINE if v in set(sel.variant)]
     k = int(meta.get("topk", 1024))
     lines = ["| distribution | exact top-k's mass (random top-k's) | variant | mass kept | top-64 kept | "
-             "top-256 kept | misses: median exact rank | recall |", "|---" * 8 + "|"]
+             "top-256 kept | misses: median exact rank | recall |" + (" proxy mass kept |" if proxy else ""),
+             "|---" * (9 if proxy else 8) + "|"]
     for d in _dist_order(sel, meta):
         first = True
         for v in variants:
@@ -472,7 +473,8 @@ def headline_table(sel, meta, merged, longest, variants=None) -> list[str]:
             lines.append(f"{lead} {_label(v, merged)} | {cells.fmt(d, v, longest, 'mass_kept', 4)} | "
                          f"{cells.fmt(d, v, longest, 'top64')} | {cells.fmt(d, v, longest, 'top256')} | "
                          f"{cells.fmt(d, v, longest, 'miss_rank_median', 0)} of {k} | "
-                         f"{cells.fmt(d, v, longest, 'recall')} |")
+                         f"{cells.fmt(d, v, longest, 'recall')} |"
+                         + (f" {cells.fmt(d, v, longest, 'proxy_mass_kept', 4)} |" if proxy else ""))
     return lines
 
 
@@ -698,9 +700,10 @@ def _header(rows, meta) -> list[str]:
                  "Every query row sits at the context's last token. ")
               + f"A cell is the mean over the {len(seeds)} seeds ± the half-width of the 95 % percentile bootstrap "
               "interval over seeds. **Mass kept**: the attention mass (softmax of D^-0.5 q·k per head over the "
-              "row's entries) of the variant's top-k over that of the exact top-k, summed over heads; it can "
-              "exceed 1, as the indexer's top-k is the best set by its weighted ReLU score, not by each head's "
-              "attention. **Top-m "
+              "row's entries, summed over heads) the variant's top-k holds over the mass the exact top-k holds, "
+              "at most 1 per row (harness.diff.scores.mass_kept, the formula the run reports use on their "
+              "proxy; study.md and study.csv also give that proxy, the softmax of the exact indexer logits, "
+              "as `proxy_mass_kept`). **Top-m "
               "kept**: the share of the exact top-m in the variant's top-k. **Misses**: the exact top-k keys "
               "missing from the variant's top-k, by exact rank. **Recall**: the share of the variant's top-k that "
               "the exact bf16 indexer accepts too (tie rule of NUMERICS.md §6). **Over-selection**: the share of "
@@ -777,7 +780,7 @@ def full_markdown(result: dict, meta: dict) -> str:
     longest = int(sel.context_tokens.max())
     every = _cost_variants(sel)
     lines += ["", "## Every variant and context", "", f"### What the selection keeps, at {_ctx(longest)}", ""]
-    lines += headline_table(sel, meta, merged, longest, every)
+    lines += headline_table(sel, meta, merged, longest, every, proxy=True)
     lines += ["", "### Over-selection", ""] + oversel_table(sel, meta, merged, longest, every)
     lines += ["", "### Noise and misses", ""] + noise_table(sel, meta, merged, longest, every)
     lines += distribution_tables(rows, inputs, merged, meta, full=True)
