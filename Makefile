@@ -20,7 +20,7 @@ else
 endif
 MXVAL := $(PY) -m harness
 
-.PHONY: report-screenshot env lint test test-upstream test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
+.PHONY: report-screenshot env lint test test-upstream test-aiter test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
 
 env: $(ENV_STAMP)
 
@@ -52,6 +52,13 @@ test-upstream: $(ENV_STAMP)
 	$(MXVAL) upstream fetch
 	$(PY) -m pytest -q -m "upstream and not gpu"
 
+# aiter's real K writer and Q quant (wrappers + Triton kernels, loaded from the aiter tree
+# AITER=DIR, never imported; its files must match optimized/upstream.py's pins) through the
+# Triton interpreter, byte for byte against the reference (tests marked `upstream`).
+test-aiter: $(ENV_STAMP)
+	@if [ -z "$(AITER)" ]; then echo "mxval: make test-aiter: give the aiter tree, AITER=DIR"; exit 2; fi
+	MXVAL_AITER_SRC="$(abspath $(AITER))" $(PY) -m pytest -q -m "upstream and not gpu" tests/test_aiter_upstream.py
+
 # GPU suite: compiled Triton against the reference (an NVIDIA or AMD GPU).
 test-gpu: $(ENV_STAMP)
 	$(PY) -m pytest -q -m gpu
@@ -75,8 +82,8 @@ study: $(ENV_STAMP)
 
 # The adapters' and the capture hook's upstream targets (optimized/upstream.py) against a
 # vLLM release, read with ast: the wheel is downloaded once (no dependencies) into
-# ~/.cache/mxval/upstream. VLLM=VERSION picks the release (default: the newest the table
-# knows), AITER=DIR adds an aiter checkout.
+# ~/.cache/mxval/upstream. VLLM=VERSION picks the release (default: the newest on the
+# package index), AITER=DIR adds an aiter tree.
 check-upstream: $(ENV_STAMP)
 	$(MXVAL) upstream fetch $(if $(VLLM),--vllm $(VLLM))
 	$(MXVAL) upstream check $(if $(VLLM),--vllm $(VLLM)) $(if $(AITER),--aiter $(AITER))

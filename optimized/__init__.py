@@ -64,6 +64,8 @@ _FACTORIES: dict[str, str] = {
     "triton": "optimized.triton_kernels:make_backend",
     "triton-interpret": "optimized.triton_kernels:make_interpreter_backend",
     "aiter": "optimized.aiter_backend:make_backend",
+    "aiter-triton": "optimized.aiter_triton_backend:make_backend",
+    "aiter-triton-interpret": "optimized.aiter_triton_backend:make_interpret_backend",
     "vllm": "optimized.vllm_backend:make_backend",
     "vllm-cuda": "optimized.vllm_triton_backend:make_cuda_backend",
     "vllm-cuda-interpret": "optimized.vllm_triton_backend:make_cuda_interpret_backend",

@@ -55,16 +55,28 @@ def scorer_generation(fn) -> upstream.Target:
                              "an API generation mxval does not know (run `mxval upstream check --aiter DIR`)")
 
 
-def make_ops(fn: dict, device: str = "cuda") -> dict:
-    """mxval ops over aiter's functions `fn` (by FUNCTIONS label). Tests pass fakes."""
+def _own_rope(op: str, rope: str | None, numerics: dict) -> None:
+    """`rope`: the reference option the runner passes when the backend declares it
+    (Backend.numerics); aiter's kernel computes that one, and only that one."""
+    want = numerics.get(op, {}).get("rope", "separate")
+    if rope is not None and rope != want:
+        raise ValueError(f"rope: aiter's {op} computes rope={want!r} here, got {rope!r}")
+
+
+def make_ops(fn: dict, device: str = "cuda", numerics: dict | None = None) -> dict:
+    """mxval ops over aiter's functions `fn` (by FUNCTIONS label). Tests pass fakes.
+    `numerics`: the backend's declared reference options (how the compiled kernels contract
+    their rotation), checked against what the runner passes."""
     ops = {}
+    numerics = numerics or {}
 
     if "k_norm_rope_mxfp4_cache" in fn:
         def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                                     norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
                                     shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
-                                    scale_rule: str = "ceil") -> dict:
+                                    scale_rule: str = "ceil", rope: str | None = None) -> dict:
             require_production(rounding=rounding, scale_rule=scale_rule, hadamard=hadamard, who="aiter's K writer")
+            _own_rope("k_norm_rope_mxfp4_cache", rope, numerics)
             shuf = check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                                         norm_eps, compress_ratio, page_size, shuffle, rounding)
             (kd, pd, cd, wd, sd), back = on_device(device, k, positions, cos_sin_cache, norm_weight, slot_mapping)
@@ -78,8 +90,9 @@ def make_ops(fn: dict, device: str = "cuda") -> dict:
 
     if "q_rope_mxfp4_quant" in fn:
         def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
-                               hadamard: bool = False, scale_rule: str = "ceil") -> dict:
+                               hadamard: bool = False, scale_rule: str = "ceil", rope: str | None = None) -> dict:
             require_production(scale_rule=scale_rule, hadamard=hadamard, who="aiter's Q quant")
+            _own_rope("q_rope_mxfp4_quant", rope, numerics)
             check_q_args(q, positions, cos_sin_cache, weights, weights_scale)
             (qd, pd, cd, wd), back = on_device(device, q, positions, cos_sin_cache, weights)
             q_fp4, q_scale, w = fn["q_rope_mxfp4_quant"](qd, pd.contiguous(), cd, wd.contiguous(),

@@ -1,4 +1,4 @@
-"""Backends that run vLLM 0.33.0's own DeepSeek-V4 indexer Triton kernels, loaded from source
+"""Backends that run vLLM's own DeepSeek-V4 indexer Triton kernels (0.33.0, 0.34.0), loaded from source
 by optimized.vllm_kernels (vllm itself is not imported):
 
 * `vllm-cuda`: vLLM's CUDA indexer path. The fused K writers (pool -> RMSNorm -> RoPE ->
@@ -121,7 +121,6 @@ def make_cuda_ops(ks, device: str) -> dict:
 
     def fused(fmt: str):
         key = launch.K_KEYS[fmt]
-        kernel = ks.kernels[key]
         from reference import fp8 as ref_fp8
         from reference import layout
         entry = layout.entry_bytes if fmt == "mxfp4" else ref_fp8.entry_bytes
@@ -141,7 +140,7 @@ def make_cuda_ops(ks, device: str) -> dict:
             (sc, bt, pos, req, slots, cs, w), back = on_device(device, state_cache, block_table, positions,
                                                              req_index, kv_slot_mapping, cos_sin_cache, norm_weight)
             out = kv_cache.to(device, copy=True).contiguous()
-            launch.run(kernel, launch.fused_k(fmt, state_cache=sc.contiguous(), block_table=bt.contiguous(),
+            launch.run(ks.kernels[key], launch.fused_k(fmt, state_cache=sc.contiguous(), block_table=bt.contiguous(),
                                               positions=pos.contiguous(), req_index=req.contiguous(),
                                               kv_slot_mapping=slots.contiguous(), cos_sin_cache=cs.contiguous(),
                                               norm_weight=w.contiguous(), norm_eps=norm_eps, kv_cache=out,
@@ -220,7 +219,6 @@ def cuda_limits(op: str, scalars: dict) -> Optional[str]:
 
 def make_rocm_ops(ks, device: str, *, interpret: bool) -> tuple[dict, str]:
     from .vllm_kernels import launch
-    kernel = ks.kernels[launch.POOL_KEY]
 
     def compress_pool(*, state_cache, block_table, positions, req_index, kv_slot_mapping,
                       compress_ratio: int = 4, rounding: str = "rocm") -> dict:
@@ -236,7 +234,7 @@ def make_rocm_ops(ks, device: str, *, interpret: bool) -> tuple[dict, str]:
         (sc, bt, pos, req, slots), back = on_device(device, state_cache, block_table, positions, req_index,
                                                     kv_slot_mapping)
         out = torch.full((positions.shape[0], d), float("nan"), dtype=torch.bfloat16, device=device)
-        launch.run(kernel, launch.pool(state_cache=sc.contiguous(), block_table=bt.contiguous(),
+        launch.run(ks.kernels[launch.POOL_KEY], launch.pool(state_cache=sc.contiguous(), block_table=bt.contiguous(),
                                        positions=pos.contiguous(), req_index=req.contiguous(),
                                        kv_slot_mapping=slots.contiguous(), out=out, compress_ratio=compress_ratio),
                    interpreted=ks.interpreted)
@@ -263,22 +261,31 @@ def rocm_limits(op: str, scalars: dict) -> Optional[str]:
 
 # --- factories ---------------------------------------------------------------------------
 
-def _make(name: str, path: str, interpret: bool) -> Backend:
-    from .vllm_kernels.kernelset import KernelSetError, kernel_set
-    head = {"cuda": "vLLM 0.33.0's CUDA indexer path (fused K writers MXFP4/FP8 + fused Q quant) with "
-                    "mxval's Triton scorer and top-k (vLLM's are DeepGEMM/CUDA ops)",
-            "rocm": "vLLM 0.33.0's ROCm pooling kernel _compress_pool_kernel"}[path]
+def load_upstream(name: str, head: str, interpret: bool, load) -> tuple:
+    """(the loaded upstream set, device, None), or (None, None, an unavailable Backend saying
+    why): Triton must run in this mode here, and `load(interpreted=...)` must find and resolve
+    the upstream source (KernelSetError otherwise)."""
+    from .vllm_kernels.kernelset import KernelSetError
     if not interpret and not torch.cuda.is_available():
-        return Backend(name, head, reason=f"no CUDA or ROCm GPU visible to torch: use {name}-interpret "
-                                          f"(the same kernels through the Triton interpreter on the CPU)")
+        return None, None, Backend(name, head, reason=f"no CUDA or ROCm GPU visible to torch: use {name}-interpret "
+                                                      f"(the same kernels through the Triton interpreter on the CPU)")
     why = _triton_mode(interpret)
     if why:
-        return Backend(name, head, reason=why)
-    device = "cpu" if interpret else "cuda"
+        return None, None, Backend(name, head, reason=why)
     try:
-        ks = kernel_set(interpreted=interpret)
+        return load(interpreted=interpret), ("cpu" if interpret else "cuda"), None
     except KernelSetError as e:
-        return Backend(name, head, reason=str(e))
+        return None, None, Backend(name, head, reason=str(e))
+
+
+def _make(name: str, path: str, interpret: bool) -> Backend:
+    from .vllm_kernels.kernelset import kernel_set
+    head = {"cuda": "vLLM's CUDA indexer path (fused K writers MXFP4/FP8 + fused Q quant) with "
+                    "mxval's Triton scorer and top-k (vLLM's are DeepGEMM/CUDA ops)",
+            "rocm": "vLLM's ROCm pooling kernel _compress_pool_kernel"}[path]
+    ks, device, unavailable = load_upstream(name, head, interpret, kernel_set)
+    if unavailable:
+        return unavailable
     numerics: dict = {}
     if path == "cuda":
         ops = make_cuda_ops(ks, device)

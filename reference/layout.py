@@ -51,7 +51,15 @@ def page_bytes(page_size: int, head_dim: int) -> int:
     return page_size * entry_bytes(head_dim)
 
 
+# aiter's scorer reads a preshuffled page in tiles of BLOCK_KV = min(64, page_size) entries;
+# its cache_format() refuses a page that is not a whole number of them (and vLLM calls it).
+BLOCK_KV = 64
+
+
 def check_layout(page_size: int, head_dim: int, shuffle: Optional[Shuffle]) -> None:
+    """Natural pages take any page size; a preshuffled one must tile into shuffle groups and,
+    as aiter's cache_format() requires, into BLOCK_KV = min(64, page_size) entries (96 or 160
+    would tile into groups of 32 but are read by no production path)."""
     if head_dim % MX_BLOCK:
         raise ValueError(f"head_dim: {head_dim} is not a multiple of {MX_BLOCK}")
     if shuffle is None:
@@ -59,6 +67,10 @@ def check_layout(page_size: int, head_dim: int, shuffle: Optional[Shuffle]) -> N
     tb, nb = head_dim // 2, head_dim // MX_BLOCK
     if page_size % shuffle.n:
         raise ValueError(f"page_size: {page_size} is not a multiple of the shuffle group N={shuffle.n}")
+    block_kv = min(BLOCK_KV, page_size)
+    if page_size % block_kv:
+        raise ValueError(f"page_size: a preshuffled page of {page_size} entries is not a multiple of aiter's "
+                         f"BLOCK_KV = min({BLOCK_KV}, page_size) = {block_kv} (its cache_format refuses it)")
     if tb % shuffle.dt:
         raise ValueError(f"shuffle: Dt={shuffle.dt} does not divide the {tb} value bytes of an entry")
     if nb % shuffle.l:

@@ -339,6 +339,43 @@ def _topk(logits, lengths, out, k) -> None:
         torch.ops._C.top_k_per_row_decode(logits, 1, lengths, out, rows, logits.stride(0), logits.stride(1), k)
 
 
+def _vllm_topk(rows: int, k: int) -> bool:
+    return rows < 128 and k < 2048
+
+
+def _topk_034(logits, lengths, out, k) -> None:
+    """vLLM 0.34.0's _topk: the same rule, stated in _vllm_topk."""
+    rows, width = logits.shape
+    if rows == 0:
+        return
+    if width >= k and not _vllm_topk(rows, k):
+        _aiter_topk()(logits, 1, lengths.reshape(-1), out, rows, logits.stride(0), logits.stride(1), k=k)
+    else:
+        torch.ops._C.top_k_per_row_decode(logits, 1, lengths, out, rows, logits.stride(0), logits.stride(1), k)
+
+
+def kv_tile(page_size: int) -> int:
+    return min(64, page_size)
+
+
+def cache_format(num_heads, head_size, page_size) -> dict:
+    """aiter's rule for a preshuffled cache: a page is a whole number of MFMA N and of BLOCK_KV."""
+    sh = layout.choose_shuffle(head_size, num_heads)
+    bkv = kv_tile(page_size)
+    if page_size % sh.n or page_size % bkv:
+        raise ValueError(f"page_size {page_size} must be a multiple of BLOCK_KV ({bkv})")
+    return {"n_per_tile": sh.n, "d_per_tile": sh.dt, "scale_lanes": sh.l, "block_kv": bkv}
+
+
+class AiterTritonLogger:
+    def info(self, msg, *args):
+        pass
+
+
+def make_kernel_repr(base_name, config_keys, name_key=None):
+    return base_name
+
+
 def _fused_k(fmt: str, kw: dict, grid) -> None:
     """What vLLM's fused K kernels read: state rows [kv (from 0) | score (from STATE_WIDTH)],
     one program per token of the grid, a token written when its compressor slot, its
@@ -398,13 +435,19 @@ FAKES = {
     "vllm.rocm.compress_pool_kernel@8e4f5df9": POOL_KERNEL_8E4F,
     "vllm.ops.k_store": rocm_mxfp4_indexer_k_store,
     "vllm.ops.q_quant": rocm_mxfp4_indexer_q_quant,
-    "vllm.ops.topk": _topk,
+    "vllm.ops.topk": _topk_034,
+    "vllm.ops.topk@0.33.0": _topk,
+    "vllm.ops.vllm_topk": _vllm_topk,
+    "vllm.ops.vllm_topk@0.33.0": _topk,
     "vllm.ops.aiter_cache_ops": _aiter_indexer_cache_ops,
     "aiter.k_writer": k_norm_rope_mxfp4_cache,
     "aiter.q_quant": q_rope_mxfp4_quant,
     "aiter.scorer": paged_mxfp4_mqa_logits,
     "aiter.scorer@cu_ends": paged_mxfp4_mqa_logits_cu_ends,
     "aiter.topk": top_k_per_row_decode,
+    "aiter.cache_format": cache_format,
+    "aiter.triton.logger": AiterTritonLogger,
+    "aiter.triton.kernel_repr": make_kernel_repr,
     "vllm.cuda.k_mxfp4": FUSED_K_MXFP4,
     "vllm.cuda.k_fp8": FUSED_K_FP8,
 }
@@ -468,3 +511,132 @@ def install(monkeypatch, *versions: str, without: tuple[str, ...] = (),
                         raising=False)
     monkeypatch.setattr(sys.modules[__name__], "CALLS", CALLS)
     return mods
+
+
+# --- a small synthetic aiter source tree (for the source loader; no aiter code) -------------
+
+AITER_TREE = {
+    "aiter/__init__.py": "",
+    "aiter/ops/triton/utils/logger.py": '''\
+import logging
+
+
+class AiterTritonLogger(object):
+    _instance = None
+
+    def __new__(cls):
+        raise RuntimeError("the loader replaces this class; it never runs")
+
+    def info(self, msg):
+        logging.getLogger("AITER_TRITON").info(msg)
+''',
+    "aiter/ops/triton/utils/_triton/kernel_repr.py": '''\
+def make_kernel_repr(base_name, config_keys, name_key=None):
+    def _repr(specialization):
+        return base_name
+    return _repr
+''',
+    "aiter/ops/triton/_triton_kernels/quant/quant.py": '''\
+import triton
+import triton.language as tl
+from triton.language.target_info import is_hip_cdna4
+
+
+@triton.jit
+def _not_positive(x, USE_ASM: tl.constexpr = False):
+    """1 where x <= 0, as aiter's _mxfp4_pack_bits builds its masks (`not` on a tensor)."""
+    if USE_ASM and is_hip_cdna4():
+        out = (x <= 0).to(tl.uint8)
+    else:
+        positive = x > 0
+        neg = (not positive) & (x < 1e30)
+        out = tl.where(neg, 1, 0).to(tl.uint8)
+    return out
+''',
+    "aiter/ops/triton/_triton_kernels/fusions/k_norm_rope_mxfp4_cache.py": '''\
+import triton
+import triton.language as tl
+
+from aiter.ops.triton._triton_kernels.quant.quant import _not_positive
+from aiter.ops.triton.utils._triton.kernel_repr import make_kernel_repr
+
+_k_repr = make_kernel_repr("_k_kernel", ["N"])
+
+
+@triton.jit(repr=_k_repr)
+def _k_kernel(k_ptr, out_ptr, slot_ptr, N: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    offs = tl.arange(0, N)
+    x = tl.load(k_ptr + t * N + offs).to(tl.float32)
+    tl.store(out_ptr + slot * N + offs, _not_positive(x, USE_ASM=True))
+''',
+    "aiter/ops/triton/fusions/k_norm_rope_mxfp4_cache.py": '''\
+import torch
+
+from aiter.ops.triton._triton_kernels.fusions.k_norm_rope_mxfp4_cache import _k_kernel
+from aiter.ops.triton.utils.logger import AiterTritonLogger
+
+_LOGGER = AiterTritonLogger()
+
+
+def k_norm_rope_mxfp4_cache(k, positions, cos_sin_cache, norm_weight, norm_eps, kv_cache, slot_mapping,
+                            compress_ratio=1, shuffle=None) -> None:
+    _LOGGER.info("K: k=%s", tuple(k.shape))
+    if k.dtype != torch.float32:
+        raise ValueError(f"k must be float32, got {k.dtype}")
+    n = slot_mapping.numel()
+    if n == 0:
+        return
+    _k_kernel[(n,)](k, kv_cache, slot_mapping, N=k.shape[1], num_warps=1)
+''',
+    "aiter/ops/triton/_triton_kernels/rope/q_rope_mxfp4_quant.py": '''\
+import triton
+import triton.language as tl
+
+from aiter.ops.triton._triton_kernels.quant.quant import _not_positive
+
+
+@triton.jit
+def _q_kernel(q_ptr, out_ptr, N: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + t * N + offs, _not_positive(tl.load(q_ptr + t * N + offs)))
+''',
+    "aiter/ops/triton/rope/q_rope_mxfp4_quant.py": '''\
+import torch
+import triton
+
+from aiter.ops.triton._triton_kernels.rope.q_rope_mxfp4_quant import _q_kernel
+from aiter.ops.triton.utils.logger import AiterTritonLogger
+
+_LOGGER = AiterTritonLogger()
+
+
+def q_rope_mxfp4_quant(q, positions, cos_sin_cache, weights=None, weights_scale=1.0):
+    _LOGGER.info("Q: q=%s", tuple(q.shape))
+    t = q.shape[0]
+    out = torch.empty((t, q.shape[1]), dtype=torch.uint8, device=q.device)
+    if t:
+        _q_kernel[(triton.cdiv(t, 1),)](q, out, N=q.shape[1])
+    return out, None, weights
+''',
+}
+
+
+def write_aiter_tree(root, files: dict | None = None):
+    """AITER_TREE (updated with `files`) under root; -> root."""
+    for rel, text in {**AITER_TREE, **(files or {})}.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+def aiter_pins(root) -> dict:
+    """{rel: sha256} of a synthetic tree, as optimized.upstream.PINS would pin it."""
+    import hashlib
+    return {rel: hashlib.sha256((root / rel).read_bytes()).hexdigest() for rel in AITER_TREE
+            if rel.endswith(".py") and rel != "aiter/__init__.py"}

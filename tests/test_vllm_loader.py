@@ -111,7 +111,7 @@ def tree(tmp_path):
 
 
 def _loader(tree, **kw):
-    src = find_source(str(tree))
+    src = find_source(str(tree), trusted=True)          # the test's own tree, named and trusted
     return Loader(src.read, label="test", **kw)
 
 
@@ -243,7 +243,7 @@ def test_without_the_replacement_the_ptx_helper_cannot_run_interpreted(tree):
 
 def _table_as_params(key):
     from optimized.vllm_kernels.loader import Param
-    return [Param(n, c, False) for n, c in launch.table_params(key)]
+    return [Param(n, "pos", False, c) for n, c in launch.table_params(key)]
 
 
 @pytest.mark.parametrize("key", ["vllm.cuda.k_mxfp4", "vllm.cuda.q_mxfp4", "vllm.rocm.compress_pool_kernel"])
@@ -251,16 +251,16 @@ def test_param_drift_is_an_error(key):
     from optimized.vllm_kernels.loader import Param
     ps = _table_as_params(key)
     launch.check_kernel(key, ps)                                   # the table itself passes
-    renamed = ps[:2] + [Param(ps[2].name + "_v2", ps[2].constexpr, False)] + ps[3:]
+    renamed = ps[:2] + [Param(ps[2].name + "_v2", "pos", False, ps[2].constexpr)] + ps[3:]
     with pytest.raises(launch.LaunchDrift, match="new upstream: .*_v2.*gone upstream"):
         launch.check_kernel(key, renamed)
     with pytest.raises(launch.LaunchDrift, match="new upstream: EXTRA"):
-        launch.check_kernel(key, ps + [Param("EXTRA", True, False)])
+        launch.check_kernel(key, ps + [Param("EXTRA", "pos", False, True)])
     with pytest.raises(launch.LaunchDrift, match="reordered"):
         launch.check_kernel(key, [ps[1], ps[0], *ps[2:]])
     last = ps[-1]
     with pytest.raises(launch.LaunchDrift, match="constexpr changed"):
-        launch.check_kernel(key, ps[:-1] + [Param(last.name, not last.constexpr, False)])
+        launch.check_kernel(key, ps[:-1] + [Param(last.name, "pos", False, not last.constexpr)])
 
 
 def test_launch_builders_bind_exactly_the_kernel_parameters():

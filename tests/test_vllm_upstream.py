@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's real kernels (loaded from the fetched release, never imported) through the
+"""vLLM's real kernels (loaded from the fetched release, never imported) through the
 Triton interpreter on smoke-size cases. Marked `upstream`: `make test-upstream` fetches the
 release once (cached) and runs these; without the fetch they are skipped with that reason."""
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _reference_chain(fmt, ins):
 def test_backends_say_where_the_kernels_came_from(cuda_be, rocm_be, fetched):
     assert cuda_be.available() is None and rocm_be.available() is None
     for be in (cuda_be, rocm_be):
-        assert be.source == fetched.describe() and "0.33.0" in be.description and "interpreter" in be.description
+        assert be.source == fetched.describe() and fetched.version in be.description and "interpreter" in be.description
     assert "emulation" in cuda_be.description and "mxval's Triton scorer and top-k" in cuda_be.description
     assert "mxval's Triton K writer" in rocm_be.description
 
@@ -160,6 +160,9 @@ def test_drifted_kernel_makes_the_backend_unavailable(fetched, tmp_path, monkeyp
     f = root / "vllm/models/deepseek_v4/common/ops/fused_compress_quant_cache.py"
     text = f.read_text()
     f.write_text(text.replace("kv_cache_block_size", "kv_cache_blocks"))
+    with pytest.raises(kernelset.KernelSetError, match="refused: its sha256 .* is not the one pinned"):
+        kernelset.kernel_set(interpreted=True, path=str(root))
+    monkeypatch.setenv("MXVAL_TRUST_UPSTREAM", "1")          # named and trusted: read, and found drifted
     with pytest.raises(kernelset.KernelSetError, match="drifted.*kv_cache_blocks"):
         kernelset.kernel_set(interpreted=True, path=str(root))
 

@@ -45,6 +45,16 @@ def add_shard(p) -> None:
                         "record it for `mxval report --merge`")
 
 
+def add_tree_args(p) -> None:
+    """`--aiter DIR` and `--trust-upstream` for commands that load upstream kernels (validate)."""
+    p.add_argument("--aiter", default=None, metavar="DIR",
+                   help="aiter source tree for the aiter-triton backends (default: $MXVAL_AITER_SRC, "
+                        "else the tree `mxval upstream fetch --aiter` cached)")
+    p.add_argument("--trust-upstream", action="store_true",
+                   help="load the upstream trees named here (--aiter, $MXVAL_AITER_SRC, $MXVAL_VLLM_SRC) even "
+                        "where a file is not the one optimized/upstream.py pins")
+
+
 def add_common(p, *, cases=True, budgets=True, report_dir=True) -> None:
     if cases:
         p.add_argument("--cases-dir", default=None, help="directory of suite TOML files (default: cases/)")

@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from harness.commands.args import Parser, add_case_timeout, add_common, add_force, add_shard, check_args
+from harness.commands.args import Parser, add_case_timeout, add_common, add_force, add_shard, add_tree_args, check_args
 from harness.errors import (
     EXIT_FAIL,
     EXIT_INTERNAL,
@@ -70,6 +70,8 @@ def cmd_validate(args) -> int:
     run = Run("validate", budgets=args.budgets, shard=args.shard, report_dir=args.report_dir, force=args.force,
               quiet=args.quiet, owner=args)
     all_cases = run.plan_cases(args.cases_dir, args.suite, args.case, args.path)
+    from harness.commands.upstream_cmd import apply_tree_args
+    apply_tree_args(args)
     be = backend(args.backend)
     cases = run.pick(all_cases)
     jobs = run.cap_jobs(args.jobs, len(cases), str(be.device))
@@ -244,6 +246,7 @@ def _validate_parser(sub) -> None:
                    help="run every case on this path (cuda: vLLM's fused pool+K op, natural pages; "
                         "default: each case's own)")
     p.add_argument("-j", "--jobs", type=int, default=1, help="cases in parallel (processes)")
+    add_tree_args(p)
     add_shard(p)
     add_case_timeout(p)
     add_common(p)

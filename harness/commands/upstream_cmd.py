@@ -20,6 +20,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -29,7 +30,18 @@ from typing import Optional
 
 from harness.errors import InputError
 from optimized import upstream
-from optimized.vllm_kernels.loader import dotted_name
+from optimized.vllm_kernels.reader import (
+    MAX_SOURCE_CHARS,
+    Param,
+    ReadError,
+    dotted_name,
+    imported_name,
+    is_jit,
+    params_of,
+    parse,
+    resolve_from,
+    top_level_defs,
+)
 
 EXIT_OK, EXIT_DRIFT, EXIT_USAGE = 0, 1, 2
 COMMAND = "upstream"
@@ -66,8 +78,12 @@ class Source:
     @property
     def version(self) -> str:
         text = self.read(f"{self.package}/_version.py") or self.read(f"{self.package}/version.py") or ""
-        m = re.search(r"""__version__\s*(?:=\s*version\s*)?=\s*['"]([^'"]+)['"]""", text)
-        return m[1] if m else "version unknown"
+        return upstream.version_in(text) or "version unknown"
+
+
+def _too_large(where: str, size: int) -> UpstreamError:
+    return UpstreamError(f"{where}: {size} bytes, more than {MAX_SOURCE_CHARS}: not an upstream source "
+                         "file; not read")
 
 
 class DirSource(Source):
@@ -78,34 +94,65 @@ class DirSource(Source):
     def read(self, rel: str) -> Optional[str]:
         p = self.root / rel
         try:
-            return p.read_text(encoding="utf-8") if p.is_file() else None
-        except (OSError, UnicodeDecodeError):
+            if not p.is_file():
+                return None
+            with open(p, "rb") as f:
+                data = f.read(MAX_SOURCE_CHARS + 1)
+        except OSError:
+            return None
+        if len(data) > MAX_SOURCE_CHARS:
+            raise _too_large(str(p), p.stat().st_size)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
             return None
 
 
+MAX_WHEEL_MEMBERS = 200_000          # vLLM's wheels hold ~5k
+
+
 class WheelSource(Source):
+    """A wheel read as a zip of text files: each member read is bounded (MAX_SOURCE_CHARS,
+    whatever its header says), never extracted or imported."""
+
     def __init__(self, package: str, path: Path):
         super().__init__(package, str(path))
         try:
             self.zip = zipfile.ZipFile(path)
-            self.names = set(self.zip.namelist())
-        except (OSError, zipfile.BadZipFile) as e:
+            infos = self.zip.infolist()
+        except (OSError, zipfile.BadZipFile, ValueError) as e:
             raise UpstreamError(f"{path}: not a readable wheel ({e})") from None
+        if len(infos) > MAX_WHEEL_MEMBERS:
+            raise UpstreamError(f"{path}: {len(infos)} members, more than {MAX_WHEEL_MEMBERS}: not a wheel mxval reads")
+        self.names = {i.filename for i in infos}
         m = re.match(rf"{package}-([^-]+)-", path.name)
         self._wheel_version = m[1] if m else None
 
     def read(self, rel: str) -> Optional[str]:
-        if rel not in self.names:
-            return None
-        try:
-            return self.zip.read(rel).decode("utf-8")
-        except (OSError, UnicodeDecodeError, zipfile.BadZipFile):
-            return None
+        return None if rel not in self.names else _zip_text(self.zip, rel, self.label)
 
     @property
     def version(self) -> str:
         v = super().version
         return self._wheel_version if v == "version unknown" and self._wheel_version else v
+
+
+def _zip_text(z: zipfile.ZipFile, rel: str, label: str) -> Optional[str]:
+    """A member's text, read at most MAX_SOURCE_CHARS + 1 bytes (a zip bomb stops there)."""
+    info = z.getinfo(rel)
+    if info.file_size > MAX_SOURCE_CHARS:
+        raise _too_large(f"{label}:{rel}", info.file_size)
+    try:
+        with z.open(info) as f:
+            data = f.read(MAX_SOURCE_CHARS + 1)
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+        return None
+    if len(data) > MAX_SOURCE_CHARS:
+        raise _too_large(f"{label}:{rel}", len(data))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def open_source(package: str, path: str) -> Source:
@@ -117,23 +164,15 @@ def open_source(package: str, path: str) -> Source:
         return WheelSource(package, p)
     if not p.is_dir():
         raise UpstreamError(f"--{package} {path}: no such file or directory")
-    if (p / package / "__init__.py").is_file():
+    if (p / package).is_dir():
         return DirSource(package, p)
     if p.name == package and (p / "__init__.py").is_file():
         return DirSource(package, p.parent)
-    raise UpstreamError(f"--{package} {path}: holds no {package}/__init__.py (pass the directory "
+    raise UpstreamError(f"--{package} {path}: holds no {package}/ (pass the directory "
                         f"that contains the {package} package, or the package itself)")
 
 
 # --- reading a definition ---------------------------------------------------------------
-
-@dataclass
-class Param:
-    name: str
-    kind: str                 # "pos", "kw", "var" (*args), "varkw" (**kwargs)
-    default: bool
-    constexpr: bool = False
-
 
 @dataclass
 class Found:
@@ -146,28 +185,6 @@ class Found:
     body: str                 # the definition, unparsed (normalized formatting)
 
 
-
-
-def _is_constexpr(annotation: Optional[ast.AST]) -> bool:
-    if annotation is None:
-        return False
-    text = ast.unparse(annotation).strip("'\"")
-    return text in ("tl.constexpr", "triton.language.constexpr", "constexpr", "gl.constexpr")
-
-
-def _params(args: ast.arguments, drop_self: bool) -> list[Param]:
-    pos = args.posonlyargs + args.args
-    n_def = len(args.defaults)
-    out = [Param(a.arg, "pos", i >= len(pos) - n_def, _is_constexpr(a.annotation)) for i, a in enumerate(pos)]
-    if drop_self and out and out[0].name in ("self", "cls"):
-        out = out[1:]
-    if args.vararg:
-        out.append(Param(args.vararg.arg, "var", True))
-    out += [Param(a.arg, "kw", d is not None, _is_constexpr(a.annotation))
-            for a, d in zip(args.kwonlyargs, args.kw_defaults)]
-    if args.kwarg:
-        out.append(Param(args.kwarg.arg, "varkw", True))
-    return out
 
 
 def _return_shape(fn: ast.AST) -> str:
@@ -192,42 +209,15 @@ def _return_shape(fn: ast.AST) -> str:
     return shapes.pop() if len(shapes) == 1 else "value"
 
 
-def _top_level(tree: ast.Module, name: str) -> Optional[ast.AST]:
-    hit = None
-    for node in tree.body:                       # the last definition wins, as at import
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
-            hit = node
-        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            hit = node
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
-            hit = node
-        elif isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
-            hit = node
-    return hit
-
-
-def _resolve_from(module: str, is_pkg: bool, node: ast.ImportFrom, name: str) -> tuple[str, str]:
-    alias = next(a for a in node.names if (a.asname or a.name) == name)
-    if node.level:
-        parts = module.split(".")
-        base = parts if is_pkg else parts[:-1]
-        base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
-        target = ".".join(base + ([node.module] if node.module else []))
-    else:
-        target = node.module or ""
-    return target, alias.name
-
-
 def read_definition(node: ast.AST, path: str, name: str) -> Found:
     """What a definition node says: its kind, parameters, annotation and return shape."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        jit = any(dotted_name(d).split(".")[-1] in ("jit", "autotune", "heuristics") for d in node.decorator_list)
-        return Found(path, node.lineno, "triton_jit" if jit else "function", _params(node.args, False),
+        return Found(path, node.lineno, "triton_jit" if is_jit(node) else "function", params_of(node),
                      ast.unparse(node.returns) if node.returns is not None else None,
                      _return_shape(node), ast.unparse(node))
     if isinstance(node, ast.ClassDef):
         init = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
-        return Found(path, node.lineno, "class", _params(init.args, True) if init else [], None, "value",
+        return Found(path, node.lineno, "class", params_of(init, drop_self=True) if init else [], None, "value",
                      ast.unparse(node))
     return Found(path, node.lineno, "assignment", [], None, "value", ast.unparse(node))
 
@@ -249,13 +239,16 @@ def find_definition(source: Source, t: upstream.Target) -> tuple[Optional[Found]
 
 def _find_in(source, module, rel, text, t, depth):
     try:
-        tree = ast.parse(text, filename=rel)
-    except SyntaxError as e:
-        return None, f"{rel}: cannot parse ({e.msg}, line {e.lineno})"
+        tree = parse(text, rel)
+    except ReadError as e:
+        return None, str(e)
     cls_name, _, meth = t.name.partition(".") if t.kind == "method" or "." in t.name else (t.name, "", "")
-    node = _top_level(tree, cls_name)
+    node = top_level_defs(tree).get(cls_name)
+    if isinstance(node, ast.Import):
+        node = None
     if isinstance(node, ast.ImportFrom) and depth < 4:
-        target_mod, target_name = _resolve_from(module, rel.endswith("__init__.py"), node, cls_name)
+        target_mod = resolve_from(module, rel.endswith("__init__.py"), node)
+        target_name = imported_name(node, cls_name)
         rel2, text2 = source.module_source(target_mod)
         if text2 is None:
             return None, f"{rel}: {cls_name} is imported from {target_mod}, which is not in the source"
@@ -273,7 +266,7 @@ def _find_in(source, module, rel, text, t, depth):
             return None, f"{rel}: class {cls_name} has no method {meth}"
         found = read_definition(fn, rel, meth)
         is_static = any(dotted_name(d) == "staticmethod" for d in fn.decorator_list)
-        found.params = _params(fn.args, not is_static)
+        found.params = params_of(fn, drop_self=not is_static)
         if found.kind != "triton_jit":            # a class's @staticmethod @triton.jit kernel stays one
             found.kind = "method"
         return found, ""
@@ -472,17 +465,52 @@ def render(results: list[Result], sources: dict[str, Source], console) -> None:
 
 
 # --- fetch --------------------------------------------------------------------------------
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mxval" / "upstream"
-
+# Fetched trees are data: files are read from the wheel / git objects / archive with bounds,
+# written only inside the cache (never through a symlink), and recorded with their sha256;
+# the loaders check them against optimized.upstream.PINS before anything runs.
 
 def tree_dir(version: str) -> Path:
-    return cache_root() / f"vllm-{version}"
+    return upstream.cache_root() / f"vllm-{version}"
 
 
-_VERSION_RE = re.compile(r"\d+(\.\d+)*([a-z0-9.+!-]*)", re.I)
+def _safe_write(root: Path, rel: str, data: bytes) -> None:
+    """Write root/rel, refusing to follow a symlink anywhere from the cache down (a cache whose
+    vllm/ links elsewhere would otherwise be written through)."""
+    cache = upstream.cache_root()
+    dest = root / rel
+    parts = dest.relative_to(cache).parts if dest.is_relative_to(cache) else ()
+    if not parts or ".." in parts:
+        raise UpstreamError(f"{dest}: outside the cache {cache}; not written")
+    here = cache
+    for part in parts:
+        here = here / part
+        if here.is_symlink():
+            raise UpstreamError(f"{here}: a symlink inside the upstream cache; not written through "
+                                "(remove it and fetch again)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, dest)
+
+
+def _record(root: Path, package: str, files: dict[str, bytes], extra: dict, console) -> None:
+    """Write the manifest (every file's sha256) and say which files the table's pins know."""
+    from optimized.vllm_kernels.source import sha256
+    digests = {rel: sha256(data) for rel, data in files.items()}
+    pinned = {rel: upstream.pinned_releases(package, rel, d) for rel, d in digests.items()}
+    loadable = [rel for rel in digests if upstream.pinned_releases(package, rel)]
+    unknown = [rel for rel in loadable if not pinned[rel]]
+    _safe_write(root, ".mxval-manifest.json", json.dumps(
+        {**extra, "files": sorted(files), "sha256": digests,
+         "pinned": {rel: r for rel, r in pinned.items() if r}}, indent=1).encode())
+    releases = sorted({r for rs in pinned.values() for r in rs})
+    if unknown:
+        console.print(f"{package}: {len(unknown)} loaded file(s) not pinned by optimized/upstream.py "
+                      f"({', '.join(unknown)}): the loader refuses them unless the tree is named and "
+                      "--trust-upstream given")
+    elif loadable:
+        console.print(f"{package}: the {len(loadable)} loaded file(s) match the pins of {', '.join(releases)}")
 
 
 def _pip_download(version: str, dest: Path) -> None:
@@ -497,8 +525,7 @@ def _pip_download(version: str, dest: Path) -> None:
     if proc.returncode == 0:
         return
     err = proc.stderr or ""
-    offline = re.search(r"NewConnectionError|Network is unreachable|Temporary failure in name resolution|"
-                        r"Name or service not known|Max retries exceeded|ConnectTimeout|ReadTimeout", err)
+    offline = _OFFLINE.search(err)
     last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip().startswith("ERROR")), "")
     if offline:
         raise UpstreamError(f"vllm=={version}: cannot reach the package index (offline?): {last or 'pip failed'}")
@@ -507,16 +534,51 @@ def _pip_download(version: str, dest: Path) -> None:
     raise UpstreamError(f"vllm=={version}: pip download failed: {last or f'exit {proc.returncode}'}")
 
 
+_OFFLINE = re.compile(r"NewConnectionError|Network is unreachable|Temporary failure in name resolution|"
+                      r"Name or service not known|Max retries exceeded|ConnectTimeout|ReadTimeout")
+
+
+def _pip_versions() -> list[str]:
+    """vLLM's releases on the package index, newest first (`pip index versions vllm`)."""
+    cmd = [sys.executable, "-m", "pip", "index", "versions", "vllm", "--disable-pip-version-check",
+           "--timeout", "30", "--retries", "1"]
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise UpstreamError(f"cannot ask the package index for vLLM's releases ({e})") from None
+    m = re.search(r"Available versions:\s*(.+)", proc.stdout or "")
+    if proc.returncode or not m:
+        err = (proc.stderr or "").strip().splitlines()
+        raise UpstreamError("cannot ask the package index for vLLM's releases"
+                            + (" (offline?)" if _OFFLINE.search(proc.stderr or "") else "")
+                            + (f": {err[-1]}" if err else ""))
+    return [v.strip() for v in m[1].split(",") if upstream.VERSION_RE.fullmatch(v.strip())]
+
+
+def newest_release(console, *, versions=None) -> str:
+    """The newest vLLM release on the index, saying which releases the table knows."""
+    known = upstream.known_releases("vllm")
+    listed = (versions or _pip_versions)()
+    final = [v for v in listed if re.fullmatch(r"\d+(\.\d+)*", v)]
+    if not final:
+        raise UpstreamError("the package index lists no vLLM release")
+    newest = max(final, key=upstream.version_key)
+    console.print(f"vllm: newest release on the index {newest}; the table knows {', '.join(known)}"
+                  + ("" if newest in known else f" ({newest} is newer: `mxval upstream check --vllm {newest}` "
+                                                  "says what moved)"))
+    return newest
+
+
 def _wheel(version: str) -> Optional[Path]:
-    hits = sorted((cache_root() / "dl").glob(f"vllm-{version}-*.whl"))
+    hits = sorted((upstream.cache_root() / "dl").glob(f"vllm-{version}-*.whl"))
     return hits[0] if hits else None
 
 
-def wanted_files(names: set[str], table=upstream.TABLE) -> dict[str, Optional[str]]:
+def wanted_files(names: set[str], table=upstream.TABLE, package: str = "vllm") -> dict[str, Optional[str]]:
     """module -> the file of it that `names` holds (None when it has none)."""
     out = {}
     for t in table:
-        if t.package != "vllm":
+        if t.package != package:
             continue
         for m in t.modules:
             out[m] = next((f for f in module_files(m) if f in names), None)
@@ -525,60 +587,185 @@ def wanted_files(names: set[str], table=upstream.TABLE) -> dict[str, Optional[st
 
 def fetch(version: str, console, *, pip=None, table=upstream.TABLE) -> Path:
     """The extracted tree of vLLM `version`'s table files (downloading the wheel if needed)."""
-    if not _VERSION_RE.fullmatch(version):
+    if not upstream.VERSION_RE.fullmatch(version):
         raise UpstreamError(f"--vllm {version}: not a version (e.g. {upstream.newest('vllm')})")
     root = tree_dir(version)
     manifest = root / ".mxval-manifest.json"
     modules = {m for t in table if t.package == "vllm" for m in t.modules}
     try:
-        have = json.loads(manifest.read_text())
+        have = json.loads(manifest.read_text()) if manifest.is_file() and not manifest.is_symlink() else None
     except (OSError, ValueError):
         have = None
-    if (isinstance(have, dict) and modules <= set(have.get("modules", {}))
+    if (isinstance(have, dict) and modules <= set(have.get("modules", {})) and "sha256" in have
             and all((root / f).is_file() for f in have.get("files", []))):
         console.print(f"vllm {version}: cached, {len(have['files'])} source files in {root}")
         return root
     wheel = _wheel(version)
     if wheel is None:
-        dl = cache_root() / "dl"
+        dl = upstream.cache_root() / "dl"
         dl.mkdir(parents=True, exist_ok=True)
         console.print(f"vllm {version}: downloading the wheel (no dependencies) into {dl}")
         (pip or _pip_download)(version, dl)
         wheel = _wheel(version)
         if wheel is None:
             raise UpstreamError(f"vllm=={version}: pip left no vllm-{version}-*.whl in {dl}")
-    try:
-        with zipfile.ZipFile(wheel) as z:
-            names = set(z.namelist())
-            where = wanted_files(names, table)
-            files = sorted({f for f in where.values() if f} | ({"vllm/_version.py"} & names))
-            from rich.progress import track
-            for f in track(files, description=f"extracting {len(files)} files", console=console,
-                           transient=True):
-                dest = root / f
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(z.read(f))
-    except (OSError, zipfile.BadZipFile) as e:
-        raise UpstreamError(f"{wheel}: cannot read the wheel ({e}); delete it and fetch again") from None
-    manifest.write_text(json.dumps({"wheel": wheel.name, "modules": where, "files": files}, indent=1))
+    src = WheelSource("vllm", wheel)
+    where = wanted_files(src.names, table)
+    names = sorted({f for f in where.values() if f} | ({"vllm/_version.py"} & src.names))
+    files = {}
+    for f in names:
+        text = src.read(f)
+        if text is None:
+            raise UpstreamError(f"{wheel}: cannot read {f}; delete the wheel and fetch again")
+        files[f] = text.encode("utf-8")
+    for f, data in files.items():
+        _safe_write(root, f, data)
     absent = sorted(m for m, f in where.items() if f is None)
     console.print(f"vllm {version}: {len(files)} source files in {root}"
                   + (f" ({len(absent)} table module(s) not in this release: {', '.join(absent)})" if absent else ""))
+    _record(root, "vllm", files, {"wheel": wheel.name, "modules": where}, console)
+    return root
+
+
+# --- fetch --aiter: a pinned aiter ref, from git or an archive -----------------------------
+
+def aiter_wanted() -> list[str]:
+    """The aiter files the table names (modules and the loaders' pinned files)."""
+    rels = {rel for files in upstream.PINS.values() for rel in files if rel.startswith("aiter/")}
+    for t in upstream.targets("aiter"):
+        rels.update(module_files(t.module))
+    return sorted(rels | {"aiter/__init__.py", "aiter/_version.py"})
+
+
+def _git(*args: str, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise UpstreamError(f"cannot run git ({e})") from None
+
+
+def _from_git(url: str, ref: str, work: Path, wanted: list[str]) -> dict[str, bytes]:
+    """Fetch `ref` of `url` (depth 1) into a bare scratch repository; the wanted blobs, bounded."""
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    if _git("init", "-q", "--bare", str(work)).returncode:
+        raise UpstreamError(f"{work}: git init failed")
+    proc = _git("fetch", "-q", "--depth", "1", url, ref, cwd=work)
+    if proc.returncode:
+        last = (proc.stderr.decode("utf-8", "replace").strip().splitlines() or ["git fetch failed"])[-1]
+        raise UpstreamError(f"aiter {ref} from {url}: cannot fetch ({last})")
+    out = {}
+    for rel in wanted:
+        size = _git("cat-file", "-s", f"FETCH_HEAD:{rel}", cwd=work)
+        if size.returncode:
+            continue
+        if int(size.stdout or 0) > MAX_SOURCE_CHARS:
+            raise _too_large(f"{url}@{ref}:{rel}", int(size.stdout))
+        out[rel] = _git("cat-file", "blob", f"FETCH_HEAD:{rel}", cwd=work).stdout
+    commit = _git("rev-parse", "FETCH_HEAD", cwd=work).stdout.decode().strip()
+    shutil.rmtree(work, ignore_errors=True)
+    out[".commit"] = commit.encode()
+    return out
+
+
+def _from_archive(path: Path, wanted: list[str]) -> dict[str, bytes]:
+    """The wanted files of a .zip / .tar.gz of an aiter checkout (one top folder allowed)."""
+    import tarfile
+    out: dict[str, bytes] = {}
+
+    def rel_of(name: str) -> Optional[str]:
+        name = name.lstrip("./")
+        if name in wanted:
+            return name
+        tail = name.split("/", 1)[1] if "/" in name else ""
+        return tail if tail in wanted else None
+
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                for info in z.infolist():
+                    rel = rel_of(info.filename)
+                    if rel:
+                        text = _zip_text(z, info.filename, str(path))
+                        if text is not None:
+                            out[rel] = text.encode("utf-8")
+        else:
+            with tarfile.open(path) as t:
+                for m in t:
+                    rel = rel_of(m.name)
+                    if rel and m.isfile():
+                        if m.size > MAX_SOURCE_CHARS:
+                            raise _too_large(f"{path}:{m.name}", m.size)
+                        f = t.extractfile(m)
+                        out[rel] = f.read(MAX_SOURCE_CHARS + 1) if f else b""
+    except (OSError, zipfile.BadZipFile, tarfile.TarError, EOFError) as e:
+        raise UpstreamError(f"{path}: not a readable archive ({e})") from None
+    return out
+
+
+def fetch_aiter(ref: str, console, *, url: str = upstream.AITER_GIT) -> Path:
+    """The table's aiter files at `ref` (a commit, tag or branch of `url`, or an archive
+    file) in the cache, aiter-<ref>/, with their sha256 recorded."""
+    archive = Path(ref).expanduser()
+    if archive.is_file():
+        name = re.sub(r"(\.tar\.gz|\.tgz|\.tar|\.zip)$", "", archive.name)
+        files, what = _from_archive(archive, aiter_wanted()), {"archive": str(archive)}
+    else:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}", ref) or ".." in ref:
+            raise UpstreamError(f"--aiter {ref}: not a git ref or an archive file")
+        name = ref.replace("/", "-")
+        console.print(f"aiter {ref}: fetching from {url}")
+        files = _from_git(url, ref, upstream.cache_root() / ".aiter-git", aiter_wanted())
+        what = {"git": url, "ref": ref, "commit": files.pop(".commit").decode()}
+    if not any(rel.startswith("aiter/") for rel in files):
+        raise UpstreamError(f"aiter {ref}: none of the table's files are there (is it an aiter tree?)")
+    root = upstream.cache_root() / f"aiter-{name}"
+    files.setdefault("aiter/__init__.py", b"")
+    for rel, data in files.items():
+        _safe_write(root, rel, data)
+    missing = [r for r in aiter_wanted() if r not in files and not r.endswith(("__init__.py", "_version.py"))]
+    console.print(f"aiter {ref}: {len(files)} files in {root}"
+                  + (f" ({len(missing)} the table names are not there: {', '.join(missing)})" if missing else ""))
+    _record(root, "aiter", files, what, console)
     return root
 
 
 # --- the command ------------------------------------------------------------------------
 
+def apply_tree_args(args) -> None:
+    """Hand the named trees to the backends (through the environment, so -j workers see them)."""
+    from optimized.vllm_kernels import source
+    aiter = getattr(args, "aiter", None)
+    if aiter is not None:
+        if not Path(aiter).expanduser().is_dir():
+            raise UpstreamError(f"--aiter {aiter}: no such directory")
+        os.environ[source.ENVS["aiter"]] = str(Path(aiter).expanduser().resolve())
+    if getattr(args, "trust_upstream", False):
+        if not any(os.environ.get(v) for v in source.ENVS.values()):
+            raise UpstreamError("--trust-upstream: name the tree it applies to (--aiter DIR, $MXVAL_AITER_SRC "
+                                "or $MXVAL_VLLM_SRC); fetched and installed sources are never trusted blind")
+        os.environ[source.TRUST_ENV] = "1"
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(COMMAND, help="fetch upstream sources and check the adapters' targets against them")
     s = p.add_subparsers(dest="upstream_cmd", required=True, parser_class=type(p))
-    f = s.add_parser("fetch", help="pip-download vLLM's wheel (no deps) and extract the files the table names")
+    f = s.add_parser("fetch", help="pip-download vLLM's wheel (no deps) and extract the files the table names; "
+                                   "--aiter: a pinned aiter ref from git or an archive")
     f.add_argument("--vllm", default=None, metavar="VERSION",
-                   help=f"vLLM release (default: {upstream.newest('vllm')}, the newest the table knows)")
-    c = s.add_parser("check", help="parse every upstream target with ast and compare it with the table")
+                   help="vLLM release (default: the newest on the package index; the table knows "
+                        f"{', '.join(upstream.known_releases('vllm'))})")
+    f.add_argument("--aiter", nargs="?", const=upstream.AITER_REF, default=None, metavar="REF",
+                   help=f"fetch aiter instead: a git ref (default {upstream.AITER_REF[:12]}) or an archive file")
+    f.add_argument("--aiter-url", default=upstream.AITER_GIT, metavar="URL",
+                   help=f"the aiter git repository (default {upstream.AITER_GIT})")
+    c = s.add_parser("check", help="parse every upstream target with ast and compare it with the table "
+                                   "(nothing is imported or run)")
     c.add_argument("--vllm", default=None, metavar="DIR|WHEEL|VERSION",
-                   help="vLLM sources: a directory, a wheel, or a fetched version (default: the fetched "
-                        f"{upstream.newest('vllm')})")
+                   help="vLLM sources: a directory, a wheel, or a fetched version (default: the newest "
+                        "fetched one)")
     c.add_argument("--aiter", default=None, metavar="DIR", help="an aiter checkout (not checked without it)")
 
 
@@ -587,10 +774,18 @@ def _console():
     return Console(stderr=False, highlight=False)
 
 
+def _newest_fetched() -> Optional[str]:
+    """The newest vLLM release with a tree in the cache (what `fetch` last brought, usually)."""
+    root = upstream.cache_root()
+    have = [d.name[len("vllm-"):] for d in root.glob("vllm-*") if (d / "vllm").is_dir()] if root.is_dir() else []
+    have = [v for v in have if upstream.VERSION_RE.fullmatch(v)]
+    return max(have, key=upstream.version_key) if have else None
+
+
 def resolve_vllm(arg: Optional[str]) -> Source:
     if arg is not None and (os.path.sep in arg or os.path.exists(arg) or arg.endswith(".whl")):
         return open_source("vllm", arg)
-    version = arg or upstream.newest("vllm")
+    version = arg or _newest_fetched() or upstream.newest("vllm")
     root = tree_dir(version)
     if not (root / "vllm").is_dir():
         raise UpstreamError(f"vllm {version}: not fetched ({root} is missing); run "
@@ -601,7 +796,10 @@ def resolve_vllm(arg: Optional[str]) -> Source:
 def run(args) -> int:
     console = _console()
     if args.upstream_cmd == "fetch":
-        fetch(args.vllm or upstream.newest("vllm"), console)
+        if args.aiter is not None:
+            fetch_aiter(args.aiter, console, url=args.aiter_url)
+            return EXIT_OK
+        fetch(args.vllm or newest_release(console), console)
         return EXIT_OK
     sources = {"vllm": resolve_vllm(args.vllm)}
     if args.aiter:

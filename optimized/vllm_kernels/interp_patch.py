@@ -11,12 +11,21 @@ below, by torch's conversions (IEEE round to nearest even; fp8 e4m3fn saturating
 for finite inputs, as the GPU's cvt.rn.satfinite does), and leaves every other pair to the
 original, and makes `tl.sum` keep the sign of an all -0.0 sum. inline_asm (the e2m1 helper) is replaced by the loader, not here.
 
+`not <tensor>`: compiled Triton negates a tensor element by element (`tensor.__not__`); the
+interpreter runs the kernel as Python, where `not` asks the tensor for one truth value, so a
+mask comes out as one Python bool (aiter's `_mxfp4_pack_bits` writes
+`(not saturate_mask) & ...`: every nibble off by +-6). While `active()` is in force, the
+interpreter's source rewriter also turns `not X` into mxval's `_mxval_not(X)` (element-wise
+for a tensor, Python's `not` otherwise), for functions the upstream loader compiled only
+(their module name starts with loader.NS_PREFIX).
+
 The patch is scoped: `active()` puts it in for the duration of a block (the vLLM backends
 launch their kernels inside it) and restores the interpreter afterwards; it only changes
 the interpreter (compiled kernels never call it).
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 
 import numpy as np
@@ -56,6 +65,50 @@ def convert(data: np.ndarray, src, dst) -> "np.ndarray | None":
     return out.view(_NP_UINT[db]).reshape(data.shape)
 
 
+NOT_HELPER = "_mxval_not"
+
+
+def _not(x):
+    """`not x` as compiled Triton evaluates it: element-wise for a tensor."""
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+    if isinstance(x, tl.core.tensor):
+        return interp.interpreter_semantic.not_(x)
+    return not x
+
+
+class _NotToCall(ast.NodeTransformer):
+    def visit_UnaryOp(self, node):
+        self.generic_visit(node)
+        if isinstance(node.op, ast.Not):
+            return ast.copy_location(ast.Call(func=ast.Name(id=NOT_HELPER, ctx=ast.Load()),
+                                              args=[node.operand], keywords=[]), node)
+        return node
+
+
+def _rewriter_patch(interp):
+    from .loader import NS_PREFIX
+    orig = interp.FunctionRewriter._transform_ast
+
+    def _transform_ast(self, src):
+        tree = orig(self, src)
+        g = getattr(self.fn, "__globals__", {})
+        if str(g.get("__name__", "")).startswith(NS_PREFIX + "."):
+            g[NOT_HELPER] = _not
+            tree = ast.fix_missing_locations(_NotToCall().visit(tree))
+        return tree
+    return orig, _transform_ast
+
+
+def _forget_upstream_rewrites(interp) -> None:
+    """Drop the interpreter's cached source rewrites of upstream-loaded functions, so the next
+    launch rewrites them with (or, after the block, without) the `not` transform."""
+    from .loader import NS_PREFIX
+    cache = interp.InterpretedFunction.rewritten_fn
+    for fn in [f for f in cache if str(getattr(f, "__globals__", {}).get("__name__", "")).startswith(NS_PREFIX + ".")]:
+        del cache[fn]
+
+
 def _patched():
     from triton.runtime import interpreter as interp
     orig, orig_sum = interp._convert_float, interp.ReduceOps.sum
@@ -93,12 +146,17 @@ def active():
     if _STATE.get("depth", 0):
         yield
         return
+    orig_rw, rw = _rewriter_patch(interp)
     interp._convert_float, interp.ReduceOps.sum = conv, sm
+    interp.FunctionRewriter._transform_ast = rw
+    _forget_upstream_rewrites(interp)
     _STATE["depth"] = 1
     try:
         yield
     finally:
         interp._convert_float, interp.ReduceOps.sum = orig, orig_sum
+        interp.FunctionRewriter._transform_ast = orig_rw
+        _forget_upstream_rewrites(interp)
         _STATE["depth"] = 0
 
 

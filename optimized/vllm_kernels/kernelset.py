@@ -9,13 +9,14 @@ line (KernelSetError); the backends turn them into an unavailable reason.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from .. import upstream
 from . import e2m1, launch
 from .loader import KernelRef, Loader, LoadError, Replacement
-from .source import KernelSource, SourceError, find_source
+from .source import KernelSource, SourceError, find_source, trusted_from_env
 
 K_KEYS = launch.K_KEYS
 Q_KEYS = launch.Q_KEYS
@@ -43,6 +44,38 @@ class KernelSet:
         return f"vLLM kernels from {self.source.describe()}, {how}; {e}"
 
 
+class LazyKernels(Mapping):
+    """{table key: kernel}, compiled on first use: building a backend (and `mxval backends`)
+    only parses and resolves the upstream source; the selected definitions run when an op
+    first launches."""
+
+    def __init__(self, keys, make: Callable[[], dict]):
+        self._keys, self._make, self._done = tuple(keys), make, None
+
+    def _all(self) -> dict:
+        if self._done is None:
+            try:
+                self._done = self._make()
+            except LoadError as e:
+                raise KernelSetError(str(e)) from None
+        return self._done
+
+    def __getitem__(self, key):
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._all()[key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def compiled(self) -> bool:
+        return self._done is not None
+
+
 _CACHE: dict = {}
 
 
@@ -55,7 +88,7 @@ def _capability() -> Optional[tuple[int, int]]:
 
 def kernel_set(*, interpreted: bool, path: Optional[str] = None,
                keys: tuple[str, ...] = (*K_KEYS.values(), *Q_KEYS.values(), POOL_KEY)) -> KernelSet:
-    src_key = (interpreted, path or os.environ.get("MXVAL_VLLM_SRC"), keys)
+    src_key = (interpreted, path or os.environ.get("MXVAL_VLLM_SRC"), keys, trusted_from_env())
     if src_key in _CACHE:
         return _CACHE[src_key]
     try:
@@ -71,18 +104,25 @@ def kernel_set(*, interpreted: bool, path: Optional[str] = None,
         return src.read(module)
 
     refs = {k: KernelRef(upstream.target(k).module, upstream.target(k).name) for k in keys}
+    loader = Loader(read, label=f"vllm {src.version}", replace=replace)
     try:
-        loaded = Loader(read, label=f"vllm {src.version}", replace=replace).load(refs.values())
+        params = loader.resolve(refs.values())
         for k, ref in refs.items():
-            launch.check_kernel(k, loaded.params[ref])
+            launch.check_kernel(k, params[ref])
     except (LoadError, launch.LaunchDrift, SourceError) as e:
         raise KernelSetError(str(e)) from None
-    kernels = {k: loaded.kernels[r] for k, r in refs.items()}
-    # the installed vllm on an sm_100 GPU: its own (imported) kernel objects, unmodified;
-    # the source was loaded above all the same, for the parameter checks
-    imported = _import_installed(refs) if native and src.kind == "installed" else None
-    ks = KernelSet(src, interpreted, "unmodified" if native else "emulated", imported or kernels,
-                   {m: (f + " (imported)" if imported else f) for m, f in loaded.files.items()})
+    files = {name: mod.rel for name, mod in loader.mods.items()}
+
+    def make() -> dict:
+        # the installed vllm on an sm_100 GPU: its own (imported) kernel objects, unmodified;
+        # the source was resolved above all the same, for the parameter checks
+        imported = _import_installed(refs) if native and src.kind == "installed" else None
+        if imported:
+            return imported
+        done = loader.materialize(refs.values())
+        return {k: done[r] for k, r in refs.items()}
+
+    ks = KernelSet(src, interpreted, "unmodified" if native else "emulated", LazyKernels(refs, make), files)
     _CACHE[src_key] = ks
     return ks
 

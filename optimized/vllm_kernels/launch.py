@@ -1,4 +1,5 @@
-"""Launch arguments of vLLM's kernels, written by mxval from vLLM 0.33.0's launchers.
+"""Launch arguments of vLLM's kernels, written by mxval from vLLM's launchers (0.33.0; 0.34.0's
+launchers pin the same values, `mxval upstream check --vllm 0.34.0`).
 
 Each builder returns (grid, kernel keyword arguments, launch options), following the
 launcher named beside it (pinned in optimized.upstream, so `mxval upstream check` says when

@@ -1,29 +1,51 @@
-"""Load vLLM's Triton kernels from source text without importing vllm.
+"""Load upstream Triton kernels (vLLM's, aiter's) from source text without importing the package.
 
 For each kernel asked for (`KernelRef(module, name)`, `name` may be `Class.kernel` for a
-`@staticmethod @triton.jit` in a class), the loader parses the module with `ast`, takes the
-function, and follows every global name it uses: a `@triton.jit` helper of the same module,
-a module constant, a name imported from another vLLM module (followed there), or `tl` /
-`triton` (bound to the real triton). A name that resolves to nothing, or to something
-that is not a jit function or a constant, is a `LoadError` naming the kernel, the name and
-the line: nothing runs half-resolved.
+`@staticmethod @triton.jit` in a class), the loader parses the module (reader.py) and
+follows every global name it uses: a `@triton.jit` helper of the same module, a module
+constant, a name imported from another upstream module (followed there), `tl` / `triton`
+(bound to the real triton, `import triton.language as tl` included) or one of triton's own
+functions (TRITON_NAMES). A `KernelRef(..., host=True)` is a Python launcher (aiter's
+wrappers): it may also call plain functions of the tree and use torch. A name that resolves
+to nothing, or to something that is not a jit function or a constant, is a `LoadError` naming
+the kernel, the name and the line: nothing runs half-resolved.
 
-The selected definitions are compiled in one fresh namespace per upstream module, at their
-upstream line numbers (the other lines blank, so tracebacks point at vLLM's lines), under a
-pseudo file registered in `linecache` (triton reads a kernel's source with `inspect`). A
-helper listed in `replace` is not taken from upstream: the given source is compiled in its
-place, after checking that upstream still defines it with the same parameters.
+`resolve` only parses and resolves. `materialize` compiles the selected definitions in one
+fresh namespace per upstream module, at their upstream line numbers (the other lines blank,
+so tracebacks point at upstream's lines), under a pseudo file registered in `linecache`
+(triton reads a kernel's source with `inspect`). A definition listed in `replace` (a jit
+helper, a function or a class) is not taken from upstream: the given source is compiled in
+its place, after checking that upstream still defines it as expected.
 """
 from __future__ import annotations
 
 import ast
 import builtins
+import importlib
 import linecache
 import textwrap
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .reader import (
+    Param,
+    ReadError,
+    dotted_name,
+    import_target,
+    imported_name,
+    is_jit,
+    parse,
+    resolve_from,
+    top_level_defs,
+)
+from .reader import params_of as _all_params
+
 TRITON_MODULES = ("triton", "triton.language", "vllm.triton_utils")
+# names a kernel may import from triton itself besides `triton` / `tl` (bound to the real ones)
+TRITON_NAMES = {("triton.language.target_info", "is_hip_cdna4")}
+# modules a host function (a launcher loaded with `KernelRef(..., host=True)`) may use
+HOST_MODULES = ("torch", "triton")
+NS_PREFIX = "mxval_upstream"        # __name__ of every namespace the loader compiles into
 
 
 class LoadError(RuntimeError):
@@ -34,24 +56,19 @@ class LoadError(RuntimeError):
 class KernelRef:
     module: str
     name: str                        # "fn" or "Class.fn"
+    host: bool = False               # a plain Python launcher (wrapper), not a @triton.jit kernel
 
     def __str__(self) -> str:
         return f"{self.module}:{self.name}"
 
 
 @dataclass(frozen=True)
-class Param:
-    name: str
-    constexpr: bool
-    has_default: bool
-
-
-@dataclass(frozen=True)
 class Replacement:
     source: str                      # Python source defining `name` (and any helpers it needs)
     label: str                       # where it comes from, for the pseudo file name
-    params: tuple[str, ...]          # the upstream parameters it stands in for
+    params: tuple[str, ...]          # the upstream parameters it stands in for (a class: its methods)
     must_contain: str = ""           # text the upstream body must still hold (what is replaced)
+    kind: str = "jit"                # what upstream defines: "jit", "function" or "class"
 
 
 @dataclass
@@ -62,33 +79,13 @@ class Loaded:
     replaced: list                   # "module:name" replaced by our source
 
 
-def dotted_name(node: ast.AST) -> str:
-    """`a.b.c` of a Name/Attribute chain (of a call's callee for a Call); "" otherwise."""
-    if isinstance(node, ast.Call):
-        return dotted_name(node.func)
-    if isinstance(node, ast.Attribute):
-        return f"{dotted_name(node.value)}.{node.attr}"
-    if isinstance(node, ast.Name):
-        return node.id
-    return ""
-
-
-def is_jit(fn: ast.AST) -> bool:
-    return any(dotted_name(d).split(".")[-1] == "jit" for d in getattr(fn, "decorator_list", []))
-
-
-def _is_constexpr(ann: Optional[ast.AST]) -> bool:
-    return ann is not None and ast.unparse(ann).strip("'\"") in ("tl.constexpr", "triton.language.constexpr",
-                                                                  "constexpr")
-
-
 def params_of(fn: ast.FunctionDef) -> tuple[Param, ...]:
-    a = fn.args
-    pos = a.posonlyargs + a.args
-    n_def = len(a.defaults)
-    out = [Param(p.arg, _is_constexpr(p.annotation), i >= len(pos) - n_def) for i, p in enumerate(pos)]
-    out += [Param(p.arg, _is_constexpr(p.annotation), d is not None) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
-    return tuple(out)
+    """A kernel's named parameters (positional and keyword-only), as the launch binds them."""
+    return tuple(p for p in _all_params(fn) if p.kind in ("pos", "kw"))
+
+
+__all__ = ["KernelRef", "Loader", "LoadError", "Loaded", "Param", "Replacement", "dotted_name", "free_names",
+           "is_jit", "params_of"]
 
 
 def free_names(fn: ast.AST) -> dict[str, int]:
@@ -127,16 +124,6 @@ class _Module:
     ns: Optional[dict] = None
 
 
-def _resolve_from(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
-    if not node.level:
-        return node.module or ""
-    parts = module.split(".")
-    base = parts if is_pkg else parts[:-1]
-    if node.level > 1:
-        base = base[:len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
 class Loader:
     """`read(module) -> (relative path, text)`; `replace`: {(module, name): Replacement}."""
 
@@ -161,25 +148,11 @@ class Loader:
             except Exception as e:
                 raise LoadError(f"{name}: cannot read its source ({e})") from None
             try:
-                tree = ast.parse(text, filename=rel)
-            except SyntaxError as e:
-                raise LoadError(f"{rel}: cannot parse ({e.msg}, line {e.lineno})") from None
+                tree = parse(text, rel)
+            except ReadError as e:
+                raise LoadError(str(e)) from None
             m = _Module(name, rel, text, tree)
-            for node in tree.body:            # the last definition wins, as at import
-                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                    m.defs[node.name] = node
-                elif isinstance(node, ast.Assign):
-                    for t in node.targets:
-                        if isinstance(t, ast.Name):
-                            m.defs[t.id] = node
-                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
-                    m.defs[node.target.id] = node
-                elif isinstance(node, ast.ImportFrom):
-                    for a in node.names:
-                        m.defs[a.asname or a.name] = node
-                elif isinstance(node, ast.Import):
-                    for a in node.names:
-                        m.defs[(a.asname or a.name).split(".")[0]] = node
+            m.defs = top_level_defs(tree)     # the last definition wins, as at import
             self.mods[name] = m
         return self.mods[name]
 
@@ -198,7 +171,9 @@ class Loader:
             raise LoadError(f"{m.rel}: {name} {what}")
         return node
 
-    def _need(self, module: str, name: str, used_by: str, line: int) -> None:
+    def _need(self, module: str, name: str, used_by: str, line: int, host: bool = False) -> None:
+        """Resolve `name` as `module` sees it. `host`: needed by a plain Python launcher, which
+        may also call plain functions and use torch; a kernel may not."""
         m = self._module(module)
         if name in m.needed or name in m.imports:
             return
@@ -211,51 +186,69 @@ class Loader:
             raise LoadError(f"{m.rel}:{line}: {used_by} uses {name!r}, which {m.rel} does not define "
                             "(unresolved name)")
         if isinstance(node, ast.ImportFrom):
-            target = _resolve_from(module, m.rel.endswith("__init__.py"), node)
-            orig = next(a.name for a in node.names if (a.asname or a.name) == name)
+            target = resolve_from(module, m.rel.endswith("__init__.py"), node)
+            orig = imported_name(node, name)
             if target in TRITON_MODULES and orig in ("tl", "triton", "language"):
                 m.imports[name] = ("<triton>", orig)
+                return
+            if (target, orig) in TRITON_NAMES:
+                m.imports[name] = ("<object>", f"{target}:{orig}")
                 return
             if name in ("tl", "triton"):
                 raise LoadError(f"{m.rel}:{node.lineno}: {name} is imported from {target}, not from triton")
             m.imports[name] = (target, orig)
-            self._need(target, orig, f"{module}:{name}", node.lineno)
+            self._need(target, orig, f"{module}:{name}", node.lineno, host)
             return
         if isinstance(node, ast.Import):
-            top = name
-            if top == "triton":
-                m.imports[name] = ("<triton>", "triton")
+            full = import_target(node, name)
+            if full in ("triton", "triton.language"):
+                m.imports[name] = ("<triton>", "language" if full == "triton.language" else "triton")
                 return
-            raise LoadError(f"{m.rel}:{line}: {used_by} uses module {name!r}; only triton / tl may be "
-                            "used by a kernel")
+            if host and full in HOST_MODULES:
+                m.imports[name] = ("<module>", full)
+                return
+            allowed = "triton / tl" + (" / torch" if host else "")
+            raise LoadError(f"{m.rel}:{line}: {used_by} uses module {full!r}; only {allowed} may be "
+                            f"used by a {'launcher' if host else 'kernel'}")
         key = (module, name)
         if key in self.replace:
-            rep = self.replace[key]
-            fn = self._function(m, name)
-            have = tuple(p.name for p in params_of(fn))
-            if not is_jit(fn) or have != rep.params or (rep.must_contain and rep.must_contain
-                                                       not in ast.get_source_segment(m.text, fn)):
-                raise LoadError(f"{m.rel}:{fn.lineno}: {name} is no longer the helper mxval replaces "
-                                f"(expected @triton.jit {name}({', '.join(rep.params)})"
-                                + (f" holding {rep.must_contain!r}" if rep.must_contain else "") + ")")
-            m.needed[name] = rep
-            self.replaced.append(f"{module}:{name}")
+            self._replace(m, name, node, self.replace[key])
             return
         if isinstance(node, ast.FunctionDef):
-            if not is_jit(node):
+            if not is_jit(node) and not host:
                 raise LoadError(f"{m.rel}:{node.lineno}: {used_by} calls {name}, which is not a "
                                 "@triton.jit function")
             m.needed[name] = node
             for n, ln in free_names(node).items():
-                self._need(module, n, f"{module}:{name}", ln)
+                self._need(module, n, f"{module}:{name}", ln, host and not is_jit(node))
             return
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             m.needed[name] = node
             for n, ln in free_names(node.value).items():
-                self._need(module, n, f"{module}:{name}", ln)
+                self._need(module, n, f"{module}:{name}", ln, host)
             return
         raise LoadError(f"{m.rel}:{line}: {used_by} uses {name}, a {type(node).__name__}: only jit "
-                        "functions and constants can be loaded")
+                        "functions" + (", launchers" if host else "") + " and constants can be loaded")
+
+    def _replace(self, m: _Module, name: str, node: ast.AST, rep: Replacement) -> None:
+        """Check that upstream still defines `name` as the replacement expects, then take it."""
+        if rep.kind == "class":
+            methods = {n.name for n in getattr(node, "body", []) if isinstance(n, ast.FunctionDef)}
+            ok = isinstance(node, ast.ClassDef) and set(rep.params) <= methods
+            want = f"class {name} with {', '.join(rep.params)}"
+        else:
+            ok = (isinstance(node, ast.FunctionDef) and is_jit(node) == (rep.kind == "jit")
+                  and tuple(p.name for p in params_of(node)) == rep.params)
+            want = f"{'@triton.jit ' if rep.kind == 'jit' else ''}{name}({', '.join(rep.params)})"
+        if ok and rep.must_contain:
+            ok = rep.must_contain in (ast.get_source_segment(m.text, node) or "")
+        if not ok:
+            what = {"jit": "helper", "function": "function", "class": "class"}[rep.kind]
+            raise LoadError(f"{m.rel}:{node.lineno}: {name} is no longer the {what} mxval replaces "
+                            f"(expected {want}" + (f" holding {rep.must_contain!r}" if rep.must_contain else "")
+                            + ")")
+        m.needed[name] = rep
+        self.replaced.append(f"{m.name}:{name}")
 
     # --- compiling -------------------------------------------------------------------
 
@@ -264,18 +257,23 @@ class Loader:
             return m.ns
         if m.name in stack:
             raise LoadError(f"{m.rel}: circular imports between kernel modules ({' -> '.join(stack)})")
-        ns: dict = {"__name__": f"mxval_vllm.{m.name}", "__builtins__": builtins}
+        ns: dict = {"__name__": f"{NS_PREFIX}.{m.name}", "__builtins__": builtins}
         # triton's interpreter wants triton.language among every jit function's globals,
         # used or not: bind tl / triton wherever the module imports them
         for alias in ("tl", "triton"):
             node = m.defs.get(alias)
-            if isinstance(node, ast.ImportFrom) and _resolve_from(m.name, False, node) in TRITON_MODULES:
+            if isinstance(node, ast.ImportFrom) and resolve_from(m.name, False, node) in TRITON_MODULES:
                 ns[alias] = self.tl if alias == "tl" else self.triton
-            elif isinstance(node, ast.Import) and alias == "triton":
-                ns[alias] = self.triton
+            elif isinstance(node, ast.Import) and import_target(node, alias) in ("triton", "triton.language"):
+                ns[alias] = self.tl if import_target(node, alias) == "triton.language" else self.triton
         for alias, (target, orig) in m.imports.items():
             if target == "<triton>":
                 ns[alias] = self.tl if orig in ("tl", "language") else self.triton
+            elif target == "<module>":
+                ns[alias] = importlib.import_module(orig)
+            elif target == "<object>":
+                mod, _, attr = orig.partition(":")
+                ns[alias] = getattr(importlib.import_module(mod), attr)
             else:
                 other = self.mods[target]
                 ns[alias] = self._materialize(other, stack + (m.name,))[orig]
@@ -292,6 +290,14 @@ class Loader:
                 first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
                 seg = lines[first - 1:node.end_lineno]
             out[first - 1:first - 1 + len(seg)] = seg
+        # replacements first: an upstream constant may call one when the module text runs
+        # (`_repr = make_kernel_repr(...)`)
+        for name, rep in reps:
+            rfile = f"<mxval {rep.label} (replaces {m.rel}:{name})>"
+            linecache.cache[rfile] = (len(rep.source), None, rep.source.splitlines(keepends=True), rfile)
+            exec(compile(rep.source, rfile, "exec"), ns)
+            if name not in ns:
+                raise LoadError(f"{rep.label}: defines no {name}")
         filename = f"<mxval {self.label}: {m.rel}>"
         text = "".join(out)
         linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
@@ -299,34 +305,43 @@ class Loader:
             exec(compile(text, filename, "exec"), ns)
         except Exception as e:
             raise LoadError(f"{m.rel}: the selected definitions do not compile ({type(e).__name__}: {e})") from None
-        for name, rep in reps:
-            rfile = f"<mxval {rep.label} (replaces {m.rel}:{name})>"
-            linecache.cache[rfile] = (len(rep.source), None, rep.source.splitlines(keepends=True), rfile)
-            exec(compile(rep.source, rfile, "exec"), ns)
-            if name not in ns:
-                raise LoadError(f"{rep.label}: defines no {name}")
         m.ns = ns
         return ns
 
-    def load(self, refs) -> Loaded:
+    def resolve(self, refs) -> dict:
+        """Parse and resolve every name the kernels (and launchers) `refs` use; nothing is
+        compiled or run. -> {ref: its parameters}."""
         refs = list(refs)
         params = {}
         for ref in refs:
             m = self._module(ref.module)
             fn = self._function(m, ref.name)
-            if not is_jit(fn):
+            if ref.host and is_jit(fn):
+                raise LoadError(f"{m.rel}:{fn.lineno}: {ref.name} is a @triton.jit kernel, not a launcher")
+            if not ref.host and not is_jit(fn):
                 raise LoadError(f"{m.rel}:{fn.lineno}: {ref.name} is not a @triton.jit kernel")
             params[ref] = params_of(fn)
             for n, ln in free_names(fn).items():
-                self._need(ref.module, n, str(ref), ln)
+                self._need(ref.module, n, str(ref), ln, ref.host)
             if "." in ref.name:
                 self._class_kernels(m, ref.name, fn)
             else:
                 m.needed[ref.name] = fn
+        return params
+
+    def materialize(self, refs) -> dict:
+        """Compile what `resolve` selected (this runs upstream module text: the selected
+        definitions only) -> {ref: the function object}."""
         kernels = {}
         for ref in refs:
             ns = self._materialize(self.mods[ref.module])
             kernels[ref] = ns[ref.name.replace(".", "__")] if "." in ref.name else ns[ref.name]
+        return kernels
+
+    def load(self, refs) -> Loaded:
+        refs = list(refs)
+        params = self.resolve(refs)
+        kernels = self.materialize(refs)
         return Loaded(kernels, params, {k: v.rel for k, v in self.mods.items()}, list(self.replaced))
 
     def _class_kernels(self, m: _Module, qualname: str, fn: ast.FunctionDef) -> None:
