@@ -640,8 +640,9 @@ def end_to_end_lines(sel, meta, longest) -> list[str]:
                   "outlier channels, heavy tails, drift, sinks, locality and head-weight coupling move these, and "
                   "that the known bugs destroy selection. **What it cannot predict**: how concentrated the real "
                   "model's attention is (on generated data the exact top-k holds "
-                  f"{_range([cells.mean(d, 'exact', longest, 'topk_mass') for d in dists], '{:.1%}')} of the mass, "
-                  "barely above a random top-k), whether the keys near the cut carry information a task needs, and "
+                  f"{_range([cells.mean(d, 'exact', longest, 'topk_mass') for d in dists], '{:.1%}')} of the mass "
+                  "where a random top-k holds "
+                  f"{_range([cells.mean(d, 'exact', longest, 'chance_mass') for d in dists], '{:.1%}')}), whether the keys near the cut carry information a task needs, and "
                   "benchmark accuracy. Those need the model's own activations (below) or end-to-end evaluations "
                   "like the ones above."]
     return lines
