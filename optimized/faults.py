@@ -42,7 +42,9 @@ class Fault:
     cases: tuple[str, ...]         # cases (cases/selftest.toml) that expose it
     description: str               # exactly what is broken
     make_ops: Callable[[], dict]   # op name -> the faulty op
-    large: bool = False            # needs a pool past 2 GiB: full selftest only, not --quick
+    large: bool = False            # needs more than a CPU affords (a pool or logits past 2 GiB):
+                                   # full selftest on a GPU (or --large) only, not --quick
+    source: str = ""               # the shipped bug it models ("ROCm/aiter#4244"); "" = invented here
 
     @property
     def backend_name(self) -> str:
@@ -367,6 +369,240 @@ def _q_one_multiply() -> Callable:
     return q_rope_mxfp4_quant
 
 
+# --- the field's bugs: what shipped, modelled at the size where it appeared ------------------
+
+# Byte offsets of a logits row past this width wrap (aiter's buffer_store voffset is a
+# 32-bit byte offset). The simulated twin wraps at 22 bits (rows past 4 MiB) so that a CPU
+# case can hold the buffer.
+LOGITS_ROW_SIM_BITS = 22
+# aiter's FP4 MQA-logits scheduler: 256-entry tiles, at most 64 of them per row (16384
+# entries); work past the schedule's capacity was dropped without a word.
+SCHEDULE_TILE = 256
+SCHEDULE_TILES_PER_ROW = 64
+# aiter's prefill top-k takes its long-row path once a call has more than this many rows.
+PREFILL_TOPK_ROWS = 4096
+# Radix top-k candidate buffers: sglang fast_topk_v2 keeps 4096 candidates of the threshold
+# bin (coarse key: the top 8 bits of the fp16 value); FlagGems' sampled prefill path keeps
+# 2048 (key: sign, 5 exponent and 5 mantissa bits of the fp16 value).
+RADIX_SGLANG = (8, 4096)
+RADIX_FLAGGEMS = (11, 2048)
+POOL_RATIO = 4                  # r of every preset (the scorer is not told r)
+
+
+def logits_post_op(post: Callable, scorer: Optional[Callable] = None) -> Callable:
+    """paged_mxfp4_mqa_logits whose fp32 logits go through `post(logits, args)` after the
+    reference (or `scorer`) computed them; `args` are the call's keyword arguments."""
+    base = scorer or reference.paged_mxfp4_mqa_logits
+
+    def paged_mxfp4_mqa_logits(**kw) -> dict:
+        out = base(**kw)
+        return {"logits": post(out["logits"].clone(), kw)}
+    return paged_mxfp4_mqa_logits
+
+
+def _rows_past_offset(bits: int) -> Callable:
+    """Rows whose first byte lies at or past 2**(bits-1) in the fp32 [Rw, W] buffer are
+    never stored: they keep the zeros of the buffer the caller allocated."""
+    def post(logits, kw):
+        width = logits.shape[1]
+        first = -(-(1 << (bits - 1)) // (width * 4))
+        logits[first:] = 0.0
+        return logits
+    return post
+
+
+def _schedule_truncated(logits, kw):
+    """Entries past the schedule's capacity per row are never scored: they keep the -inf
+    the kernel fills the row with."""
+    cap = SCHEDULE_TILE * SCHEDULE_TILES_PER_ROW
+    if logits.shape[1] > cap:
+        logits[:, cap:] = float("-inf")
+    return logits
+
+
+def _seq_rows(kw):
+    qsl = kw["query_start_loc"].long()
+    return scoring.seq_of_rows(qsl, kw["row_ends"].shape[0]), qsl
+
+
+def _window_from_chunk_offset(logits, kw):
+    """sglang's prefill ke built from the row's offset inside its chunk instead of inside its
+    sequence: a chunk that starts at entry e0 > 0 scores e0 entries too few per row."""
+    seq, qsl = _seq_rows(kw)
+    ends = kw["row_ends"].long()
+    if ends.numel() == 0:
+        return logits
+    first = ends[qsl[:-1].clamp(max=ends.numel() - 1)]
+    chunk = (qsl[1:] - qsl[:-1]) > 1                    # prefill: decode rows keep their bound
+    wrong = torch.where(chunk[seq], ends - first[seq], ends)
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    logits[(cols[None, :] >= wrong[:, None]) & (cols[None, :] < ends[:, None])] = float("-inf")
+    return logits
+
+
+def _chunk_rows_only(logits, kw):
+    """mlx-lm's indexer scores only as many pool rows as this call's own tokens pooled
+    (tokens // r): deeper chunks, and decode (one token pools none), lose the rest."""
+    seq, qsl = _seq_rows(kw)
+    own = (qsl[1:] - qsl[:-1]) // POOL_RATIO
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    ends = kw["row_ends"].long()
+    logits[(cols[None, :] >= own[seq][:, None]) & (cols[None, :] < ends[:, None])] = float("-inf")
+    return logits
+
+
+def _nan_in_decode(logits, kw):
+    """A decode call (one query row per sequence) returns NaN over every scored column."""
+    qsl = kw["query_start_loc"].long()
+    if qsl.numel() > 1 and bool(((qsl[1:] - qsl[:-1]) <= 1).all()):
+        ends = kw["row_ends"].long()
+        cols = torch.arange(logits.shape[1], device=logits.device)
+        logits[cols[None, :] < ends[:, None]] = float("nan")
+    return logits
+
+
+def _neighbour_scale_offsets(t, page_size, head_dim, shuffle):
+    """Each key's values read with the scale bytes of the next entry of its page."""
+    return layout.scale_offsets((t.long() + 1) % page_size, page_size, head_dim, shuffle)
+
+
+def _write_natural_pages(kv_cache, slots, packed, scales, page_size, shuffle):
+    """The K writer stores natural (flat) pages whatever layout the reader expects."""
+    return layout.write_entries(kv_cache, slots, packed, scales, page_size=page_size, shuffle=None)
+
+
+def _neox_q_op() -> Callable:
+    """q_rope_mxfp4_quant rotating NeoX pairs (t[i], t[i+R/2]) of the rope dims, as the K
+    writer of the same fault does: q and k agree with each other, not with the model."""
+    def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
+                           hadamard: bool = False, scale_rule: str = "ceil") -> dict:
+        out = reference.q_rope_mxfp4_quant(q=q, positions=positions, cos_sin_cache=cos_sin_cache,
+                                           weights=weights, weights_scale=weights_scale,
+                                           hadamard=hadamard, scale_rule=scale_rule)
+        from reference.q_quant import q_values
+        perm = _neox_perm(q.shape[-1], cos_sin_cache.shape[-1]).to(q.device)
+        y = q_values(q[..., perm], positions, cos_sin_cache)[..., torch.argsort(perm)]
+        out["q_fp4"], out["q_scale"] = mxfp4.quantize_mxfp4(ref_hadamard.rotate(y) if hadamard else y,
+                                                            scale_rule)
+        return out
+    return q_rope_mxfp4_quant
+
+
+def fp8_token_interleaved_op() -> Callable:
+    """paged_fp8_mqa_logits reading block-planar pages (all values, then all scales) as
+    token-interleaved [page_size, D + 4] rows: the same bytes per page, so nothing asserts."""
+    def paged_fp8_mqa_logits(*, q_fp8, weights, kv_cache, query_start_loc, context_lens, block_table,
+                             row_ends, page_size: int = 64, fp8_dtype: str = "e4m3fn",
+                             width: Optional[int] = None, clean_logits: bool = False) -> dict:
+        reference.paged_fp8_mqa_logits(q_fp8=q_fp8, weights=weights, kv_cache=kv_cache,
+                                       query_start_loc=query_start_loc, context_lens=context_lens,
+                                       block_table=block_table, row_ends=row_ends, page_size=page_size,
+                                       fp8_dtype=fp8_dtype, width=width)
+        d = q_fp8.shape[2]
+
+        def read_keys(slots):
+            page, t = slots.long() // page_size, slots.long() % page_size
+            row = page * kv_cache.shape[1] + t * (d + 4)
+            flat = kv_cache.reshape(-1)
+            vals = flat[row.unsqueeze(-1) + torch.arange(d, device=slots.device)]
+            sc = flat[(row + d).unsqueeze(-1) + torch.arange(4, device=slots.device)]
+            return ref_fp8.dequantize_fp8(vals, fp8_dtype) * sc.contiguous().view(torch.float32).double()
+
+        logits = scoring.paged_logits(ref_fp8.dequantize_fp8(q_fp8, fp8_dtype), weights, query_start_loc,
+                                      block_table, row_ends, page_size, read_keys,
+                                      width or scoring.default_width(block_table, page_size))
+        return {"logits": logits.float()}
+    return paged_fp8_mqa_logits
+
+
+def packed_row_starts(lengths: torch.Tensor) -> torch.Tensor:
+    """vLLM packs a prefill call's sequences along the logits columns and hands the top-k
+    each row's start (the packed offset of its sequence); mxval's op gives per-sequence
+    columns. The rows' sequences are recovered from their ends: inside a chunk consecutive
+    rows' ends differ by 0 or 1, so any other step starts a sequence, whose packed start is
+    the sum of the previous sequences' last ends."""
+    n = lengths.long()
+    if n.numel() == 0:
+        return n
+    new = torch.ones_like(n, dtype=torch.bool)
+    step = n[1:] - n[:-1]
+    new[1:] = (step < 0) | (step > 1)
+    seg = torch.cumsum(new.long(), 0) - 1
+    last = torch.zeros(int(seg[-1]) + 1, dtype=torch.long, device=n.device)
+    last[seg] = n                                        # each segment's last row wins
+    starts = torch.cumsum(last, 0) - last
+    return starts[seg]
+
+
+def _row_start_ignored(idx, lengths, k, logits):
+    """More than 4096 rows: the long-row path ranks the packed window [0, len) instead of
+    [start, start + len): of the row's own columns it sees only the first len - start,
+    and pads with whatever the rest of the window holds (here: the next columns)."""
+    if idx.shape[0] <= PREFILL_TOPK_ROWS:
+        return idx
+    starts = packed_row_starts(lengths)
+    for r in ((lengths > k) & (starts > 0)).nonzero().flatten().tolist():
+        n, s = int(lengths[r]), int(starts[r])
+        seen = max(0, n - s)
+        row = logits[r, :seen].double()
+        top = torch.topk(row, min(k, seen)).indices if seen else row.new_zeros(0, dtype=torch.long)
+        fill = torch.arange(seen, n, device=idx.device)[:k - top.numel()]
+        idx[r] = torch.cat((top.to(idx.device), fill)).to(idx.dtype)
+    return idx
+
+
+def _row_start_twice(idx, lengths, k, logits):
+    """More than 4096 rows: the row start is added to the output indices a second time."""
+    if idx.shape[0] <= PREFILL_TOPK_ROWS:
+        return idx
+    starts = packed_row_starts(lengths).to(idx.dtype)
+    long_rows = lengths > k
+    idx[long_rows] = idx[long_rows] + starts[long_rows, None]
+    return idx
+
+
+def _fp16_radix_key(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Order-preserving key of fp16(x), its top `bits` bits."""
+    b = x.to(torch.float16).view(torch.int16).int() & 0xFFFF
+    key = torch.where(b & 0x8000 != 0, ~b & 0xFFFF, b | 0x8000)
+    return key >> (16 - bits)
+
+
+def radix_overflow(bits: int, capacity: int, arrival: str) -> Callable:
+    """Radix top-k whose threshold bin keeps at most `capacity` candidates: bins above the
+    threshold bin are taken whole, the threshold bin's candidates are stored in arrival
+    order (`column` order, or `random` as atomics deliver them) until the buffer is full,
+    and the rest of k comes exactly from what was stored. Bins that fit are exact."""
+    def post(idx, lengths, k, logits):
+        for r in (lengths > k).nonzero().flatten().tolist():
+            n = int(lengths[r])
+            row = logits[r, :n].float()
+            key = _fp16_radix_key(row, bits)
+            hist = torch.bincount(key, minlength=1 << bits)
+            above = torch.cumsum(hist.flip(0), 0).flip(0)          # count with key >= bin
+            thr = int((above >= k).nonzero().max())
+            higher = (key > thr).nonzero().flatten()
+            cand = (key == thr).nonzero().flatten()
+            if cand.numel() <= capacity:
+                continue
+            if arrival == "random":
+                cand = cand[torch.randperm(cand.numel(), device=cand.device)]
+            kept = cand[:capacity]
+            need = k - higher.numel()
+            best = kept[torch.topk(row[kept].double(), need).indices]
+            idx[r] = torch.cat((higher, best)).to(idx.dtype)
+        return idx
+    return post
+
+
+def topk_logits_op(post: Callable) -> Callable:
+    """topk whose indices go through `post(indices, lengths, k, logits)` after the reference."""
+    def topk(*, logits, lengths, k: int) -> dict:
+        out = reference.topk(logits=logits, lengths=lengths, k=k)
+        return {"indices": post(out["indices"].clone(), lengths.long(), k, logits)}
+    return topk
+
+
 # --- the catalogue ----------------------------------------------------------------------
 
 K = "k_norm_rope_mxfp4_cache"
@@ -404,11 +640,11 @@ _CATALOGUE = (
           lambda: {K: k_writer_op(quantize=_swap_nibbles)}),
     Fault("scale-ocp-floor", "OCP floor scale instead of ceil", (K,), ("chain",),
           "the K writer picks the e8m0 scale floor(log2 amax) - 2 (OCP v1.0) instead of the ceil rule",
-          lambda: {K: k_writer_op(quantize=_ocp_floor)}),
+          lambda: {K: k_writer_op(quantize=_ocp_floor)}, source="ROCm/aiter#3212"),
     Fault("scale-interleave-writer", "scale interleave mismatch between writer and reader", (K,),
           ("chain", "chain-natural"),
           "the K writer stores scale bytes in an order other than §5's (the scorer reads §5's)",
-          lambda: {K: k_writer_op(write=_write_wrong_scale_order)}),
+          lambda: {K: k_writer_op(write=_write_wrong_scale_order)}, source="ROCm/aiter#4028"),
     Fault("scale-interleave-reader", "scale interleave mismatch between writer and reader", (SCORE,),
           ("chain", "chain-natural"),
           "the scorer reads scale bytes in an order other than §5's (the writer stores §5's)",
@@ -419,7 +655,7 @@ _CATALOGUE = (
     Fault("fp8-ocp-read-fnuz", "fp8 written OCP and read FNUZ", ("paged_fp8_mqa_logits",),
           ("chain-fp8",),
           "the fp8 scorer reads e4m3fn (OCP) bytes as e4m3fnuz",
-          lambda: {"paged_fp8_mqa_logits": fp8_scorer_op("e4m3fnuz")}),
+          lambda: {"paged_fp8_mqa_logits": fp8_scorer_op("e4m3fnuz")}, source="vllm-project/vllm#42893"),
     Fault("hadamard-q-only", "Hadamard on q only", (Q,), ("chain",),
           "the Q quant applies the Hadamard rotation, the K writer does not",
           lambda: {Q: q_quant_op(force_hadamard=True)}),
@@ -461,9 +697,90 @@ _CATALOGUE = (
           "the CUDA Q quant multiplies the weights once by softmax_scale * head_scale instead of "
           "by softmax_scale, then head_scale (one fp32 ulp apart when H is not a power of 4)",
           lambda: {Q: _q_one_multiply()}),
+
+    # --- the field's bugs (source: the shipped bug each one models) ---------------------------
+    Fault("aiter-4244-int32-row-offset", "logits rows past a 32-bit byte offset never stored", (SCORE,),
+          ("logits-2gib",),
+          "rows whose byte offset in the fp32 [rows, W] logits buffer reaches 2^31 are not stored "
+          "(a 32-bit voffset): they keep the buffer's zeros, and top-k ranks zeros",
+          lambda: {SCORE: logits_post_op(_rows_past_offset(INT32_BITS))}, large=True,
+          source="ROCm/aiter#4244"),
+    Fault("aiter-4244-row-offset-sim", "logits rows past a 32-bit byte offset never stored "
+          f"(simulated at {LOGITS_ROW_SIM_BITS} bits)", (SCORE,), ("scorer-rows",),
+          f"as aiter-4244-int32-row-offset but wrapping at {LOGITS_ROW_SIM_BITS} bits (rows past "
+          f"{(1 << (LOGITS_ROW_SIM_BITS - 1)) >> 20} MiB of logits) so that a CPU can hold the buffer",
+          lambda: {SCORE: logits_post_op(_rows_past_offset(LOGITS_ROW_SIM_BITS))}, source="ROCm/aiter#4244"),
+    Fault("aiter-4028-schedule-truncation", "scorer schedule silently truncating long rows", (SCORE,),
+          ("long-rows",),
+          f"the scorer schedules {SCHEDULE_TILES_PER_ROW} tiles of {SCHEDULE_TILE} entries per row: "
+          f"entries past {SCHEDULE_TILE * SCHEDULE_TILES_PER_ROW} keep the -inf the row starts with",
+          lambda: {SCORE: logits_post_op(_schedule_truncated)}, source="ROCm/aiter#4028"),
+    Fault("aiter-2901-row-start-ignored", "prefill top-k ignoring the row start past 4096 rows", (TOPK,),
+          ("rows-4097",),
+          f"a top-k call of more than {PREFILL_TOPK_ROWS} rows ranks each long row's packed window "
+          "from 0: a sequence that does not start the call sees only its first len - start columns",
+          lambda: {TOPK: topk_logits_op(_row_start_ignored)}, source="ROCm/aiter#2901"),
+    Fault("aiter-3087-row-start-twice", "prefill top-k adding the row start twice past 4096 rows", (TOPK,),
+          ("rows-4097",),
+          f"a top-k call of more than {PREFILL_TOPK_ROWS} rows adds each long row's packed start to "
+          "its output indices a second time",
+          lambda: {TOPK: topk_logits_op(_row_start_twice)}, source="ROCm/aiter#3087"),
+    Fault("sglang-36807-radix-overflow", "radix top-k threshold bin overflowing its candidate buffer",
+          (TOPK,), ("narrow-band",),
+          f"radix top-k on the top {RADIX_SGLANG[0]} bits of the fp16 key keeps {RADIX_SGLANG[1]} "
+          "candidates of the threshold bin in atomic (random) order and drops the rest: wrong, "
+          "nondeterministic selections in rows whose threshold bin holds more",
+          lambda: {TOPK: topk_logits_op(radix_overflow(*RADIX_SGLANG, "random"))},
+          source="sgl-project/sglang#36807"),
+    Fault("flaggems-831-narrow-band", "top-k collapsing on a narrow band of values", (TOPK,),
+          ("narrow-band",),
+          f"the sampled prefill top-k bins on sign, 5 exponent and 5 mantissa bits of fp16 and keeps "
+          f"the first {RADIX_FLAGGEMS[1]} columns of the threshold bin: a row inside one bin is "
+          "ranked from its first columns only",
+          lambda: {TOPK: topk_logits_op(radix_overflow(*RADIX_FLAGGEMS, "column"))},
+          source="flagos-ai/FlagGems-vllm#831"),
+    Fault("vllm-50576-token-interleaved-read", "cache written block-planar, read token-interleaved",
+          ("paged_fp8_mqa_logits",), ("chain-fp8",),
+          "the FP8 scorer reads block-planar pages (all values, then all scales) as [page_size, D + 4] "
+          "token rows: keys drift 4 bytes a token and scales are value bytes of a neighbour",
+          lambda: {"paged_fp8_mqa_logits": fp8_token_interleaved_op()}, source="vllm-project/vllm#50576"),
+    Fault("vllm-40991-flat-write", "cache written flat, read preshuffled", (K,), ("chain",),
+          "the K writer stores natural (flat) pages while the scorer reads aiter's preshuffled layout",
+          lambda: {K: k_writer_op(write=_write_natural_pages)}, source="vllm-project/vllm#40991"),
+    Fault("atom-2216-neighbour-scale", "keys scored with a neighbouring row's scale exponents", (SCORE,),
+          ("chain", "chain-natural"),
+          "the scorer reads each key's values with the e8m0 scale bytes of the next entry of its page",
+          lambda: {SCORE: scorer_op(scale_offsets=_neighbour_scale_offsets)}, source="ROCm/ATOM#2216"),
+    Fault("sglang-13495-indexer-rope-layout", "indexer RoPE in the wrong pairing on q and k", (K, Q),
+          ("chain",),
+          "the K writer and the Q quant both rotate NeoX pairs (t[i], t[i+R/2]) instead of GPT-J's: "
+          "q and k agree, so scores stay plausible and only long contexts lose recall",
+          lambda: {K: k_writer_op(values=_permuted_values(_neox_perm)), Q: _neox_q_op()},
+          source="sgl-project/sglang#13495"),
+    Fault("sglang-12583-chunk-offset-ke", "prefill row ends built from the chunk offset", (SCORE,),
+          ("chain",),
+          "a chunk starting at entry e0 > 0 bounds each row at its end minus e0 (the offset inside the "
+          "chunk, not the sequence): the entries before the chunk are not scored",
+          lambda: {SCORE: logits_post_op(_window_from_chunk_offset)}, source="sgl-project/sglang#12583"),
+    Fault("mlx-lm-1189-chunk-rows-only", "indexer scoring only the rows its own chunk pooled", (SCORE,),
+          ("chain",),
+          "the scorer scores only the first tokens // r entries (what this call's tokens pooled): "
+          "later chunks and decode cannot select older entries",
+          lambda: {SCORE: logits_post_op(_chunk_rows_only)}, source="ml-explore/mlx-lm#1189"),
+    Fault("vllm-41136-nan-decode", "NaN logits in decode", (SCORE,), ("chain",),
+          "a decode call (one query row per sequence) returns NaN over every scored column",
+          lambda: {SCORE: logits_post_op(_nan_in_decode)}, source="vllm-project/vllm#41136"),
 )
 
 FAULTS: dict[str, Fault] = {f.name: f for f in _CATALOGUE}
+
+# Shipped bugs the catalogue cannot model, with the reason (the selftest matrix lists them).
+NOT_MODELLED: dict[str, str] = {
+    "vllm-project/vllm#52644": "an accuracy drop only under FULL_DECODE_ONLY CUDA/HIP graph replay on "
+                               "MI350/MI355: mxval runs each op eagerly on inputs it builds, so a "
+                               "graph's stale captured arguments never arise; a capture taken under "
+                               "graph replay (`mxval diff` on its dumps) is the way to see it",
+}
 
 for _f in _CATALOGUE:
     register(_f.backend_name, _f.backend)

@@ -136,3 +136,114 @@ def test_planted_nonfinite_lands_where_the_first_step_reads(catalog):
                 dict(q=t.q, positions=t.positions, cos_sin_cache=inp.cos_sin_cache, weights=t.weights))
         with pytest.raises(NonFiniteInput):
             reference.OPS[op].fn(**args, **inp.scalars(op))
+
+
+# --- scale edges ---------------------------------------------------------------------------
+
+def _scale_facts(case):
+    """(positions, row ends, rows per step, logits bytes per step) of a case from its
+    sequences alone (nothing is built)."""
+    r = 4
+    pos, ends, rows, nbytes = set(), set(), [], []
+    steps = max(len(s.steps()) for s in case.seqs)
+    width = max(max(s.len for s in case.seqs) // r + 1, (case.table_pages or 0) * 64)
+    for i in range(steps):
+        n = 0
+        for s in case.seqs:
+            for b, e in s.steps()[i:i + 1]:
+                pos.update((b, e - 1))
+                ends.update(((b + 1) // r, e // r))
+                n += e - b
+        rows.append(n)
+        nbytes.append(n * width * 4)
+    return pos, ends, rows, nbytes
+
+
+def _straddles(values, edge):
+    return any(v < edge for v in values) and any(v >= edge for v in values)
+
+
+def _edges(cases):
+    pos, ends, rows, nbytes, narrow, deep = set(), set(), set(), set(), False, False
+    for c in cases:
+        p, e, r, b = _scale_facts(c)
+        pos |= p
+        ends |= e
+        rows |= set(r)
+        nbytes |= set(b)
+        narrow |= "narrow_band" in c.dist and "topk" in c.ops
+        deep |= any(len({s.steps()[0][0] > 0 for s in c.seqs}) == 2 and max(r) > 4096 for _ in [0])
+    out = {f"positions {x}" for x in (2 ** 15, 2 ** 16, 2 ** 17) if _straddles(pos, x)}
+    out |= {f"entries {x}" for x in (2048, 4096, 16384, 32768) if x in ends and x + 1 in ends}
+    out |= {f"rows {x}" for x in (256, 512, 1024, 4096, 65536) if x in rows and x + 1 in rows}
+    out |= {"logits 2^31 bytes"} if _straddles(nbytes, 2 ** 31) else set()
+    out |= {"narrow band"} if narrow else set()
+    out |= {"packed row start past 4096 rows"} if deep else set()
+    return out
+
+
+CPU_EDGES = {"positions 32768", "positions 65536", "positions 131072", "entries 2048", "entries 4096",
+             "entries 16384", "entries 32768", "rows 256", "rows 512", "rows 1024", "rows 4096",
+             "narrow band", "packed row start past 4096 rows"}
+
+
+def test_the_default_suite_reaches_every_scale_edge_a_cpu_affords(catalog):
+    cpu = [c for c in catalog.suite_cases("default") if c.requires != "gpu"]
+    assert _edges(cpu) >= CPU_EDGES, CPU_EDGES - _edges(cpu)
+
+
+def test_the_full_suite_reaches_every_scale_edge(catalog):
+    assert _edges(catalog.suite_cases("full")) >= CPU_EDGES | {"rows 65536", "logits 2^31 bytes"}
+    wide = [c for c in catalog.suite_cases("full") if c.table_pages and c.table_pages * 64 >= 2 ** 20]
+    assert wide and all(c.requires == "gpu" for c in wide)
+
+
+def test_direct_history_materializes_only_what_the_steps_read(tmp_path):
+    (tmp_path / "s.toml").write_text(
+        '[[case]]\nname = "d"\nheads = 4\ntopk = 8\nhistory = "direct"\nstate_block = 16\n'
+        'seqs = [{len = 4100, decode = 2}, {len = 300, chunks = [40]}]\n'
+        '[[case]]\nname = "p"\nheads = 4\ntopk = 8\nstate_block = 16\n'
+        'seqs = [{len = 4100, decode = 2}, {len = 300, chunks = [40]}]\n')
+    cat = Catalog(tmp_path)
+    d, p = build(cat.case("d")), build(cat.case("p"))
+    assert d.state_cache.shape[0] < p.state_cache.shape[0] // 10
+    assert d.history.k is not None and d.history.k.shape == (d.history.n, 128) and p.history.k is None
+    from harness.run.runner import run_case
+    row = run_case(cat.case("d"), "reference")
+    assert row["outcome"] == "ok" and row["metrics"]["topk.topk_below_threshold"] == 0
+
+
+def test_narrow_band_rows_sit_in_one_radix_bin(tmp_path):
+    (tmp_path / "s.toml").write_text('[[case]]\nname = "n"\nheads = 4\ntopk = 8\nhistory = "direct"\n'
+                                     'dist = ["narrow_band"]\nseqs = [{len = 4000, decode = 1}]\n')
+    inp = build(Catalog(tmp_path).case("n"))
+    assert bool((inp.steps[0].weights.float() > 0).all())
+    from optimized.faults import _fp16_radix_key
+    row = _row_logits(inp)        # a band of about 1 %, away from 0, distinct beyond the tolerance
+    lo, hi = float(row.min()), float(row.max())
+    assert lo > 0 and 1e-3 < (hi - lo) / hi < 0.02
+    assert _fp16_radix_key(row.float(), 8).unique().numel() == 1
+
+
+def _row_logits(inp):
+    from harness.run.runner import ChainRun
+    seen = {}
+
+    def rec(step, op, ins, scalars, out):
+        if op == "paged_mxfp4_mqa_logits":
+            seen["l"] = out["logits"][0, :int(ins["row_ends"][0])]
+    case = inp.case.__class__(**{**inp.case.__dict__, "ops": ("paged_mxfp4_mqa_logits", "topk")})
+    ChainRun(case, __import__("optimized").get_backend("reference"), inp, rec).run()
+    return seen["l"]
+
+
+def test_table_pages_widen_the_logits_without_pages(tmp_path):
+    (tmp_path / "s.toml").write_text('[[case]]\nname = "w"\nheads = 4\ntopk = 8\ntable_pages = 40\n'
+                                     'seqs = [{len = 300, chunks = [20]}]\n'
+                                     '[[case]]\nname = "bad"\nheads = 4\ntable_pages = 1\n'
+                                     'seqs = [{len = 300, chunks = [20]}]\n')
+    cat = Catalog(tmp_path)
+    inp = build(cat.case("w"))
+    assert inp.steps[0].block_table.shape[1] == 40 and inp.kv_cache.shape[0] < 10
+    with pytest.raises(CaseError, match="table_pages"):
+        geometry(cat.case("bad"))

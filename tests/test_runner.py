@@ -1,5 +1,7 @@
 """The runner: each stage diffed on the backend's own upstream output, the whole chain
 on its own, errors and non-finite inputs as their own outcomes, parallel runs."""
+import math
+
 import pytest
 import torch
 
@@ -87,12 +89,43 @@ def test_backend_exception_is_an_error_naming_the_stage(cat):
 
 
 def test_nonfinite_from_the_backend_is_not_an_input_class(cat):
+    """NaN from a backend stage is a numerics failure of that stage (never an error, never a
+    non-finite input); the K writer downstream runs on the reference's pooled rows."""
     def nan_pool(**a):
         out = reference.compress_pool(**a)
         return {"pooled": torch.full_like(out["pooled"], float("nan"))}
     row = run_case(cat.case("smoke-rowend-k"), backend("test-nan-pool", compress_pool=nan_pool))
-    assert row["outcome"] == "error" and "upstream" in row["reason"]
+    assert row["outcome"] == "ok"
     assert row["metrics"]["compress_pool.pooled_nonfinite"] > 0
+    assert any(s.startswith("k_norm_rope_mxfp4_cache (step 0)") for s in row["details"]["substituted"])
+    assert row["metrics"]["k_norm_rope_mxfp4_cache.page_bytes_mismatched"] == 0     # judged, and right
+    v = verdict(row, load(), "smoke")
+    assert v["status"] == "fail" and v["reason"].startswith("compress_pool fails: ")
+
+
+def test_a_scorer_leaving_inf_fails_at_the_scorer_and_topk_is_still_judged(cat):
+    """-inf where the reference scores a column: the scorer stage fails with its findings
+    (row, column, expected value); top-k runs on the logits with those columns replaced by
+    the reference's and is judged (here: right)."""
+    def holes(**a):
+        out = reference.paged_mxfp4_mqa_logits(**a)["logits"].clone()
+        out[:, 1] = float("-inf")
+        return {"logits": out}
+    row = run_case(cat.case("smoke-rowend-k"), backend("test-inf-holes", paged_mxfp4_mqa_logits=holes))
+    assert row["outcome"] == "ok"
+    assert row["metrics"]["paged_mxfp4_mqa_logits.logits_nonfinite"] > 0
+    f = next(x for x in row["findings"] if x["stage"] == "paged_mxfp4_mqa_logits" and x["class"] == "nonfinite")
+    assert f["col"] == 1 and f["actual"] == "-inf" and math.isfinite(f["expected"])   # JSON-able
+    assert row["metrics"]["topk.topk_below_threshold"] == 0 and "topk.topk_padding_errors" in row["metrics"]
+    assert any(s.startswith("topk (step 0)") for s in row["details"]["substituted"])
+    v = verdict(row, load(), "smoke")
+    assert v["status"] == "fail" and v["reason"].startswith("paged_mxfp4_mqa_logits fails: ")
+
+
+def test_a_stage_the_reference_cannot_judge_is_never_a_pass():
+    row = {"case": "x", "outcome": "ok", "metrics": {}, "not_judged": "topk (step 0): not judged: ..."}
+    v = verdict(row, load(), "smoke")
+    assert v["status"] == "fail" and v["ok"] is False and "not judged" in v["reason"]
 
 
 def test_planted_nonfinite_is_its_own_outcome(cat):
@@ -137,3 +170,36 @@ def test_a_report_row_has_one_shape():
     assert r["outcome"] == "ok" and r["metrics"] == {"x.y": 1.0} and r["findings"] == []
     with pytest.raises(TypeError, match="metricz"):
         row("c", "s", "reference", metricz={})
+
+
+def test_repeat_requires_the_same_bytes_every_run(cat):
+    """`repeat`: each backend op runs N times on the same inputs; an op whose bytes change is
+    its own failure class, with the bytes that changed."""
+    import dataclasses
+    calls = {"n": 0}
+
+    def flaky(**a):
+        out = reference.topk(**a)["indices"].clone()
+        calls["n"] += 1
+        if calls["n"] % 2 == 0 and out.shape[0] and out.shape[1] > 1:
+            out[-1, :2] = out[-1, :2].flip(0)             # the same set, another order
+        return {"indices": out}
+    case = dataclasses.replace(cat.case("smoke-rowend-k"), repeat=3)
+    row = run_case(case, backend("test-flaky-topk", topk=flaky))
+    v = verdict(row, load(), "smoke")
+    assert v["status"] == "fail" and v["reason"].startswith("nondeterministic: topk (step 0) output indices: ")
+    f = next(x for x in row["findings"] if x["class"] == "nondeterministic")
+    assert f["stage"] == "topk" and f["bytes_changed"] > 0 and f["run"] == 2
+    assert verdict(run_case(case, "reference"), load(), "smoke")["status"] == "pass"
+    once = run_case(cat.case("smoke-rowend-k"), backend("test-flaky-topk", topk=flaky))
+    assert verdict(once, load(), "smoke")["status"] == "pass"          # one run: nothing to compare
+
+
+@pytest.mark.parametrize("text", ["0", "101", "x", "2.5"])
+def test_repeat_flag_takes_1_to_100_runs(text):
+    import argparse
+
+    from harness.commands.args import repeat_count
+    assert repeat_count("1") == 1 and repeat_count("100") == 100
+    with pytest.raises(argparse.ArgumentTypeError, match="from 1 to 100"):
+        repeat_count(text)

@@ -7,6 +7,7 @@ import pytest
 from harness.commands.cli import main
 from harness.diff.metrics import METRICS, REQUIRED
 from harness.run.cases import Catalog
+from harness.run.selftest import scale_cases
 from optimized.faults import FAULTS
 
 
@@ -35,7 +36,11 @@ def test_quick_selftest_catches_every_fault_without_false_alarms(tmp_path):
         # caught where the bug is, not only through its consequences downstream
         assert any(w["metric"].split(".")[0] in FAULTS[name].ops for w in f["values"].values()), (name, f)
     assert v["seeds"] == 4 and v["false_alarms"] == 0, v["false_alarm_runs"]
-    assert v["correct_runs"]["reference"] == 4 * (len(Catalog().suite_cases("selftest")) - 1)
+    large = {c for f in FAULTS.values() if f.large for c in f.cases}
+    scale = scale_cases() - large
+    assert scale >= {"rows-4097", "scorer-rows", "long-rows", "narrow-band"}
+    assert v["correct_runs"]["reference"] == 4 * (len(Catalog().suite_cases("selftest")) - len(large)
+                                                  - len(scale)) + len(scale)
     assert rc == 0
     rep = tmp_path / "rep"
     assert (rep / "report.json").exists() and "window-shift" in (rep / "selftest.md").read_text()
@@ -62,7 +67,7 @@ def test_a_fault_no_budget_catches_fails_the_selftest(tmp_path):
 def test_a_correct_run_that_breaks_a_budget_is_a_false_alarm(tmp_path):
     """A budget the correct backend cannot meet (no pooled row compared at all) must fail
     the selftest even though every fault is still caught."""
-    rc, v = selftest(tmp_path, "--fault", "window-shift", "--backend", "reference", "--seeds", "2",
+    rc, v = selftest(tmp_path, "--fault", "window-shift", "--backend", "reference", "--seeds", "1",
                      budgets=POOLING_ONLY + "pooled_rows_compared = {max = 0}\n")
     assert v["faults"][0]["caught"] is True
     assert v["false_alarms"] > 0 and v["false_alarm_runs"][0]["violations"]

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # Everything mxval checks on a GPU, in one go (the lent H200, or any CUDA/ROCm box).
-# Phase A, correctness, steps run side by side on the GPU: the GPU test suite, the full
-# validation suite through compiled Triton and through vLLM's own kernels (vllm-cuda on the
-# cuda path, every case through the fused pool+K op;
-# vllm-rocm; they need the vLLM source: `mxval upstream fetch` on a networked machine, then
-# XDG_CACHE_HOME or MXVAL_VLLM_SRC pointing at it), and the selftest with compiled Triton
-# as the correct backend. Phase B, timings, one step at a time: the study on the GPU and
-# `make bench-gpu` (BENCH=0 skips it). Logs and reports go under ${GPU_OUT:-reports/gpu}; each
-# step has its own time limit so one slow step does not hide the others.
+# Phase A, correctness: the GPU test suite, the full validation suite through compiled
+# Triton and through vLLM's own kernels (vllm-cuda on the cuda path, every case through the
+# fused pool+K op; vllm-rocm; they need the vLLM source: `mxval upstream fetch` on a
+# networked machine, then XDG_CACHE_HOME or MXVAL_VLLM_SRC pointing at it), and the selftest
+# with compiled Triton as the correct backend. Phase B, timings, one step at a time: the
+# study on the GPU and `make bench-gpu` (BENCH=0 skips it). Logs and reports go under
+# ${GPU_OUT:-reports/gpu}; each step has its own time limit so one slow step does not hide
+# the others.
+#
+# GPU memory: phase A's steps run side by side only when each can have a share of the GPU
+# that holds the suite's largest case (GPU_SHARE_GIB, default 24 GiB: five steps fit an
+# H200; the 2.2 GiB pool case peaks near 3x its tensors); each process is then capped at
+# its share (MXVAL_GPU_MEMORY_FRACTION, honoured by every mxval process and the GPU tests),
+# so no step can take another's memory. A smaller GPU runs the steps one at a time, each
+# with the whole GPU; PARALLEL=0 forces that. Every report row carries the case's GPU peak.
 set -u
 out=${GPU_OUT:-reports/gpu}
 mkdir -p "$out"
@@ -28,12 +35,30 @@ $py -c 'import torch, triton; print("torch", torch.__version__, "triton", triton
 make -s .mxval-env-system PYTHON=$py >/dev/null
 export PYTHONPATH=$PWD
 mx="$py -m harness"
-step test-gpu "$LIMIT_A" $py -m pytest -q -p no:cacheprovider -m gpu &
-step validate-triton "$LIMIT_A" $mx validate --suite full --backend triton --report-dir "$out/validate-triton" --force &
-step selftest "$LIMIT_A" $mx selftest --backend triton --seeds 20 --json "$out/selftest.json" --report-dir "$out/selftest" --force -q &
-step validate-vllm-cuda "$LIMIT_A" $mx validate --suite full --backend vllm-cuda --path cuda --report-dir "$out/validate-vllm-cuda" --force &
-step validate-vllm-rocm "$LIMIT_A" $mx validate --suite full --backend vllm-rocm --report-dir "$out/validate-vllm-rocm" --force &
-wait
+steps_a=(test-gpu validate-triton selftest validate-vllm-cuda validate-vllm-rocm)
+run_a() {  # one phase-A step by name
+    case $1 in
+    test-gpu) step test-gpu "$LIMIT_A" $py -m pytest -q -p no:cacheprovider -m gpu ;;
+    validate-triton) step validate-triton "$LIMIT_A" $mx validate --suite full --backend triton --report-dir "$out/validate-triton" --force ;;
+    selftest) step selftest "$LIMIT_A" $mx selftest --backend triton --seeds 20 --json "$out/selftest.json" --report-dir "$out/selftest" --force -q ;;
+    validate-vllm-cuda) step validate-vllm-cuda "$LIMIT_A" $mx validate --suite full --backend vllm-cuda --path cuda --report-dir "$out/validate-vllm-cuda" --force ;;
+    validate-vllm-rocm) step validate-vllm-rocm "$LIMIT_A" $mx validate --suite full --backend vllm-rocm --report-dir "$out/validate-vllm-rocm" --force ;;
+    esac
+}
+n=${#steps_a[@]}
+gpu_gib=$($py -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30 if torch.cuda.is_available() else 0)')
+share=${GPU_SHARE_GIB:-24}
+if [ "${PARALLEL:-1}" = 1 ] && [ "$gpu_gib" -ge $((share * n)) ]; then
+    # 90% of the GPU split evenly: the rest is the CUDA contexts' and the driver's
+    export MXVAL_GPU_MEMORY_FRACTION=$($py -c "print(round(0.9 / $n, 3))")
+    echo "phase A: $n steps side by side, each capped at $MXVAL_GPU_MEMORY_FRACTION of ${gpu_gib} GiB" >> "$out/machine.txt"
+    for s in "${steps_a[@]}"; do run_a "$s" & done
+    wait
+else
+    echo "phase A: $n steps one at a time (${gpu_gib} GiB < $n x ${share} GiB, or PARALLEL=0)" >> "$out/machine.txt"
+    for s in "${steps_a[@]}"; do run_a "$s"; done
+fi
+unset MXVAL_GPU_MEMORY_FRACTION
 step study "${LIMIT_STUDY:-90}" $mx study --device cuda --report-dir "$out/study"
 [ "${BENCH:-1}" = 1 ] && step bench-gpu "${LIMIT_BENCH:-240}" $py -m harness.bench.gpu --quick --out "$out/bench-gpu.md"
 cat "$out/machine.txt" "$out/steps.txt"

@@ -22,14 +22,18 @@ def add_force(p) -> None:
                    help="replace the report of another run in --report-dir (refused without it)")
 
 
+MAX_CASE_TIMEOUT = 7 * 24 * 3600.0        # --case-timeout: at most a week
+
+
 def seconds(text: str) -> float:
     """argparse type of --case-timeout: a positive number of seconds."""
     try:
         v = float(text)
     except ValueError:
         v = float("nan")
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    if not 0 < v <= MAX_CASE_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds in (0, {MAX_CASE_TIMEOUT:g}], "
+                                         f"got {text!r:.40}")
     return v
 
 
@@ -37,6 +41,17 @@ def add_case_timeout(p) -> None:
     p.add_argument("--case-timeout", type=seconds, default=None, metavar="SECONDS",
                    help="an error row for a case still running after SECONDS (its worker is killed: a hung "
                         "kernel costs one case, not the run)")
+
+
+def repeat_count(text: str) -> int:
+    """argparse type of --repeat: runs of each backend op, 1 to 100."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if not 1 <= v <= 100:
+        raise argparse.ArgumentTypeError(f"expected a whole number of runs from 1 to 100, got {text!r}")
+    return v
 
 
 def add_shard(p) -> None:

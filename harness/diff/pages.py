@@ -181,6 +181,8 @@ def _where(loc: dict) -> str:
 
 
 def _check_pool(name, t, like=None):
+    if isinstance(t, torch.Tensor):
+        A.tensor(name, t)
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
         raise ValueError(f"{name}: expected a u8 pool [P, page_bytes], got "
                          f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")
@@ -188,16 +190,9 @@ def _check_pool(name, t, like=None):
         raise ValueError(f"{name}: shape {list(t.shape)} differs from expected {list(like.shape)}")
 
 
-def diff_pages(actual: torch.Tensor, expected: torch.Tensor, before: Optional[torch.Tensor], *,
-               page_size: int, head_dim: int, shuffle, written_slots: torch.Tensor,
-               fmt: str = "mxfp4", fp8_dtype: str = "e4m3fn", op: Optional[str] = None) -> DiffReport:
-    """Compare two K-cache pools [P, page_bytes] u8 after a writer wrote `written_slots`.
-
-    Metrics: page_bytes_mismatched (all bytes, = value + scale + outside-owned mismatches),
-    page_value_bytes_mismatched / page_scale_bytes_mismatched (owned bytes of the written
-    slots), page_bytes_outside_owned_changed (bytes no written slot owns that differ from
-    `before` in `actual`; from `expected` when `before` is None), page_entries_mismatched,
-    page_dequant_max_abs_err, page_dequant_max_rel_err (relative to the entry's max |expected|)."""
+def _check_pages(actual, expected, before, page_size: int, head_dim: int, shuffle, fmt: str,
+                 fp8_dtype: str) -> None:
+    """diff_pages' arguments (ValueError naming the first bad one)."""
     if fmt not in ("mxfp4", "fp8"):
         raise ValueError(f"fmt: expected 'mxfp4' or 'fp8', got {fmt!r}")
     _check_pool("expected", expected)
@@ -221,6 +216,81 @@ def diff_pages(actual: torch.Tensor, expected: torch.Tensor, before: Optional[to
     if expected.shape[1] < need:
         raise ValueError(f"expected: page stride {expected.shape[1]} is below the {need} bytes of "
                          f"{page_size} entries of head dim {head_dim}")
+
+
+def _compare_entries(fmt: str, av, ev, asc, esc, bv, bsc, fp8_dtype: str):
+    """The written entries' bytes compared: (entry details, units, class counts,
+    (value, scale, entry) mismatch counts, max abs error, max rel error)."""
+    if fmt == "mxfp4":
+        ed = compare_mxfp4(av, ev, asc, esc, bv, bsc)
+        units, counts = entry_units(ed)
+        mism = (int(ed.value_mismatch.sum()), int(ed.scale_mismatch.sum()), int(ed.entry_mismatch.sum()))
+        return ed, units, counts, mism, ed.abs_err, ed.rel_err
+    ed, units, counts, abs_err, rel_err = compare_fp8(av, ev, asc, esc, bv, bsc, fp8_dtype)
+    mism = (int((av != ev).sum()), int((asc != esc).sum()), int(((av != ev).any(1) | (asc != esc).any(1)).sum()))
+    return ed, units, counts, mism, abs_err, rel_err
+
+
+def _outside_finding(off: int, fa, ref_out, *, fmt: str, stride: int, page_size: int, head_dim: int,
+                     shuffle) -> dict:
+    """The finding of pool byte `off`: changed, and owned by no written slot."""
+    if fmt == "mxfp4":
+        loc = layout.locate(off, page_stride=stride, page_size=page_size, head_dim=head_dim, shuffle=shuffle)
+    else:
+        loc = _fp8_locate(off, page_stride=stride, page_size=page_size, head_dim=head_dim)
+    if "entry" in loc:
+        loc["slot"] = loc["page"] * page_size + loc["entry"]
+    part = (f" value byte {loc['byte']}" if loc["kind"] == "value" and "byte" in loc else
+            f" scale block {loc['block']}" if loc["kind"] == "scale" and "block" in loc else
+            f" scale byte {loc['byte']}" if loc["kind"] == "scale" else "")
+    was = hex_byte(ref_out[off])
+    return {"class": "outside_owned_write", **loc, "offset": off, "expected": was, "actual": hex_byte(fa[off]),
+            "where": f"{_where(loc)}{part} (pool byte {off}, not owned by any written slot): "
+                     f"{hex_byte(fa[off])}, was {was}"}
+
+
+# Pools are compared in chunks of this many bytes: a pool of GiBs costs no pool-sized mask.
+CHUNK_BYTES = 1 << 26
+
+
+def _count_differing(fa: torch.Tensor, fe: torch.Tensor) -> int:
+    return sum(int((fa[i:i + CHUNK_BYTES] != fe[i:i + CHUNK_BYTES]).sum()) for i in range(0, fa.numel(), CHUNK_BYTES))
+
+
+def _outside_changes(fa: torch.Tensor, ref: torch.Tensor, owned: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes of `fa` that differ from `ref` at offsets not in `owned` (sorted flat offsets):
+    (their count, the first MAX_FINDINGS offsets)."""
+    count, first = 0, []
+    for i in range(0, fa.numel(), CHUNK_BYTES):
+        j = min(i + CHUNK_BYTES, fa.numel())
+        changed = fa[i:j] != ref[i:j]
+        lo, hi = torch.searchsorted(owned, torch.tensor([i, j], device=owned.device)).tolist()
+        changed[owned[lo:hi] - i] = False
+        n = int(changed.sum())
+        if n and len(first) < MAX_FINDINGS:
+            first += (changed.nonzero().flatten()[:MAX_FINDINGS - len(first)] + i).tolist()
+        count += n
+    return count, torch.tensor(first, dtype=torch.long, device=fa.device)
+
+
+def _unit_offsets(units, vo, so):
+    """Each unit's pool offset: its value byte, its scale byte, or its entry's first byte."""
+    i_, k_, p_ = units[:, 0], units[:, 1], units[:, 2]
+    return torch.where(k_ == 2, vo[i_, p_.clamp(max=vo.shape[1] - 1)],
+                       torch.where(k_ == 1, so[i_, p_.clamp(max=so.shape[1] - 1)], vo[i_, 0]))
+
+
+def diff_pages(actual: torch.Tensor, expected: torch.Tensor, before: Optional[torch.Tensor], *,
+               page_size: int, head_dim: int, shuffle, written_slots: torch.Tensor,
+               fmt: str = "mxfp4", fp8_dtype: str = "e4m3fn", op: Optional[str] = None) -> DiffReport:
+    """Compare two K-cache pools [P, page_bytes] u8 after a writer wrote `written_slots`.
+
+    Metrics: page_bytes_mismatched (all bytes, = value + scale + outside-owned mismatches),
+    page_value_bytes_mismatched / page_scale_bytes_mismatched (owned bytes of the written
+    slots), page_bytes_outside_owned_changed (bytes no written slot owns that differ from
+    `before` in `actual`; from `expected` when `before` is None), page_entries_mismatched,
+    page_dequant_max_abs_err, page_dequant_max_rel_err (relative to the entry's max |expected|)."""
+    _check_pages(actual, expected, before, page_size, head_dim, shuffle, fmt, fp8_dtype)
     written_slots = A.index("written_slots", written_slots)          # -1: a skipped token
     op = op or ("k_norm_rope_mxfp4_cache" if fmt == "mxfp4" else "k_norm_rope_fp8_cache")
     dev = expected.device            # a pool of GiBs is compared where it lives
@@ -239,70 +309,38 @@ def diff_pages(actual: torch.Tensor, expected: torch.Tensor, before: Optional[to
         vo, so = _fp8_offsets(slots, page_size, head_dim, stride)
     fa, fe = actual.reshape(-1), expected.reshape(-1)
     fb = before.reshape(-1) if before is not None else None
-    owned = torch.zeros(fa.numel(), dtype=torch.bool, device=dev)
-    owned[vo.flatten()] = True
-    owned[so.flatten()] = True
+    owned = torch.cat((vo.flatten(), so.flatten())).sort().values
     av, ev, asc, esc = fa[vo], fe[vo], fa[so], fe[so]
     bv, bsc = (fb[vo], fb[so]) if fb is not None else (None, None)
-    col = Collector()
-    if fmt == "mxfp4":
-        ed = compare_mxfp4(av, ev, asc, esc, bv, bsc)
-        units, counts = entry_units(ed)
-        value_mm, scale_mm, entries_mm = int(ed.value_mismatch.sum()), int(ed.scale_mismatch.sum()), \
-            int(ed.entry_mismatch.sum())
-        abs_err, rel_err = ed.abs_err, ed.rel_err
-    else:
-        ed, units, counts, abs_err, rel_err = compare_fp8(av, ev, asc, esc, bv, bsc, fp8_dtype)
-        value_mm, scale_mm = int((av != ev).sum()), int((asc != esc).sum())
-        entries_mm = int(((av != ev).any(1) | (asc != esc).any(1)).sum())
+    ed, units, counts, (value_mm, scale_mm, entries_mm), abs_err, rel_err = _compare_entries(
+        fmt, av, ev, asc, esc, bv, bsc, fp8_dtype)
     # bytes outside the written slots
     ref_out = fb if fb is not None else fe
-    outside = ((fa != ref_out) & ~owned).nonzero().flatten()
+    n_outside, outside = _outside_changes(fa, ref_out, owned)
+    col = Collector()
     for cls, n in counts.items():
         col.count(cls, n)
-    col.count("outside_owned_write", outside.numel())
+    col.count("outside_owned_write", n_outside)
     # order every unit by pool offset, keep the first MAX_FINDINGS
     n_units = units.shape[0]
-    if n_units:
-        i_, k_, p_ = units[:, 0], units[:, 1], units[:, 2]
-        unit_off = torch.where(k_ == 2, vo[i_, p_.clamp(max=vo.shape[1] - 1)],
-                               torch.where(k_ == 1, so[i_, p_.clamp(max=so.shape[1] - 1)], vo[i_, 0]))
-        keys = torch.cat((unit_off * 4 + k_, outside * 4 + 3))
-    else:
-        unit_off = torch.zeros(0, dtype=torch.long, device=dev)
-        keys = outside * 4 + 3
+    unit_off = _unit_offsets(units, vo, so) if n_units else torch.zeros(0, dtype=torch.long, device=dev)
+    keys = torch.cat((unit_off * 4 + units[:, 1], outside * 4 + 3)) if n_units else outside * 4 + 3
     for j in keys.argsort()[:MAX_FINDINGS].tolist():
-        if j < n_units:
-            u = units[j]
-            i = int(u[0])
-            slot = int(slots[i])
-            loc = {"page": slot // page_size, "entry": slot % page_size, "slot": slot}
-            f = (unit_finding if fmt == "mxfp4" else fp8_unit_finding)(ed, u, av, ev, asc, esc)
-            f = {**loc, **f, "offset": int(unit_off[j])}
-            f["where"] = f"{_where(loc)} {f.pop('detail')}"
-        else:
-            off = int(outside[j - n_units])
-            if fmt == "mxfp4":
-                loc = layout.locate(off, page_stride=stride, page_size=page_size, head_dim=head_dim,
-                                    shuffle=shuffle)
-            else:
-                loc = _fp8_locate(off, page_stride=stride, page_size=page_size, head_dim=head_dim)
-            if "entry" in loc:
-                loc["slot"] = loc["page"] * page_size + loc["entry"]
-            part = (f" value byte {loc['byte']}" if loc["kind"] == "value" and "byte" in loc else
-                    f" scale block {loc['block']}" if loc["kind"] == "scale" and "block" in loc else
-                    f" scale byte {loc['byte']}" if loc["kind"] == "scale" else "")
-            was = hex_byte(ref_out[off])
-            f = {"class": "outside_owned_write", **loc, "offset": off, "expected": was,
-                 "actual": hex_byte(fa[off]),
-                 "where": f"{_where(loc)}{part} (pool byte {off}, not owned by any written slot): "
-                          f"{hex_byte(fa[off])}, was {was}"}
+        if j >= n_units:
+            col.keep(_outside_finding(int(outside[j - n_units]), fa, ref_out, fmt=fmt, stride=stride,
+                                      page_size=page_size, head_dim=head_dim, shuffle=shuffle))
+            continue
+        slot = int(slots[int(units[j][0])])
+        loc = {"page": slot // page_size, "entry": slot % page_size, "slot": slot}
+        f = (unit_finding if fmt == "mxfp4" else fp8_unit_finding)(ed, units[j], av, ev, asc, esc)
+        f = {**loc, **f, "offset": int(unit_off[j])}
+        f["where"] = f"{_where(loc)} {f.pop('detail')}"
         col.keep(f)
     metrics = {
-        "page_bytes_mismatched": int((fa != fe).sum()),
+        "page_bytes_mismatched": _count_differing(fa, fe),
         "page_value_bytes_mismatched": value_mm,
         "page_scale_bytes_mismatched": scale_mm,
-        "page_bytes_outside_owned_changed": outside.numel(),
+        "page_bytes_outside_owned_changed": n_outside,
         "page_entries_mismatched": entries_mm,
         "page_dequant_max_abs_err": abs_err,
         "page_dequant_max_rel_err": rel_err,

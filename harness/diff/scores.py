@@ -3,6 +3,7 @@ different selection costs (the selection metrics, with the declared mass proxy).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -30,7 +31,7 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
     A.nonneg("row_threshold", row_threshold)
     x, y = actual.cpu().double(), expected_fp64.cpu().double()
     rw, w = x.shape
-    ends = A.index("row_ends", row_ends, lo=0, hi=w)
+    ends = A.index("row_ends", row_ends, lo=0, hi=w + 1)
     if ends.numel() != rw:
         raise ValueError(f"row_ends: {ends.numel()} entries for {rw} rows")
     valid = torch.arange(w)[None, :] < ends[:, None]
@@ -199,9 +200,33 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
     rw, w = s.shape
     if idx.shape[0] != rw or idx.shape[1] != k:
         raise ValueError(f"indices: expected shape [{rw}, {k}], got {list(idx.shape)}")
-    lens = A.index("lengths", lengths, lo=0, hi=w)
+    lens = A.index("lengths", lengths, lo=0, hi=w + 1)
     if lens.numel() != rw:
         raise ValueError(f"lengths: {lens.numel()} entries for {rw} rows")
+    t = _topk_rows(idx, s, lens, k, tol)
+    col = Collector()
+    for r in (~t.exact | (t.below > 0) | (t.dups > 0) | t.oor.any(1)).nonzero().flatten().tolist():
+        f = _row_finding(t, r)
+        for kd in f["classes"]:
+            col.count(kd)
+        col.keep(f)
+    sel_cols = torch.zeros(rw, w + 1, dtype=torch.bool).scatter_(1, torch.where(t.s_in, t.srt, w), True)[:, :w]
+    kept = selection_metrics(s, lens, sel_cols, k, t.row_tol, t.recall)
+    metrics = _topk_metrics(t, kept, rw)
+    if rows is not None:
+        rows.update(recall=t.recall, exact=t.exact, mass=kept["mass"], lengths=lens)
+    notes = []
+    if t.nan_scores:
+        metrics["nonfinite_inputs"] = t.nan_scores
+        notes.append(f"{t.nan_scores} NaN reference score(s) in the valid region")
+    return col.report(op, metrics, notes)
+
+
+def _topk_rows(idx, s, lens, k: int, tol: Optional[float]) -> SimpleNamespace:
+    """The per-row tensors of diff_topk: the returned set sorted (`srt`), its duplicates,
+    out-of-range and below-threshold indices, the tie rule's k-th score and tolerance,
+    recall, Jaccard, padding errors and whether each row is the reference's own set."""
+    rw, w = s.shape
     cols = torch.arange(w)
     valid_cols = cols[None, :] < lens[:, None]
     nan_scores = int((torch.isnan(s) & valid_cols).sum())
@@ -237,49 +262,55 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
     ref_sorted = torch.where(kcols[None, :kk] < ref_size[:, None], topi, -1).sort(1).values if kk else topi
     exact_long = (srt[:, :kk] == ref_sorted).all(1) & (dups == 0) if kk else torch.ones(rw, dtype=torch.bool)
     exact = torch.where(short, ~pad_err, exact_long & ~pad_err)
-    col = Collector()
-    for r in (~exact | (below > 0) | (dups > 0) | oor.any(1)).nonzero().flatten().tolist():
-        L = int(lens[r])
-        kinds = []
-        if bool(pad_err[r]):
-            kinds.append("padding")
-        if int(dups[r]):
-            kinds.append("duplicates")
-        if bool(oor[r].any()):
-            kinds.append("out_of_range")
-        if int(below[r]):
-            kinds.append("below_threshold")
-        if not kinds:
-            kinds.append("tie_swap")          # a different set, every index within the tie rule
-        for kd in kinds:
-            col.count(kd)
-        detail = f"row {r} (length {L}, k {k}): {', '.join(kinds)}"
-        f = {"class": kinds[0], "classes": kinds, "row": r, "length": L,
-             "recall": float(recall[r]), "duplicates": int(dups[r]),
-             "out_of_range": int(oor[r].sum()), "below_threshold": int(below[r])}
-        if not bool(short[r]) and kk:
-            bad = srt[r][s_in[r] & ~acceptable[r]][:5].tolist()
-            f.update({"kth_score": float(kth[r]), "tol": float(row_tol[r]), "first_below": bad,
-                      "first_below_scores": [float(s[r, j]) for j in bad]})
-            if bad:
-                detail += (f"; e.g. index {bad[0]} scores {float(s[r, bad[0]]):.6g} < k-th "
-                           f"{float(kth[r]):.6g} - tol {float(row_tol[r]):.3g}")
-        else:
-            wrong = (idx[r] != want_short[r]).nonzero().flatten()[:1].tolist()
-            if wrong:
-                c = wrong[0]
-                detail += f"; position {c} holds {int(idx[r, c])}, expected {int(want_short[r, c])}"
-        f["where"] = detail
-        col.keep(f)
-    sel_cols = torch.zeros(rw, w + 1, dtype=torch.bool).scatter_(1, torch.where(s_in, srt, w), True)[:, :w]
-    kept = selection_metrics(s, lens, sel_cols, k, row_tol, recall)
-    metrics = {"topk_rows_not_exact_frac": float((~exact).sum()) / rw if rw else 0.0,
-               "topk_recall_min": float(recall.min()) if rw else 1.0,
-               "topk_jaccard_min": float(jacc.min()) if rw else 1.0,
-               "topk_padding_errors": int(pad_err.sum()),
-               "topk_duplicates": int(dups.sum()),
-               "topk_out_of_range": int(oor.sum()),
-               "topk_below_threshold": int(below.sum()),
+    return SimpleNamespace(idx=idx, s=s, lens=lens, k=k, kk=kk, nan_scores=nan_scores, short=short,
+                           want_short=want_short, oor=oor, srt=srt, dups=dups, s_in=s_in, kth=kth,
+                           row_tol=row_tol, acceptable=acceptable, below=below, recall=recall, jacc=jacc,
+                           pad_err=pad_err, exact=exact)
+
+
+def _row_finding(t: SimpleNamespace, r: int) -> dict:
+    """The finding of row r (its classes first: padding, duplicates, out_of_range,
+    below_threshold, or tie_swap when the set differs within the tie rule)."""
+    L = int(t.lens[r])
+    kinds = []
+    if bool(t.pad_err[r]):
+        kinds.append("padding")
+    if int(t.dups[r]):
+        kinds.append("duplicates")
+    if bool(t.oor[r].any()):
+        kinds.append("out_of_range")
+    if int(t.below[r]):
+        kinds.append("below_threshold")
+    if not kinds:
+        kinds.append("tie_swap")          # a different set, every index within the tie rule
+    detail = f"row {r} (length {L}, k {t.k}): {', '.join(kinds)}"
+    f = {"class": kinds[0], "classes": kinds, "row": r, "length": L,
+         "recall": float(t.recall[r]), "duplicates": int(t.dups[r]),
+         "out_of_range": int(t.oor[r].sum()), "below_threshold": int(t.below[r])}
+    if not bool(t.short[r]) and t.kk:
+        bad = t.srt[r][t.s_in[r] & ~t.acceptable[r]][:5].tolist()
+        f.update({"kth_score": float(t.kth[r]), "tol": float(t.row_tol[r]), "first_below": bad,
+                  "first_below_scores": [float(t.s[r, j]) for j in bad]})
+        if bad:
+            detail += (f"; e.g. index {bad[0]} scores {float(t.s[r, bad[0]]):.6g} < k-th "
+                       f"{float(t.kth[r]):.6g} - tol {float(t.row_tol[r]):.3g}")
+    else:
+        wrong = (t.idx[r] != t.want_short[r]).nonzero().flatten()[:1].tolist()
+        if wrong:
+            c = wrong[0]
+            detail += f"; position {c} holds {int(t.idx[r, c])}, expected {int(t.want_short[r, c])}"
+    f["where"] = detail
+    return f
+
+
+def _topk_metrics(t: SimpleNamespace, kept: dict, rw: int) -> dict:
+    metrics = {"topk_rows_not_exact_frac": float((~t.exact).sum()) / rw if rw else 0.0,
+               "topk_recall_min": float(t.recall.min()) if rw else 1.0,
+               "topk_jaccard_min": float(t.jacc.min()) if rw else 1.0,
+               "topk_padding_errors": int(t.pad_err.sum()),
+               "topk_duplicates": int(t.dups.sum()),
+               "topk_out_of_range": int(t.oor.sum()),
+               "topk_below_threshold": int(t.below.sum()),
                "topk_mass_kept_min": float(kept["mass"].min()) if rw else 1.0}
     lost = kept["rank_lost"][~torch.isnan(kept["rank_lost"])]
     if lost.numel():
@@ -287,14 +318,7 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
     for top_m in TOP_M:
         if f"top{top_m}" in kept:
             metrics[f"topk_top{top_m}_kept_min"] = float(kept[f"top{top_m}"].min()) if rw else 1.0
-    if rows is not None:
-        rows.update(recall=recall, exact=exact, mass=kept["mass"], lengths=lens)
-    notes = []
-    if nan_scores:
-        metrics["nonfinite_inputs"] = nan_scores
-        notes.append(f"{nan_scores} NaN reference score(s) in the valid region")
-    return col.report(op, metrics, notes)
-
+    return metrics
 
 
 def recall_rows(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: int) -> list[list]:

@@ -22,11 +22,12 @@ from xml.etree import ElementTree as ET
 import pandas as pd
 
 from harness.errors import ReportError
+from harness.io import escape, report_shape, safe_input
 
 SCHEMA = "mxval-report"
 SCHEMA_VERSION = 1
 COLUMNS = ["case", "suite", "backend", "status", "ok", "reason", "seconds", "context", "shape",
-           "description", "expect_nonfinite"]
+           "description", "expect_nonfinite", "gpu_peak_bytes", "tensor_bytes"]
 OBJECT_COLUMNS = ["violations", "findings", "summaries", "details", "planted"]
 STATUS_STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "nonfinite_input": "magenta",
                 "skipped": "yellow"}
@@ -184,19 +185,61 @@ def _fmt(v) -> str:
     return f"{v:g}" if isinstance(v, (int, float)) else str(v)
 
 
+# --- GPU memory (harness.run.memory): the case's peak against its tensors' bytes ----------
+
+MEMORY_HEAD = "GPU peak"
+
+
+def has_memory(df: pd.DataFrame) -> bool:
+    """Whether any case measured its GPU peak (a GPU run): the reports then show it."""
+    return "gpu_peak_bytes" in df.columns and bool(df["gpu_peak_bytes"].notna().any())
+
+
+def memory_ratio(row) -> Optional[float]:
+    """The case's GPU peak over its tensors' bytes (None when either is unknown)."""
+    peak, tensors = _num(row.get("gpu_peak_bytes")), _num(row.get("tensor_bytes"))
+    return peak / tensors if peak is not None and tensors else None
+
+
+def memory_cell(row) -> str:
+    """`1.23 GiB (2.1×)`: the peak and its ratio to the case's tensors; "" when unmeasured."""
+    peak = _num(row.get("gpu_peak_bytes"))
+    if peak is None:
+        return ""
+    ratio = memory_ratio(row)
+    return f"{peak / 2**30:.2f} GiB" + (f" ({ratio:.1f}×)" if ratio is not None else "")
+
+
+def memory_note(df: pd.DataFrame) -> str:
+    """One line for the report heads: the largest peak and the largest ratio; "" on the CPU."""
+    if not has_memory(df):
+        return ""
+    ratios = [x for x in (memory_ratio(r) for _, r in df.iterrows()) if x is not None]
+    top = float(df["gpu_peak_bytes"].max())
+    return (f"GPU peak per case: largest {top / 2**30:.2f} GiB"
+            + (f", at most {max(ratios):.1f}× the case's tensors" if ratios else ""))
+
+
 def summary(df: pd.DataFrame, meta: Optional[dict] = None) -> dict:
     """Counts and the verdict. A run that was interrupted (`meta["interrupted"]`) is never
-    ok, whatever its finished cases say."""
+    ok, whatever its finished cases say; nor is one that checked nothing: every case
+    skipped, or no case at all (a merge of zero cases; but a shard that was given none)."""
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     out = {s: int(counts.get(s, 0)) for s in ("pass", "fail", "error", "nonfinite_input", "skipped")}
     out["cases"] = int(len(df))
     out["ok"] = bool(df["ok"].all()) if len(df) else True
-    if len(df) and out["skipped"] == len(df):      # every case skipped: nothing was checked, never a pass
+    sh = (meta or {}).get("shard")
+    empty_shard = isinstance(sh, dict) and not sh.get("cases")
+    if (len(df) and out["skipped"] == len(df)) or (not len(df) and not empty_shard):   # never a pass
         out["nothing_checked"] = True
         out["ok"] = False
     if (meta or {}).get("interrupted"):
         out["interrupted"] = True
         out["ok"] = False
+    if has_memory(df):
+        ratios = [x for x in (memory_ratio(r) for _, r in df.iterrows()) if x is not None]
+        out["gpu_peak_bytes_max"] = int(df["gpu_peak_bytes"].max())
+        out["gpu_peak_ratio_max"] = round(max(ratios), 3) if ratios else None
     return out
 
 
@@ -214,7 +257,7 @@ def verdict_word(s: dict) -> str:
     if s.get("interrupted"):
         return "INTERRUPTED"
     if s.get("nothing_checked"):
-        return "NOTHING CHECKED (every case skipped)"
+        return "NOTHING CHECKED (" + ("every case skipped)" if s.get("cases") else "no case)")
     return "OK" if s["ok"] else "FAILED"
 
 
@@ -256,12 +299,7 @@ def to_json(df: pd.DataFrame, meta: dict) -> dict:
 def load(report_dir) -> tuple[pd.DataFrame, dict]:
     """(DataFrame, run meta) from DIR/report.json. ReportError (one line) on a bad file."""
     path = Path(report_dir) / "report.json"
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise ReportError(f"{path}: cannot read: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ReportError(f"{path}: not valid JSON ({e})") from None
+    data = safe_input.load_json(path, error=ReportError)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ReportError(f"{path}: not an mxval report (schema {data.get('schema') if isinstance(data, dict) else None!r})")
     if data.get("version") != SCHEMA_VERSION:
@@ -277,6 +315,7 @@ def load(report_dir) -> tuple[pd.DataFrame, dict]:
     for key in ("interrupted", "shard", "budgets", "jobs"):      # read with .get by the renderers
         if run.get(key) is not None and not isinstance(run[key], dict):
             raise ReportError(f"{path}: run.{key} must be an object, got {type(run[key]).__name__}")
+    report_shape.check(data, path)                  # every field the renderers read: type and bounds
     return frame(data["cases"]), run
 
 
@@ -292,26 +331,30 @@ def wide_console():
 def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     from rich.table import Table
     console = console or wide_console()
-    t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}"
-                    f"{part_note(meta)}",
-              caption=meta.get("backend_description") or None, show_lines=False)
-    for col in ("case", "status", *OVERVIEW, "s", "reason"):
+    t = Table(title=escape.rich(f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on "
+                                f"{meta.get('backend', '')}{part_note(meta)}"),
+              caption=escape.rich(meta.get("backend_description")) if meta.get("backend_description") else None,
+              show_lines=False)
+    mem = has_memory(df)
+    for col in ("case", "status", *OVERVIEW, *([MEMORY_HEAD] if mem else []), "s", "reason"):
         t.add_column(col, overflow="fold", max_width=60 if col == "reason" else None)
     for _, r in df.iterrows():
         st = r["status"]
-        t.add_row(str(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{st}[/]", *overview_cells(r),
-                  f"{_num(r['seconds']) or 0:.1f}", str(r["reason"] or ""))
+        t.add_row(escape.rich(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{escape.rich(st)}[/]", *overview_cells(r),
+                  *([memory_cell(r)] if mem else []), f"{_num(r['seconds']) or 0:.1f}", escape.rich(r["reason"] or ""))
     console.print(t)
     console_selection(df, console)
     s = summary(df, meta)
     verdict = "[green]OK[/]" if s["ok"] else f"[bold red]{verdict_word(s)}[/]"
     if s.get("interrupted"):
-        console.print(f"[bold red]{_interrupt_note(meta)}[/]")
+        console.print(f"[bold red]{escape.rich(_interrupt_note(meta))}[/]")
     console.print(f"{verdict}: {s['pass']} pass, {s['fail']} fail, {s['error']} error, "
                   f"{s['nonfinite_input']} non-finite input, {s['skipped']} skipped")
+    if memory_note(df):
+        console.print(memory_note(df))
     if meta.get("budgets_off"):
-        console.print(f"[yellow]checks turned off[/] by {(meta.get('budgets') or {}).get('path', '')}: "
-                      + "; ".join(meta["budgets_off"]))
+        console.print(f"[yellow]checks turned off[/] by {escape.rich((meta.get('budgets') or {}).get('path', ''))}: "
+                      + escape.rich("; ".join(map(str, meta["budgets_off"]))))
 
 
 def _selection_rows(df: pd.DataFrame) -> list[tuple[str, str, dict]]:
@@ -343,7 +386,7 @@ def console_selection(df: pd.DataFrame, console) -> None:
     note = (f"{len(same)} case(s) select exactly the reference's top-k at the stage and across the chain"
             + (f": {', '.join(same)}" if len(same) <= 8 else ""))
     if not rows:
-        console.print(f"does the difference matter? no: {note}")
+        console.print(f"does the difference matter? no: {escape.rich(note)}")
         return
     t = Table(title="does the difference matter? the top-k selection against the exact one",
               caption=_proxy(), show_lines=False)
@@ -351,10 +394,10 @@ def console_selection(df: pd.DataFrame, console) -> None:
         t.add_column(col, overflow="fold", max_width=70 if col == "verdict" else None)
     for case, where, v in rows:
         lost = (v.get("topk_recall_min") or 1) < 1
-        t.add_row(case, where, *_sel_cells(v), "[bold red]keys lost[/]" if lost else v["verdict"])
+        t.add_row(escape.rich(case), where, *_sel_cells(v), "[bold red]keys lost[/]" if lost else escape.rich(v["verdict"]))
     console.print(t)
     if same:
-        console.print(note)
+        console.print(escape.rich(note))
 
 
 class CaseLines:
@@ -381,8 +424,9 @@ class CaseLines:
         reason = str(r.get("reason") or "").splitlines()[0] if r.get("reason") else ""
         if len(reason) > 140:
             reason = reason[:139] + "…"
-        print(f"[{self.n}/{self.total}] {r.get('case')}: {status} ({_num(r.get('seconds')) or 0:.1f} s)"
-              + (f": {reason}" if reason else ""), file=self.stream, flush=True)
+        print(escape.terminal(f"[{self.n}/{self.total}] {r.get('case')}: {status} "
+                              f"({_num(r.get('seconds')) or 0:.1f} s)" + (f": {reason}" if reason else "")),
+              file=self.stream, flush=True)
 
 
 # --- markdown --------------------------------------------------------------------------------
@@ -396,6 +440,8 @@ def _where_lines(r, n: int = 6) -> list[str]:
 
 def markdown(df: pd.DataFrame, meta: dict) -> str:
     s = summary(df, meta)
+    mem = has_memory(df)
+    heads = OVERVIEW + ([MEMORY_HEAD] if mem else [])
     lines = [f"### mxval {meta.get('command', '')}: `{meta.get('suite', '')}` on `{meta.get('backend', '')}`"
              f"{part_note(meta)} "
              f"— {'✅ OK' if s['ok'] else '❌ ' + verdict_word(s)}", "",
@@ -406,11 +452,13 @@ def markdown(df: pd.DataFrame, meta: dict) -> str:
              *([f"backend: {meta['backend_description']}", ""] if meta.get("backend_description") else []),
              *([f"> **checks turned off** by the budgets file: {'; '.join(f'`{x}`' for x in meta['budgets_off'])}", ""]
                if meta.get("budgets_off") else []),
-             "| case | status | " + " | ".join(OVERVIEW) + " | reason |",
-             "|---|---|" + "---|" * len(OVERVIEW) + "---|"]
+             *([memory_note(df), ""] if mem else []),
+             "| case | status | " + " | ".join(heads) + " | reason |",
+             "|---|---|" + "---|" * len(heads) + "---|"]
     for _, r in df.iterrows():
         reason = str(r["reason"] or "").replace("|", "\\|")
-        lines.append(f"| {r['case']} | {r['status']} | " + " | ".join(overview_cells(r)) + f" | {reason} |")
+        cells = overview_cells(r) + ([memory_cell(r)] if mem else [])
+        lines.append(f"| {r['case']} | {r['status']} | " + " | ".join(cells) + f" | {reason} |")
     sel = _selection_rows(df)
     if sel:
         lines += ["", "#### Does the difference matter? The top-k selection against the exact one", "",
@@ -459,6 +507,11 @@ def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return _mismatch_maps(df, plt) + _error_histograms(df, plt) + _recall_plot(df, plt)
+
+
+def _mismatch_maps(df: pd.DataFrame, plt) -> list:
+    """A mismatch map per case with K-cache mismatches (at most MAX_MAPS)."""
     import numpy as np
     from matplotlib.colors import LinearSegmentedColormap, Normalize
     out = []
@@ -487,9 +540,15 @@ def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
                                            for i, p in enumerate(pages)])
         ax.set_xlabel("entry in page")
         fig.colorbar(im, ax=ax, label="mismatched bytes (white: none)")
-        ax.set_title(f"{r['case']}: mismatched K-cache bytes by page and entry")
+        ax.set_title(escape.mathtext(f"{escape.terminal(r['case'])}: mismatched K-cache bytes by page and entry"))
         out.append((str(r["case"]), f"Mismatch map of {r['case']} (pages with a mismatch, bytes per entry)",
                     _png(fig)))
+    return out
+
+
+def _error_histograms(df: pd.DataFrame, plt) -> list:
+    """The pooled ulp distances and the scorer's relative errors over all cases."""
+    out = []
     ulp: dict[str, int] = {}
     errs = []
     for _, r in df.iterrows():
@@ -501,7 +560,7 @@ def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
         if ulp:
             keys = list(ulp)
-            axes[0].bar(keys, [ulp[k] for k in keys], color="tab:blue")
+            axes[0].bar([escape.mathtext(k) for k in keys], [ulp[k] for k in keys], color="tab:blue")
             axes[0].set_yscale("log")
             axes[0].set_xlabel("bf16 ulps from the reference")
             axes[0].set_ylabel("pooled values")
@@ -512,6 +571,13 @@ def _figures(df: pd.DataFrame) -> list[tuple[Optional[str], str, str]]:
             axes[1].set_ylabel("logits")
             axes[1].set_title("scorer: relative error")
         out.append((None, "Error histograms over all cases", _png(fig)))
+    return out
+
+
+def _recall_plot(df: pd.DataFrame, plt) -> list:
+    """Top-k recall per query row against its length."""
+    import numpy as np
+    out = []
     rec = []
     for _, r in df.iterrows():
         rec += [p for p in (r["details"] or {}).get("recall_rows") or [] if len(p) >= 3]
@@ -663,6 +729,13 @@ section.case.bad{border-top-color:#c00}.stage{margin:.8em 0 .8em 1em}.stage.chai
 .toolbar{margin:.6em 0}#cases td:first-child{white-space:nowrap}.toolbar input{width:24em}.top{font-size:12px;margin-left:1em}"""
 
 
+def _memory_td(r) -> str:
+    peak = _num(r.get("gpu_peak_bytes"))
+    if peak is None:
+        return "<td data-v=''></td>"
+    return f"<td data-v='{peak!r}' data-n='{peak!r}'>{_html.escape(memory_cell(r))}</td>"
+
+
 def html(df: pd.DataFrame, meta: dict) -> str:
     """One self-contained page: the overview table (sortable by any column, filtered by a text
     box and a status menu, failing cases first, each case linked to its section), the figures,
@@ -671,7 +744,8 @@ def html(df: pd.DataFrame, meta: dict) -> str:
     s = summary(df, meta)
     e = _html.escape
     order = case_order(df)
-    cols = ["case", "status", *OVERVIEW, "seconds", "reason"]
+    mem = has_memory(df)
+    cols = ["case", "status", *OVERVIEW, *([MEMORY_HEAD] if mem else []), "seconds", "reason"]
     rows = []
     for i in order:
         r = df.iloc[i]
@@ -682,6 +756,7 @@ def html(df: pd.DataFrame, meta: dict) -> str:
                  f"<td data-v='{STATUS_ORDER.get(st, 5)}{e(st)}'><span class='{e(st)}'>{e(st)}</span></td>",
                  *["<td data-v=''></td>" if v is None else f"<td data-v='{v!r}' data-n='{v!r}'>{e(_fmt(v))}</td>"
                    for v in nums[:-1]],
+                 *([_memory_td(r)] if mem else []),
                  f"<td data-v='{nums[-1]!r}' data-n='{nums[-1]!r}'>{nums[-1]:.1f}</td>",
                  f"<td data-v='{e(str(r['reason'] or ''))}'>{e(str(r['reason'] or ''))}</td>"]
         rows.append(f"<tr data-status='{e(st)}' data-ok='{int(bool(r['ok']))}'>" + "".join(cells) + "</tr>")
@@ -719,6 +794,7 @@ def html(df: pd.DataFrame, meta: dict) -> str:
 <p>{s['pass']} pass, {s['fail']} fail, {s['error']} error, {s['nonfinite_input']} non-finite input, {s['skipped']} skipped ·
 {e(str(meta.get('machine', '')))} · {e(str(meta.get('started', '')))} · budgets {e(str((meta.get('budgets') or {}).get('path', '')))}</p>
 <p>backend: {e(str(meta.get('backend_description', '')))}</p>
+{f"<p>{e(memory_note(df))}</p>" if mem else ""}
 {f"<p><b>checks turned off</b> by the budgets file: {e('; '.join(meta['budgets_off']))}</p>" if meta.get('budgets_off') else ''}
 <h2 id="overview">Cases</h2>
 <p>Failing cases first; click a column to sort, a case to open its section. The chain columns compare
@@ -767,7 +843,7 @@ def junit(df: pd.DataFrame, meta: dict) -> str:
             ET.SubElement(tc, "error", message="cancelled: the run was interrupted")
         suite.set("errors", str(s["error"] + len((meta.get("interrupted") or {}).get("cancelled") or [])))
         suite.set("tests", str(s["cases"] + len((meta.get("interrupted") or {}).get("cancelled") or [])))
-    return ET.tostring(suite, encoding="unicode")
+    return ET.tostring(escape.xml_tree(suite), encoding="unicode")
 
 
 # --- all of them -------------------------------------------------------------------------------
@@ -790,8 +866,8 @@ def write_all(df: pd.DataFrame, meta: dict, out_dir, *, json_source: Optional[Pa
     atomic.write_text(paths["md"], markdown(df, meta))
     atomic.write_text(paths["html"], html(df, meta))
     atomic.write_text(paths["junit"], junit(df, meta))
-    atomic.write_text(paths["csv"], df[[c for c in COLUMNS if c in df.columns] + metric_columns(df)]
-                      .to_csv(index=False))
+    atomic.write_text(paths["csv"], escape.csv_frame(df[[c for c in COLUMNS if c in df.columns]
+                                                       + metric_columns(df)]).to_csv(index=False))
     if json_source is None:
         atomic.write_text(paths["json"], json.dumps(to_json(df, meta), indent=1, default=str))
     elif not _same_file(json_source, paths["json"]):
@@ -812,7 +888,9 @@ def default_dir(name: str, root="reports") -> Path:
     """A fresh directory `<root>/<name>-<YYYYmmdd-HHMMSS>-<pid>[-n]`, created here: two runs
     started in the same second (or one pid reused) never share one."""
     import datetime
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", name)      # suite and backend names become one path part
+
+    from harness.io.atomic import safe_name
+    name = safe_name(name)                            # suite and backend names become one path part
     base = f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     Path(root).mkdir(parents=True, exist_ok=True)
     for n in range(1000):

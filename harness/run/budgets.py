@@ -38,7 +38,8 @@ from typing import Iterable, Optional
 
 from harness.diff.metrics import CHAIN, METRICS, OFF, Limit, bare, emitted_by, is_chain, judge, op_emits, required_keys
 from harness.errors import InputError
-from harness.run.cases import BUDGETS_FILE, CASES_DIR, tomllib
+from harness.io import safe_input
+from harness.run.cases import BUDGETS_FILE, CASES_DIR
 from reference.ops import OPS
 
 __all__ = ["BudgetError", "Budgets", "Limit", "OFF", "load", "verdict"]
@@ -190,13 +191,7 @@ def load(path: Path | str | None = None) -> Budgets:
     (one line naming the file, the scope and the key). Whether the file fits a run (every
     required metric bounded) is `Budgets.check_run`."""
     path = Path(path) if path is not None else default_path()
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise BudgetError(f"{path}: cannot read budgets file: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise BudgetError(f"{path}: malformed TOML: {e}") from None
+    data = safe_input.load_toml(path, error=BudgetError)
     extra = set(data) - {"default", "suite", "case"}
     if extra:
         raise BudgetError(f"{path}: unknown top-level key(s) {sorted(extra)} (known: default, suite, case)")
@@ -233,15 +228,39 @@ def verdict(row: dict, budgets: Budgets, suite: str) -> dict:
             row["reason"] += " (the case does not declare expect_nonfinite = true)"
     else:
         row["violations"] = budgets.check(row.get("metrics", {}), suite, row["case"])
-        if row.get("expect_nonfinite"):
+        not_judged = row.get("not_judged")
+        nondet = row.get("nondeterministic")
+        if nondet:                # its own failure class: the same inputs gave other bytes
+            row.update(status="fail", ok=False,
+                       reason=f"nondeterministic: {nondet[0]}" + (f" (+{len(nondet) - 1} more)" if len(nondet) > 1 else "")
+                       + (f"; {first_failing_stage(row['violations'])} fails too" if row["violations"] else ""))
+        elif row.get("expect_nonfinite"):
             row.update(status="fail", ok=False,
                        reason="planted non-finite inputs were not reported as non-finite "
                               f"({'; '.join(row.get('planted') or []) or 'nothing planted'})")
         elif row["violations"]:
             v = row["violations"]
+            first = first_failing_stage(v)
             row.update(status="fail", ok=False,
-                       reason="; ".join(f"{x['metric']} {x['why']}" for x in v[:3])
-                       + (f" (+{len(v) - 3} more)" if len(v) > 3 else ""))
+                       reason=(f"{first} fails: " if first else "")
+                       + "; ".join(f"{x['metric']} {x['why']}" for x in v[:3])
+                       + (f" (+{len(v) - 3} more)" if len(v) > 3 else "")
+                       + (f"; {not_judged}" if not_judged else ""))
+        elif not_judged:          # a stage the reference could not judge is never a pass
+            row.update(status="fail", ok=False, reason=not_judged)
         else:
             row.update(status="pass", ok=True)
     return row
+
+
+_STAGE_ORDER = {"pooling": 0, "k_writer": 1, "pool_k": 1, "q_quant": 2, "scorer": 3, "topk": 4}
+
+
+def first_failing_stage(violations: list[dict]) -> str:
+    """The op, in chain order, of the first violated `<op>.<metric>` (`chain.*` only when no
+    stage broke a budget); "" when none names an op."""
+    ops = [v["metric"].split(".")[0] for v in violations]
+    staged = [o for o in ops if o in OPS]
+    if staged:
+        return min(staged, key=lambda o: _STAGE_ORDER.get(OPS[o].stage, 9))
+    return "chain" if any(o == "chain" for o in ops) else ""

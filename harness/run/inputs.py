@@ -79,7 +79,8 @@ def geometry(case: Case) -> Geometry:
 # allocation that the machine cannot survive).
 MAX_POOL_BYTES = 2 ** 32          # the K pool (4 GiB; the largest suite pool is 2.2 GiB)
 MAX_Q_ELEMENTS = 2 ** 30          # step tokens x heads x head dim
-MAX_LOGITS = 2 ** 28              # step tokens x the widest row (fp64 reference logits: 2 GiB)
+MAX_LOGITS = 2 ** 31              # one step's tokens x the widest row (fp64 reference logits: 16 GiB;
+                                  # the GPU suite's 65537-row top-k call needs just over 2^30)
 
 
 def _check_sizes(case: Case, r: int, ps: int, stride: int, heads: int, d: int) -> None:
@@ -95,10 +96,15 @@ def _check_sizes(case: Case, r: int, ps: int, stride: int, heads: int, d: int) -
     if steps * heads * d > MAX_Q_ELEMENTS:
         raise CaseError(f"{where}: seqs: {steps} step tokens x {heads} heads x {d} dims exceed the "
                         f"{MAX_Q_ELEMENTS} query elements a case may take")
-    width = max(s.len for s in case.seqs) // r + 1
-    if steps * width > MAX_LOGITS:
-        raise CaseError(f"{where}: seqs: {steps} step tokens x {width} logits columns exceed the "
-                        f"{MAX_LOGITS} logits a case may take")
+    width = max(max(s.len for s in case.seqs) // r + 1, (case.table_pages or 0) * ps)
+    if case.table_pages is not None and case.table_pages < max(needs):
+        raise CaseError(f"{where}: table_pages: {case.table_pages} < the {max(needs)} pages the longest "
+                        f"sequence needs")
+    n_steps = max(len(s.steps()) for s in case.seqs)
+    step_rows = max(sum(e - b for s in case.seqs for b, e in s.steps()[i:i + 1]) for i in range(n_steps))
+    if step_rows * width > MAX_LOGITS:
+        raise CaseError(f"{where}: seqs: {step_rows} tokens in one step x {width} logits columns exceed "
+                        f"the {MAX_LOGITS} logits a step may take")
 
 
 @dataclass
@@ -241,6 +247,35 @@ def _edge_blocks(x: torch.Tensor, gen: torch.Generator, start: int, values, amax
     return x
 
 
+# Narrow band: every key shares one NoPE vector (a positive direction, as a trained
+# indexer's keys share a large common component) and carries a small RoPE part; queries
+# point their NoPE dims along the same direction and head weights are positive. Scores then
+# sit in a band about 1 % wide, away from zero, yet distinct well beyond the
+# top-k tolerance (1e-4 of the row's largest score).
+NARROW_ROPE_SCALE = 0.05
+
+
+def narrow_band_base(d: int, gen: torch.Generator) -> torch.Tensor:
+    return 2.0 + torch.rand(d, generator=gen) * 2.0
+
+
+def narrow_keys(x: torch.Tensor, base: torch.Tensor, d: int) -> torch.Tensor:
+    """x [N, k*D] (k D-wide halves): the NoPE dims of each half set to `base`, the RoPE
+    dims scaled down."""
+    nope = base.shape[0]
+    halves = x.reshape(x.shape[0], -1, d).clone()
+    halves[..., :nope] = base
+    halves[..., nope:] *= NARROW_ROPE_SCALE
+    return halves.reshape(x.shape)
+
+
+def narrow_queries(q: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D]: NoPE dims along `base` (unit RMS), RoPE dims kept."""
+    q = q.clone()
+    q[..., :base.shape[0]] = base / base.pow(2).mean().sqrt()
+    return q
+
+
 # --- building the case ---------------------------------------------------------------
 
 def _tokens(case: Case, geo: Geometry, ranges: dict[int, tuple[int, int]],
@@ -277,7 +312,7 @@ def _pages(case: Case, needs: list[int], gen: torch.Generator) -> tuple[int, tor
         phys = torch.arange(pool - total, pool)
     else:
         phys = torch.arange(total)
-    table = torch.zeros(len(needs), max(needs), dtype=torch.int32)
+    table = torch.zeros(len(needs), max(max(needs), case.table_pages or 0), dtype=torch.int32)
     at = 0
     for b, n in enumerate(needs):
         table[b, :n] = phys[at:at + n].to(torch.int32)
@@ -293,21 +328,31 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
     seqs = case.seqs
     max_len = max(s.len for s in seqs)
 
-    # State cache: every position of every sequence, through permuted state blocks.
+    # State cache: every position of every sequence, through permuted state blocks. With
+    # direct history only the blocks the steps' pooling windows reach are materialized; the
+    # blocks before them all map to the one spare block (never read).
     sb = case.state_block
+    direct = case.history == "direct"
     blocks = [-(-s.len // sb) for s in seqs]
-    n_blocks = sum(blocks) + 1
+    skip = [max(0, s.steps()[0][0] - 2 * r) // sb if direct else 0 for s in seqs]
+    n_blocks = sum(blocks) - sum(skip) + 1
     perm = torch.randperm(n_blocks, generator=gen)
     state_bt = torch.zeros(len(seqs), max(blocks), dtype=torch.int32)
     at = 0
     for b, n in enumerate(blocks):
-        state_bt[b, :n] = perm[at:at + n].to(torch.int32)
-        at += n
+        state_bt[b, :skip[b]] = int(perm[-1])
+        state_bt[b, skip[b]:n] = perm[at:at + n - skip[b]].to(torch.int32)
+        at += n - skip[b]
     state = torch.randn(n_blocks, sb, 4 * d, generator=gen) * _GARBAGE
-    all_pos = torch.cat([torch.arange(s.len) for s in seqs])
-    all_req = torch.cat([torch.full((s.len,), b) for b, s in enumerate(seqs)])
+    lo = [k * sb for k in skip]
+    all_pos = torch.cat([torch.arange(lo[b], s.len) for b, s in enumerate(seqs)])
+    all_req = torch.cat([torch.full((s.len - lo[b],), b) for b, s in enumerate(seqs)])
     kv = shape_values(torch.randn(len(all_pos), 2 * d, generator=gen) * case.scale, case.dist,
                       gen, kind="kv", group=r)
+    narrow = "narrow_band" in case.dist
+    band = narrow_band_base(d - geo.rope_dim, gen) if narrow else None
+    if narrow:
+        kv = narrow_keys(kv, band, d)
     score = torch.randn(len(all_pos), 2 * d, generator=gen) * 2.0
     ape = torch.randn(r, 2 * d, generator=gen) * 0.5
     planted: list[str] = []
@@ -319,7 +364,7 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
             e0 = seqs[b].steps()[0][1]
             for p in range(s0, e0):
                 if (p + 1) % r == 0:
-                    return sum(x.len for x in seqs[:b]) + p, p
+                    return sum(x.len - lo[i] for i, x in enumerate(seqs[:b])) + p - lo[b], p
         return None, None
 
     for pl in case.plant:
@@ -350,6 +395,10 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
 
     hist = {b: (0, s.history) for b, s in enumerate(seqs)}
     history = _tokens(case, geo, hist, k_bt) if any(e > 0 for _, e in hist.values()) else None
+    if history is not None and direct:
+        # history entries straight from random K rows: pooling runs on the steps only
+        hk = shape_values(torch.randn(history.n, d, generator=gen) * case.scale, case.dist, gen, kind="k")
+        history.k = (narrow_keys(hk, band, d) if narrow else hk).to(torch.bfloat16)
     n_steps = max(len(s.steps()) for s in seqs)
     steps = []
     wdt = torch.bfloat16 if case.weights_dtype == "bfloat16" else torch.float32
@@ -359,7 +408,10 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
         q = shape_values(torch.randn(t.n, h, d, generator=gen) * case.scale, case.dist, gen, kind="q")
         t.weights = torch.randn(t.n, h, generator=gen)
         t.k = shape_values(torch.randn(t.n, d, generator=gen) * case.scale, case.dist, gen,
-                           kind="k").to(torch.bfloat16)
+                           kind="k")
+        if narrow:
+            q, t.weights, t.k = narrow_queries(q, band), t.weights.abs(), narrow_keys(t.k, band, d)
+        t.k = t.k.to(torch.bfloat16)
         if i == 0:
             for pl in case.plant:
                 if pl.tensor == "q":

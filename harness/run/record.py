@@ -2,7 +2,7 @@
 dump) and the run's metadata (`run` in report.json).
 
 A row holds the raw results of one case: outcome (ok | error | nonfinite_input |
-skipped), reason, the metrics (`<op>.<metric>`, `chain.<metric>`), the first findings of
+skipped), reason, the seconds, the GPU memory (peak and tensor bytes), the metrics (`<op>.<metric>`, `chain.<metric>`), the first findings of
 each stage, the per-step summaries and the plot details. `budgets.verdict` adds the verdict.
 """
 from __future__ import annotations
@@ -41,12 +41,15 @@ def jsonable(x):
 
 def row(name: str, suite: str, backend: str, *, outcome: str = "ok", reason: str = "",
         description: str = "", shape: str = "", context: Optional[int] = None,
-        expect_nonfinite: bool = False, seconds: float = 0.0, **results) -> dict:
-    """A report row; `results` may set metrics, findings, summaries, details, planted."""
+        expect_nonfinite: bool = False, seconds: float = 0.0, gpu_peak_bytes: Optional[int] = None,
+        tensor_bytes: Optional[int] = None, **results) -> dict:
+    """A report row; `results` may set metrics, findings, summaries, details, planted.
+    `gpu_peak_bytes` and `tensor_bytes`: harness.run.memory (None where not measured)."""
     out = {"case": name, "suite": suite, "backend": backend, "outcome": outcome, "reason": reason,
            "description": description, "shape": shape, "context": context,
            "expect_nonfinite": expect_nonfinite, "planted": [], "metrics": {}, "findings": [],
-           "summaries": {}, "details": {}, "seconds": seconds}
+           "summaries": {}, "details": {}, "seconds": seconds,
+           "gpu_peak_bytes": gpu_peak_bytes, "tensor_bytes": tensor_bytes}
     unknown = set(results) - {"planted", "metrics", "findings", "summaries", "details"}
     if unknown:
         raise TypeError(f"row: unknown field(s) {sorted(unknown)}")

@@ -26,6 +26,7 @@ import reference
 from harness.diff import aggregate, diff_op
 from harness.diff.metrics import CHAIN, chain_key
 from harness.diff.scores import recall_rows
+from harness.run import memory
 from harness.run.cases import Case
 from harness.run.inputs import CaseInputs, build
 from harness.run.record import ROW_FINDINGS_PER_STAGE, case_row, jsonable
@@ -38,10 +39,20 @@ from reference.ops import OPS, op_of
 # Scorers are judged against the op table's fp64 scores: the diff compares the backend's fp32
 # logits to the true scores of the quantized operands, not to another fp32 rounding of them.
 MAX_MAP_POINTS = 4000
+MAP_CHUNK_BYTES = 1 << 24
 MAX_RECALL_POINTS = 1500
 
 
 class StageError(Exception):
+    def __init__(self, stage: str, step: int, message: str):
+        self.stage, self.step = stage, step
+        super().__init__(f"{stage} (step {step}): {message}")
+
+
+class NotJudged(Exception):
+    """A stage whose inputs (a backend's upstream output) the reference cannot take and no
+    reference substitute exists: this stage and the rest of the case are not judged."""
+
     def __init__(self, stage: str, step: int, message: str):
         self.stage, self.step = stage, step
         super().__init__(f"{stage} (step {step}): {message}")
@@ -89,13 +100,12 @@ class _Collector:
 
 def _mismatch_map(before: torch.Tensor, actual: torch.Tensor, expected: torch.Tensor,
                   geo, stage: str) -> list[list[int]]:
-    """[[page, entry, mismatched bytes], ...]; entry -1 for padding bytes."""
+    """[[page, entry, mismatched bytes], ...] of the first MAX_MAP_POINTS (page, entry)
+    pairs; entry -1 for padding bytes. Compared on the device, MAP_CHUNK_BYTES of pages at a
+    time: a pool of GiBs costs no pool-sized mask."""
     if actual.shape != expected.shape:
         return []
-    diff = (actual.cpu() != expected.cpu())
-    if not bool(diff.any()):
-        return []
-    page, off = diff.nonzero(as_tuple=True)
+    expected = expected.to(actual.device)
     ps, d = geo.page_size, geo.head_dim
     inv = torch.full((actual.shape[1],), -1, dtype=torch.long)
     t = torch.arange(ps)
@@ -105,10 +115,19 @@ def _mismatch_map(before: torch.Tensor, actual: torch.Tensor, expected: torch.Te
     else:
         inv[:ps * d] = t.repeat_interleave(d)
         inv[ps * d:ps * (d + 4)] = t.repeat_interleave(4)
-    entry = inv[off]
-    pairs, counts = torch.stack((page, entry), 1).unique(dim=0, return_counts=True)
-    out = torch.cat((pairs, counts[:, None]), 1)[:MAX_MAP_POINTS]
-    return out.tolist()
+    rows = max(1, MAP_CHUNK_BYTES // max(1, actual.shape[1]))
+    parts, n = [], 0
+    for p0 in range(0, actual.shape[0], rows):
+        diff = actual[p0:p0 + rows] != expected[p0:p0 + rows]
+        if not bool(diff.any()):
+            continue
+        page, off = (x.cpu() for x in diff.nonzero(as_tuple=True))
+        pairs, counts = torch.stack((page + p0, inv[off]), 1).unique(dim=0, return_counts=True)
+        parts.append(torch.cat((pairs, counts[:, None]), 1))
+        n += len(pairs)
+        if n >= MAX_MAP_POINTS:          # later pages sort after these
+            break
+    return torch.cat(parts)[:MAX_MAP_POINTS].tolist() if parts else []
 
 
 def _ulp_hist(actual: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor) -> dict:
@@ -184,19 +203,29 @@ class ChainRun:
                  recorder: Optional[Callable] = None):
         self.case, self.be, self.inp = case, backend, inputs
         self.recorder = recorder
+        self.out_bytes: dict[str, int] = {}    # op -> its largest step's output bytes
         self.col = _Collector()
         self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
                               "recall_rows": []}
         self.diff_op = diff_op                 # tests replace it to prove a check's teeth
+        self.nondeterministic: list[dict] = []     # runs of an op that did not repeat its bytes
 
     def scalars(self, op: str) -> dict:
         """The case's scalars of `op`, with the reference options the backend declares for it
         (`Backend.numerics`: what it computes where the reference offers a choice)."""
         return {**self.inp.scalars(op), **self.be.numerics.get(op, {})}
 
-    def _stage(self, op: str, step: int, ins: dict) -> dict:
+    def _stage(self, op: str, step: int, ins: dict, *,
+               fallback: Optional[Callable[[], dict]] = None) -> dict:
         """Reference and backend on `ins`; diff; the backend's outputs. Ops outside the
-        case's chain run through the reference only (they feed the ops under test)."""
+        case's chain run through the reference only (they feed the ops under test).
+
+        A backend's upstream output the reference cannot take (NaN/inf where the reference's
+        own is finite: that upstream stage already failed, with its findings) does not end
+        the case: with `fallback` (the same inputs with the reference's upstream output)
+        this stage runs and is judged on those, and `details["substituted"]` says so;
+        without one, NotJudged: this stage and the rest are not judged, and the case's
+        verdict is a failure (budgets.verdict)."""
         scalars = self.scalars(op)
         try:
             if reference.OPS[op].fp64 and op in self.case.ops:
@@ -206,7 +235,13 @@ class ChainRun:
         except NonFiniteInput as e:
             if self.inp.planted:
                 raise NonFiniteStage(op, step, e) from None
-            raise StageError(op, step, f"the reference rejects the backend's upstream output: {e}") from None
+            if fallback is not None:
+                self.details.setdefault("substituted", []).append(
+                    f"{op} (step {step}): run on the reference's upstream output where the backend's "
+                    f"was rejected ({e})")
+                return self._stage(op, step, fallback())
+            raise NotJudged(op, step, f"not judged: the reference cannot take the backend's upstream "
+                                      f"output ({e})") from None
         except ValueError as e:
             raise StageError(op, step, f"the reference rejects the inputs: {e}") from None
         if op not in self.case.ops:
@@ -222,17 +257,70 @@ class ChainRun:
         if not isinstance(actual, dict) or set(expected) - set(actual):
             raise StageError(op, step, f"backend {self.be.name} returned {type(actual).__name__} "
                                        f"without {sorted(set(expected) - set(actual or {}))}")
+        for run in range(2, self.case.repeat + 1):
+            self._same_bytes(op, step, run, actual,
+                             getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars),
+                             ins, scalars)
         try:
             report = self.diff_op(op, ins, scalars, actual, expected)
         except ValueError as e:
             raise StageError(op, step, f"cannot compare the backend's output: {e}") from None
         self.col.add(op, step, report)
+        self.out_bytes[op] = max(self.out_bytes.get(op, 0), memory.tensor_bytes(actual))
         if report.metrics.get("nonfinite_inputs") and self.inp.planted:
             raise NonFiniteStage(op, step, NonFiniteInput(op, int(report.metrics["nonfinite_inputs"]), []))
         if self.recorder:
             self.recorder(step, op, ins, scalars, actual)
         self._details(op, ins, actual, expected)
         return actual
+
+    def _same_bytes(self, op: str, step: int, run: int, first: dict, again, ins: dict, scalars: dict) -> None:
+        """Run `run` of a backend op on the same inputs must repeat the first run's bytes;
+        each output that does not is a `nondeterministic` finding with the bytes that changed.
+        Logits columns past a row's end are unspecified without `clean_logits` (NUMERICS.md
+        §6): only the valid region is compared there."""
+        for name, a in first.items():
+            b = again.get(name) if isinstance(again, dict) else None
+            if not isinstance(a, torch.Tensor):
+                continue
+            if not isinstance(b, torch.Tensor) or b.shape != a.shape or b.dtype != a.dtype:
+                changed, where = a.numel() * a.element_size(), "a different shape or dtype"
+            else:
+                if name == "logits" and not scalars.get("clean_logits") and a.dim() == 2:
+                    valid = (torch.arange(a.shape[1], device=a.device)[None, :]
+                             < ins["row_ends"].to(a.device).long()[:, None])
+                    a, b = a[valid], b[valid]
+                x = a.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+                y = b.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+                diff = (x != y).nonzero().flatten()
+                if diff.numel() == 0:
+                    continue
+                i = int(diff[0])
+                changed = int(diff.numel())
+                where = (f"{changed} of {x.numel()} bytes changed, first at byte {i}: "
+                         f"0x{int(x[i]):02x} in run 1, 0x{int(y[i]):02x} in run {run}")
+            self.nondeterministic.append({"stage": op, "step": step, "class": "nondeterministic", "output": name,
+                                          "run": run, "bytes_changed": changed,
+                                          "where": f"{op} (step {step}) output {name}: {where}"})
+
+    def _finite_logits(self, sc: str, step: int, logits_b, sins: dict, ref_sins: dict, row_ends):
+        """The backend's logits for top-k: NaN/inf inside a row's valid columns (the scorer
+        stage fails on them, with their findings) replaced by the reference's logits of the
+        same inputs, so that top-k is still judged."""
+        if self.inp.planted or sc not in self.case.ops:
+            return logits_b
+        valid = torch.arange(logits_b.shape[1], device=logits_b.device)[None, :] < row_ends.long()[:, None]
+        bad = valid & ~torch.isfinite(logits_b)
+        if not bool(bad.any()):
+            return logits_b
+        try:
+            ref = reference.OPS[sc].fn(**sins, **self.scalars(sc))["logits"]
+        except (NonFiniteInput, ValueError):
+            ref = reference.OPS[sc].fn(**ref_sins, **self.scalars(sc))["logits"]
+        self.details.setdefault("substituted", []).append(
+            f"topk (step {step}): {int(bad.sum())} non-finite logit(s) of the backend inside row ends "
+            f"replaced by the reference's (the scorer fails on them)")
+        return torch.where(bad, ref.to(logits_b.dtype), logits_b)
 
     def _details(self, op, ins, actual, expected):
         geo = self.inp.geo
@@ -285,14 +373,17 @@ class ChainRun:
         inp, h = self.inp, self.inp.history
         if h is None:
             return inp.kv_cache
-        if self.fused:
+        if self.fused and h.k is None:
             return reference.OPS[kw].fn(**self._fused_ins(h, inp.kv_cache), **self.scalars(kw))["kv_cache"]
-        pooled = reference.compress_pool(state_cache=inp.state_cache, block_table=inp.state_block_table,
-                                         positions=h.positions, req_index=h.req_index,
-                                         kv_slot_mapping=h.slot_mapping, **self.scalars("compress_pool"))["pooled"]
-        return reference.OPS[kw].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
+        # direct history (h.k given): entries from K rows, no pooling; written by the rocm
+        # path's writer on the cuda path too (history is only the pool the steps find)
+        wk = op_of(inp.geo.fmt, "k_writer", "rocm") if self.fused else kw
+        pooled = h.k if h.k is not None else reference.compress_pool(
+            state_cache=inp.state_cache, block_table=inp.state_block_table, positions=h.positions,
+            req_index=h.req_index, kv_slot_mapping=h.slot_mapping, **self.scalars("compress_pool"))["pooled"]
+        return reference.OPS[wk].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
                                     norm_weight=inp.norm_weight, slot_mapping=h.slot_mapping,
-                                    kv_cache=inp.kv_cache, **self.scalars(kw))["kv_cache"]
+                                    kv_cache=inp.kv_cache, **self.scalars(wk))["kv_cache"]
 
     def _k_step(self, kw: str, i: int, st, need_k: bool) -> None:
         """Pooling and the K writer of step i (or the fused pool+K op) on the backend's pool;
@@ -316,7 +407,7 @@ class ChainRun:
         if need_k:
             ins = dict(k=pooled_b, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
                        norm_weight=inp.norm_weight, slot_mapping=st.slot_mapping, kv_cache=self.pool_b)
-            self.pool_b = self._stage(kw, i, ins)["kv_cache"]
+            self.pool_b = self._stage(kw, i, ins, fallback=lambda: dict(ins, k=pooled_ref))["kv_cache"]
             self.chain_pool = reference.OPS[kw].fn(**{**ins, "k": pooled_ref, "kv_cache": self.chain_pool},
                                                    **self.scalars(kw))["kv_cache"]
             self._chain_entries(pooled_ref, st)
@@ -334,13 +425,14 @@ class ChainRun:
                        block_table=st.block_table, row_ends=st.row_ends)
         qk = ("q_fp8",) if inp.geo.fmt == "fp8" else ("q_fp4", "q_scale")
         sins = dict({n: q_b[n] for n in qk}, weights=q_b["weights"], kv_cache=self.pool_b, **geo_ins)
-        logits_b = self._stage(sc, i, sins)["logits"]
         q_ref = reference.OPS[qq].fn(**qins, **self.scalars(qq))
-        chain_logits = reference.OPS[sc].fp64(**dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"],
-                                              kv_cache=self.chain_pool, **geo_ins), **self.scalars(sc))
+        ref_sins = dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"], kv_cache=self.chain_pool, **geo_ins)
+        logits_raw = self._stage(sc, i, sins, fallback=lambda: ref_sins)["logits"]
+        logits_b = self._finite_logits(sc, i, logits_raw, sins, ref_sins, st.row_ends)
+        chain_logits = reference.OPS[sc].fp64(**ref_sins, **self.scalars(sc))
         idx_b = self._stage("topk", i, dict(logits=logits_b, lengths=st.row_ends))["indices"]
         if sc in ops:
-            self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_b},
+            self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_raw},
                                                 {"logits": chain_logits}))
         if "topk" in ops:
             chain_idx = reference.topk(logits=chain_logits, lengths=st.row_ends, k=inp.geo.topk)["indices"]
@@ -391,7 +483,8 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
     if missing:
         row.update(outcome="skipped", reason=f"backend {be.name} does not implement {', '.join(missing)}")
         return row
-    run = None
+    run = inp = None
+    peak = memory.Peak(be.device).start()
     try:
         inp = inputs if inputs is not None else build(case, be.device)
         row["planted"] = list(inp.planted)
@@ -404,6 +497,8 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
         run.run()
     except NonFiniteStage as e:
         row.update(outcome="nonfinite_input", reason=str(e))
+    except NotJudged as e:
+        row["not_judged"] = str(e)             # a failure, named by budgets.verdict
     except StageError as e:
         row.update(outcome="error", reason=str(e))
     except (BackendUnavailable, ValueError) as e:
@@ -414,9 +509,15 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
                                            f"({os.path.basename(tb.filename)}:{tb.lineno})")
     if run is not None:
         row["metrics"] = run.col.case_metrics()
-        row["findings"] = run.col.findings
+        row["findings"] = run.nondeterministic[:ROW_FINDINGS_PER_STAGE] + run.col.findings
+        if run.nondeterministic:
+            row["nondeterministic"] = [f["where"] for f in run.nondeterministic]
         row["summaries"] = {k: v for k, v in run.col.summaries.items()}
         row["details"] = run.details
+    peak.stop()
+    if inp is not None:
+        row["gpu_peak_bytes"] = peak.bytes
+        row["tensor_bytes"] = memory.tensor_bytes(inp) + (sum(run.out_bytes.values()) if run else 0)
     row["seconds"] = round(time.time() - t0, 3)
     return row
 

@@ -31,6 +31,7 @@ from harness.io import atomic, report
 from harness.run import budgets as B
 from harness.run import shard as S
 from harness.run.pipeline import Run
+from harness.run.signals import deferred, release
 from optimized import BackendUnavailable, get_backend
 from optimized import faults as F
 
@@ -177,7 +178,11 @@ def run(args, *, seeds: int, interpret_seeds: int) -> int:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic.write_text(path, text)
+    late = release()                          # the hold `run.execute` took: the report is whole now
     print(_summary_line(results, verdict, correct_rows, backends, len(items), len(all_plan), run) + f"; reports: {out}/")
+    if late and not run.stopped:
+        print(f"mxval: {late[0]} while the reports were written: they were finished first", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if run.stopped:
         print(f"mxval: interrupted: partial selftest report ({run.stopped['cases_done']} run(s) finished, "
               f"{len(run.stopped['cancelled'])} cancelled)", file=sys.stderr)
@@ -209,12 +214,13 @@ def plan(faults, backends, cases: dict, results: dict, *, seeds: int, quick: boo
     out: list[tuple[str, object, object]] = []
     for f in faults:
         if f.large and not large_ok:
-            results[f.name].skipped = ("needs a pool past 2 GiB: runs in the full selftest on a GPU, "
-                                       "or with --large" + (" (not with --quick)" if quick else ""))
+            results[f.name].skipped = ("needs a pool or logits buffer past 2 GiB: runs in the full selftest "
+                                       "on a GPU, or with --large" + (" (not with --quick)" if quick else ""))
             continue
         for name in f.cases:
             for i in range(1 if name in large_cases else fault_seeds):
                 out.append(("fault", f, with_seed(cases[name], i)))
+    scale = scale_cases()
     for be in backends:
         interp = be == "triton-interpret" and quick
         n = min(seeds, interpret_seeds) if interp else seeds
@@ -225,8 +231,15 @@ def plan(faults, backends, cases: dict, results: dict, *, seeds: int, quick: boo
                 continue
             if interp and name not in QUICK_INTERPRET_CASES:
                 continue
-            out += [("correct", be, with_seed(c, i)) for i in range(n)]
+            # --quick: the scale cases (thousands of rows) once each, the others on every seed
+            out += [("correct", be, with_seed(c, i)) for i in range(1 if quick and name in scale else n)]
     return out
+
+
+def scale_cases() -> set:
+    """Cases only the field's faults use (their sizes: thousands of rows, rows of 16k entries)."""
+    field = {c for f in F.FAULTS.values() if f.source for c in f.cases}
+    return field - {c for f in F.FAULTS.values() if not f.source for c in f.cases}
 
 
 def _verdict(results: dict, correct_rows: list, backends, notes, *, seeds: int, quick: bool, run: Run) -> dict:
@@ -283,7 +296,8 @@ def _alarm(row: dict) -> bool:
 def _fault_json(res: FaultResult) -> dict:
     f = res.fault
     worst = res.worst()
-    return {"name": f.name, "bug_class": f.bug_class, "caught": res.caught, "caught_by": res.caught_by,
+    return {"name": f.name, "bug_class": f.bug_class, "source": getattr(f, "source", ""),
+            "caught": res.caught, "caught_by": res.caught_by,
             "ops": list(f.ops), "cases": list(f.cases), "description": f.description,
             "runs": len(res.rows), "runs_caught": sum(res.runs_caught),
             "values": {m: {"value": w["value"], "limit": w["limit"], "metric": w["metric"], "case": w["case"]}
@@ -383,8 +397,9 @@ def markdown(results, budgets, verdict, meta) -> str:
     cols = matrix_columns(results)
     n_faults = len(results)
     n_caught = sum(1 for r in results.values() if r.caught)
-    lines = ["Every fault below is a backend built from the reference with one stage broken "
-             "(`optimized/faults.py`); `mxval selftest` runs each on the cases that can expose it "
+    lines = ["Every fault below is a backend built from the reference with one bug in it "
+             "(`optimized/faults.py`): bugs invented here, and bugs that shipped, each modelled at the "
+             "size where it appeared and named with its source; `mxval selftest` runs each on the cases that can expose it "
              "and reports the worst value of every metric that broke its budget "
              "(`cases/budgets.toml`; `·` = within budget).",
              "",
@@ -393,15 +408,26 @@ def markdown(results, budgets, verdict, meta) -> str:
              + f" ({verdict['seeds']} seeds per case{', --quick' if verdict['quick'] else ''}) "
              f"on {meta['machine']}.",
              "",
-             "| fault | bug class (NUMERICS.md §10) | op | verdict | " + " | ".join(
-                 f"`{m}` ({_limit_text(budgets, m)})" for m in cols) + " |",
-             "|---|---|---|---|" + "---:|" * len(cols)]
-    for res in results.values():
-        worst = res.worst()
-        ops = ", ".join(op_label(o) for o in res.fault.ops)
-        lines.append(f"| `{res.fault.name}` | {res.fault.bug_class} | {ops} | {_status(res)} | "
-                     + " | ".join(f"**{_val(worst[m]['value'])}**" if m in worst else "·" for m in cols)
-                     + " |")
+             ]
+    field = [r for r in results.values() if getattr(r.fault, "source", "")]
+    invented = [r for r in results.values() if not getattr(r.fault, "source", "")]
+    for title, group, source in (("Faults invented here (NUMERICS.md §10)", invented, False),
+                                 ("Bugs that shipped, each modelled on its source (NUMERICS.md §10)", field, True)):
+        if not group:
+            continue
+        lines += [f"#### {title}", "",
+                  "| fault | " + ("source | " if source else "") + "bug class | op | verdict | " + " | ".join(
+                      f"`{m}` ({_limit_text(budgets, m)})" for m in cols) + " |",
+                  "|---|" + ("---|" if source else "") + "---|---|---|" + "---:|" * len(cols)]
+        for res in group:
+            worst = res.worst()
+            ops = ", ".join(op_label(o) for o in res.fault.ops)
+            src = f"{_source_link(res.fault.source)} | " if source else ""
+            lines.append(f"| `{res.fault.name}` | {src}{res.fault.bug_class} | {ops} | {_status(res)} | "
+                         + " | ".join(f"**{_val(worst[m]['value'])}**" if m in worst else "·" for m in cols)
+                         + " |")
+        lines.append("")
+    lines += [f"- Not modelled: {_source_link(src)}: {why}." for src, why in F.NOT_MODELLED.items()]
     if verdict.get("budgets_off"):
         lines += ["", "Checks turned off by the budgets file: " + "; ".join(f"`{x}`" for x in verdict["budgets_off"])
                   + "."]
@@ -411,6 +437,12 @@ def markdown(results, budgets, verdict, meta) -> str:
         lines += [f"- `{r.fault.name}` not run here: {r.skipped}." for r in skipped]
     lines += ["", "Regenerate with `make readme-matrix`."]
     return "\n".join(lines) + "\n"
+
+
+def _source_link(source: str) -> str:
+    """`owner/repo#N` -> a Markdown link to the issue or pull request (GitHub redirects)."""
+    repo, _, num = source.partition("#")
+    return f"[{source}](https://github.com/{repo}/issues/{num})" if num else source
 
 
 def write_report(out: Path, results, correct_rows, verdict, meta, md, run: Run) -> None:
@@ -440,9 +472,12 @@ def write_report(out: Path, results, correct_rows, verdict, meta, md, run: Run) 
         rows.append(rr)
     df = report.frame(rows)
     meta = dict(meta, budgets=run.budgets.as_dict(), budgets_off=verdict.get("budgets_off", []), selftest=verdict)
-    report.write_all(df, meta, out)
-    atomic.write_text(out / "selftest.md", md)
-    atomic.write_text(out / "selftest.json", json.dumps(verdict, indent=1, default=str) + "\n")
+    with deferred() as late:                  # a Ctrl-C now waits until the report is whole
+        atomic.write_text(out / "selftest.md", md)
+        atomic.write_text(out / "selftest.json", json.dumps(verdict, indent=1, default=str) + "\n")
+        report.write_all(df, meta, out)          # report.json last: only ever next to the rest
+    if late:
+        raise KeyboardInterrupt                   # honoured once the report is whole
 
 
 # --- merging the verdicts of `--shard K/N` runs (mxval report --merge) ----------------------
@@ -495,6 +530,7 @@ class _MergedResult:
 
     def __init__(self, f: dict):
         self.fault = SimpleNamespace(name=f["name"], bug_class=f.get("bug_class", ""), ops=f.get("ops") or [],
+                                     source=f.get("source", ""),
                                      description=f.get("description", ""))
         self.caught = f["caught"]
         self.caught_by = list(f.get("caught_by") or [])

@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import resource
+import sys
 import time
 from pathlib import Path
 
 import torch
 from rich.progress import Progress
 
-from harness.errors import EXIT_OK, StudyConfigError
-from harness.io import atomic
+from harness.errors import EXIT_INTERRUPTED, EXIT_OK, StudyConfigError
+from harness.io import atomic, escape, safe_input
+from harness.run.signals import hold, release, stopped_by
 from harness.study import report
 from harness.study.core import STUDY_FILE, load_config, run_study, study_dump
 from reference.formats import preset
@@ -44,13 +45,18 @@ def _load() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
-def _write(result: dict, meta: dict, out: Path, readme: str | None) -> int:
+def _write(result: dict, meta: dict, out: Path, readme: str | None, *, stopped=None) -> int:
     paths = report.render(result, out, title=f"mxval study: {meta.get('study', '?')}", meta=meta)
     md = report.summary_markdown(result, meta)
-    print(md)
+    late = release()
+    print(escape.terminal(md, lines=True))
     print(f"\nreports: {', '.join(paths.values())}")
+    if stopped or late:
+        print(f"mxval: interrupted: partial study report ({len(result['rows'])} row(s) kept; re-render with "
+              f"`mxval study --from-json {out / 'study.json'}`)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if readme:
-        Path(readme).write_text(md + "\n")
+        atomic.write_text(readme, md + "\n")
     return EXIT_OK
 
 
@@ -70,22 +76,32 @@ def execute(*, study: str = "default", study_file: str | Path = STUDY_FILE, dump
         raise StudyConfigError(f"--device: expected cpu or cuda, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise StudyConfigError(f"--device: {device} requested but torch sees no CUDA/ROCm GPU")
-    out = Path(report_dir or f"reports/study-{cfg.name}")
+    out = Path(report_dir or f"reports/study-{atomic.safe_name(cfg.name)}")
     jobs = min(2, os.cpu_count() or 1) if jobs is None else jobs
     if jobs < 1:
         raise StudyConfigError(f"--jobs: expected a positive count, got {jobs}")
     t0, c0, c0_children, load0 = time.time(), time.process_time(), _children_cpu(), _load()
     if dumps:
-        parts = [study_dump(path, cfg, device=device) for path in dumps]
+        parts = []
+        try:
+            for path in dumps:
+                parts.append(study_dump(path, cfg, device=device))
+            stopped = None
+        except KeyboardInterrupt:               # the dumps studied so far are the report
+            stopped = {"signal": stopped_by(), "cases_done": len(parts), "cancelled": list(dumps[len(parts):])}
         result = {k: sum((p[k] for p in parts), []) for k in ("rows", "needles", "inputs")}
         result["merges"] = {}
+        if stopped:
+            result["interrupted"] = stopped
     else:
         total = len(cfg.distributions) * len(cfg.seed_list)
         with Progress(transient=True) as bar:
             task = bar.add_task(f"study {cfg.name}", total=total)
             result = run_study(cfg, device=device, progress=lambda: bar.advance(task), jobs=jobs)
+    hold()                                    # from here a Ctrl-C waits until the report is whole
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+    stopped = result.pop("interrupted", None)
     p = preset(cfg.model)
     meta = {"study": cfg.name, "machine": machine_name(device), "device": device,
             "seconds": time.time() - t0,
@@ -99,14 +115,17 @@ def execute(*, study: str = "default", study_file: str | Path = STUDY_FILE, dump
             "distribution_fields": {d.name: report.distribution_fields(d) for d in cfg.distributions},
             "needle_depths": cfg.needle_depths, "needle_margins": cfg.needle_margins,
             "tolerance": cfg.tolerance, "dump": bool(dumps)}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(out / "study.json", json.dumps({"meta": meta, **result}, indent=1, default=str))
-    return _write(result, meta, out, readme)
+    if stopped:
+        meta["interrupted"] = stopped
+    return _write(result, meta, out, readme, stopped=stopped)
 
 
 def rerender(from_json: str, *, report_dir: str | None = None, readme: str | None = None) -> int:
     try:
-        saved = json.loads(Path(from_json).read_text())
+        saved = safe_input.load_json(from_json, error=StudyConfigError)
+    except StudyConfigError as e:
+        raise StudyConfigError(f"--from-json: not a study.json ({e})") from None
+    try:
         meta = saved["meta"]
         result = {k: saved[k] for k in ("rows", "needles", "inputs", "merges")}
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -21,7 +21,7 @@ spread over its newer part (`query_spread`), each seeing the entries before it.
 from __future__ import annotations
 
 import math
-import tomllib
+import re
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 
 from harness.errors import StudyConfigError
+from harness.io import safe_input
 from harness.io.dumps import read_dump
+from harness.run.signals import stopped_by
 from harness.study.inputs import Distribution, draw, input_stats, make_needles
 from harness.study.metrics import (
     TOP_M,
@@ -46,11 +48,16 @@ from harness.study.metrics import (
     select,
 )
 from harness.study.variants import VARIANTS, Variant, key_side, key_sides, ordered, query_side
+from reference import checks
 from reference.formats import preset
 from reference.k_writer import group_start, k_values, writer_mask
 from reference.q_quant import fold_weights, q_values
 
 STUDY_FILE = Path(__file__).resolve().parents[2] / "cases" / "study.toml"
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
+MAX_CONTEXT = 2 ** 21          # tokens of one studied context (the preset's 1M and some)
+MAX_ROWS = 4096                # query rows per seed
+MAX_SEEDS = 1000
 
 
 @dataclass
@@ -71,10 +78,21 @@ class StudyConfig:
     tolerance: float = 0.01            # "within" in the decision: recall gap to FP8
 
     def __post_init__(self):
-        if self.rows < 1 or self.seeds < 1:
-            raise StudyConfigError("rows and seeds must be at least 1")
-        if not self.context_tokens or any(int(c) != c or c < 1 for c in self.context_tokens):
-            raise StudyConfigError(f"context_tokens must be positive integers, got {self.context_tokens}")
+        for key, hi in (("rows", MAX_ROWS), ("seeds", MAX_SEEDS), ("seed", 2 ** 63), ("value_dim", 4097)):
+            try:
+                checks.integer(key, getattr(self, key), 0 if key == "seed" else 1, hi)
+            except ValueError as e:
+                raise StudyConfigError(str(e)) from None
+        if self.heads is not None and not (checks.is_int(self.heads) and 1 <= self.heads <= 256):
+            raise StudyConfigError(f"heads: expected an integer in [1, 257), got {self.heads!r:.60}")
+        if (not isinstance(self.context_tokens, list) or not 1 <= len(self.context_tokens) <= 64
+                or any(not checks.is_int(c) or not 1 <= c <= MAX_CONTEXT for c in self.context_tokens)):
+            raise StudyConfigError(f"context_tokens: expected 1 to 64 integers in [1, {MAX_CONTEXT + 1}), "
+                                   f"got {self.context_tokens!r:.80}")
+        for key in ("needle_depths", "needle_margins", "variants", "distributions"):
+            v = getattr(self, key)
+            if not isinstance(v, list) or len(v) > 64:
+                raise StudyConfigError(f"{key}: expected a list of at most 64 entries, got {v!r:.80}")
         if not 0 <= self.query_spread < 1:
             raise StudyConfigError(f"query_spread must lie in [0, 1), got {self.query_spread}")
         if any(not 0 <= dp <= 1 for dp in self.needle_depths):
@@ -219,13 +237,16 @@ def _study_context(cfg, d, names, kside, same_k, tokens, res, merges):
                     "rank_median": rmed, "margin_realized": mreal, "norm_ratio": nrat})
 
 
-def _one_draw(cfg: StudyConfig, dist: Distribution, seed: int, device: str) -> tuple[dict, dict]:
-    """Every context of one (distribution, seed) -> (rows, needles, inputs; merge counts)."""
+def _one_draw(cfg: StudyConfig, dist: Distribution, seed: int, device: str, res: dict | None = None,
+              mark: dict | None = None) -> tuple[dict, dict]:
+    """Every context of one (distribution, seed) -> (rows, needles, inputs; merge counts).
+    `res`/`mark`: append there, and record after each whole context how much is kept (what a
+    Ctrl-C keeps)."""
     p = preset(cfg.model)
     contexts = sorted(set(int(c) for c in cfg.context_tokens))
     jmax = max(c // p.compress_ratio for c in contexts)
     names = ordered(cfg.variants)
-    res = {"rows": [], "needles": [], "inputs": []}
+    res = {"rows": [], "needles": [], "inputs": []} if res is None else res
     merges = {n: {"into": VARIANTS[n].merge_into, "values": 0, "differ": 0}
               for n in names if VARIANTS[n].merge_into}
     with torch.no_grad():
@@ -245,6 +266,8 @@ def _one_draw(cfg: StudyConfig, dist: Distribution, seed: int, device: str) -> t
                 merges[n]["differ"] += int((a != b).sum())
         for tokens in contexts:
             _study_context(cfg, d, names, kside, same_k, tokens, res, merges)
+            if mark is not None:
+                mark.update({k: len(res[k]) for k in mark})          # a whole context: kept on Ctrl-C
     return res, merges
 
 
@@ -252,36 +275,71 @@ def _worker_init() -> None:
     torch.set_num_threads(1)
 
 
+def _add_merges(total: dict, merges: dict) -> None:
+    for n, m in merges.items():
+        t = total.setdefault(n, {"into": m["into"], "values": 0, "differ": 0})
+        t["values"] += m["values"]
+        t["differ"] += m["differ"]
+
+
 def run_study(cfg: StudyConfig, *, device: str = "cpu", progress=None, jobs: int = 1) -> dict:
     """-> {"rows": per (distribution, seed, context, variant), "needles": per (..., depth,
     margin), "inputs": per (distribution, seed) statistics, "merges": variants whose
     operands were compared with another's}. `jobs` > 1 (CPU only) spreads the (distribution,
     seed) draws over that many single-threaded worker processes; the result is assembled in
-    the same order. `progress()` is called once per finished draw."""
+    the same order. `progress()` is called once per finished draw. Ctrl-C or SIGTERM stops
+    it: what finished is kept (in one process, every whole context; with workers, every whole
+    draw) and "interrupted" says so."""
     tasks = [(dist, seed) for dist in cfg.distributions for seed in cfg.seed_list]
-    if jobs > 1 and device == "cpu" and len(tasks) > 1:
-        with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn"),
-                                 initializer=_worker_init) as ex:
-            futures = [ex.submit(_one_draw, cfg, dist, seed, device) for dist, seed in tasks]
-            for _ in as_completed(futures):
-                if progress:
-                    progress()
-            parts = [f.result() for f in futures]
-    else:
-        parts = []
-        for dist, seed in tasks:
-            parts.append(_one_draw(cfg, dist, seed, device))
+    units = len(tasks) * len(set(int(c) for c in cfg.context_tokens))
+    res = {"rows": [], "needles": [], "inputs": [], "merges": {}}
+    try:
+        if jobs > 1 and device == "cpu" and len(tasks) > 1:
+            _run_workers(cfg, tasks, device, progress, jobs, res)
+        else:
+            mark = {k: 0 for k in ("rows", "needles", "inputs")}
+            try:
+                for dist, seed in tasks:
+                    _, merges = _one_draw(cfg, dist, seed, device, res, mark)
+                    _add_merges(res["merges"], merges)
+                    if progress:
+                        progress()
+            except KeyboardInterrupt:
+                for k, n in mark.items():
+                    del res[k][n:]
+                raise
+    except KeyboardInterrupt:
+        done = len({(r["distribution"], r["seed"], r["context_tokens"]) for r in res["rows"]})
+        res["interrupted"] = {"signal": stopped_by(), "cases_done": done,
+                              "cancelled": [f"{units - done} of {units} (distribution, seed, context)"]}
+    return res
+
+
+def _run_workers(cfg, tasks, device, progress, jobs, res) -> None:
+    """The draws in worker processes, assembled in task order; on Ctrl-C the draws that
+    finished are kept (in order, up to the first that did not) and the rest cancelled."""
+    ex = ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn"), initializer=_worker_init)
+    futures = [ex.submit(_one_draw, cfg, dist, seed, device) for dist, seed in tasks]
+    try:
+        for _ in as_completed(futures):
             if progress:
                 progress()
-    res = {"rows": [], "needles": [], "inputs": [], "merges": {}}
-    for part, merges in parts:
+    except KeyboardInterrupt:
+        ex.shutdown(wait=False, cancel_futures=True)
+        for f in futures:
+            if not (f.done() and not f.cancelled() and f.exception() is None):
+                break
+            part, merges = f.result()
+            for k in ("rows", "needles", "inputs"):
+                res[k] += part[k]
+            _add_merges(res["merges"], merges)
+        raise
+    ex.shutdown()
+    for f in futures:
+        part, merges = f.result()
         for k in ("rows", "needles", "inputs"):
             res[k] += part[k]
-        for n, m in merges.items():
-            tot = res["merges"].setdefault(n, {"into": m["into"], "values": 0, "differ": 0})
-            tot["values"] += m["values"]
-            tot["differ"] += m["differ"]
-    return res
+        _add_merges(res["merges"], merges)
 
 
 # --- configuration ------------------------------------------------------------------------
@@ -289,10 +347,22 @@ def run_study(cfg: StudyConfig, *, device: str = "cpu", progress=None, jobs: int
 
 def load_config(name: str, path: Path = STUDY_FILE) -> StudyConfig:
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise StudyConfigError(f"{path}: cannot read study file: {e}") from None
+        data = safe_input.load_toml(path, error=StudyConfigError)
+    except StudyConfigError as e:
+        msg = str(e)
+        if "cannot read" not in msg:
+            msg = msg.replace(f"{path}: ", f"{path}: cannot read study file: ", 1)
+        raise StudyConfigError(msg) from None
     studies = data.get("study", {})
+    if not isinstance(studies, dict) or not all(isinstance(v, dict) for v in studies.values()):
+        raise StudyConfigError(f"{path}: [study.<name>] tables expected")
+    if not isinstance(data.get("distribution", {}), dict):
+        raise StudyConfigError(f"{path}: [distribution.<name>] tables expected")
+    for kind, names in (("study", list(studies)), ("distribution", list(data.get("distribution", {})))):
+        bad = next((n for n in names if not _NAME.fullmatch(n)), None)
+        if bad is not None:                 # names become file names, CSV cells, figure titles
+            raise StudyConfigError(f"{path}: [{kind}.{bad!r:.60}]: a name is 1 to 64 letters, digits, "
+                                   "'.', '_' or '-' (not starting with '.' or '-')")
     if name not in studies:
         raise StudyConfigError(f"{path}: no study named {name!r} (known: {', '.join(studies)})")
     s = dict(studies[name])

@@ -1,0 +1,114 @@
+"""GPU memory of a case: its peak against the size of its tensors, and a per-process cap.
+
+A report row carries `gpu_peak_bytes` (the most GPU memory allocated while the case ran,
+above what was allocated when it started; None on the CPU) and `tensor_bytes` (the
+case's inputs plus the outputs of each stage it checks, one step's worth, counted once
+per storage). Their ratio is the case's memory overhead: the harness's copies of the
+pool, the reference's intermediates, the diffs.
+
+`MXVAL_GPU_MEMORY_FRACTION` (a number in (0, 1]) caps every mxval process that sets it at
+that share of the GPU's memory (`torch.cuda.set_per_process_memory_fraction`): several
+processes side by side on one GPU then cannot take each other's memory, and a case over
+its share is one case's out-of-memory error, not another process's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+FRACTION_ENV = "MXVAL_GPU_MEMORY_FRACTION"
+_applied: set = set()
+
+
+def fraction() -> Optional[float]:
+    """The cap from the environment, None when unset; ValueError when it is not in (0, 1]."""
+    raw = os.environ.get(FRACTION_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        f = float(raw)
+    except ValueError:
+        f = float("nan")
+    if not 0.0 < f <= 1.0:
+        raise ValueError(f"{FRACTION_ENV}={raw!r}: expected a number in (0, 1]")
+    return f
+
+
+def apply_fraction(device) -> None:
+    """Cap this process on `device` (a CUDA device) once, when FRACTION_ENV is set."""
+    f = fraction()
+    dev = torch.device(device)
+    if f is None or dev.type != "cuda" or not torch.cuda.is_available():
+        return
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index not in _applied:
+        torch.cuda.set_per_process_memory_fraction(f, index)
+        _applied.add(index)
+
+
+def tensor_bytes(*objs) -> int:
+    """Bytes of the distinct tensor storages reachable from `objs` (tensors, dataclasses,
+    dicts, lists, tuples); a view counts its storage once."""
+    seen: set = set()
+    total = 0
+    stack = list(objs)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            key = (x.device, st.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return total
+
+
+class Peak:
+    """`p = Peak(device).start()` ... `p.stop()`; then `p.bytes`: the peak GPU memory
+    allocated between the two above what was allocated at the start; None on the CPU."""
+
+    def __init__(self, device):
+        dev = torch.device(device)
+        self.cuda = dev.type == "cuda" and torch.cuda.is_available()
+        self.device = dev
+        self.base = 0
+        self.bytes: Optional[int] = None
+
+    def start(self) -> "Peak":
+        if self.cuda:
+            apply_fraction(self.device)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def stop(self) -> Optional[int]:
+        if self.cuda:
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError:          # a device fault: the row says so, the peak stays unknown
+                return None
+            self.bytes = int(torch.cuda.max_memory_allocated(self.device) - self.base)
+        return self.bytes
+
+    def __enter__(self) -> "Peak":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def ratio(peak: Optional[int], tensors: Optional[int]) -> Optional[float]:
+    """peak / tensors, None when either is unknown or there are no tensors."""
+    if peak is None or not tensors:
+        return None
+    return peak / tensors

@@ -1,0 +1,157 @@
+"""GPU memory per case: the tensors' bytes of a case, the peak (None on the CPU), the
+ratio in every report format, and the per-process cap from the environment."""
+import json
+
+import pytest
+import torch
+
+from harness.errors import UsageError
+from harness.io import report
+from harness.run import memory
+from harness.run.cases import Catalog
+from harness.run.pipeline import Run
+from harness.run.record import row
+from harness.run.runner import run_case
+
+
+def test_tensor_bytes_counts_each_storage_once():
+    a = torch.zeros(10, 4)                                  # 160 bytes
+    b = torch.zeros(3, dtype=torch.uint8)
+    assert memory.tensor_bytes(a, a[1:], {"x": [a.view(40), (b,)]}) == 160 + 3
+    assert memory.tensor_bytes() == 0 and memory.tensor_bytes(None, 3, "s") == 0
+
+
+def test_a_cpu_case_has_tensor_bytes_and_no_peak():
+    r = run_case(Catalog().case("smoke-chunks-shuffled"), "reference")
+    assert r["outcome"] == "ok", r["reason"]
+    assert r["gpu_peak_bytes"] is None
+    assert r["tensor_bytes"] > 0
+
+
+def _rows(peak):
+    out = []
+    for name, p in (("big", peak), ("small", None)):
+        r = row(name, "s", "b", gpu_peak_bytes=p, tensor_bytes=2**30)
+        r.update(status="pass", ok=True, violations=[])
+        out.append(r)
+    return out
+
+
+def test_reports_show_the_peak_and_its_ratio_only_when_measured(tmp_path):
+    meta = {"command": "validate", "suite": "s", "backend": "b", "machine": "m", "seconds": 1.0}
+    df = report.frame(_rows(3 * 2**30))
+    md, html = report.markdown(df, meta), report.html(df, meta)
+    assert report.MEMORY_HEAD in md and "3.00 GiB (3.0×)" in md and "3.00 GiB (3.0×)" in html
+    assert "at most 3.0× the case's tensors" in md
+    s = report.summary(df)
+    assert s["gpu_peak_bytes_max"] == 3 * 2**30 and s["gpu_peak_ratio_max"] == 3.0
+    report.write_all(df, meta, tmp_path)
+    cases = json.loads((tmp_path / "report.json").read_text())["cases"]
+    assert cases[0]["gpu_peak_bytes"] == 3 * 2**30 and cases[1]["gpu_peak_bytes"] is None
+    cpu = report.frame(_rows(None))
+    assert report.MEMORY_HEAD not in report.markdown(cpu, meta) and "gpu_peak_bytes_max" not in report.summary(cpu)
+
+
+@pytest.mark.parametrize("raw", ["0", "1.5", "half", "-0.2"])
+def test_a_bad_memory_cap_is_a_usage_error(monkeypatch, raw):
+    monkeypatch.setenv(memory.FRACTION_ENV, raw)
+    with pytest.raises(UsageError, match=memory.FRACTION_ENV):
+        Run("validate")
+
+
+def test_the_memory_cap_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv(memory.FRACTION_ENV, "0.25")
+    assert memory.fraction() == 0.25
+    monkeypatch.delenv(memory.FRACTION_ENV)
+    assert memory.fraction() is None
+    memory.apply_fraction("cpu")                            # the CPU: nothing to cap
+
+
+def test_peak_is_none_on_the_cpu():
+    with memory.Peak("cpu") as p:
+        torch.zeros(1000)
+    assert p.bytes is None
+    assert memory.ratio(None, 10) is None and memory.ratio(30, 10) == 3.0 and memory.ratio(5, 0) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_peak_on_the_gpu_counts_what_the_block_allocated():
+    with memory.Peak("cuda") as p:
+        x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del x
+    assert p.bytes >= 64 << 20
+
+
+def test_pages_compared_in_chunks_give_the_same_report(monkeypatch):
+    """diff_pages walks a pool in CHUNK_BYTES pieces (no pool-sized mask on a GiB pool): chunk
+    edges must change no count and no finding, with writes inside and outside owned bytes."""
+    from helpers import make_layer
+
+    from harness.diff import pages
+    from harness.diff.ops import writer_slots
+    r = make_layer(1)["k_norm_rope_mxfp4_cache"]
+    slots = writer_slots(r.inputs, r.scalars)
+    act = r.outputs["kv_cache"].clone()
+    flat = act.view(-1)
+    gen = torch.Generator().manual_seed(5)
+    flat[torch.randperm(flat.numel(), generator=gen)[:300]] ^= 0x5A     # owned and not owned
+    kw = dict(page_size=64, head_dim=128, shuffle=[32, 16, 2], written_slots=slots)
+    whole = pages.diff_pages(act, r.outputs["kv_cache"], r.inputs["kv_cache"], **kw)
+    monkeypatch.setattr(pages, "CHUNK_BYTES", 1000)
+    assert flat.numel() > 10 * pages.CHUNK_BYTES
+    chunked = pages.diff_pages(act, r.outputs["kv_cache"], r.inputs["kv_cache"], **kw)
+    assert whole.metrics == chunked.metrics and whole.findings == chunked.findings
+    assert whole.metrics["page_bytes_outside_owned_changed"] > 0 and whole.metrics["page_value_bytes_mismatched"] > 0
+
+
+def test_the_mismatch_map_in_chunks_is_the_whole_map(monkeypatch):
+    from harness.run import runner
+    from harness.run.inputs import build
+    inp = build(Catalog().case("smoke-chunks-shuffled"))
+    exp = inp.kv_cache
+    act = exp.clone()
+    gen = torch.Generator().manual_seed(3)
+    act.view(-1)[torch.randperm(act.numel(), generator=gen)[:500]] ^= 0x11
+    whole = runner._mismatch_map(None, act, exp, inp.geo, "k")
+    monkeypatch.setattr(runner, "MAP_CHUNK_BYTES", 1)                # one page at a time
+    assert runner._mismatch_map(None, act, exp, inp.geo, "k") == whole and len(whole) > 100
+    monkeypatch.setattr(runner, "MAX_MAP_POINTS", 7)
+    assert runner._mismatch_map(None, act, exp, inp.geo, "k") == whole[:7]
+
+
+class _FakeAllocator:
+    """torch.cuda's allocator counters, played back: 100 bytes live at the start, a peak of 1100."""
+
+    def __init__(self, monkeypatch):
+        self.fractions = []
+        for name, fn in {"is_available": lambda: True, "synchronize": lambda d=None: None,
+                         "reset_peak_memory_stats": lambda d=None: None, "memory_allocated": lambda d=None: 100,
+                         "max_memory_allocated": lambda d=None: 1100, "current_device": lambda: 0,
+                         "set_per_process_memory_fraction": lambda f, i=None: self.fractions.append((f, i))}.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+        monkeypatch.setattr(memory, "_applied", set())
+
+
+def test_peak_is_what_the_block_allocated_above_its_start(monkeypatch):
+    """The GPU path on any machine: the allocator's counters are played back."""
+    fake = _FakeAllocator(monkeypatch)
+    monkeypatch.setenv(memory.FRACTION_ENV, "0.2")
+    with memory.Peak("cuda:0") as p:
+        pass
+    assert p.bytes == 1000
+    assert memory.Peak("cuda").start().stop() == 1000
+    assert fake.fractions == [(0.2, 0)]                  # the cap is set once per device
+
+
+def test_run_case_records_the_peak(monkeypatch):
+    class Peak(memory.Peak):
+        def stop(self):
+            self.bytes = 12345
+            return self.bytes
+    monkeypatch.setattr(memory, "Peak", Peak)
+    r = run_case(Catalog().case("smoke-chunks-shuffled"), "reference")
+    assert r["gpu_peak_bytes"] == 12345 and r["tensor_bytes"] > 0
+    r.update(status="pass", ok=True, violations=[])
+    df = report.frame([r])
+    assert report.memory_ratio(df.iloc[0]) == pytest.approx(12345 / r["tensor_bytes"])
