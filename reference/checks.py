@@ -1,4 +1,16 @@
-"""Argument checks shared by every op: one clear ValueError naming the argument."""
+"""Argument checks, one vocabulary for the whole project: one clear ValueError naming the
+argument. The reference ops, the diff API (harness/diff/args.py), the case schema
+(harness/run/cases.py) and the dump reader (harness/io/dumps.py) all build on it.
+
+Conventions, for every caller:
+  - An integer is a Python `int`, never a `bool` (`True` is not 1 here): `is_int`.
+  - An integer tensor (an index, a position, a length) has a dtype in `INT_DTYPES`, the
+    int32/int64 vLLM passes; bool, uint8, int8 and int16 tensors are refused.
+  - A range `(lo, hi)` is half-open, `lo <= v < hi`, as `range()` and tensor indices are;
+    messages print it `[lo, hi)`. An upper bound that is a maximum `m` is written `m + 1`.
+  - A tensor is a plain one: strided, with data (not `meta`), not nested, not sparse
+    (`plain`); anything else would fail deep inside torch instead of naming the argument.
+"""
 from __future__ import annotations
 
 import math
@@ -10,6 +22,54 @@ INT_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def is_int(v) -> bool:
+    """A Python integer that is not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def plain(name: str, t) -> torch.Tensor:
+    """`t` is a tensor with strided data (not meta, sparse, nested or another layout)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if t.is_nested:
+        raise ValueError(f"{name}: a nested tensor, expected a plain strided tensor")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: layout {str(t.layout).replace('torch.', '')}, expected a plain strided tensor")
+    if t.is_meta:
+        raise ValueError(f"{name}: a meta tensor (no data), expected a tensor with values")
+    return t
+
+
+def integer(name: str, v, lo: int, hi: int) -> int:
+    """A Python int (not a bool) in [lo, hi)."""
+    if not is_int(v):
+        raise ValueError(f"{name}: expected an integer in [{lo}, {hi}), got {_show(v)}")
+    if not lo <= v < hi:
+        raise ValueError(f"{name}: {v if abs(v) < 10 ** 30 else '(a ' + str(v.bit_length()) + '-bit integer)'} "
+                         f"is out of range [{lo}, {hi})")
+    return v
+
+
+def number(name: str, v, lo: float, hi: float) -> float:
+    """A finite int or float (not a bool) in [lo, hi)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name}: expected a number in [{lo:g}, {hi:g}), got {_show(v)}")
+    try:
+        ok = lo <= v < hi
+    except OverflowError:
+        ok = False
+    if v != v or not ok:
+        raise ValueError(f"{name}: {_show(v)} is out of range [{lo:g}, {hi:g})")
+    return float(v)
+
+
+def _show(v) -> str:
+    if is_int(v) and abs(v) >= 10 ** 30:
+        return f"a {v.bit_length()}-bit integer"
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 
@@ -17,8 +77,7 @@ def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
 def tensor(name: str, t, dtypes: Sequence[torch.dtype] | torch.dtype, shape: Sequence) -> torch.Tensor:
     """Check dtype and shape. `shape` entries: int (exact), None (any), or str (a named
     dimension, returned consistent via `dims`)."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    plain(name, t)
     if isinstance(dtypes, torch.dtype):
         dtypes = (dtypes,)
     if t.dtype not in dtypes:
@@ -69,7 +128,8 @@ class NonFiniteInput(ValueError):
 
 
 def int_range(name: str, t: torch.Tensor, lo: int, hi: int, *, allow_negative: bool = False) -> None:
-    """All entries in [lo, hi), except negatives when `allow_negative` (skip markers)."""
+    """All entries in [lo, hi) (half-open, the one convention), except negatives when
+    `allow_negative` (skip markers)."""
     if t.numel() == 0:
         return
     vals = t[t >= 0] if allow_negative else t
@@ -79,6 +139,41 @@ def int_range(name: str, t: torch.Tensor, lo: int, hi: int, *, allow_negative: b
     if mn < lo or mx >= hi:
         bad = mn if mn < lo else mx
         raise ValueError(f"{name}: value {bad} out of range [{lo}, {hi})")
+
+
+def int_tensor(name: str, v, *, ndim: int = 1, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+    """An integer tensor of INT_DTYPES (or a list of ints) with `ndim` dimensions, values in
+    [lo, hi) (either bound optional); returned as int64 on the CPU."""
+    if isinstance(v, (list, tuple)):
+        if any(isinstance(x, bool) for x in _flat(v)):
+            raise ValueError(f"{name}: expected integers, got a bool in {v!r:.60}")
+        try:
+            v = torch.as_tensor(v)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise ValueError(f"{name}: expected a tensor or a list of integers, got {v!r:.60}") from None
+        if v.numel() == 0:
+            v = v.long()
+    plain(name, v)
+    if v.dtype not in INT_DTYPES:
+        raise ValueError(f"{name}: dtype {str(v.dtype).replace('torch.', '')}, expected {_dtype_names(INT_DTYPES)}")
+    if v.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimension(s), got shape {list(v.shape)}")
+    v = v.cpu().long()
+    if v.numel():
+        mn, mx = int(v.min()), int(v.max())
+        if lo is not None and mn < lo:
+            raise ValueError(f"{name}: value {mn} is out of range [{lo}, {'' if hi is None else hi})")
+        if hi is not None and mx >= hi:
+            raise ValueError(f"{name}: value {mx} is out of range [{'' if lo is None else lo}, {hi})")
+    return v
+
+
+def _flat(v):
+    for x in v:
+        if isinstance(x, (list, tuple)):
+            yield from _flat(x)
+        else:
+            yield x
 
 
 def scalar(name: str, value, kind=(int,), *, positive: bool = False):
@@ -104,6 +199,6 @@ def positive_finite(name: str, value) -> float:
 
 
 def choice(name: str, value, options: Sequence):
-    if value not in options:
+    if isinstance(value, bool) or value not in options:
         raise ValueError(f"{name}: expected one of {', '.join(map(repr, options))}, got {value!r}")
     return value

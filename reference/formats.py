@@ -1,17 +1,30 @@
 """Format constants and model presets: one small table each (NUMERICS.md §0, §4, §7)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # --- MXFP4 (OCP MX, e2m1 elements with one e8m0 scale per 32) -----------------
 MX_BLOCK = 32                      # elements per shared scale
-E2M1_MAX = 6.0                     # largest e2m1 magnitude
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # code 0..7; code | 8 is the negative
+E2M1_SIGN = 8                      # the sign bit of a code
+E2M1_SIGNED = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)   # the value of every code 0..15
+E2M1_MAX = E2M1_VALUES[-1]         # largest e2m1 magnitude
+# Round to nearest, ties to the even code (the midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5
+# go to the code with an even mantissa bit), saturating at 6: the magnitude code of |y| is the
+# number of these fp32 thresholds <= |y|. Threshold c is the smallest fp32 that rounds to
+# code c + 1: the midpoint when c + 1 is even, else the fp32 just above it.
+E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))
+E2M1_THRESHOLDS = tuple(m if c % 2 else m + 2.0 ** (math.frexp(m)[1] - 24)   # m + one fp32 ulp
+                        for c, m in enumerate(E2M1_MIDPOINTS))
 E8M0_BIAS = 127
 E8M0_NAN = 255                     # decodes to NaN
 E8M0_ZERO_BLOCK = 1                # what the ceil rule stores for an all-zero block
 F32_MANT_BITS = 23
 F32_MIN_NORMAL = 2.0 ** -126
+# The ceil rule (§4) takes the exponent of max(amax, E8M0_TINY_AMAX) * fp32(E2M1_INV_MAX).
+E2M1_INV_MAX = 1.0 / E2M1_MAX      # the kernels hold it as fp32
+E8M0_TINY_AMAX = E2M1_MAX * F32_MIN_NORMAL
 
 # --- FP8 baseline (§7) ---------------------------------------------------------
 FP8_FLAVOURS = {

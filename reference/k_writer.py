@@ -27,7 +27,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     is exact (fp64) then rounded to fp32, and rsqrt is correctly rounded (via fp64). A
     kernel's fp32 tree sum and approximate rsqrt differ from this by an ulp or two in
     fp32, which the bf16 round after the norm hides almost always."""
-    ms = (x.double() * x.double()).sum(dim=-1, keepdim=True).float() / x.shape[-1]
+    x64 = x.double()
+    ms = (x64 * x64).sum(dim=-1, keepdim=True).float() / x.shape[-1]
     v = ms + torch.tensor(eps, dtype=torch.float32)
     rstd = torch.rsqrt(v.double()).float()
     return (x * rstd) * weight.float()
@@ -117,9 +118,21 @@ def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_ma
     shuffle = check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                                    norm_eps, compress_ratio, page_size, shuffle, rounding)
     checks.choice("rope", rope, ROPE_MODES)
-    sel = writer_mask(positions, slot_mapping, compress_ratio)
-    y = k_values(k[sel], group_start(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
-                 norm_eps, rounding=rounding, hadamard=hadamard, rope=rope)
+    mxfp4.scale_rule(scale_rule)
+    rows = writer_mask(positions, slot_mapping, compress_ratio).nonzero().flatten()
+    return {"kv_cache": write_rows(k[rows], positions[rows], slot_mapping[rows], cos_sin_cache, norm_weight,
+                                   kv_cache, norm_eps=norm_eps, compress_ratio=compress_ratio,
+                                   page_size=page_size, shuffle=shuffle, rounding=rounding,
+                                   hadamard=hadamard, scale_rule=scale_rule, rope=rope)}
+
+
+def write_rows(k, positions, slots, cos_sin_cache, norm_weight, kv_cache, *, norm_eps, compress_ratio,
+               page_size, shuffle, rounding="rocm", hadamard=False, scale_rule="ceil",
+               rope="separate") -> torch.Tensor:
+    """The writer's work on the tokens that write (rows already selected, arguments already
+    checked): norm, RoPE, MXFP4, store -> the pool after the call. No host sync: on a GPU
+    a CUDA graph can replay it."""
+    y = k_values(k, group_start(positions, compress_ratio), cos_sin_cache, norm_weight, norm_eps,
+                 rounding=rounding, hadamard=hadamard, rope=rope)
     packed, scales = mxfp4.quantize_mxfp4(y, scale_rule)
-    return {"kv_cache": layout.write_entries(kv_cache, slot_mapping[sel], packed, scales,
-                                             page_size=page_size, shuffle=shuffle)}
+    return layout.write_entries(kv_cache, slots, packed, scales, page_size=page_size, shuffle=shuffle)

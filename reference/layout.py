@@ -7,6 +7,7 @@ scorer reads them in place.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -110,10 +111,17 @@ def scale_offsets(t: torch.Tensor, page_size: int, head_dim: int, shuffle) -> to
 def slot_byte_offsets(slots: torch.Tensor, page_size: int, head_dim: int, shuffle,
                       page_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat pool offsets (int64, no 32-bit wrap) of the value and scale bytes of `slots`."""
+    vo, so = _in_page_offsets(page_size, head_dim, as_shuffle(shuffle), slots.device)
     page, t = slots.long() // page_size, slots.long() % page_size
     start = (page * page_stride).unsqueeze(-1)
-    return (start + value_offsets(t, page_size, head_dim, shuffle),
-            start + scale_offsets(t, page_size, head_dim, shuffle))
+    return start + vo[t], start + so[t]
+
+
+@functools.lru_cache(maxsize=32)
+def _in_page_offsets(page_size: int, head_dim: int, shuffle: Optional[Shuffle], device: torch.device):
+    """The in-page offsets of every entry of a page, made once per layout and device."""
+    t = torch.arange(page_size, device=device)
+    return (value_offsets(t, page_size, head_dim, shuffle), scale_offsets(t, page_size, head_dim, shuffle))
 
 
 def write_entries(kv_cache: torch.Tensor, slots: torch.Tensor, packed: torch.Tensor,

@@ -7,13 +7,31 @@ The other rules are offered for studies and named for where they come from.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import checks
-from .formats import E2M1_VALUES, E8M0_BIAS, F32_MANT_BITS, MX_BLOCK
+from .formats import (
+    E2M1_INV_MAX,
+    E2M1_MAX,
+    E2M1_SIGN,
+    E2M1_SIGNED,
+    E2M1_THRESHOLDS,
+    E8M0_BIAS,
+    E8M0_NAN,
+    E8M0_TINY_AMAX,
+    F32_MANT_BITS,
+    MX_BLOCK,
+)
 
-_ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # fp32(1/6), as the kernels hold it
-_TINY_AMAX = 6.0 * 2.0 ** -126
+_ONE_SIXTH = torch.tensor(E2M1_INV_MAX, dtype=torch.float32)  # fp32(1/6), as the kernels hold it
+
+
+@functools.lru_cache(maxsize=8)
+def _thresholds(device: torch.device) -> torch.Tensor:
+    """E2M1_THRESHOLDS in fp32 on `device`, made once (no host copy per call: CUDA graphs)."""
+    return torch.tensor(E2M1_THRESHOLDS, dtype=torch.float32, device=device)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -28,7 +46,7 @@ def _from_bits(b: torch.Tensor) -> torch.Tensor:
 
 def e8m0_ceil(amax: torch.Tensor) -> torch.Tensor:
     """aiter scaling mode 1 / vLLM CUDA: biased exponent of 2**ceil(log2(amax/6))."""
-    ratio = torch.clamp_min(amax.float(), _TINY_AMAX) * _ONE_SIXTH.to(amax.device)
+    ratio = torch.clamp_min(amax.float(), E8M0_TINY_AMAX) * _ONE_SIXTH     # a host scalar: no copy
     return (_bits(ratio) + 0x7FFFFF) >> F32_MANT_BITS
 
 
@@ -47,7 +65,7 @@ def e8m0_even(amax: torch.Tensor) -> torch.Tensor:
 def e8m0_rceil(amax: torch.Tensor) -> torch.Tensor:
     """torchao RCEIL in eager mode: ceil(log2(amax / 6)) through float log2.
     Differs from `ceil` at some amax just above 6 * 2**k."""
-    descale = amax.float() / 6.0
+    descale = amax.float() / E2M1_MAX
     exp = torch.clamp(torch.ceil(torch.log2(descale)), -E8M0_BIAS, E8M0_BIAS)
     return (exp + E8M0_BIAS).to(torch.int32)
 
@@ -70,12 +88,13 @@ _rule = scale_rule   # quantize_mxfp4's keyword shadows the name
 # --- elements --------------------------------------------------------------------
 
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even onto {0,.5,1,1.5,2,3,4,6} (saturating), sign in bit 3.
+    """Round-to-nearest-even onto {0,.5,1,1.5,2,3,4,6} (saturating), sign in bit 3: the
+    magnitude code is the number of `E2M1_THRESHOLDS` at or below |y| (y fp32 or narrower;
+    NaN: code 0).
     Ties go to the even code: .25 -> 0, .75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4."""
-    a = y.abs()
-    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
-            + (a > 2.5) + (a >= 3.5) + (a > 5.0))
-    return code | (torch.signbit(y).to(torch.uint8) << 3)
+    a = y.abs().float().nan_to_num_(0.0)
+    code = torch.bucketize(a, _thresholds(y.device), out_int32=True, right=True)
+    return torch.where(torch.signbit(y), code | E2M1_SIGN, code).to(torch.uint8)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -91,10 +110,10 @@ def e8m0_to_float(e8m0: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """2**(e - 127) exactly (e = 0 is the fp32 subnormal 2**-127); 255 -> NaN."""
     e = e8m0.to(torch.int32)
     out = torch.ldexp(torch.ones_like(e, dtype=torch.float64), e - E8M0_BIAS).to(dtype)
-    return torch.where(e == 255, torch.full_like(out, float("nan")), out)
+    return torch.where(e == E8M0_NAN, torch.full_like(out, float("nan")), out)
 
 
-_E2M1_LUT = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float64)
+_E2M1_LUT = torch.tensor(E2M1_SIGNED, dtype=torch.float64)
 
 
 def e2m1_to_float(codes: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import checks
 from .fp8 import k_norm_rope_fp8_cache, paged_fp8_mqa_logits, paged_fp8_mqa_logits_fp64, q_rope_fp8_quant
 from .fused import compress_norm_rope_fp8_cache, compress_norm_rope_mxfp4_cache
 from .k_writer import k_norm_rope_mxfp4_cache
@@ -25,7 +26,7 @@ from .topk import topk
 
 U8 = (torch.uint8,)
 I32 = (torch.int32,)
-INT = (torch.int32, torch.int64)
+INT = checks.INT_DTYPES
 F32 = (torch.float32,)
 BF16 = (torch.bfloat16,)
 FLT = (torch.bfloat16, torch.float32)

@@ -122,9 +122,9 @@ def compress_pool(*, state_cache, block_table, positions, req_index, kv_slot_map
     checks.choice("rounding", rounding, ROUNDING_PATHS)
     pool_fn = SOFTMAX_MODES[checks.choice("softmax", softmax, tuple(SOFTMAX_MODES))]
     d = state_cache.shape[-1] // 4
-    sel = boundary_mask(positions, compress_ratio) & (kv_slot_mapping >= 0)
+    sel = (boundary_mask(positions, compress_ratio) & (kv_slot_mapping >= 0)).nonzero().flatten()
     out = torch.full((positions.shape[0], d), float("nan"), device=state_cache.device)
-    if bool(sel.any()):
+    if sel.numel():
         pos, req = positions[sel], req_index[sel]
         bs, r = state_cache.shape[1], compress_ratio
         first = (pos.long() - (2 * r - 1)).clamp_min(0) // bs

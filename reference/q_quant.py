@@ -42,7 +42,7 @@ def fold_weights(weights: torch.Tensor, weights_scale: float, pair=None) -> torc
     the order of vLLM's CUDA Q kernel."""
     w = weights.float()
     for f in (pair or (weights_scale,)):
-        w = w * torch.tensor(f, dtype=torch.float32, device=weights.device)
+        w = w * torch.tensor(f, dtype=torch.float32)       # an fp32 host scalar: no copy to the device
     return w
 
 
@@ -70,6 +70,14 @@ def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: f
     check_q_args(q, positions, cos_sin_cache, weights, weights_scale)
     pair = check_scale_pair(weights_scale, softmax_scale, head_scale)
     checks.choice("rope", rope, ROPE_MODES)
+    mxfp4.scale_rule(scale_rule)
+    return quantize_q(q, positions, cos_sin_cache, weights, weights_scale, pair, hadamard=hadamard,
+                      scale_rule=scale_rule, rope=rope)
+
+
+def quantize_q(q, positions, cos_sin_cache, weights, weights_scale, pair=None, *, hadamard=False,
+               scale_rule="ceil", rope="separate") -> dict:
+    """The Q quant's work after its argument checks; no host sync (a CUDA graph can replay it)."""
     packed, scales = mxfp4.quantize_mxfp4(q_values(q, positions, cos_sin_cache, hadamard=hadamard,
                                                    rope=rope), scale_rule)
     return {"q_fp4": packed, "q_scale": scales, "weights": fold_weights(weights, weights_scale, pair)}

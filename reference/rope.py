@@ -106,8 +106,8 @@ def rope_gptj_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     nope = d - 2 * half
     pairs = x.reshape(*x.shape[:-1], d // 2, 2)
     if nope_through_formula:
-        c = torch.cat((torch.ones_like(cos[..., :1]).expand(*cos.shape[:-1], nope // 2), cos), -1)
-        s = torch.cat((torch.zeros_like(sin[..., :1]).expand(*sin.shape[:-1], nope // 2), sin), -1)
+        c = torch.nn.functional.pad(cos, (nope // 2, 0), value=1.0)
+        s = torch.nn.functional.pad(sin, (nope // 2, 0), value=0.0)
         e, o = pairs[..., 0], pairs[..., 1]
         out = torch.stack(rotate_pairs(e, o, c, s, rope), -1).flatten(-2)
         return bf16_round(out) if round_bf16 else out

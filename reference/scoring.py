@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from . import checks, layout, mxfp4
-from .formats import E2M1_VALUES, MX_BLOCK
+from .formats import E2M1_SIGNED, MX_BLOCK
 
 # Work tile of the dense core: rows*H*entries fp64 scores materialized at once.
 _TILE_ELEMS = 1 << 23
@@ -53,10 +53,10 @@ def weighted_relu_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> t
 # with fp32 accumulation is exact too.
 
 @functools.lru_cache(maxsize=8)
-def _pair_lut(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[65536, 4]: the e2m1 values of the two packed bytes behind each int16 value
-    (byte order taken from the machine, so any endianness works)."""
-    e2m1 = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=dtype)
+def _pair_lut(device: torch.device, dtype: torch.dtype = torch.float32, factor: float = 1.0) -> torch.Tensor:
+    """[65536, 4]: the e2m1 values (times `factor`) of the two packed bytes behind each int16
+    value (byte order taken from the machine, so any endianness works)."""
+    e2m1 = (torch.tensor(E2M1_SIGNED, dtype=torch.float64) * factor).to(dtype)
     byte_lut = torch.stack((e2m1[torch.arange(256) & 15], e2m1[torch.arange(256) >> 4]), -1)
     words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     mem = words.view(torch.uint8).view(-1, 2).long()
@@ -118,39 +118,39 @@ def column_cores(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
     Scale bytes must be in [2, 252] for the fp32 dequantization to be exact. The cheap
     test counts every block as live; only columns it rejects are scanned for dead
     (all-zero) blocks, whose scale bytes do not matter."""
-    nb = q_scale.shape[-1]
-    j = k_scale.shape[0]
+    return grouped_column_cores(q_packed[None], q_scale[None], k_packed[None], k_scale[None])[0]
+
+
+def grouped_column_cores(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
+    """`column_cores` of G groups at once: queries [G, ..., D/2] (every query vector of a
+    group counts for all its columns), keys [G, J, D/2] -> int8 [G, J]."""
+    g, j, nb = k_scale.shape
     dev = k_scale.device
-    cores = torch.full((j,), CORE_FP64_GENERIC, dtype=torch.int8, device=dev)
-    qlo, qhi, qok, qlive = (t.reshape(-1) for t in _block_exponents(q_packed, q_scale))
-    if not bool(qok.all()):
-        return cores
-    if bool(qlive.any()):
-        q_spread = int((qhi - qlo)[qlive].max())
-        q_lo, q_hi = int(qlo[qlive].min()), int(qhi[qlive].max())
-    else:                     # all-zero queries: every product is 0, no range to respect
-        q_spread, q_lo, q_hi = 0, 1 << 20, -(1 << 20)
+    qlo, qhi, qok, qlive = (t.reshape(g, -1) for t in _block_exponents(q_packed, q_scale))
+    q_ok = qok.all(1)[:, None]
+    # all-zero queries (no live block): every product is 0, no range to respect
+    q_spread = torch.where(qlive, qhi - qlo, 0).amax(1)[:, None]
+    q_lo = torch.where(qlive, qlo, 1 << 20).amin(1)[:, None]
+    q_hi = torch.where(qlive, qhi, -(1 << 20)).amax(1)[:, None]
     spread32 = 24 - (nb * 4608 - 1).bit_length()
     spread64 = 53 - (nb * 4608 - 1).bit_length()
 
-    def assign(idx, lo, hi, ok, dead):
-        f32 = ok & (dead | (((hi - lo) + q_spread <= spread32) & (lo + q_lo >= 130) & (hi + q_hi <= 368)))
-        f64 = ok & (dead | ((hi - lo) + q_spread <= spread64))
-        blocks = ok & (dead | ((lo + q_lo >= 107) & (hi + q_hi <= 371)))
+    def assign(lo, hi, ok, dead, qs, ql, qh, qk):
+        f32 = ok & (dead | (((hi - lo) + qs <= spread32) & (lo + ql >= 130) & (hi + qh <= 368)))
+        f64 = ok & (dead | ((hi - lo) + qs <= spread64))
+        blocks = ok & (dead | ((lo + ql >= 107) & (hi + qh <= 371)))
         c = torch.where(f32, CORE_F32, torch.where(f64, CORE_F64, torch.where(blocks, CORE_BLOCKS,
                                                                                  CORE_FP64_GENERIC)))
-        cores[idx] = c.to(torch.int8)
+        return torch.where(qk, c, CORE_FP64_GENERIC).to(torch.int8)
 
     e = k_scale.int()
-    everyone = torch.arange(j, device=dev)
-    assign(everyone, e.amin(-1), e.amax(-1), (e >= 2).all(-1) & (e <= 252).all(-1),
-           torch.zeros(j, dtype=torch.bool, device=dev))
-    rest = (cores > CORE_F64).nonzero().flatten()
-    if rest.numel():
-        klo, khi, kok, klive = _block_exponents(k_packed[rest], k_scale[rest])
-        before = cores[rest].clone()
-        assign(rest, klo, khi, kok, ~klive)
-        cores[rest] = torch.minimum(cores[rest], before)
+    cores = assign(e.amin(-1), e.amax(-1), (e >= 2).all(-1) & (e <= 252).all(-1),
+                   torch.zeros(g, j, dtype=torch.bool, device=dev), q_spread, q_lo, q_hi, q_ok)
+    gi, ji = (cores > CORE_F64).nonzero(as_tuple=True)
+    if gi.numel():
+        klo, khi, kok, klive = _block_exponents(k_packed[gi, ji], k_scale[gi, ji])
+        again = assign(klo, khi, kok, ~klive, q_spread[gi, 0], q_lo[gi, 0], q_hi[gi, 0], q_ok[gi, 0])
+        cores[gi, ji] = torch.minimum(again, cores[gi, ji])
     return cores
 
 
@@ -265,6 +265,155 @@ def _blockwise_f32(q32, k32, w64, nb: int) -> torch.Tensor:
     return out
 
 
+# --- many sequences at once -----------------------------------------------------------
+#
+# A decode step scores one row per sequence against each sequence's own keys: per sequence
+# that is a small matmul, and a loop of them is bound by launches and host syncs on a GPU.
+# `grouped_relu_logits` scores G sequences with the same number of rows as batched
+# matmuls. Its cores are the exact ones above, plus one for GPUs:
+#
+# CORE_I8 (integer dots): a vector whose live blocks' scale bytes span at most
+# `_I8_SPREAD` binades is an int8 vector times one power of two (twice an e2m1 value is an
+# integer of magnitude <= 12, and 12 * 2**3 = 96 fits int8), so q . k = N * 2**(mq+mk-256)
+# with N an exact int32 dot (|N| <= 128 * 96 * 96). As 2**x > 0 commutes with relu,
+#     logits[r, j] = 2**(mk[j]-128) * sum_h (w[r,h] * 2**(mq[r,h]-128)) * relu(N[r,h,j])
+# where every product is exact in fp64 and equals the fp32/fp64 cores' product times the
+# column's power of two: the same fp64 sum, term by term, scaled exactly.
+
+_I8_SPREAD = 3
+# where the batched cores (and CORE_I8 among them) are the default: on a CPU one sequence at
+# a time keeps each matmul's keys in cache, and the fp32 matmul is as fast as the int8 one
+BATCHED_DEVICES = ("cuda",)
+INT8_DEVICES = ("cuda",)
+# how the last batched call scored its groups ("int8", "fp32", "fp64", "per sequence"): for
+# benchmarks and reports
+last_path = ""
+# Work tile of the batched cores: scores materialized at once (fp32 or int32, then fp64)
+_GROUP_TILE_ELEMS = {"cpu": 1 << 23, "cuda": 1 << 27}
+
+
+def _group_tile(device: torch.device) -> int:
+    return _GROUP_TILE_ELEMS.get(device.type, 1 << 23)
+
+
+def int8_operand(packed: torch.Tensor, scales: torch.Tensor):
+    """MXFP4 vectors [..., D/2] as (int8 [..., D], m int32 [...], spread int32 [...]): the
+    value is int8 * 2**(m - 128) wherever spread (of the live blocks' scale bytes) <=
+    `_I8_SPREAD`; all-zero vectors have spread 0."""
+    live = _live_blocks(packed, scales)
+    e = scales.int()
+    lo = torch.where(live, e, 1 << 20).amin(-1)
+    hi = torch.where(live, e, -(1 << 20)).amax(-1)
+    any_live = live.any(-1)
+    m = torch.where(any_live, lo, 128)
+    spread = torch.where(any_live, hi - lo, 0)
+    shift = (e - m.unsqueeze(-1)).clamp(0, _I8_SPREAD)               # dead blocks hold zeros
+    words = packed.contiguous().view(torch.int16).reshape(-1).int() & 0xFFFF
+    vals = _pair_lut(packed.device, torch.int8, 2.0).index_select(0, words).view(*scales.shape, MX_BLOCK)
+    vals = vals * torch.bitwise_left_shift(torch.ones_like(shift), shift).to(torch.int8).unsqueeze(-1)
+    return vals.view(*scales.shape[:-1], scales.shape[-1] * MX_BLOCK), m, spread
+
+
+def _relu64(s: torch.Tensor) -> torch.Tensor:
+    """max(s, 0) as fp64, one pass (exact: s is an exact dot)."""
+    if s.dtype == torch.float64:
+        return s.clamp_min_(0)
+    out = torch.empty(s.shape, dtype=torch.float64, device=s.device)
+    return torch.maximum(s, torch.zeros((), dtype=s.dtype, device=s.device), out=out)
+
+
+def _i8_logits(q8, mq, k8, mk, w, out) -> None:
+    """CORE_I8 over whole groups into out fp64 [G, R, J] from `int8_operand`s of the queries
+    ([G, R, H, D], [G, R, H]) and keys ([G, J, D], [G, J]); the caller proved the spreads."""
+    g, r, h = mq.shape
+    j = mk.shape[1]
+    wq = torch.ldexp(w.double(), (mq - 128).double())                      # exact
+    jp = j + (-j % 8)                                                     # the int8 GEMM's column multiple
+    if jp != j:
+        k8 = torch.nn.functional.pad(k8, (0, 0, 0, jp - j))
+    colscale = torch.ldexp(torch.ones_like(wq[:, :1, :1]), (mk - 128).double().unsqueeze(1))  # [G, 1, J]
+    tile = _group_tile(out.device)
+    gc = max(1, min(g, tile // max(1, r * h * jp)))
+    rc = max(1, min(r, tile // (h * jp)))
+    for g0 in range(0, g, gc):
+        gn = min(gc, g - g0)
+        for r0 in range(0, r, rc):
+            rn = min(rc, r - r0)
+            n = torch.empty(gn, rn * h, jp, dtype=torch.int32, device=out.device)
+            for i in range(gn):                                           # exact int32 dots
+                torch._int_mm(q8[g0 + i, r0:r0 + rn].reshape(rn * h, -1), k8[g0 + i].T, out=n[i])
+            s = _relu64(n).view(gn * rn, h, jp)
+            dots = torch.bmm(wq[g0:g0 + gn, r0:r0 + rn].reshape(gn * rn, 1, h), s).view(gn, rn, jp)
+            out[g0:g0 + gn, r0:r0 + rn] = dots[:, :, :j] * colscale[g0:g0 + gn]
+
+
+def _dense_logits(q_packed, q_scale, k_packed, k_scale, w, out, dt) -> None:
+    """CORE_F32 (dt fp32) or CORE_F64 (dt fp64) over whole groups into out fp64 [G, R, J]."""
+    g, r, h = q_scale.shape[:3]
+    j = k_scale.shape[1]
+    q = dequantize_mxfp4_f32(q_packed, q_scale, dt)                       # [G, R, H, D]
+    w64 = w.double()
+    tile = _group_tile(q_packed.device)
+    gc = max(1, min(g, tile // max(1, r * h * j)))
+    rc = max(1, min(r, tile // (h * j)))
+    for g0 in range(0, g, gc):
+        gn = min(gc, g - g0)
+        k = dequantize_mxfp4_f32(k_packed[g0:g0 + gn], k_scale[g0:g0 + gn], dt).transpose(1, 2)  # [gn, D, J]
+        for r0 in range(0, r, rc):
+            rn = min(rc, r - r0)
+            s = torch.matmul(q[g0:g0 + gn, r0:r0 + rn].reshape(gn, rn * h, -1), k)             # [gn, rn*H, J]
+            s = _relu64(s).view(gn * rn, h, j)
+            out[g0:g0 + gn, r0:r0 + rn] = torch.bmm(w64[g0:g0 + gn, r0:r0 + rn].reshape(gn * rn, 1, h),
+                                                    s).view(gn, rn, j)
+
+
+def grouped_relu_logits(q_packed, q_scale, k_packed, k_scale, w, n, *, batched: bool | None = None,
+                        int8: bool | None = None) -> torch.Tensor:
+    """G sequences with R rows each: queries [G, R, H, D/2] (+ scales [G, R, H, D/32]),
+    keys [G, J, D/2] (+ [G, J, D/32]), weights [G, R, H], n [G] the keys each sequence
+    reads -> fp64 [G, R, J]; columns at and past n[g] are unspecified.
+
+    Per sequence, the values of `mxfp4_relu_logits`. `batched` (default: on a GPU) scores
+    all sequences with batched matmuls when one core serves every column (CORE_I8 where
+    `int8`, default on a GPU, and the spreads allow; else CORE_F32, or CORE_F64 where some
+    column needs it), and falls back to one `mxfp4_relu_logits` per sequence otherwise."""
+    g, r = q_scale.shape[:2]
+    j = k_scale.shape[1]
+    dev = q_packed.device
+    out = torch.empty(g, r, j, dtype=torch.float64, device=dev)
+    if g == 0 or r == 0 or j == 0:
+        return out
+    n = torch.as_tensor(n, device=dev).long()
+    if batched is None:
+        batched = dev.type in BATCHED_DEVICES
+    if batched:
+        valid = torch.arange(j, device=dev)[None, :] < n[:, None]
+        h, d = q_scale.shape[2], q_packed.shape[-1] * 2
+        if int8 is None:
+            int8 = dev.type in INT8_DEVICES
+        global last_path
+        if int8 and r * h > 16 and d % 8 == 0:
+            q8, mq, qspread = int8_operand(q_packed, q_scale)
+            k8, mk, kspread = int8_operand(k_packed, k_scale)
+            if bool((qspread <= _I8_SPREAD).all() & (~valid | (kspread <= _I8_SPREAD)).all()):
+                _i8_logits(q8, mq, k8, mk, w, out)
+                last_path = "int8"
+                return out
+            q8 = k8 = None
+        # the fp64 matmul is exact wherever the fp32 one is: one of them serves every column
+        worst = int(torch.where(valid, grouped_column_cores(q_packed, q_scale, k_packed, k_scale), -128).amax())
+        if worst <= CORE_F64:
+            _dense_logits(q_packed, q_scale, k_packed, k_scale, w, out,
+                          torch.float32 if worst == CORE_F32 else torch.float64)
+            last_path = "fp32" if worst == CORE_F32 else "fp64"
+            return out
+        last_path = "per sequence"
+    for g0, ng in enumerate(n.tolist()):
+        if ng:
+            out[g0, :, :ng] = mxfp4_relu_logits(q_packed[g0], q_scale[g0], k_packed[g0, :ng], k_scale[g0, :ng], w[g0])
+    return out
+
+
 def check_paged_args(dims: checks.Dims, weights, kv_cache, query_start_loc, context_lens,
                      block_table, row_ends, page_size, entry_bytes: int) -> None:
     dims.check("weights", weights, torch.float32, ("Rw", "H"))
@@ -371,27 +520,67 @@ def check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc, conte
     return shuffle, d, check_width(width, block_table, page_size, row_ends)
 
 
+# pages read at once per group of sequences (bytes)
+_GROUP_PAGE_BYTES = {"cpu": 1 << 24, "cuda": 1 << 31}
+
+
 def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
                                  block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
                                  width: int | None = None, **_unused) -> torch.Tensor:
-    """The scorer's logits in fp64 (what the study and top-k use)."""
+    """The scorer's logits in fp64 (what the study and top-k use). Sequences with the same
+    number of rows are scored together (`grouped_relu_logits`)."""
     shuffle, d, width = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
                                            context_lens, block_table, row_ends, page_size, shuffle, width)
     rw = q_fp4.shape[0]
-    out = torch.full((rw, width), float("-inf"), dtype=torch.float64, device=q_fp4.device)
+    dev = q_fp4.device
+    out = torch.full((rw, width), float("-inf"), dtype=torch.float64, device=dev)
+    if rw == 0:
+        return out
     qsl = query_start_loc.long().tolist()
-    for b in range(len(qsl) - 1):
-        r0, r1 = qsl[b], qsl[b + 1]
-        n = int(row_ends[r0:r1].max()) if r1 > r0 else 0
-        if n == 0:
-            continue
-        packed, scales = layout.read_pages(kv_cache, block_table[b, :-(-n // page_size)],
-                                           page_size=page_size, head_dim=d, shuffle=shuffle)
-        nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", scales[:n])
-        s = mxfp4_relu_logits(q_fp4[r0:r1], q_scale[r0:r1], packed[:n], scales[:n], weights[r0:r1])
-        s[torch.arange(n, device=s.device)[None, :] >= row_ends[r0:r1].long()[:, None]] = float("-inf")
-        out[r0:r1, :n] = s
+    nseq = len(qsl) - 1
+    ends = row_ends.long()
+    # the keys a sequence reads: its rows' largest end
+    n_of = torch.zeros(nseq, dtype=torch.long, device=dev).scatter_reduce(
+        0, seq_of_rows(query_start_loc, rw), ends, "amax").tolist()
+    groups: dict[int, list[int]] = {}
+    for b in range(nseq):
+        if qsl[b + 1] > qsl[b] and n_of[b]:
+            groups.setdefault(qsl[b + 1] - qsl[b], []).append(b)
+    budget = _GROUP_PAGE_BYTES.get(dev.type, 1 << 24)
+    for rows, seqs in groups.items():
+        per_seq = max(n_of[b] for b in seqs) * layout.entry_bytes(d)
+        step = max(1, budget // per_seq)
+        for c0 in range(0, len(seqs), step):
+            _score_group(out, seqs[c0:c0 + step], rows, [n_of[b] for b in seqs[c0:c0 + step]], qsl,
+                         q_fp4, q_scale, weights, kv_cache, block_table, ends, page_size, d, shuffle)
     return out
+
+
+def _score_group(out, seqs, rows, n, qsl, q_fp4, q_scale, weights, kv_cache, block_table, ends,
+                 page_size, d, shuffle) -> None:
+    """Score sequences `seqs` (each with `rows` rows, reading n[i] keys) into `out`."""
+    dev = q_fp4.device
+    j = max(n)
+    pages = -(-j // page_size)
+    sel = torch.tensor(seqs, device=dev)
+    bt = block_table[sel, :pages].long()
+    # pages past a sequence's own hold no keys of it: read its first page there instead
+    own = torch.arange(pages, device=dev)[None, :] < torch.tensor([-(-m // page_size) for m in n], device=dev)[:, None]
+    bt = torch.where(own, bt, bt[:, :1])
+    packed, scales = layout.read_pages(kv_cache, bt.flatten(), page_size=page_size, head_dim=d, shuffle=shuffle)
+    packed = packed.view(len(seqs), pages * page_size, -1)[:, :j]
+    scales = scales.view(len(seqs), pages * page_size, -1)[:, :j]
+    nt = torch.tensor(n, device=dev)
+    cols = torch.arange(j, device=dev)
+    if bool(((scales == 255).any(-1) & (cols[None, :] < nt[:, None])).any()):
+        for i, b in enumerate(seqs):
+            nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", scales[i, :n[i]])
+    ridx = (torch.tensor([qsl[b] for b in seqs], device=dev)[:, None] + torch.arange(rows, device=dev)).flatten()
+    s = grouped_relu_logits(q_fp4[ridx].view(len(seqs), rows, *q_fp4.shape[1:]),
+                            q_scale[ridx].view(len(seqs), rows, *q_scale.shape[1:]),
+                            packed, scales, weights[ridx].view(len(seqs), rows, -1), nt).view(-1, j)
+    s.masked_fill_(cols[None, :] >= ends[ridx][:, None], float("-inf"))
+    out[ridx, :j] = s
 
 
 def paged_mxfp4_mqa_logits(*, clean_logits: bool = False, **kwargs) -> dict:

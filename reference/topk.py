@@ -10,16 +10,14 @@ def topk_indices(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.T
     """int32 [Rw, k]. Rows with length <= k: 0..len-1 then -1. Longer rows: the k best
     columns of [0, len), best first (ties broken by torch.topk, which the contract leaves
     open)."""
-    rw, width = logits.shape
+    width = logits.shape[1]
     lengths = lengths.long()
-    out = torch.full((rw, k), -1, dtype=torch.int64, device=logits.device)
     cols = torch.arange(k, device=logits.device)
-    short = lengths <= k
-    out[short] = torch.where(cols[None, :] < lengths[short, None], cols[None, :], -1)
-    long_rows = (~short).nonzero().flatten()
+    out = torch.where(cols[None, :] < lengths[:, None], cols[None, :], -1)       # right for short rows
+    long_rows = (lengths > k).nonzero().flatten()
     if long_rows.numel():
-        masked = logits[long_rows].double().clone()
-        masked[torch.arange(width, device=logits.device)[None, :] >= lengths[long_rows, None]] = float("-inf")
+        masked = logits[long_rows].double().masked_fill_(         # a copy (advanced indexing)
+            torch.arange(width, device=logits.device)[None, :] >= lengths[long_rows, None], float("-inf"))
         out[long_rows] = torch.topk(masked, k, dim=1).indices
     return out.to(torch.int32)
 

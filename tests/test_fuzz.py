@@ -428,3 +428,190 @@ ARGV = [
 @pytest.mark.parametrize("argv, needle", ARGV, ids=[" ".join(a) for a, _ in ARGV])
 def test_bad_arguments(tmp_path, capsys, argv, needle):
     attempt(capsys, argv, [], needles=[needle])
+
+
+# --- property-based search (hypothesis): what the hand lists above miss ------------------------
+#
+# Each property: a generated input is either refused with the command's one-line error class
+# or used; never another exception (an internal error, exit 3). Derandomized (the same
+# examples on every run) and small, for CI.
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from harness.errors import InputError  # noqa: E402
+
+BIG, DEEP = "<a 5000-digit integer>", "<an array nested 5000 deep>"      # written raw into the file
+RAW = {BIG: "9" * 5000, DEEP: "[" * 5000 + "]" * 5000}
+
+
+def raw_json(doc) -> str:
+    text = json.dumps(doc, allow_nan=True)
+    for k, v in RAW.items():
+        text = text.replace(json.dumps(k), v)
+    return text
+
+
+SEARCH = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2 ** 80), max_value=2 ** 80)
+           | st.sampled_from([0, 1, -1, 2 ** 20, 2 ** 31, 2 ** 63, 10 ** 39])
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
+           | st.sampled_from(["", "e4m3fn", "fp32", "shuffled", "natural", "nan", "=1+1", "[/]", "$\\x$", "../x"])
+           | st.sampled_from([BIG, DEEP]))
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                        max_size=4), max_leaves=12)
+TOMLISH = st.recursive(SCALARS.filter(lambda v: v is not None),
+                       lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                           st.sampled_from(["len", "chunks", "decode", "tensor", "value", "count", "x", "max", "min"]),
+                           inner, max_size=3), max_leaves=10)
+
+
+def _paths(obj, prefix=()):
+    """Every (path, value) inside a JSON value."""
+    yield prefix, obj
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, (*prefix, i))
+
+
+def _replace(obj, path, value):
+    if not path:
+        return value
+    obj = json.loads(json.dumps(obj))
+    cur = obj
+    for k in path[:-1]:
+        cur = cur[k]
+    cur[path[-1]] = value
+    return obj
+
+
+def _toml(v) -> str:
+    if v is None:
+        return '""'
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    if isinstance(v, str):
+        return RAW.get(v) or json.dumps(v).replace("\\u007f", "\\u007F")
+    return tv(v)
+
+
+@pytest.fixture(scope="module")
+def search_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("search")
+
+
+def _fresh(d: Path, suffix: str) -> Path:
+    n = len(list(d.iterdir()))
+    return d / f"x{n}{suffix}"
+
+
+def test_search_dump_headers(dump_file, search_dir):
+    """Any value anywhere in a dump's `mxval` metadata: DumpError or a readable dump."""
+    from harness.io.dumps import DumpError, read_dump
+    from harness.run.replay import replay_dump
+    t0, m0 = _load(dump_file)
+    meta0 = json.loads(m0["mxval"])
+    paths = [p for p, _ in _paths(meta0)]
+
+    @SEARCH
+    @given(st.data())
+    def search(data):
+        path = data.draw(st.sampled_from(paths))
+        meta = _replace(meta0, path, data.draw(JSON))
+        f = _fresh(search_dir, ".safetensors")
+        save_file(t0, str(f), metadata={"mxval": raw_json(meta)})
+        try:
+            dump = read_dump(f)
+        except DumpError:
+            return
+        try:                                             # what the reader let through must replay
+            replay_dump(dump)
+        except InputError:
+            pass
+    search()
+
+
+def test_search_case_files(search_dir):
+    """Any value for any case key: CaseError, or a case whose geometry is checked or refused."""
+    from harness.run.inputs import geometry
+    keys = sorted(C.CASE_SCHEMA.keys)
+
+    @SEARCH
+    @given(st.dictionaries(st.sampled_from(keys), TOMLISH, max_size=4))
+    def search(over):
+        case = {**BASE_CASE, **over}
+        d = _fresh(search_dir, "")
+        d.mkdir()
+        f = d / "s.toml"
+        f.write_text('[suite]\nname = "s"\n[[case]]\n' + "".join(f"{k} = {_toml(v)}\n" for k, v in case.items()))
+        try:
+            for c in C.load_suite_file(f).cases:
+                geometry(c)
+        except InputError:
+            pass
+    search()
+
+
+def test_search_budgets(search_dir):
+    """Any limit for any metric key (or a made-up one): BudgetError or usable budgets."""
+    from harness.run import budgets as B
+    contract = tomllib.loads((ROOT / "cases" / "budgets.toml").read_text())
+    names = sorted(contract["default"]) + ["bogus", "chain.bogus", "topk.logits_diff"]
+
+    @SEARCH
+    @given(st.dictionaries(st.sampled_from(names), TOMLISH, max_size=3),
+           st.sampled_from(["default", "suite.smoke", "case.smoke-rowend-k", "suite.nope"]))
+    def search(over, scope):
+        data = json.loads(json.dumps(contract))
+        if scope == "default":
+            data["default"].update(over)
+        else:
+            kind, name = scope.split(".")
+            data.setdefault(kind, {})[name] = over
+        f = _fresh(search_dir, ".toml")
+        f.write_text(_budget_text(data))
+        for k, v in RAW.items():
+            f.write_text(f.read_text().replace(json.dumps(k), v))
+        try:
+            b = B.load(f)
+            b.check_run({"smoke-rowend-k": [f"topk.{k}" for k in ("topk_duplicates", "topk_out_of_range")]}, "smoke",
+                        known_cases=["smoke-rowend-k"], known_suites=["smoke"])
+            b.check({"topk.topk_duplicates": 1.0}, "smoke", "smoke-rowend-k")
+        except InputError:
+            pass
+    search()
+
+
+@pytest.fixture(scope="module")
+def report_json(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rj") / "r"
+    assert main(["validate", "--case", "smoke-rowend-k", "--backend", "reference", "--report-dir", str(d), "-q"]) == 0
+    return json.loads((d / "report.json").read_text())
+
+
+def test_search_report_json_shapes(report_json, search_dir, capsys):
+    """Any value anywhere in a report.json: `mxval report` re-renders it (exit 0/1/130) or
+    refuses it with one line (exit 2); never an internal error."""
+    paths = [p for p, _ in _paths(report_json) if p and p[0] in ("run", "cases")
+             and not (len(p) > 3 and p[2] == "summaries")][:400]
+
+    @settings(SEARCH, max_examples=40)
+    @given(st.data())
+    def search(data):
+        path = data.draw(st.sampled_from(paths))
+        doc = _replace(report_json, path, data.draw(JSON))
+        d = _fresh(search_dir, "")
+        d.mkdir()
+        (d / "report.json").write_text(raw_json(doc))
+        code = main(["report", str(d), "-q"])
+        out, err = capsys.readouterr()
+        assert code in (0, 1, 2, 130) and "internal error" not in err, (path, code, err[-500:])
+        if code == 2:
+            assert len(err.strip().splitlines()) == 1, err
+    search()

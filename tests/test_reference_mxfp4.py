@@ -10,7 +10,7 @@ import torch
 from helpers import round_fp32
 
 from reference import mxfp4
-from reference.formats import E8M0_ZERO_BLOCK
+from reference.formats import E2M1_VALUES, E8M0_ZERO_BLOCK
 
 ONE_SIXTH = Fraction(float(np.float32(1.0 / 6.0)))
 
@@ -71,7 +71,7 @@ def test_rne_midpoints_and_grid_at_several_scales():
             assert int(scale) == 127 + k
             assert (int(codes[1]), int(codes[2])) == (c, c | 8), (k, v)
             back = mxfp4.dequantize_mxfp4(packed, scale, torch.float64)
-            assert float(back[1]) == mxfp4.E2M1_VALUES[c] * 2.0 ** k
+            assert float(back[1]) == E2M1_VALUES[c] * 2.0 ** k
     assert int(mxfp4.e2m1_codes(torch.tensor(0.25))) == 0 and int(away_codes(torch.tensor(0.25))) == 1
 
 

@@ -266,3 +266,125 @@ def test_cores_give_the_generic_values(gen):
     assert torch.allclose(got[:, exact], plain[:, exact], rtol=1e-15, atol=0)
     scale = plain[:, ~exact].abs().amax(1, keepdim=True)
     assert bool(((got[:, ~exact] - plain[:, ~exact]).abs() <= 1e-13 * scale).all())
+
+
+# --- many sequences at once (the GPU's default path), against one sequence at a time -----
+
+def group_operands(gen, g, r, h, j, mode):
+    """Queries [g, r, h], keys [g, j] with scale bytes by `mode`; dead blocks, all-zero and
+    all -0.0 vectors planted."""
+    def vecs(shape):
+        packed = torch.randint(0, 256, (*shape, D // 2), dtype=torch.uint8, generator=gen)
+        if mode == "realistic":
+            sc = torch.randint(118, 124, (*shape, 1), generator=gen) + torch.randint(0, 2, (*shape, D // 32), generator=gen)
+        elif mode == "int8-edge":     # spreads of exactly 3 anywhere in e8m0's range, 0 and 254 included
+            sc = torch.randint(0, 252, (*shape, 1), generator=gen) + torch.randint(0, 4, (*shape, D // 32), generator=gen)
+            sc.view(-1, D // 32)[::3] = torch.tensor([0, 3, 1, 2])
+            sc.view(-1, D // 32)[1::3] = torch.tensor([254, 251, 252, 253])
+        elif mode == "fp64":          # 12 binades per vector: past the fp32 proof, inside fp64's
+            sc = torch.randint(110, 120, (*shape, 1), generator=gen) + torch.tensor([0, 12, 0, 1])
+        elif mode == "spread-4":
+            sc = torch.randint(100, 130, (*shape, 1), generator=gen) + torch.tensor([0, 4, 1, 2])
+        else:                         # wide: 40 binades per vector
+            sc = torch.randint(100, 140, (*shape, D // 32), generator=gen)
+        flat = packed.view(-1, D // 2)
+        flat[::7] = 0                                    # all-zero vectors
+        flat[2::7] = 0x88                                # all -0.0
+        flat[3::5, :16] = 0x80                           # a dead first block (its scale byte is free)
+        sc.view(-1, D // 32)[3::5, 0] = 0
+        return packed, sc.clamp(0, 254).to(torch.uint8)
+    qp, qs = vecs((g, r, h))
+    kp, ks = vecs((g, j))
+    w = torch.randn(g, r, h, generator=gen)
+    w.view(-1)[::11] = 0.0
+    w.view(-1)[1::13] = -0.0
+    n = torch.randint(1, j + 1, (g,), generator=gen)
+    n[0] = j
+    return qp, qs, kp, ks, w, n
+
+
+def bits_equal_valid(a, b, n):
+    valid = torch.arange(a.shape[-1])[None, None, :] < n[:, None, None]
+    return bool(((a.view(torch.int64) == b.view(torch.int64)) | ~valid).all())
+
+
+def same_sum_valid(a, b, n, mag, h):
+    """Equal up to the order of the fp64 head sum: every dot is exact and every product
+    w * relu(dot) too, so two orders differ by at most 2 * H * 2**-53 * sum_h |w| relu(dot)
+    (`mag`); the matmul libraries pick the order by shape."""
+    valid = torch.arange(a.shape[-1])[None, None, :] < n[:, None, None]
+    ok = (a - b).abs() <= 2 * h * 2.0 ** -53 * mag
+    return bool((ok | ~valid).all())
+
+
+# the bulk path each mode takes without the int8 core (None: one sequence at a time)
+BULK = {"realistic": torch.float32, "fp64": torch.float64, "int8-edge": None, "wide": None}
+
+
+@pytest.mark.parametrize("mode", list(BULK))
+@pytest.mark.parametrize("shape", [(5, 1, 32, 333), (2, 7, 8, 100), (3, 3, 4, 64)])
+def test_batched_cores_give_the_per_sequence_bits(gen, monkeypatch, mode, shape):
+    """Exact dots; the head sums agree to the bit where the shapes match, else within the
+    fp64 rounding of a 64-term sum; CORE_I8 gives the dense fp32 core's bits exactly."""
+    g, r, h, j = shape
+    qp, qs, kp, ks, w, n = group_operands(gen, g, r, h, j, mode)
+    one = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=False)
+    mag = scoring.grouped_relu_logits(qp, qs, kp, ks, w.abs(), n, batched=False)
+    monkeypatch.setitem(scoring._GROUP_TILE_ELEMS, "cpu", h * 64 * 3)   # several row and group tiles
+    used = []
+    dense = scoring._dense_logits
+    monkeypatch.setattr(scoring, "_dense_logits", lambda *a: used.append(a[-1]) or dense(*a))
+    got = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=False)
+    assert same_sum_valid(got, one, n, mag, h), (mode, shape)
+    assert used == ([BULK[mode]] if BULK[mode] else [])
+    if BULK[mode] is None:
+        assert bits_equal_valid(got, one, n)             # one sequence at a time: the same calls
+    i8 = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=True)
+    assert same_sum_valid(i8, one, n, mag, h), (mode, shape, "int8")
+    if BULK[mode] == torch.float32:
+        assert bits_equal_valid(i8, got, n)
+
+
+def test_int8_core_serves_spreads_up_to_3_and_its_bound_has_teeth(gen, monkeypatch):
+    qp, qs, kp, ks, w, n = group_operands(gen, 2, 2, 16, 72, "int8-edge")
+    _, _, spread = scoring.int8_operand(kp, ks)
+    assert int(spread.max()) == 3
+    called = []
+    real = scoring._i8_logits
+    monkeypatch.setattr(scoring, "_i8_logits", lambda *a: called.append(1) or real(*a))
+    one = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=False)
+    assert bits_equal_valid(scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=True), one, n)
+    assert called
+    # a spread of 4 overflows int8 (12 * 2**4 = 192): the core is refused, and would be wrong
+    qp, qs, kp, ks, w, n = group_operands(gen, 2, 2, 16, 72, "spread-4")
+    one = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=False)
+    mag = scoring.grouped_relu_logits(qp, qs, kp, ks, w.abs(), n, batched=False)
+    called.clear()
+    assert bits_equal_valid(scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=True), one, n)
+    assert not called
+    monkeypatch.setattr(scoring, "_I8_SPREAD", 4)
+    assert not same_sum_valid(scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=True),
+                              one, n, mag, 16)
+
+
+@pytest.mark.parametrize("batched", [(), ("cpu",)])
+def test_paged_scorer_groups_sequences_by_rows(gen, monkeypatch, batched):
+    """Sequences of 2, 1, 2, 1 and 3 rows (three groups, pages past a sequence's end read
+    from its first page), batched or not: the dense loop's values, -inf past row ends."""
+    monkeypatch.setattr(scoring, "BATCHED_DEVICES", batched)
+    monkeypatch.setattr(scoring, "INT8_DEVICES", batched)
+    kw = paged_case(gen, lens=(150, 64, 70, 3, 129), rows=(2, 1, 2, 1, 3), pages=16)
+    got = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    ref = dense_loop(kw)
+    assert torch.equal(got.isinf(), ref.isinf())
+    assert torch.allclose(got[~ref.isinf()], ref[~ref.isinf()], rtol=1e-15, atol=0)
+
+
+def test_batched_path_reports_a_nan_scale_by_sequence(gen, monkeypatch):
+    monkeypatch.setattr(scoring, "BATCHED_DEVICES", ("cpu",))
+    kw = paged_case(gen, lens=(150, 64, 70), rows=(1, 1, 1), pages=8)
+    slot = int(kw["block_table"][2, 0]) * PS + 5
+    _, so = layout.slot_byte_offsets(torch.tensor([slot]), PS, D, kw["shuffle"], kw["kv_cache"].shape[1])
+    kw["kv_cache"].view(-1)[so[0, 1]] = 255
+    with pytest.raises(reference.NonFiniteInput, match="sequence 2's entries"):
+        scoring.paged_mxfp4_mqa_logits_fp64(**kw)

@@ -244,3 +244,611 @@ def test_off_means_the_same_to_both_judges(tmp_path):
     p.write_text(CONTRACT.replace("logits_nonfinite = 0\n", 'logits_nonfinite = "off"\n', 1))
     assert B.load(p).check({"paged_mxfp4_mqa_logits.logits_nonfinite": 2.0}, "s", "c") == []
     assert DiffReport("paged_mxfp4_mqa_logits", {"logits_nonfinite": 2.0}).ok({"logits_nonfinite": "off"})
+
+
+# === hostile inputs: paths, escaping, hangs, bombs, shapes (each failed before its fix) =========
+
+SMALL_CASE = ('[suite]\nname = "s"\n[[case]]\nname = {name}\nops = ["topk"]\nheads = 4\ntopk = 8\n'
+              'seqs = [{{len = 16, chunks = [16]}}]\n')
+
+
+def _tree(root: Path) -> set:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def test_a_case_name_never_leads_a_dump_out_of_reports(tmp_path, capsys, monkeypatch):
+    """`name = "../../../escaped/x"`: the default dump path stays under reports/dumps."""
+    work = tmp_path / "a" / "b" / "c"
+    (work / "cases").mkdir(parents=True)
+    (work / "cases" / "s.toml").write_text(SMALL_CASE.format(name=json.dumps("../../../escaped/x")))
+    monkeypatch.chdir(work)
+    rc, out, err = run(capsys, "dump", "--case", "../../../escaped/x", "--backend", "reference",
+                       "--cases-dir", work / "cases")
+    assert rc == 0, err
+    assert not (tmp_path / "a" / "escaped").exists() and not (work.parent / "escaped").exists()
+    written = list((work / "reports" / "dumps").iterdir())
+    assert len(written) == 1 and written[0].name.startswith("_._.._.._escaped_x.reference.step")
+
+
+def test_a_default_output_never_follows_a_link_out_of_reports(tmp_path, capsys, monkeypatch):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "dumps").symlink_to(outside)
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run(capsys, "dump", "--case", "smoke-rowend-k", "--backend", "reference")
+    assert rc == 2, (out, err)
+    one_line(err, "outside")
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_an_output_that_is_not_a_regular_file_is_refused_never_replaced(tmp_path, capsys, kind):
+    """`mxval dump -o /dev/null` must not replace /dev/null: a link, a FIFO, a device or a
+    directory at the output path is refused (exit 2) and left as it was."""
+    import os
+    import stat
+    target = tmp_path / "out.safetensors"
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    if kind == "symlink":
+        target.symlink_to(victim)
+    else:
+        os.mkfifo(target)
+    before = os.lstat(target).st_mode
+    rc, out, err = run(capsys, "dump", "--case", "smoke-rowend-k", "--backend", "reference", "-o", target)
+    assert rc == 2, (out, err)
+    one_line(err, target)
+    assert stat.S_IFMT(os.lstat(target).st_mode) == stat.S_IFMT(before) and victim.read_text() == "keep"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []     # no temporary left
+
+
+@pytest.mark.parametrize("kind, name", [("study", "../../../x"), ("distribution", '=HYPERLINK(1)$\\macro$[/]')])
+def test_a_study_or_distribution_name_is_a_plain_name(tmp_path, capsys, monkeypatch, kind, name):
+    """A study name becomes part of a path (`reports/study-<name>`), a distribution name a
+    CSV cell and a figure title: one that is not letters, digits and `._-` is refused."""
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    study, dist = (name, "normal") if kind == "study" else ("s", name)
+    (work / "study.toml").write_text(f'[distribution.{json.dumps(dist)}]\n[study.{json.dumps(study)}]\n'
+                                     f'distributions = [{json.dumps(dist)}]\nvariants = ["exact"]\n'
+                                     'context_tokens = [512]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
+                                     'needle_margins = []\nheads = 2\n')
+    monkeypatch.chdir(work)
+    rc, out, err = run(capsys, "study", "--study", study, "--study-file", work / "study.toml", "--device", "cpu")
+    assert rc == 2, (out, err)
+    one_line(err, "study.toml", kind)
+    assert _tree(tmp_path) == {"a", "a/b", "a/b/study.toml"}
+
+
+def test_every_write_goes_through_atomic_with_fsync(tmp_path, monkeypatch):
+    """dumps.py and the crash traceback write through harness/io/atomic.py: synced, renamed."""
+    import os
+
+    from harness.commands import cli
+    from harness.io import atomic
+    from harness.io.dumps import read_dump, write_dump
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    d = read_dump(sample_path_("k_natural"))
+    write_dump(tmp_path / "d.safetensors", d.ops, source="t")
+    assert synced, "write_dump wrote without fsync"
+    synced.clear()
+    path = cli._save_traceback(RuntimeError("x"), None)
+    assert synced and Path(path).read_text().startswith("RuntimeError") or "RuntimeError" in Path(path).read_text()
+    os.unlink(path)
+    assert atomic.safe_name("../../x") == "_._.._x" and atomic.safe_name("..") == "_." and atomic.safe_name("") == "_"
+
+
+def sample_path_(name):
+    from helpers import sample_path
+    return sample_path(name)
+
+
+# --- escaping: what a case name can do to the files and the terminal ----------------------------
+
+@pytest.fixture(scope="module")
+def a_report(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rep") / "r"
+    assert main(["validate", "--case", "smoke-rowend-k", "--backend", "reference", "--report-dir", str(d), "-q"]) == 0
+    return json.loads((d / "report.json").read_text())
+
+
+def _report_dir(tmp_path, data, name="r"):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "report.json").write_text(json.dumps(data))
+    return d
+
+
+def _renamed(a_report, name, **row):
+    data = json.loads(json.dumps(a_report))
+    data["cases"][0]["case"] = name
+    data["cases"][0].update(row)
+    return data
+
+
+@pytest.mark.parametrize("name", ['=HYPERLINK("http://x","y")', "+1+1", "-2+3", "@SUM(A1)", "\tx", "\rx"])
+def test_csv_cells_are_never_formulas(tmp_path, capsys, a_report, name):
+    import csv
+    d = _report_dir(tmp_path, _renamed(a_report, name))
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 0, err
+    rows = list(csv.DictReader((d / "metrics.csv").open(newline="")))
+    assert len(rows) == 1 and rows[0]["case"] == "'" + name.replace("\r", "?")
+
+
+def test_no_control_character_reaches_the_terminal(tmp_path, capsys, a_report):
+    d = _report_dir(tmp_path, _renamed(a_report, "x\x1b]0;owned\x07y\x9b31m"))
+    rc, out, err = run(capsys, "report", d)
+    assert rc == 0, err
+    assert "\x1b]0;" not in out + err and "\x07" not in out + err and "\x9b" not in out + err
+    bad = tmp_path / "evil\x1b]0;t\x07.safetensors"
+    rc, out, err = run(capsys, "diff", bad, "--report-dir", tmp_path / "r2", "-q")
+    assert rc == 2 and "\x1b" not in err and "\x07" not in err
+    one_line(err)
+
+
+@pytest.mark.parametrize("name", ["nul\x00name", "bell\x07", "ffff\uffff", "vt\x0bx"])
+def test_junit_stays_well_formed(tmp_path, capsys, a_report, name):
+    from xml.etree import ElementTree as ET
+    d = _report_dir(tmp_path, _renamed(a_report, name, reason="r\x00\x01"))
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 0, err
+    ET.parse(d / "junit.xml")
+
+
+@pytest.mark.parametrize("name", ["[/]", "x[/]y", "$\\macro$", "$\\frac{$"])
+def test_markup_and_mathtext_in_a_name_are_text(tmp_path, capsys, a_report, name):
+    """Shown as written in the console table, drawn as written in the figures: never parsed."""
+    d = _report_dir(tmp_path, _renamed(a_report, name, details={"mismatch_map": [[0, 1, 2]]}))
+    rc, out, err = run(capsys, "report", d)
+    assert rc == 0, err
+    assert name in out
+    assert (d / "report.html").read_text().count("<figure>") >= 1
+
+
+# --- hangs: a FIFO or /dev/zero given as any input file --------------------------------------------
+
+def _fifo_guard(path: Path):
+    """A FIFO at `path` and a thread that, if a reader ever blocks on it, unblocks it after a
+    moment (so a regression fails instead of hanging) and records that it had to."""
+    import os
+    import threading
+    import time
+    os.mkfifo(path)
+    state = {"blocked": False, "stop": False}
+
+    def watch():
+        t0 = time.time()
+        while not state["stop"] and time.time() - t0 < 30:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:          # ENXIO: nobody is reading
+                time.sleep(0.05)
+                continue
+            state["blocked"] = True
+            os.close(fd)
+            return
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    return state
+
+
+@pytest.mark.parametrize("what", ["budgets", "case file", "dump", "report.json", "study file", "study json"])
+def test_a_fifo_as_an_input_file_is_refused_without_blocking(tmp_path, capsys, what):
+    d = tmp_path / "in"
+    d.mkdir()
+    fifo = {"case file": d / "s.toml", "report.json": d / "report.json"}.get(what, tmp_path / "f")
+    state = _fifo_guard(fifo)
+    argv = {"budgets": ["validate", "--case", "smoke-rowend-k", "--backend", "reference", "--budgets", fifo],
+            "case file": ["cases", "--cases-dir", d],
+            "dump": ["diff", fifo],
+            "report.json": ["report", d],
+            "study file": ["study", "--study-file", fifo, "--device", "cpu"],
+            "study json": ["study", "--from-json", fifo]}[what]
+    try:
+        rc, out, err = run(capsys, *argv, *(["--report-dir", tmp_path / "r"] if what in ("budgets", "dump") else []))
+    finally:
+        state["stop"] = True
+    assert not state["blocked"], f"{what}: mxval blocked reading a FIFO"
+    assert rc == 2, (out, err)
+    one_line(err, fifo, "not a regular file")
+
+
+@pytest.mark.parametrize("what", ["budgets", "case file", "dump", "report.json"])
+def test_dev_zero_as_an_input_file_is_refused(tmp_path, capsys, what):
+    d = tmp_path / "in"
+    d.mkdir()
+    link = {"case file": d / "s.toml", "report.json": d / "report.json"}.get(what, tmp_path / "f")
+    link.symlink_to("/dev/zero")
+    argv = {"budgets": ["validate", "--case", "smoke-rowend-k", "--backend", "reference", "--budgets", link,
+                        "--report-dir", tmp_path / "r"],
+            "case file": ["cases", "--cases-dir", d], "dump": ["diff", link, "--report-dir", tmp_path / "r"],
+            "report.json": ["report", d]}[what]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2, (out, err)
+    one_line(err, "character device")
+
+
+# --- bounds: numbers and nesting ---------------------------------------------------------------------
+
+BIG = "9" * 5000
+
+
+@pytest.mark.parametrize("label", ["selftest seeds", "shard digits", "case-timeout"])
+def test_numeric_arguments_have_upper_bounds(tmp_path, capsys, label):
+    argv = {"selftest seeds": ["selftest", "--seeds", "100000000"],
+            "shard digits": ["validate", "--case", "smoke-rowend-k", "--shard", f"1/{BIG}"],
+            "case-timeout": ["validate", "--case", "smoke-rowend-k", "--case-timeout", "1e300"]}[label]
+    rc, out, err = run(capsys, *argv, "--report-dir", tmp_path / "r")
+    assert rc == 2, (out, err)
+    one_line(err, argv[-2])
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("label", ["budgets int", "case int", "budgets deep", "case deep", "case deep array",
+                                   "study context", "study deep"])
+def test_toml_numbers_and_nesting_are_bounded(tmp_path, capsys, label):
+    body = {"budgets int": CONTRACT.replace("pooled_max_ulp = 1", f"pooled_max_ulp = {BIG}", 1),
+            "case int": SMALL_CASE.format(name='"c"') + f"seed = {BIG}\n",
+            "budgets deep": "[default]\nx = " + "[" * 100000 + "]" * 100000 + "\n",
+            "case deep": SMALL_CASE.format(name='"c"') + "description = " + "{a = " * 100000 + "1" + "}" * 100000,
+            "case deep array": SMALL_CASE.format(name='"c"') + "seqs = " + "[" * 100000 + "]" * 100000,
+            "study context": '[distribution.normal]\n[study.s]\ncontext_tokens = [1099511627776]\n',
+            "study deep": '[distribution.normal]\n[study.s]\nrows = ' + "[" * 100000 + "]" * 100000}[label]
+    d = tmp_path / "in"
+    d.mkdir()
+    f = d / ("s.toml" if label.startswith("case") else "f.toml")
+    f.write_text(body)
+    argv = {"budgets": ["diff", sample_path_("k_natural"), "--budgets", f, "--report-dir", tmp_path / "r"],
+            "case": ["cases", "--cases-dir", d],
+            "study": ["study", "--study", "s", "--study-file", f, "--device", "cpu", "--report-dir", tmp_path / "r"]
+            }[label.split()[0]]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2, (out, err[-2000:])
+    one_line(err, f)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_dump_field_out_of_bounds_is_one_line(tmp_path, capsys, dumps):
+    path = _variant(dumps, "ratio.safetensors", scalars={KW: {"compress_ratio": 2 ** 20}})
+    rc, out, err = run(capsys, "diff", path, "--report-dir", tmp_path / "r", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, path, "compress_ratio")
+    meta = json.loads(json.dumps(dumps["meta"]))
+    deep = dumps["dir"] / "deep.safetensors"
+    save_file(dict(dumps["tensors"]), str(deep), metadata={"mxval": "[" * 100000 + "]" * 100000})
+    rc, out, err = run(capsys, "diff", deep, "--report-dir", tmp_path / "r", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, deep, "deep")
+    meta["step"] = int(BIG[:400])
+    big = dumps["dir"] / "bigstep.safetensors"
+    save_file(dict(dumps["tensors"]), str(big), metadata={"mxval": json.dumps(meta).replace(BIG[:400], BIG)})
+    rc, out, err = run(capsys, "diff", big, "--report-dir", tmp_path / "r", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, big)
+
+
+# --- report.json of the wrong shape -----------------------------------------------------------------
+
+SHAPES = [
+    ("metrics a list", lambda c: c.update(metrics=[1, 2]), "metrics"),
+    ("a metric a string", lambda c: c["metrics"].update({"topk.topk_duplicates": "many"}), "metrics.topk.topk_duplicates"),
+    ("findings ints", lambda c: c.update(findings=[1, 2, 3]), "findings[0]"),
+    ("details nested", lambda c: c.update(details={"mismatch_map": [[[0, 1], 2, 3]]}), "mismatch_map"),
+    ("details a list", lambda c: c.update(details=[1]), "details"),
+    ("case name a list", lambda c: c.update(case=["a"]), "case"),
+    ("status unknown", lambda c: c.update(status="great"), "status"),
+    ("seconds huge", lambda c: c.update(seconds=1e300), "seconds"),
+    ("violations strings", lambda c: c.update(violations=["x"]), "violations[0]"),
+    ("summaries strings", lambda c: c.update(summaries={"x": "y"}), "summaries.x"),
+    ("planted ints", lambda c: c.update(planted=[3]), "planted[0]"),
+]
+
+
+@pytest.mark.parametrize("label, damage, needle", SHAPES, ids=[s[0] for s in SHAPES])
+def test_a_report_json_of_the_wrong_shape_is_one_line(tmp_path, capsys, a_report, label, damage, needle):
+    data = json.loads(json.dumps(a_report))
+    damage(data["cases"][0])
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err[-2000:])
+    one_line(err, d / "report.json", needle)
+
+
+@pytest.mark.parametrize("label, text", [
+    ("5000-digit seconds", None), ("nested 100k deep", "[" * 100000 + "]" * 100000),
+    ("run seconds a list", None)])
+def test_report_json_numbers_and_nesting_are_bounded(tmp_path, capsys, a_report, label, text):
+    d = tmp_path / "r"
+    d.mkdir()
+    if label == "5000-digit seconds":
+        text = json.dumps(a_report).replace('"seconds": ', f'"seconds": {BIG}, "x": ', 1)
+    elif label == "run seconds a list":
+        data = json.loads(json.dumps(a_report))
+        data["run"]["seconds"] = [1]
+        text = json.dumps(data)
+    (d / "report.json").write_text(text)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err[-2000:])
+    one_line(err, d / "report.json")
+
+
+# --- one argument-check vocabulary ---------------------------------------------------------------
+
+def test_one_argument_check_vocabulary():
+    from harness.diff import args as A
+    from harness.io import dumps as D
+    from harness.run import cases as C
+    from reference import checks
+    from reference.ops import OPS
+    assert A.INT_DTYPES is checks.INT_DTYPES == (torch.int32, torch.int64)
+    int_fields = {f.dtypes for op in OPS.values() for f in (*op.fields.inputs.values(), *op.fields.outputs.values())
+                  if not f.dtypes[0].is_floating_point and torch.int32 in f.dtypes}
+    assert int_fields <= {checks.INT_DTYPES, (torch.int32,)}
+    # bool is never an integer, anywhere
+    for call in (lambda: checks.integer("x", True, 0, 2), lambda: A.pos_int("x", True),
+                 lambda: A.index("x", [True, False]), lambda: checks.choice("x", True, (1, 2))):
+        with pytest.raises(ValueError, match="x"):
+            call()
+    assert D._check_scalar("int+", True) and C.Int(0, 2).check.__self__ is not None
+    with pytest.raises(C._Bad):
+        C.Int(0, 2).check("k", True)
+    # one range convention: [lo, hi), the upper end excluded
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        checks.integer("x", 4, 0, 4)
+    assert checks.integer("x", 3, 0, 4) == 3
+    with pytest.raises(C._Bad, match=r"\[1, 257\)"):
+        C.CASE_SCHEMA.keys["heads"].check("heads", 257)
+    assert C.CASE_SCHEMA.keys["heads"].check("heads", 256) == 256
+    bf = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows"):
+        diff_pooled(bf, bf, torch.tensor([4]))
+    assert diff_pooled(bf, bf, torch.tensor([3])).metrics["pooled_max_ulp"] == 0
+    # integer tensors are int32/int64 everywhere: a uint8 index is refused by the diff API too
+    with pytest.raises(ValueError, match="written_slots"):
+        diff_pages(U8, U8, None, page_size=64, head_dim=128, shuffle=None, written_slots=torch.tensor([0], dtype=torch.uint8))
+
+
+META_TENSORS = {
+    "meta": lambda: torch.zeros(2, 128, dtype=torch.bfloat16, device="meta"),
+    "sparse": lambda: torch.zeros(2, 128, dtype=torch.bfloat16).to_sparse(),
+    "nested": lambda: torch.nested.nested_tensor([torch.zeros(3), torch.zeros(2)]),
+    "csr": lambda: torch.zeros(2, 128).to_sparse_csr(),
+}
+
+
+@pytest.mark.parametrize("kind", list(META_TENSORS))
+@pytest.mark.parametrize("where", ["pooled actual", "pooled rows", "pages actual", "logits actual", "topk indices",
+                                   "q actual", "op inputs"])
+def test_the_diff_api_refuses_meta_sparse_and_nested_tensors(kind, where):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        b = META_TENSORS[kind]()
+    f64 = torch.zeros(2, 8, dtype=torch.float64)
+    call, arg = {
+        "pooled actual": (lambda: diff_pooled(b, BF, torch.tensor([0])), "actual"),
+        "pooled rows": (lambda: diff_pooled(BF, BF, b), "rows"),
+        "pages actual": (lambda: diff_pages(b, U8, None, page_size=64, head_dim=128, shuffle=None,
+                                            written_slots=torch.tensor([0])), "actual"),
+        "logits actual": (lambda: diff_logits(b, f64, torch.tensor([1, 1]), clean=False), "actual"),
+        "topk indices": (lambda: diff_topk(b, f64, torch.tensor([1, 1]), 4), "indices"),
+        "q actual": (lambda: diff_q({"q_fp4": b, "q_scale": b, "weights": b}, {"q_fp4": b, "q_scale": b, "weights": b}),
+                     "q_fp4"),
+        "op inputs": (lambda: diff_op("topk", {"logits": b, "lengths": b}, {"k": 4}, {}, {}), "inputs"),
+    }[where]
+    with pytest.raises(ValueError) as e:
+        call()
+    msg = str(e.value).splitlines()[0]
+    assert arg in msg and ("meta" in msg or "strided" in msg or "nested" in msg), msg
+
+
+def test_a_link_inside_a_report_directory_is_refused_not_written_through(tmp_path, capsys, a_report):
+    outside = tmp_path / "outside.md"
+    outside.write_text("keep")
+    d = _report_dir(tmp_path, a_report)
+    (d / "report.md").symlink_to(outside)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, d / "report.md", "symbolic link")
+    assert outside.read_text() == "keep" and (d / "report.md").is_symlink()
+
+
+# --- a verdict is computed, never read ---------------------------------------------------------------
+
+def _failing(a_report):
+    data = json.loads(json.dumps(a_report))
+    c = data["cases"][0]
+    c["metrics"]["k_norm_rope_mxfp4_cache.page_bytes_mismatched"] = 3
+    c.update(status="fail", ok=False, reason="k_norm_rope_mxfp4_cache.page_bytes_mismatched 3 > 0",
+             violations=[{"metric": "k_norm_rope_mxfp4_cache.page_bytes_mismatched", "value": 3, "limit": "<= 0",
+                          "why": "3 > 0"}])
+    return data
+
+
+def test_an_honest_failing_report_re_renders_as_failing(tmp_path, capsys, a_report):
+    rc, out, err = run(capsys, "report", _report_dir(tmp_path, _failing(a_report)), "-q")
+    assert rc == 1, err
+
+
+VERDICT_EDITS = [
+    ("ok = true on a failing row", lambda c: c.update(ok=True)),
+    ("status pass, ok true, violations kept", lambda c: c.update(status="pass", ok=True)),
+    ("status pass, violations dropped", lambda c: c.update(status="pass", ok=True, violations=[], reason="")),
+    ("status skipped with metrics", lambda c: c.update(status="skipped", ok=True, violations=[])),
+    ("status error, ok true", lambda c: c.update(status="error", ok=True)),
+    ("nonfinite_input ok without expect_nonfinite", lambda c: c.update(status="nonfinite_input", ok=True)),
+    ("ok the string false", lambda c: c.update(ok="false")),
+]
+
+
+@pytest.mark.parametrize("label, edit", VERDICT_EDITS, ids=[v[0] for v in VERDICT_EDITS])
+def test_an_edited_verdict_is_refused_naming_the_row(tmp_path, capsys, a_report, label, edit):
+    data = _failing(a_report)
+    edit(data["cases"][0])
+    data["summary"]["ok"] = True
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (label, out, err)
+    one_line(err, d / "report.json", "smoke-rowend-k")
+
+
+def test_a_report_of_zero_cases_is_nothing_checked(tmp_path, capsys, a_report):
+    data = _failing(a_report)
+    data["cases"] = []
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d)
+    assert rc == 1, (out, err)
+    assert "NOTHING CHECKED" in out and "NOTHING CHECKED" in (d / "report.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    for k in (1, 2):
+        assert main(["validate", "--case", "smoke-rowend-k", "--case", "smoke-chunks-shuffled", "--backend", "reference",
+                     "--shard", f"{k}/2", "--report-dir", str(d / f"s{k}"), "-q"]) == 0
+    return d
+
+
+def _copy_shards(shards, tmp_path, edit=None):
+    import shutil
+    out = []
+    for k in (1, 2):
+        dst = tmp_path / f"s{k}"
+        shutil.copytree(shards / f"s{k}", dst)
+        if edit:
+            data = json.loads((dst / "report.json").read_text())
+            edit(k, data)
+            (dst / "report.json").write_text(json.dumps(data))
+        out.append(dst)
+    return out
+
+
+def test_a_merge_recomputes_each_shards_verdicts(tmp_path, capsys, shards):
+    def edit(k, data):
+        if data["cases"]:
+            c = data["cases"][0]
+            c["metrics"]["k_norm_rope_mxfp4_cache.page_bytes_mismatched"] = 7    # failing; verdict left as pass
+    dirs = _copy_shards(shards, tmp_path, edit)
+    rc, out, err = run(capsys, "report", "--merge", *dirs, "--report-dir", tmp_path / "m", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "page_bytes_mismatched", "report.json")
+
+
+def test_a_merge_of_zero_cases_is_nothing_checked(tmp_path, capsys, shards):
+    def edit(k, data):
+        data["cases"] = []
+        data["run"]["shard"]["cases"] = []
+        data["run"]["shard"]["all_cases"] = []
+    dirs = _copy_shards(shards, tmp_path, edit)
+    rc, out, err = run(capsys, "report", "--merge", *dirs, "--report-dir", tmp_path / "m", "-q")
+    assert rc == 1, (out, err)
+    assert "NOTHING CHECKED" in (tmp_path / "m" / "report.md").read_text()
+
+
+# --- interrupts keep what finished ---------------------------------------------------------------------
+
+def test_diff_interrupted_keeps_the_files_replayed(tmp_path, capsys, monkeypatch, dumps):
+    """Ctrl-C during the third of four dumps: a partial report of the two, re-renderable."""
+    from harness.run import replay
+    files = []
+    for i in range(4):
+        f = tmp_path / f"d{i}.safetensors"
+        f.write_bytes(dumps["good"].read_bytes())
+        files.append(f)
+    real, calls = replay.replay_dump, []
+
+    def replay_dump(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(replay, "replay_dump", replay_dump)
+    rc, out, err = run(capsys, "diff", *files, "--report-dir", tmp_path / "r", "-q")
+    assert rc == 130, err
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert [c["case"] for c in data["cases"]] == ["d0.safetensors", "d1.safetensors"]
+    assert data["run"]["interrupted"]["cancelled"] == ["d2.safetensors", "d3.safetensors"]
+    assert run(capsys, "report", tmp_path / "r", "-q")[0] == 130
+
+
+def test_a_signal_while_the_reports_are_written_leaves_them_whole(tmp_path, capsys, monkeypatch):
+    """SIGINT arriving in the middle of writing the report files: they are finished first
+    (report.json included), then the run exits 130."""
+    import os
+    import signal
+
+    from harness.io import report
+    real = report.markdown
+
+    def markdown(*a, **kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **kw)
+    monkeypatch.setattr(report, "markdown", markdown)
+    rc, out, err = run(capsys, "validate", "--case", "smoke-rowend-k", "--backend", "reference",
+                       "--report-dir", tmp_path / "r", "-q")
+    assert rc == 130, err
+    assert {p.name for p in (tmp_path / "r").iterdir()} >= {"report.json", "report.md", "junit.xml", "metrics.csv"}
+    monkeypatch.setattr(report, "markdown", real)
+    assert run(capsys, "report", tmp_path / "r", "-q")[0] == 0
+
+
+def test_study_interrupted_keeps_the_contexts_that_finished(tmp_path, capsys, monkeypatch):
+    from harness.commands import study
+    (tmp_path / "s.toml").write_text('[distribution.normal]\n[study.s]\nvariants = ["exact", "mxfp4"]\n'
+                                     'context_tokens = [512, 1024, 2048]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
+                                     'needle_margins = []\nheads = 2\n')
+    real, calls = study._study_context, []
+
+    def context(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(study, "_study_context", context)
+    rc, out, err = run(capsys, "study", "--study", "s", "--study-file", tmp_path / "s.toml", "--device", "cpu",
+                       "--report-dir", tmp_path / "r")
+    assert rc == 130, err
+    saved = json.loads((tmp_path / "r" / "study.json").read_text())
+    assert saved["meta"]["interrupted"]["cases_done"] == 1
+    assert {r["context_tokens"] for r in saved["rows"]} == {512}
+    rc, out, err = run(capsys, "study", "--from-json", tmp_path / "r" / "study.json", "--report-dir", tmp_path / "r2")
+    assert rc == 0, err
+
+
+def test_recorded_budgets_edited_to_pass_are_refused(tmp_path, capsys, a_report, shards):
+    """The recomputation trusts no edited limit silently: a check turned "off" must show in
+    run.budgets_off, and a shard's limits must be those its digest names."""
+    data = _failing(a_report)
+    c = data["cases"][0]
+    c.update(status="pass", ok=True, violations=[], reason="")
+    data["run"]["budgets"]["default"]["page_bytes_mismatched"] = "off"
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "page_bytes_mismatched", "budgets_off")
+
+    def loosen(k, data):
+        data["run"]["budgets"]["default"]["page_bytes_mismatched"] = "<= 1000000"
+    dirs = _copy_shards(shards, tmp_path / "m", loosen)
+    rc, out, err = run(capsys, "report", "--merge", *dirs, "--report-dir", tmp_path / "out", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "budgets_digest")
+
+
+def test_report_budgets_judges_against_a_trusted_file(tmp_path, capsys, a_report):
+    """Limits loosened in report.json itself pass their own recomputation; `--budgets FILE`
+    judges the rows against a file the user trusts instead."""
+    data = _failing(a_report)
+    c = data["cases"][0]
+    c.update(status="pass", ok=True, violations=[], reason="")
+    data["run"]["budgets"]["default"]["page_bytes_mismatched"] = "<= 1000"
+    d = _report_dir(tmp_path, data)
+    assert run(capsys, "report", d, "-q")[0] == 0
+    rc, out, err = run(capsys, "report", d, "-q", "--budgets", ROOT / "cases" / "budgets.toml")
+    assert rc == 2, (out, err)
+    one_line(err, "smoke-rowend-k", "page_bytes_mismatched")

@@ -7,6 +7,7 @@ import pytest
 from harness.commands.cli import main
 from harness.diff.metrics import METRICS, REQUIRED
 from harness.run.cases import Catalog
+from harness.run.selftest import scale_cases
 from optimized.faults import FAULTS
 
 
@@ -36,7 +37,10 @@ def test_quick_selftest_catches_every_fault_without_false_alarms(tmp_path):
         assert any(w["metric"].split(".")[0] in FAULTS[name].ops for w in f["values"].values()), (name, f)
     assert v["seeds"] == 4 and v["false_alarms"] == 0, v["false_alarm_runs"]
     large = {c for f in FAULTS.values() if f.large for c in f.cases}
-    assert v["correct_runs"]["reference"] == 4 * (len(Catalog().suite_cases("selftest")) - len(large))
+    scale = scale_cases() - large
+    assert scale >= {"rows-4097", "scorer-rows", "long-rows", "narrow-band"}
+    assert v["correct_runs"]["reference"] == 4 * (len(Catalog().suite_cases("selftest")) - len(large)
+                                                  - len(scale)) + len(scale)
     assert rc == 0
     rep = tmp_path / "rep"
     assert (rep / "report.json").exists() and "window-shift" in (rep / "selftest.md").read_text()

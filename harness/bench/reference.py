@@ -31,11 +31,13 @@ import time
 from pathlib import Path
 
 from harness.bench import startup
+from harness.io import atomic
 
 REPO = Path(__file__).resolve().parents[2]
 REPORT = REPO / "reports" / "bench-reference.md"
 
-TARGETS = {"k_path_s": 0.5, "score_ratio": 4.0, "peak_gib": 4.0, "validate_s": 60.0, "diff_s": 10.0}
+TARGETS = {"k_path_s": 0.5, "score_ratio": 2.0, "score_ratio_wide": 3.0, "peak_gib": 4.0, "validate_s": 60.0,
+           "diff_s": 10.0}
 
 
 # --- workloads (run inside a worker process) -------------------------------------------
@@ -354,16 +356,17 @@ def table(info: dict, results: dict) -> str:
             lines.append(f"| {dev} | K path: pool, norm, RoPE, MXFP4, preshuffled store; 16384 tokens, "
                          f"{k['entries']} entries | {k['k_path_s']:.3f} s | < {TARGETS['k_path_s']} s | "
                          f"{k['peak_rss_gib']:.2f} GiB | {'yes' if k['k_path_s'] < TARGETS['k_path_s'] else 'no'} |")
-        for key, label in (("scoring", "realistic scales"), ("scoring_wide", "scale bytes random over 12 binades")):
+        for key, label, target in (("scoring", "realistic scales", "score_ratio"),
+                                   ("scoring_wide", "scale bytes random over 12 binades", "score_ratio_wide")):
             s = res.get(key, {})
             if "error" in s:
                 lines.append(f"| {dev} | scoring ({label}) | {s['error']} | | | no |")
             elif s:
-                met = s["ratio"] <= TARGETS["score_ratio"] and s["peak_score_gib"] < TARGETS["peak_gib"] \
+                met = s["ratio"] <= TARGETS[target] and s["peak_score_gib"] < TARGETS["peak_gib"] \
                     and s["max_rel_err_vs_fp64"] < 1e-15 and s["topk_valid"]
                 lines.append(f"| {dev} | scoring + top-1024: 64 rows x 32768 entries, H=64, preshuffled, "
                              f"permuted block tables, {label} | {s['score_s']:.3f} s = {s['ratio']:.2f}x the fp32 "
-                             f"matmul | <= {TARGETS['score_ratio']:.0f}x, < {TARGETS['peak_gib']:.0f} GiB | "
+                             f"matmul | <= {TARGETS[target]:.0f}x on a quiet machine, < {TARGETS['peak_gib']:.0f} GiB | "
                              f"{s['peak_score_gib']:.2f} GiB | {'yes' if met else 'no'} |")
         u = res.get("user_waits", {})
         if "error" in u:
@@ -420,7 +423,7 @@ def main(argv=None) -> int:
         results.setdefault("cpu", {})["user_waits"] = _run_worker("user_waits", "cpu", 1)
     text = table(machine(), results) + "\n" + startup.section(args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    atomic.write_text(args.out, text + "\n")
     print(text)
     print(f"written: {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}")
     gpu = Path(__file__).with_name("gpu.py")

@@ -22,14 +22,18 @@ def add_force(p) -> None:
                    help="replace the report of another run in --report-dir (refused without it)")
 
 
+MAX_CASE_TIMEOUT = 7 * 24 * 3600.0        # --case-timeout: at most a week
+
+
 def seconds(text: str) -> float:
     """argparse type of --case-timeout: a positive number of seconds."""
     try:
         v = float(text)
     except ValueError:
         v = float("nan")
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    if not 0 < v <= MAX_CASE_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds in (0, {MAX_CASE_TIMEOUT:g}], "
+                                         f"got {text!r:.40}")
     return v
 
 

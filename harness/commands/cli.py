@@ -18,7 +18,6 @@ import importlib
 import importlib.util
 import os
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -43,8 +42,8 @@ from harness.errors import (
     InputError,
     UsageError,
 )
-from harness.io.atomic import chmod_umask
-from harness.run.signals import catch_sigterm, restore_sigterm
+from harness.io import atomic, escape
+from harness.run.signals import catch_sigterm, hold, release_all, restore_sigterm, stopped_by
 
 __all__ = ["EXIT_FAIL", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UsageError",
            "build_parser", "main"]
@@ -122,10 +121,15 @@ def cmd_diff(args) -> int:
     run.check_budgets({os.path.basename(d.path): d.ops for d in dumps}, chain=False, what="file")
     run.claim(f"diff-diff-{be.name if be else 'reference'}")
     rows = []
-    for d in dumps:
-        t = time.time()
-        reports = replay_dump(d, backend=be)
-        rows.append(dump_row(d.path, reports, be.name if be else "reference", time.time() - t))
+    try:
+        for d in dumps:
+            t = time.time()
+            reports = replay_dump(d, backend=be)
+            rows.append(dump_row(d.path, reports, be.name if be else "reference", time.time() - t))
+    except KeyboardInterrupt:                   # Ctrl-C/SIGTERM: the files replayed so far are the report
+        run.stopped = {"signal": stopped_by(), "cases_done": len(rows),
+                       "cancelled": [os.path.basename(d.path) for d in dumps[len(rows):]]}
+    hold()                                       # released by `record`, once the report is whole
     shown = be or Backend("reference", "the reference replays each dump's inputs")
     meta = run.meta(backend=shown.name, backend_requested=args.backend or "reference",
                     backend_description=shown.description, device=str(shown.device), files=list(args.files))
@@ -157,8 +161,9 @@ def cmd_dump(args) -> int:
         print(f"mxval: case {case.name}: no op of step {step} ran on the backend ({row['outcome']}: "
               f"{row['reason']})", file=sys.stderr)
         return EXIT_FAIL
-    out = args.output or str(Path("reports") / "dumps" / f"{case.name}.{be.name.replace(':', '_')}.step{step}.safetensors")
-    write_dump(out, records, source=f"mxval dump: case {case.name} (seed {case.seed}), backend {be.name} "
+    out = args.output or str(Path("reports") / "dumps" / f"{atomic.safe_name(case.name)}.{atomic.safe_name(be.name)}"
+                                                         f".step{step}.safetensors")
+    write_dump(out, records, within=None if args.output else "reports", source=f"mxval dump: case {case.name} (seed {case.seed}), backend {be.name} "
                                     f"({be.description}), step {step} of {n_steps}, {machine(str(be.device))}",
                model=case.preset, step=step)
     print(f"wrote {out}: {', '.join(records)} (step {step} of {n_steps}; case outcome {row['outcome']}"
@@ -183,15 +188,17 @@ def cmd_cases(args) -> int:
         if args.suite and name != args.suite:
             continue
         cases = catalog.suite_cases(name)
-        t = Table(title=f"suite {name} ({len(cases)} cases; {s.file}"
-                        + (f"; includes {', '.join(s.include)}" if s.include else "") + f") {s.description}")
+        t = Table(title=escape.rich(f"suite {name} ({len(cases)} cases; {s.file}"
+                                    + (f"; includes {', '.join(s.include)}" if s.include else "")
+                                    + f") {s.description}"))
         for col in ("case", "from", "ops", "shape", "needs", "description"):
             t.add_column(col, overflow="fold")
         for c in cases:
             ops = "chain" if c.ops == chain(c.fmt, c.path) else ",".join(OPS[o].stage for o in c.ops)
             if c.path == "cuda":
                 ops += " (cuda)"
-            t.add_row(c.name, c.suite, f"{c.fmt}:{ops}", c.summary(), c.requires or "", c.description)
+            t.add_row(*map(escape.rich, (c.name, c.suite, f"{c.fmt}:{ops}", c.summary(), c.requires or "",
+                                         c.description)))
         con.print(t)
     return EXIT_OK
 
@@ -229,10 +236,12 @@ def cmd_report(args) -> int:
         from harness.commands import merge
         return merge.run(args)
     from harness.io import report
+    from harness.run import recheck
     if args.dir is None:
         raise UsageError("report: give a report directory DIR (or --merge DIR...)")
     src = Path(args.dir) / "report.json"
     df, meta = report.load(args.dir)
+    recheck.check_frame(df, meta, src, budgets=args.budgets)      # the verdict is computed, never read
     out = Path(args.report_dir or args.dir)
     if args.report_dir and not report._same_file(src.parent, out):
         report.claim_dir(out, force=args.force)
@@ -293,6 +302,8 @@ def _other_parsers(sub) -> None:
     p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                    help="combine the reports of `--shard K/N` runs into one (every format)")
     p.add_argument("--report-dir", default=None, help="write there instead of DIR")
+    p.add_argument("--budgets", default=None,
+                   help="judge every row again against this budgets file (default: the limits the report recorded)")
     add_force(p)
     p.add_argument("-q", "--quiet", action="store_true")
 
@@ -332,8 +343,9 @@ def build_parser(argv: Optional[list[str]] = None) -> tuple[argparse.ArgumentPar
 
 
 def _one_line(e: BaseException) -> str:
+    """The first line of an error, with no control character for the terminal."""
     s = str(e).strip()
-    return s.splitlines()[0] if s else type(e).__name__
+    return escape.terminal(s.splitlines()[0]) if s else type(e).__name__
 
 
 def _bad_input(e: BaseException) -> bool:
@@ -351,6 +363,7 @@ def _run(args, run: dict) -> int:
         report = sys.modules.get("harness.io.report")     # locks exist only once it was loaded
         if report is not None:
             report.release_locks()
+        release_all()
         restore_sigterm(previous)
 
 
@@ -362,7 +375,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         args = ap.parse_args(argv)
         check_args(ap, args)
         return _run(args, run)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:                # before any work finished: no half-made report directory
+        _unclaim(args)
         print("mxval: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except SystemExit as e:           # --help
@@ -400,16 +414,10 @@ def _save_traceback(e: BaseException, args) -> str:
     try:
         if target:
             Path(target).mkdir(parents=True, exist_ok=True)
-            path = Path(target) / "internal-error.txt"
-            path.write_text(text)
-            return str(path)
-    except OSError:
+            return atomic.write_text(Path(target) / "internal-error.txt", text)
+    except (OSError, InputError):
         pass
-    fd, name = tempfile.mkstemp(prefix="mxval-internal-error-", suffix=".txt")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    chmod_umask(name)
-    return name
+    return atomic.write_new_temp("mxval-internal-error-", ".txt", text)
 
 
 if __name__ == "__main__":

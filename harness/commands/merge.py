@@ -15,7 +15,7 @@ import pandas as pd
 
 from harness.errors import EXIT_FAIL, EXIT_OK, ReportError, UsageError
 from harness.io import report
-from harness.run import selftest
+from harness.run import recheck, selftest
 from harness.run.pipeline import Run
 
 # run.shard fields every shard must agree on, and what to call them in the message
@@ -28,10 +28,12 @@ class MergeError(ReportError):
     """Shard reports that do not make up one run."""
 
 
-def load_shards(dirs: list) -> list[tuple[Path, object, dict]]:
+def load_shards(dirs: list, budgets=None) -> list[tuple[Path, object, dict]]:
     out = []
     for d in dirs:
         df, meta = report.load(d)
+        recheck.check_frame(df, meta, Path(d) / "report.json",       # each shard's verdicts recomputed
+                            budgets=budgets)
         sh = meta.get("shard")
         if not isinstance(sh, dict):
             raise MergeError(f"{Path(d) / 'report.json'}: not a shard report (run with --shard K/N to merge it)")
@@ -122,7 +124,7 @@ def run(args) -> int:
     """`mxval report --merge DIR...`: the checked shards written as one run's report."""
     if args.dir is not None:
         raise UsageError(f"report: give either DIR or --merge DIR..., not both ({args.dir!r})")
-    shards = load_shards(args.merge)
+    shards = load_shards(args.merge, getattr(args, "budgets", None))
     df, meta = merge(shards)
     out = Run("merge", report_dir=args.report_dir, force=args.force, quiet=args.quiet, owner=args)
     out.claim(f"merged-{meta.get('command', 'run')}-{meta.get('suite', '')}")

@@ -9,6 +9,7 @@ from harness.errors import UsageError
 DEFAULT_SEEDS = 20
 QUICK_SEEDS = 4
 QUICK_INTERPRET_SEEDS = 2
+MAX_SEEDS = 1000               # --seeds: at most this many seeds per case
 
 
 def add_parser(sub) -> None:
@@ -44,7 +45,7 @@ def run(args) -> int:
     if args.quick and args.large:
         raise UsageError("--large: not with --quick (the quick selftest never runs the > 2 GiB pool case)")
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if args.quick else DEFAULT_SEEDS)
-    if seeds < 1:
-        raise UsageError(f"--seeds: expected a positive number, got {seeds}")
+    if not 1 <= seeds <= MAX_SEEDS:
+        raise UsageError(f"--seeds: expected an integer in [1, {MAX_SEEDS + 1}), got {seeds}")
     from harness.run import selftest  # here: torch loads only once the selftest runs
     return selftest.run(args, seeds=seeds, interpret_seeds=QUICK_INTERPRET_SEEDS)

@@ -21,6 +21,8 @@ t-interval of the seeds' means (harness/commands/study_report.py).
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +41,18 @@ from harness.commands.study_metrics import (  # noqa: F401
 )
 from harness.commands.study_report import render, summary_markdown  # noqa: F401
 from harness.commands.study_variants import VARIANTS, Variant, key_side, ordered, query_side  # noqa: F401
-from harness.errors import StudyConfigError
+from harness.errors import EXIT_INTERRUPTED, StudyConfigError
+from harness.io import atomic, escape, safe_input
+from harness.run.signals import hold, release, stopped_by
+from reference import checks
 from reference.formats import preset
 from reference.k_writer import group_start, k_values
 from reference.q_quant import fold_weights, q_values
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
+MAX_CONTEXT = 2 ** 21          # tokens of one studied context (the preset's 1M and some)
+MAX_ROWS = 4096                # query rows per seed
+MAX_SEEDS = 1000
 
 
 @dataclass
@@ -62,10 +72,21 @@ class StudyConfig:
     tolerance: float = 0.01            # "within" in the decision: recall gap to FP8
 
     def __post_init__(self):
-        if self.rows < 1 or self.seeds < 1:
-            raise StudyConfigError("rows and seeds must be at least 1")
-        if not self.context_tokens or any(int(c) != c or c < 1 for c in self.context_tokens):
-            raise StudyConfigError(f"context_tokens must be positive integers, got {self.context_tokens}")
+        for key, hi in (("rows", MAX_ROWS), ("seeds", MAX_SEEDS), ("seed", 2 ** 63), ("value_dim", 4097)):
+            try:
+                checks.integer(key, getattr(self, key), 0 if key == "seed" else 1, hi)
+            except ValueError as e:
+                raise StudyConfigError(str(e)) from None
+        if self.heads is not None and not (checks.is_int(self.heads) and 1 <= self.heads <= 256):
+            raise StudyConfigError(f"heads: expected an integer in [1, 257), got {self.heads!r:.60}")
+        if (not isinstance(self.context_tokens, list) or not 1 <= len(self.context_tokens) <= 64
+                or any(not checks.is_int(c) or not 1 <= c <= MAX_CONTEXT for c in self.context_tokens)):
+            raise StudyConfigError(f"context_tokens: expected 1 to 64 integers in [1, {MAX_CONTEXT + 1}), "
+                                   f"got {self.context_tokens!r:.80}")
+        for key in ("needle_depths", "needle_margins", "variants", "distributions"):
+            v = getattr(self, key)
+            if not isinstance(v, list) or len(v) > 64:
+                raise StudyConfigError(f"{key}: expected a list of at most 64 entries, got {v!r:.80}")
         if any(not 0 <= dp <= 1 for dp in self.needle_depths):
             raise StudyConfigError(f"needle_depths must lie in [0, 1], got {self.needle_depths}")
         if any(not 0 < m < 1 for m in self.needle_margins):
@@ -177,7 +198,8 @@ def _study_context(cfg, d, names, kside, same_k, tokens, res, merges):
 def run_study(cfg: StudyConfig, *, device: str = "cpu", progress=None) -> dict:
     """-> {"rows": per (distribution, seed, context, variant), "needles": per (..., depth,
     margin), "inputs": per (distribution, seed) statistics, "merges": variants whose
-    operands were compared with another's}."""
+    operands were compared with another's}. Ctrl-C or SIGTERM stops it: the contexts that
+    finished are kept (a context half scored is dropped), and "interrupted" says so."""
     p = preset(cfg.model)
     heads = cfg.heads or p.index_heads
     contexts = sorted(set(int(c) for c in cfg.context_tokens))
@@ -186,6 +208,21 @@ def run_study(cfg: StudyConfig, *, device: str = "cpu", progress=None) -> dict:
     res = {"rows": [], "needles": [], "inputs": [], "merges": {}}
     merges = {n: {"into": VARIANTS[n].merge_into, "values": 0, "differ": 0}
               for n in names if VARIANTS[n].merge_into}
+    mark = {k: 0 for k in ("rows", "needles", "inputs")}
+    units = len(cfg.distributions) * len(cfg.seed_list) * len(contexts)
+    try:
+        _study_all(cfg, device, progress, contexts, jmax, names, heads, res, merges, mark)
+    except KeyboardInterrupt:
+        for k, n in mark.items():
+            del res[k][n:]
+        done = len({(r["distribution"], r["seed"], r["context_tokens"]) for r in res["rows"]})
+        res["interrupted"] = {"signal": stopped_by(), "cases_done": done, "cancelled": [f"{units - done} of {units} "
+                                                                                        "(distribution, seed, context)"]}
+    res["merges"] = merges
+    return res
+
+
+def _study_all(cfg, device, progress, contexts, jmax, names, heads, res, merges, mark) -> None:
     with torch.no_grad():
         for dist in cfg.distributions:
             for seed in cfg.seed_list:
@@ -205,10 +242,9 @@ def run_study(cfg: StudyConfig, *, device: str = "cpu", progress=None) -> dict:
                         merges[n]["differ"] += int((a != b).sum())
                 for tokens in contexts:
                     _study_context(cfg, d, names, kside, same_k, tokens, res, merges)
+                    mark.update({k: len(res[k]) for k in mark})      # a whole context: kept on Ctrl-C
                     if progress:
                         progress()
-    res["merges"] = merges
-    return res
 
 
 # --- configuration ------------------------------------------------------------------------
@@ -217,12 +253,23 @@ STUDY_FILE = Path(__file__).resolve().parents[2] / "cases" / "study.toml"
 
 
 def load_config(name: str, path: Path = STUDY_FILE) -> StudyConfig:
-    import tomllib
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise StudyConfigError(f"{path}: cannot read study file: {e}") from None
+        data = safe_input.load_toml(path, error=StudyConfigError)
+    except StudyConfigError as e:
+        msg = str(e)
+        if "cannot read" not in msg:
+            msg = msg.replace(f"{path}: ", f"{path}: cannot read study file: ", 1)
+        raise StudyConfigError(msg) from None
     studies = data.get("study", {})
+    if not isinstance(studies, dict) or not all(isinstance(v, dict) for v in studies.values()):
+        raise StudyConfigError(f"{path}: [study.<name>] tables expected")
+    if not isinstance(data.get("distribution", {}), dict):
+        raise StudyConfigError(f"{path}: [distribution.<name>] tables expected")
+    for kind, names in (("study", list(studies)), ("distribution", list(data.get("distribution", {})))):
+        bad = next((n for n in names if not _NAME.fullmatch(n)), None)
+        if bad is not None:                 # names become file names, CSV cells, figure titles
+            raise StudyConfigError(f"{path}: [{kind}.{bad!r:.60}]: a name is 1 to 64 letters, digits, "
+                                   "'.', '_' or '-' (not starting with '.' or '-')")
     if name not in studies:
         raise StudyConfigError(f"{path}: no study named {name!r} (known: {', '.join(studies)})")
     s = dict(studies[name])
@@ -335,21 +382,31 @@ def run(args) -> int:
         raise StudyConfigError(f"--device: expected cpu or cuda, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise StudyConfigError(f"--device: {device} requested but torch sees no CUDA/ROCm GPU")
-    out = Path(args.report_dir or f"reports/study-{cfg.name}")
+    out = Path(args.report_dir or f"reports/study-{atomic.safe_name(cfg.name)}")
     t0 = time.time()
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if args.dump:
-        parts = [study_dump(path, cfg, device=device) for path in args.dump]
+        parts = []
+        try:
+            for path in args.dump:
+                parts.append(study_dump(path, cfg, device=device))
+            stopped = None
+        except KeyboardInterrupt:               # the dumps studied so far are the report
+            stopped = {"signal": stopped_by(), "cases_done": len(parts), "cancelled": list(args.dump[len(parts):])}
         result = {k: sum((p[k] for p in parts), []) for k in ("rows", "needles", "inputs")}
         result["merges"] = {}
+        if stopped:
+            result["interrupted"] = stopped
     else:
         from rich.progress import Progress
         total = len(cfg.distributions) * len(cfg.seed_list) * len(set(cfg.context_tokens))
         with Progress(transient=True) as bar:
             task = bar.add_task(f"study {cfg.name}", total=total)
             result = run_study(cfg, device=device, progress=lambda: bar.advance(task))
+    hold()                                    # from here a Ctrl-C waits until the report is whole
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+    stopped = result.pop("interrupted", None)
     p = preset(cfg.model)
     meta = {"study": cfg.name, "machine": machine_name(device), "device": device,
             "seconds": time.time() - t0, "when": datetime.date.today().isoformat(),
@@ -360,21 +417,30 @@ def run(args) -> int:
             "distribution_fields": {d.name: study_report.distribution_fields(d) for d in cfg.distributions},
             "needle_depths": cfg.needle_depths, "needle_margins": cfg.needle_margins,
             "tolerance": cfg.tolerance, "dump": bool(args.dump)}
+    if stopped:
+        meta["interrupted"] = stopped
     paths = study_report.render(result, out, title=f"mxval study: {cfg.name}", meta=meta)
     md = study_report.summary_markdown(result, meta)
-    print(md)
+    late = release()
+    print(escape.terminal(md, lines=True))
     print(f"\nreports: {', '.join(paths.values())}")
+    if stopped or late:
+        print(f"mxval: interrupted: partial study report ({len(result['rows'])} row(s) kept; re-render with "
+              f"`mxval study --from-json {out / 'study.json'}`)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if args.readme:
-        Path(args.readme).write_text(md + "\n")
+        atomic.write_text(args.readme, md + "\n")
     return 0
 
 
 def _rerender(args) -> int:
-    import json
 
     from harness.commands import study_report
     try:
-        saved = json.loads(Path(args.from_json).read_text())
+        saved = safe_input.load_json(args.from_json, error=StudyConfigError)
+    except StudyConfigError as e:
+        raise StudyConfigError(f"--from-json: not a study.json ({e})") from None
+    try:
         meta = saved["meta"]
         result = {k: saved[k] for k in ("rows", "needles", "inputs", "merges")}
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -382,10 +448,10 @@ def _rerender(args) -> int:
     out = Path(args.report_dir or Path(args.from_json).parent)
     paths = study_report.render(result, out, title=f"mxval study: {meta.get('study', '?')}", meta=meta)
     md = study_report.summary_markdown(result, meta)
-    print(md)
+    print(escape.terminal(md, lines=True))
     print(f"\nreports: {', '.join(paths.values())}")
     if args.readme:
-        Path(args.readme).write_text(md + "\n")
+        atomic.write_text(args.readme, md + "\n")
     return 0
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.errors import InputError
+from harness.io import atomic
 from optimized import upstream
 from optimized.vllm_kernels.reader import (
     MAX_SOURCE_CHARS,
@@ -488,10 +489,7 @@ def _safe_write(root: Path, rel: str, data: bytes) -> None:
             raise UpstreamError(f"{here}: a symlink inside the upstream cache; not written through "
                                 "(remove it and fetch again)")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".part")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, dest)
+    atomic.write_bytes(dest, data, within=cache)          # synced, renamed; never through a link
 
 
 def _record(root: Path, package: str, files: dict[str, bytes], extra: dict, console) -> None:

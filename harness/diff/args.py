@@ -3,7 +3,9 @@
 The differs never trust their caller: a list where a tensor belongs, an fp32 `actual`
 against a bf16 `expected` (which would be rounded and reported exact), a wrong rank, a
 head dim of 0, negative row ends (nothing compared, a silent pass), strides too small for
-the page size... each is refused before anything is compared.
+the page size, a meta, sparse or nested tensor... each is refused before anything is
+compared. Built on reference/checks.py: its INT_DTYPES, its half-open ranges `[lo, hi)`,
+`bool` never an integer.
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from typing import Optional, Sequence
 
 import torch
 
-INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+from reference import checks
+
+INT_DTYPES = checks.INT_DTYPES
 FLOATS = (torch.float32, torch.float64)
 
 
@@ -21,8 +25,7 @@ def _dt(d) -> str:
 
 
 def tensor(name: str, t, dtypes: Optional[Sequence[torch.dtype]] = None, ndim: Optional[int] = None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    checks.plain(name, t)
     if dtypes is not None and t.dtype not in dtypes:
         raise ValueError(f"{name}: dtype {_dt(t.dtype)}, expected {' or '.join(_dt(d) for d in dtypes)}")
     if ndim is not None and t.dim() != ndim:
@@ -39,35 +42,17 @@ def same(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor, *, dtyp
 
 
 def index(name: str, v, *, ndim: int = 1, lo: Optional[int] = None, hi: Optional[int] = None,
-          allow_bool: bool = False) -> torch.Tensor:
-    """An integer tensor (or a list of ints) of `ndim` dimensions, values in [lo, hi]; long, on the CPU."""
-    if isinstance(v, (list, tuple)):
-        try:
-            v = torch.as_tensor(v)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"{name}: expected a tensor or a list of integers, got {v!r:.60}") from None
-        if v.numel() == 0:
-            v = v.long()
-    if not isinstance(v, torch.Tensor):
-        raise ValueError(f"{name}: expected an integer tensor, got {type(v).__name__}")
-    if v.dtype == torch.bool and allow_bool:
-        return v
-    if v.dtype not in INT_DTYPES:
-        raise ValueError(f"{name}: dtype {_dt(v.dtype)}, expected an integer tensor")
-    if v.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dimension(s), got shape {list(v.shape)}")
-    v = v.cpu().long()
-    if v.numel():
-        mn, mx = int(v.min()), int(v.max())
-        if lo is not None and mn < lo:
-            raise ValueError(f"{name}: value {mn} is below {lo}")
-        if hi is not None and mx > hi:
-            raise ValueError(f"{name}: value {mx} is above {hi}")
-    return v
+          mask: bool = False) -> torch.Tensor:
+    """An integer tensor of INT_DTYPES (or a list of ints) of `ndim` dimensions, values in
+    [lo, hi); long, on the CPU. `mask`: a bool tensor is accepted as a row mask (returned
+    as it is, for the caller to check its length) instead of being refused."""
+    if mask and isinstance(v, torch.Tensor) and v.dtype == torch.bool:
+        return checks.plain(name, v)
+    return checks.int_tensor(name, v, ndim=ndim, lo=lo, hi=hi)
 
 
 def pos_int(name: str, v, lo: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not checks.is_int(v):
         raise ValueError(f"{name}: expected an integer, got {v!r}")
     if v < lo:
         raise ValueError(f"{name}: expected an integer >= {lo}, got {v}")
@@ -81,8 +66,7 @@ def flag(name: str, v) -> bool:
 
 
 def choice(name: str, v, options: Sequence) -> None:
-    if isinstance(v, bool) or v not in options:
-        raise ValueError(f"{name}: expected one of {', '.join(map(repr, options))}, got {v!r}")
+    checks.choice(name, v, options)
 
 
 def nonneg(name: str, v) -> float:
@@ -94,4 +78,7 @@ def nonneg(name: str, v) -> float:
 def mapping(name: str, v) -> dict:
     if not isinstance(v, dict):
         raise ValueError(f"{name}: expected a dict of name -> tensor, got {type(v).__name__}")
+    for k, t in v.items():
+        if isinstance(t, torch.Tensor):
+            checks.plain(f"{name}[{k!r}]", t)
     return v

@@ -231,6 +231,12 @@ def fmt(v: float) -> str:
     return f"{v:.6g}" if isinstance(v, float) and not float(v).is_integer() else f"{v:g}"
 
 
+def _exact(v: float) -> str:
+    """`fmt(v)` when it reads back as `v`, else the shortest text that does."""
+    s = fmt(v)
+    return s if float(s) == float(v) else repr(float(v))
+
+
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -259,8 +265,10 @@ class Limit:
         return None
 
     def text(self) -> str:
-        parts = ([f"<= {fmt(self.max)}"] if self.max is not None else []) + \
-                ([f">= {fmt(self.min)}"] if self.min is not None else [])
+        """"<= 1", ">= 0.99", "<= 1 and >= 0" or "off"; each number round-trips exactly
+        (a report's recorded budgets are parsed back to recompute its verdicts)."""
+        parts = ([f"<= {_exact(self.max)}"] if self.max is not None else []) + \
+                ([f">= {_exact(self.min)}"] if self.min is not None else [])
         return " and ".join(parts) or "off"
 
     @classmethod

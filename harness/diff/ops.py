@@ -129,6 +129,9 @@ def diff_op(op: str, inputs: dict, scalars: dict, actual: dict, expected: dict) 
     for name, d in (("inputs", inputs), ("scalars", scalars), ("actual", actual), ("expected", expected)):
         if not isinstance(d, dict):
             raise ValueError(f"{name}: expected a dict, got {type(d).__name__}")
+        for key, t in d.items():         # a meta, sparse or nested tensor: named here, not deep in torch
+            if isinstance(t, torch.Tensor):
+                checks.plain(f"{name}[{key!r}]", t)
     view = STAGE_VIEWS[OPS[op].stage]
     for name in view.inputs:
         if name not in inputs:

@@ -181,6 +181,8 @@ def _where(loc: dict) -> str:
 
 
 def _check_pool(name, t, like=None):
+    if isinstance(t, torch.Tensor):
+        A.tensor(name, t)
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
         raise ValueError(f"{name}: expected a u8 pool [P, page_bytes], got "
                          f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")

@@ -40,7 +40,7 @@ def diff_pooled(actual: torch.Tensor, expected: torch.Tensor, rows, *,
     A.same("actual", actual, "expected", expected)      # an fp32 actual is never rounded onto bf16
     a, e = actual.cpu().to(torch.bfloat16), expected.cpu().to(torch.bfloat16)
     t = a.shape[0]
-    rows = A.index("rows", rows, lo=0, hi=t - 1, allow_bool=True)
+    rows = A.index("rows", rows, lo=0, hi=t, mask=True)
     if rows.dtype == torch.bool:
         if rows.dim() != 1 or rows.numel() != t:
             raise ValueError(f"rows: a bool mask needs shape [{t}], got {list(rows.shape)}")

@@ -31,7 +31,7 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
     A.nonneg("row_threshold", row_threshold)
     x, y = actual.cpu().double(), expected_fp64.cpu().double()
     rw, w = x.shape
-    ends = A.index("row_ends", row_ends, lo=0, hi=w)
+    ends = A.index("row_ends", row_ends, lo=0, hi=w + 1)
     if ends.numel() != rw:
         raise ValueError(f"row_ends: {ends.numel()} entries for {rw} rows")
     valid = torch.arange(w)[None, :] < ends[:, None]
@@ -200,7 +200,7 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
     rw, w = s.shape
     if idx.shape[0] != rw or idx.shape[1] != k:
         raise ValueError(f"indices: expected shape [{rw}, {k}], got {list(idx.shape)}")
-    lens = A.index("lengths", lengths, lo=0, hi=w)
+    lens = A.index("lengths", lengths, lo=0, hi=w + 1)
     if lens.numel() != rw:
         raise ValueError(f"lengths: {lens.numel()} entries for {rw} rows")
     t = _topk_rows(idx, s, lens, k, tol)

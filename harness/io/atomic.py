@@ -1,18 +1,37 @@
-"""Files written whole or not at all, with the mode the user's umask asks for.
+"""Every file mxval writes goes through here: whole or not at all, synced, with the mode the
+user's umask asks for, never through a link or over something that is not a file.
 
-Every report file (and every dump) goes to a temporary name in its own directory and is
-renamed over the target: a reader, a crash or a Ctrl-C never sees half a file. `mkstemp`
-creates its files 0600 whatever the umask; `chmod_umask` gives them the mode an ordinary
-`open(path, "w")` would have (0666 & ~umask).
+  - Atomic: the data goes to a temporary name in the target's own directory, is fsynced,
+    and is renamed over the target (the directory is fsynced too): a reader, a crash or a
+    Ctrl-C never sees half a file. `mkstemp` creates its files 0600 whatever the umask;
+    `chmod_umask` gives them the mode an ordinary `open(path, "w")` would have.
+  - The target must be a new name or an existing regular file. A symlink, a device
+    (`-o /dev/null`), a FIFO, a socket or a directory standing at the target is refused
+    (`OutputError`, one line, exit 2): the rename would replace it, and writing through it
+    would leave the tree the user chose. Nothing is written in that case.
+  - `within`: a directory the target must stay inside once every link is resolved (a
+    default output under `reports/` whose `dumps/` is a link to elsewhere is refused).
+  - Names that become part of a path (a case, study, dump or backend name) go through
+    `safe_name` first: reduced to letters, digits and `._-`, never `..` or a hidden name.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import stat
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Callable, Optional, Union
+
+from harness.errors import InputError
 
 PathLike = Union[str, os.PathLike]
+MAX_NAME = 120                  # characters of a name made safe (a file name is at most 255 bytes)
+
+
+class OutputError(InputError):
+    """An output path that cannot be written safely; one line naming it."""
 
 
 def current_umask() -> int:
@@ -26,32 +45,113 @@ def chmod_umask(path: PathLike) -> None:
     os.chmod(path, 0o666 & ~current_umask())
 
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def safe_name(name: str) -> str:
+    """`name` as one safe path component: every character other than letters, digits and
+    `._-` becomes `_`, a leading dot becomes `_` (no `..`, no hidden file), at most
+    MAX_NAME characters (a longer name keeps its start and a short digest of the whole)."""
+    text = str(name)
+    out = _UNSAFE.sub("_", text) or "_"
+    if out.startswith("."):
+        out = "_" + out[1:]
+    if len(out) > MAX_NAME:
+        tag = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        out = f"{out[:MAX_NAME - 9]}-{tag}"
+    return out
+
+
+def check_target(path: PathLike, *, within: Optional[PathLike] = None, arg: Optional[str] = None) -> Path:
+    """`path` may be written: a new name or a regular file (not a link), inside `within`
+    when given. OutputError otherwise."""
+    p = Path(path)
+    label = f"{arg}: {p}" if arg else str(p)
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise OutputError(f"{label}: cannot write there: {e.strerror or e}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        what = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+        raise OutputError(f"{label}: {what}; an output must be a new name or a regular file (never replaced "
+                          "or written through)")
+    if within is not None:
+        root = Path(within).resolve()
+        parent = p.parent.resolve()
+        if parent != root and root not in parent.parents:
+            raise OutputError(f"{label}: resolves to {parent / p.name}, outside {within} (a link leads out of it)")
+    return p
+
+
 def temp_in(directory: PathLike, name: str) -> str:
     """A fresh temporary file next to `name` in `directory` (closed, umask mode)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name[:MAX_NAME]}.", suffix=".tmp", dir=directory)
     os.close(fd)
     chmod_umask(tmp)
     return tmp
 
 
-def write_bytes(path: PathLike, data: bytes) -> str:
-    path = Path(path)
+def _fsync_dir(directory: PathLike) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_via(path: PathLike, fill: Callable[[str], None], *, within: Optional[PathLike] = None) -> str:
+    """Atomic write of a file another library writes: `fill(tmp)` writes the temporary file
+    (safetensors' `save_file`), which is then fsynced and renamed over `path`."""
+    path = check_target(path, within=within)
     tmp = temp_in(path.parent, path.name)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fill(tmp)
+        chmod_umask(tmp)                 # a library may have created its own file in its place
+        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        check_target(path, within=within)       # nothing swapped in while it was written
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
     return str(path)
 
 
-def write_text(path: PathLike, text: str) -> str:
-    return write_bytes(path, text.encode("utf-8"))
+def write_bytes(path: PathLike, data: bytes, *, within: Optional[PathLike] = None) -> str:
+    def fill(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    return write_via(path, fill, within=within)
+
+
+def write_text(path: PathLike, text: str, *, within: Optional[PathLike] = None) -> str:
+    return write_bytes(path, text.encode("utf-8"), within=within)
+
+
+def write_new_temp(prefix: str, suffix: str, text: str) -> str:
+    """A new file in the system's temporary directory holding `text` (synced, umask mode);
+    its path. For output with no place of its own (the traceback of a crash outside a run)."""
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    chmod_umask(name)
+    return name
 
 
 def check_writable_dir(directory: PathLike) -> None:

@@ -15,19 +15,25 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from harness.errors import InputError
-from harness.io.atomic import chmod_umask
+from harness.io import atomic, safe_input
+from reference import checks
 from reference.ops import OPS, OpSpec
 
 FORMAT = "mxval-dump"
 VERSION = 1
 META_KEY = "mxval"
+# Bounds of the file's fields (half-open ranges, reference/checks.py): an integer scalar
+# (page_size, compress_ratio, k, a shuffle group) at most MAX_INT_SCALAR, layer and step
+# below 2**31, a safetensors header of at most MAX_HEADER_BYTES (the library's own limit).
+MAX_INT_SCALAR = 2 ** 16
+MAX_INDEX = 2 ** 31
+MAX_HEADER_BYTES = 100 * 2 ** 20
 
 
 class DumpError(InputError):
@@ -51,8 +57,7 @@ class Dump:
 
 # --- scalars --------------------------------------------------------------------------
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+_is_int = checks.is_int
 
 
 def _check_scalar(kind: str, v) -> Optional[str]:
@@ -69,16 +74,19 @@ def _check_scalar(kind: str, v) -> Optional[str]:
         ok = ok and 1.4e-45 <= v <= 3.4028234663852886e38
         return None if ok else f"expected a finite number > 0 (and within fp32), got {v!r}"
     if kind == "int+":
-        return None if _is_int(v) and v > 0 else f"expected a positive integer, got {v!r}"
+        ok = _is_int(v) and 0 < v <= MAX_INT_SCALAR
+        return None if ok else f"expected an integer in [1, {MAX_INT_SCALAR + 1}), got {checks._show(v)}"
     if kind == "bool":
         return None if isinstance(v, bool) else f"expected true or false, got {v!r}"
     if kind == "shuffle":
-        ok = v is None or (isinstance(v, list) and len(v) == 3 and all(_is_int(x) and x > 0 for x in v))
-        return None if ok else f"expected [N, Dt, L] or null, got {v!r}"
+        ok = v is None or (isinstance(v, list) and len(v) == 3
+                           and all(_is_int(x) and 0 < x <= MAX_INT_SCALAR for x in v))
+        return None if ok else f"expected [N, Dt, L] (integers in [1, {MAX_INT_SCALAR + 1})) or null, got {v!r:.80}"
     options = {"fp8_dtype": tuple(FP8_FLAVOURS), "rounding": ROUNDING_PATHS,
                "scale_rule": tuple(SCALE_RULES), "rope": ROPE_MODES,
                "softmax": tuple(SOFTMAX_MODES)}[kind]
-    return None if v in options else f"expected one of {', '.join(options)}, got {v!r}"
+    ok = isinstance(v, str) and v in options
+    return None if ok else f"expected one of {', '.join(options)}, got {v!r:.80}"
 
 
 def json_scalar(v):
@@ -215,31 +223,43 @@ def _check_container(path: str) -> dict:
     """Parse the safetensors header ourselves so that a truncated or foreign file gets a
     precise line (the library's own errors are terse and vary by version)."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with safe_input.open_regular(path, error=DumpError) as f:       # never a FIFO or a device
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 _fail(path, f"not a safetensors file ({size} bytes, too short for a header)")
             n = int.from_bytes(head, "little")
             if n == 0 or n > size - 8:
                 _fail(path, f"truncated or not a safetensors file (header length {n}, file size {size})")
+            if n > MAX_HEADER_BYTES:
+                _fail(path, f"safetensors header of {n} bytes, more than the {MAX_HEADER_BYTES} allowed")
             raw = f.read(n)
     except OSError as e:
         _fail(path, f"cannot read: {e.strerror or _first_line(e)}")
     try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("not an object")
-    except (ValueError, UnicodeDecodeError):
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        _fail(path, "not a safetensors file (its header is not UTF-8 JSON)")
+    safe_input.check_structure(text, f"{path}: safetensors header", toml=False, error=DumpError)
+    try:
+        header = safe_input.loads_json(text, "", error=DumpError)
+    except DumpError:
+        header = None
+    if not isinstance(header, dict):
         _fail(path, "not a safetensors file (its header is not a JSON object)")
     end = 0
     for name, info in header.items():
         if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                _fail(path, "corrupt safetensors header (__metadata__ must map names to strings)")
             continue
         try:
-            end = max(end, int(info["data_offsets"][1]))
+            off = info["data_offsets"][1]
+            if not _is_int(off) or off < 0:
+                raise ValueError
+            end = max(end, off)
         except (TypeError, KeyError, IndexError, ValueError):
-            _fail(path, f"corrupt safetensors header (tensor {name!r} has no data_offsets)")
+            _fail(path, f"corrupt safetensors header (tensor {name!r:.80} has no data_offsets)")
     if 8 + n + end > size:
         _fail(path, f"truncated: tensor data needs {8 + n + end} bytes, the file has {size}")
     return header
@@ -249,10 +269,7 @@ def _parse_meta(path, header: dict) -> dict:
     meta = header.get("__metadata__") or {}
     if META_KEY not in meta:
         _fail(path, f"no {META_KEY!r} metadata key (not an mxval dump)")
-    try:
-        m = json.loads(meta[META_KEY])
-    except (TypeError, ValueError) as e:
-        _fail(path, f"metadata key {META_KEY!r} is not valid JSON ({_first_line(e)})")
+    m = safe_input.loads_json(meta[META_KEY], f"{path}: metadata key {META_KEY!r}", error=DumpError)
     if not isinstance(m, dict):
         _fail(path, f"metadata key {META_KEY!r} is not a JSON object")
     if m.get("format") != FORMAT:
@@ -265,8 +282,9 @@ def _parse_meta(path, header: dict) -> dict:
         if not isinstance(m.get(key), kinds):
             _fail(path, f"{META_KEY}.{key}: expected a string, got {m.get(key)!r}")
     for key in ("layer", "step"):
-        if m.get(key) is not None and not (_is_int(m[key]) and m[key] >= 0):
-            _fail(path, f"{META_KEY}.{key}: expected a non-negative integer or null, got {m[key]!r}")
+        if m.get(key) is not None and not (_is_int(m[key]) and 0 <= m[key] < MAX_INDEX):
+            _fail(path, f"{META_KEY}.{key}: expected an integer in [0, {MAX_INDEX}) or null, "
+                        f"got {checks._show(m[key])}")
     ops = m.get("ops")
     if not isinstance(ops, dict) or not ops:
         _fail(path, f"{META_KEY}.ops: expected a non-empty object of op scalars, got {ops!r}")
@@ -312,9 +330,11 @@ def read_dump(path) -> Dump:
 # --- writing --------------------------------------------------------------------------
 
 def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "deepseek-v4-pro",
-               layer: Optional[int] = None, step: Optional[int] = None) -> str:
-    """Validate `ops` against the op table and write them as one dump (atomically: a reader
-    never sees half a file). Returns the path."""
+               layer: Optional[int] = None, step: Optional[int] = None, within=None) -> str:
+    """Validate `ops` against the op table and write them as one dump through
+    harness/io/atomic.py (a reader never sees half a file; a link, a device or a directory at
+    `path` is refused, never replaced; `within`: a directory `path` must stay inside).
+    Returns the path."""
     from safetensors.torch import save_file
     path = os.fspath(path)
     if not ops:
@@ -341,18 +361,10 @@ def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "dee
     meta = {"format": FORMAT, "version": VERSION, "source": str(source), "model": str(model),
             "layer": layer, "step": step, "ops": meta_ops}
     for key in ("layer", "step"):
-        if meta[key] is not None and not (_is_int(meta[key]) and meta[key] >= 0):
-            _fail(path, f"{key}: expected a non-negative integer or None, got {meta[key]!r}")
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".mxval-", suffix=".safetensors", dir=directory)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta)})
-        chmod_umask(tmp)                # mkstemp's (and save_file's) 0600 -> what the umask asks for
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        if meta[key] is not None and not (_is_int(meta[key]) and 0 <= meta[key] < MAX_INDEX):
+            _fail(path, f"{key}: expected an integer in [0, {MAX_INDEX}) or None, got {meta[key]!r}")
+    atomic.check_target(path, within=within)          # before any directory is made
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    text = json.dumps(meta)
+    atomic.write_via(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: text}), within=within)
     return path

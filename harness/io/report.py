@@ -22,6 +22,7 @@ from xml.etree import ElementTree as ET
 import pandas as pd
 
 from harness.errors import ReportError
+from harness.io import escape, report_shape, safe_input
 
 SCHEMA = "mxval-report"
 SCHEMA_VERSION = 1
@@ -221,12 +222,15 @@ def memory_note(df: pd.DataFrame) -> str:
 
 def summary(df: pd.DataFrame, meta: Optional[dict] = None) -> dict:
     """Counts and the verdict. A run that was interrupted (`meta["interrupted"]`) is never
-    ok, whatever its finished cases say."""
+    ok, whatever its finished cases say; nor is one that checked nothing: every case
+    skipped, or no case at all (a merge of zero cases; but a shard that was given none)."""
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     out = {s: int(counts.get(s, 0)) for s in ("pass", "fail", "error", "nonfinite_input", "skipped")}
     out["cases"] = int(len(df))
     out["ok"] = bool(df["ok"].all()) if len(df) else True
-    if len(df) and out["skipped"] == len(df):      # every case skipped: nothing was checked, never a pass
+    sh = (meta or {}).get("shard")
+    empty_shard = isinstance(sh, dict) and not sh.get("cases")
+    if (len(df) and out["skipped"] == len(df)) or (not len(df) and not empty_shard):   # never a pass
         out["nothing_checked"] = True
         out["ok"] = False
     if (meta or {}).get("interrupted"):
@@ -253,7 +257,7 @@ def verdict_word(s: dict) -> str:
     if s.get("interrupted"):
         return "INTERRUPTED"
     if s.get("nothing_checked"):
-        return "NOTHING CHECKED (every case skipped)"
+        return "NOTHING CHECKED (" + ("every case skipped)" if s.get("cases") else "no case)")
     return "OK" if s["ok"] else "FAILED"
 
 
@@ -295,12 +299,7 @@ def to_json(df: pd.DataFrame, meta: dict) -> dict:
 def load(report_dir) -> tuple[pd.DataFrame, dict]:
     """(DataFrame, run meta) from DIR/report.json. ReportError (one line) on a bad file."""
     path = Path(report_dir) / "report.json"
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise ReportError(f"{path}: cannot read: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ReportError(f"{path}: not valid JSON ({e})") from None
+    data = safe_input.load_json(path, error=ReportError)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ReportError(f"{path}: not an mxval report (schema {data.get('schema') if isinstance(data, dict) else None!r})")
     if data.get("version") != SCHEMA_VERSION:
@@ -316,6 +315,7 @@ def load(report_dir) -> tuple[pd.DataFrame, dict]:
     for key in ("interrupted", "shard", "budgets", "jobs"):      # read with .get by the renderers
         if run.get(key) is not None and not isinstance(run[key], dict):
             raise ReportError(f"{path}: run.{key} must be an object, got {type(run[key]).__name__}")
+    report_shape.check(data, path)                  # every field the renderers read: type and bounds
     return frame(data["cases"]), run
 
 
@@ -331,29 +331,30 @@ def wide_console():
 def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     from rich.table import Table
     console = console or wide_console()
-    t = Table(title=f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on {meta.get('backend', '')}"
-                    f"{part_note(meta)}",
-              caption=meta.get("backend_description") or None, show_lines=False)
+    t = Table(title=escape.rich(f"mxval {meta.get('command', '')}: {meta.get('suite', '')} on "
+                                f"{meta.get('backend', '')}{part_note(meta)}"),
+              caption=escape.rich(meta.get("backend_description")) if meta.get("backend_description") else None,
+              show_lines=False)
     mem = has_memory(df)
     for col in ("case", "status", *OVERVIEW, *([MEMORY_HEAD] if mem else []), "s", "reason"):
         t.add_column(col, overflow="fold", max_width=60 if col == "reason" else None)
     for _, r in df.iterrows():
         st = r["status"]
-        t.add_row(str(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{st}[/]", *overview_cells(r),
-                  *([memory_cell(r)] if mem else []), f"{_num(r['seconds']) or 0:.1f}", str(r["reason"] or ""))
+        t.add_row(escape.rich(r["case"]), f"[{STATUS_STYLE.get(st, '')}]{escape.rich(st)}[/]", *overview_cells(r),
+                  *([memory_cell(r)] if mem else []), f"{_num(r['seconds']) or 0:.1f}", escape.rich(r["reason"] or ""))
     console.print(t)
     console_selection(df, console)
     s = summary(df, meta)
     verdict = "[green]OK[/]" if s["ok"] else f"[bold red]{verdict_word(s)}[/]"
     if s.get("interrupted"):
-        console.print(f"[bold red]{_interrupt_note(meta)}[/]")
+        console.print(f"[bold red]{escape.rich(_interrupt_note(meta))}[/]")
     console.print(f"{verdict}: {s['pass']} pass, {s['fail']} fail, {s['error']} error, "
                   f"{s['nonfinite_input']} non-finite input, {s['skipped']} skipped")
     if memory_note(df):
         console.print(memory_note(df))
     if meta.get("budgets_off"):
-        console.print(f"[yellow]checks turned off[/] by {(meta.get('budgets') or {}).get('path', '')}: "
-                      + "; ".join(meta["budgets_off"]))
+        console.print(f"[yellow]checks turned off[/] by {escape.rich((meta.get('budgets') or {}).get('path', ''))}: "
+                      + escape.rich("; ".join(map(str, meta["budgets_off"]))))
 
 
 def _selection_rows(df: pd.DataFrame) -> list[tuple[str, str, dict]]:
@@ -385,7 +386,7 @@ def console_selection(df: pd.DataFrame, console) -> None:
     note = (f"{len(same)} case(s) select exactly the reference's top-k at the stage and across the chain"
             + (f": {', '.join(same)}" if len(same) <= 8 else ""))
     if not rows:
-        console.print(f"does the difference matter? no: {note}")
+        console.print(f"does the difference matter? no: {escape.rich(note)}")
         return
     t = Table(title="does the difference matter? the top-k selection against the exact one",
               caption=_proxy(), show_lines=False)
@@ -393,10 +394,10 @@ def console_selection(df: pd.DataFrame, console) -> None:
         t.add_column(col, overflow="fold", max_width=70 if col == "verdict" else None)
     for case, where, v in rows:
         lost = (v.get("topk_recall_min") or 1) < 1
-        t.add_row(case, where, *_sel_cells(v), "[bold red]keys lost[/]" if lost else v["verdict"])
+        t.add_row(escape.rich(case), where, *_sel_cells(v), "[bold red]keys lost[/]" if lost else escape.rich(v["verdict"]))
     console.print(t)
     if same:
-        console.print(note)
+        console.print(escape.rich(note))
 
 
 class CaseLines:
@@ -423,8 +424,9 @@ class CaseLines:
         reason = str(r.get("reason") or "").splitlines()[0] if r.get("reason") else ""
         if len(reason) > 140:
             reason = reason[:139] + "…"
-        print(f"[{self.n}/{self.total}] {r.get('case')}: {status} ({_num(r.get('seconds')) or 0:.1f} s)"
-              + (f": {reason}" if reason else ""), file=self.stream, flush=True)
+        print(escape.terminal(f"[{self.n}/{self.total}] {r.get('case')}: {status} "
+                              f"({_num(r.get('seconds')) or 0:.1f} s)" + (f": {reason}" if reason else "")),
+              file=self.stream, flush=True)
 
 
 # --- markdown --------------------------------------------------------------------------------
@@ -538,7 +540,7 @@ def _mismatch_maps(df: pd.DataFrame, plt) -> list:
                                            for i, p in enumerate(pages)])
         ax.set_xlabel("entry in page")
         fig.colorbar(im, ax=ax, label="mismatched bytes (white: none)")
-        ax.set_title(f"{r['case']}: mismatched K-cache bytes by page and entry")
+        ax.set_title(escape.mathtext(f"{escape.terminal(r['case'])}: mismatched K-cache bytes by page and entry"))
         out.append((str(r["case"]), f"Mismatch map of {r['case']} (pages with a mismatch, bytes per entry)",
                     _png(fig)))
     return out
@@ -558,7 +560,7 @@ def _error_histograms(df: pd.DataFrame, plt) -> list:
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
         if ulp:
             keys = list(ulp)
-            axes[0].bar(keys, [ulp[k] for k in keys], color="tab:blue")
+            axes[0].bar([escape.mathtext(k) for k in keys], [ulp[k] for k in keys], color="tab:blue")
             axes[0].set_yscale("log")
             axes[0].set_xlabel("bf16 ulps from the reference")
             axes[0].set_ylabel("pooled values")
@@ -841,7 +843,7 @@ def junit(df: pd.DataFrame, meta: dict) -> str:
             ET.SubElement(tc, "error", message="cancelled: the run was interrupted")
         suite.set("errors", str(s["error"] + len((meta.get("interrupted") or {}).get("cancelled") or [])))
         suite.set("tests", str(s["cases"] + len((meta.get("interrupted") or {}).get("cancelled") or [])))
-    return ET.tostring(suite, encoding="unicode")
+    return ET.tostring(escape.xml_tree(suite), encoding="unicode")
 
 
 # --- all of them -------------------------------------------------------------------------------
@@ -864,8 +866,8 @@ def write_all(df: pd.DataFrame, meta: dict, out_dir, *, json_source: Optional[Pa
     atomic.write_text(paths["md"], markdown(df, meta))
     atomic.write_text(paths["html"], html(df, meta))
     atomic.write_text(paths["junit"], junit(df, meta))
-    atomic.write_text(paths["csv"], df[[c for c in COLUMNS if c in df.columns] + metric_columns(df)]
-                      .to_csv(index=False))
+    atomic.write_text(paths["csv"], escape.csv_frame(df[[c for c in COLUMNS if c in df.columns]
+                                                       + metric_columns(df)]).to_csv(index=False))
     if json_source is None:
         atomic.write_text(paths["json"], json.dumps(to_json(df, meta), indent=1, default=str))
     elif not _same_file(json_source, paths["json"]):
@@ -886,7 +888,9 @@ def default_dir(name: str, root="reports") -> Path:
     """A fresh directory `<root>/<name>-<YYYYmmdd-HHMMSS>-<pid>[-n]`, created here: two runs
     started in the same second (or one pid reused) never share one."""
     import datetime
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", name)      # suite and backend names become one path part
+
+    from harness.io.atomic import safe_name
+    name = safe_name(name)                            # suite and backend names become one path part
     base = f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     Path(root).mkdir(parents=True, exist_ok=True)
     for n in range(1000):

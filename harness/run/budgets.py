@@ -38,7 +38,8 @@ from typing import Iterable, Optional
 
 from harness.diff.metrics import CHAIN, METRICS, OFF, Limit, bare, emitted_by, is_chain, judge, op_emits, required_keys
 from harness.errors import InputError
-from harness.run.cases import BUDGETS_FILE, CASES_DIR, tomllib
+from harness.io import safe_input
+from harness.run.cases import BUDGETS_FILE, CASES_DIR
 from reference.ops import OPS
 
 __all__ = ["BudgetError", "Budgets", "Limit", "OFF", "load", "verdict"]
@@ -190,13 +191,7 @@ def load(path: Path | str | None = None) -> Budgets:
     (one line naming the file, the scope and the key). Whether the file fits a run (every
     required metric bounded) is `Budgets.check_run`."""
     path = Path(path) if path is not None else default_path()
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise BudgetError(f"{path}: cannot read budgets file: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise BudgetError(f"{path}: malformed TOML: {e}") from None
+    data = safe_input.load_toml(path, error=BudgetError)
     extra = set(data) - {"default", "suite", "case"}
     if extra:
         raise BudgetError(f"{path}: unknown top-level key(s) {sorted(extra)} (known: default, suite, case)")

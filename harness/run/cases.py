@@ -21,12 +21,14 @@ the case (or `[suite]`, `[defaults]`) and the key, never ignored. What a case ma
 from __future__ import annotations
 
 import dataclasses
-import tomllib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from harness.errors import InputError
+from harness.io import safe_input
+from reference import checks
 from reference.ops import OP_NAMES, OPS, PATHS, chain, format_of
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
@@ -122,7 +124,9 @@ class Case:
 #
 # Every key of a suite file, declared once: its type, its range (every number has a stated
 # upper bound, so a typo of 1e12 tokens is refused here, not by the allocator), lists where
-# lists belong. `_check` walks a value against its spec; an error is one line naming the
+# lists belong. Ranges are half-open as everywhere (reference/checks.py): `MAX_HEADS` is the
+# largest value allowed, so its range is `Int(1, MAX_HEADS + 1)`; a list's length range too.
+# `_check` walks a value against its spec; an error is one line naming the
 # file, the case (or [suite] / [defaults]) and the key path.
 
 MAX_TOKENS = 2 ** 21             # tokens of one case, summed over its sequences
@@ -134,9 +138,15 @@ MAX_PAGE_SIZE = 4096
 MAX_POOL_PAGES = 2 ** 21
 MAX_PAD = 2 ** 16
 MAX_PLANT = 2 ** 20
+MAX_PLANTS = 64
+MAX_INCLUDES = 64
+MAX_TEXT = 4096                  # characters of a name or description
 MAX_SCALE = 2.0 ** 64
 MAX_SEED = 2 ** 63 - 1
 MAX_REPEAT = 100
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class _Bad(Exception):
@@ -146,28 +156,28 @@ class _Bad(Exception):
 
 @dataclass(frozen=True)
 class Int:
+    """An integer in [lo, hi) (reference/checks.py: half-open ranges, a bool is no integer)."""
     lo: int
     hi: int
 
     def check(self, key, v):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise _Bad(key, f"expected an integer in [{self.lo}, {self.hi}], got {_show(v)}")
-        if not self.lo <= v <= self.hi:
-            raise _Bad(key, f"{v} is out of range [{self.lo}, {self.hi}]")
-        return v
+        try:
+            return checks.integer(key, v, self.lo, self.hi)
+        except ValueError as e:
+            raise _Bad(key, str(e).split(": ", 1)[1]) from None
 
 
 @dataclass(frozen=True)
 class Float:
+    """A finite number in [lo, hi)."""
     lo: float
     hi: float
 
     def check(self, key, v):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise _Bad(key, f"expected a number in [{self.lo:g}, {self.hi:g}], got {_show(v)}")
-        if v != v or not self.lo <= v <= self.hi:
-            raise _Bad(key, f"{v} is out of range [{self.lo:g}, {self.hi:g}]")
-        return float(v)
+        try:
+            return checks.number(key, v, self.lo, self.hi)
+        except ValueError as e:
+            raise _Bad(key, str(e).split(": ", 1)[1]) from None
 
 
 @dataclass(frozen=True)
@@ -185,10 +195,14 @@ class Str:
     def check(self, key, v):
         if not isinstance(v, str):
             raise _Bad(key, f"expected a string, got {_show(v)}")
+        if len(v) > MAX_TEXT:
+            raise _Bad(key, f"{len(v)} characters, at most {MAX_TEXT}")
         if not self.empty_ok and not v.strip():
             raise _Bad(key, "must not be empty")
         if "\n" in v and not self.empty_ok:
             raise _Bad(key, "must be one line")
+        if not self.empty_ok and _CONTROL.search(v):     # a name: printed, and part of file names
+            raise _Bad(key, f"control character {_CONTROL.search(v).group()!r} in a name")
         return v
 
 
@@ -204,6 +218,7 @@ class Choice:
 
 @dataclass(frozen=True)
 class List:
+    """A list whose length is in [lo, hi)."""
     item: object
     lo: int
     hi: int
@@ -211,9 +226,9 @@ class List:
 
     def check(self, key, v):
         if not isinstance(v, list):
-            raise _Bad(key, f"expected a list ({self.lo} to {self.hi} items), got {_show(v)}")
-        if not self.lo <= len(v) <= self.hi:
-            raise _Bad(key, f"expected {self.lo} to {self.hi} items, got {len(v)}")
+            raise _Bad(key, f"expected a list ({self.lo} to {self.hi - 1} items), got {_show(v)}")
+        if not self.lo <= len(v) < self.hi:
+            raise _Bad(key, f"expected {self.lo} to {self.hi - 1} items, got {len(v)}")
         out = [self.item.check(f"{key}[{i}]", x) for i, x in enumerate(v)]
         if self.unique:
             dup = [x for i, x in enumerate(out) if x in out[:i]]
@@ -269,43 +284,43 @@ def _presets() -> tuple:
     return tuple(PRESETS)
 
 
-SEQ_SCHEMA = Table({"len": Int(1, MAX_TOKENS), "chunks": List(Int(1, MAX_TOKENS), 0, MAX_STEPS),
-                    "decode": Int(0, MAX_STEPS)}, required=("len",))
+SEQ_SCHEMA = Table({"len": Int(1, MAX_TOKENS + 1), "chunks": List(Int(1, MAX_TOKENS + 1), 0, MAX_STEPS + 1),
+                    "decode": Int(0, MAX_STEPS + 1)}, required=("len",))
 PLANT_SCHEMA = Table({"tensor": Choice(PLANT_TENSORS), "value": Choice(tuple(PLANT_VALUES)),
-                      "count": Int(1, MAX_PLANT)}, required=("tensor", "value"))
+                      "count": Int(1, MAX_PLANT + 1)}, required=("tensor", "value"))
 CASE_SCHEMA = Table({
     "name": Str(empty_ok=False),
     "description": Str(),
     "preset": Choice(_presets()),
     "path": Choice(PATHS),
-    "ops": List(Choice(OP_NAMES), 1, len(OP_NAMES), unique=True),
-    "heads": Int(1, MAX_HEADS),
-    "topk": Int(1, MAX_TOPK),
-    "seqs": List(Either((Int(1, MAX_TOKENS), SEQ_SCHEMA), "a length or {len, chunks, decode}"), 1, MAX_SEQS),
-    "page_size": Int(1, MAX_PAGE_SIZE),
-    "layout": Either((Choice(("natural", "shuffled")), List(Int(1, MAX_PAGE_SIZE), 3, 3)),
+    "ops": List(Choice(OP_NAMES), 1, len(OP_NAMES) + 1, unique=True),
+    "heads": Int(1, MAX_HEADS + 1),
+    "topk": Int(1, MAX_TOPK + 1),
+    "seqs": List(Either((Int(1, MAX_TOKENS + 1), SEQ_SCHEMA), "a length or {len, chunks, decode}"), 1, MAX_SEQS + 1),
+    "page_size": Int(1, MAX_PAGE_SIZE + 1),
+    "layout": Either((Choice(("natural", "shuffled")), List(Int(1, MAX_PAGE_SIZE + 1), 3, 4)),
                      '"natural", "shuffled" or [N, Dt, L]'),
-    "page_stride_pad": Int(0, MAX_PAD),
+    "page_stride_pad": Int(0, MAX_PAD + 1),
     "page_order": Choice(("permuted", "sequential", "top")),
-    "spare_pages": Int(0, MAX_POOL_PAGES),
-    "pool_pages": Int(1, MAX_POOL_PAGES),
-    "state_block": Int(1, MAX_PAGE_SIZE),
+    "spare_pages": Int(0, MAX_POOL_PAGES + 1),
+    "pool_pages": Int(1, MAX_POOL_PAGES + 1),
+    "state_block": Int(1, MAX_PAGE_SIZE + 1),
     "history": Choice(HISTORY_MODES),
-    "table_pages": Int(1, MAX_POOL_PAGES),
-    "repeat": Int(1, MAX_REPEAT),
+    "table_pages": Int(1, MAX_POOL_PAGES + 1),
+    "repeat": Int(1, MAX_REPEAT + 1),
     "fp8_dtype": Choice(("e4m3fn", "e4m3fnuz")),
     "clean_logits": Bool(),
     "weights_dtype": Choice(("bfloat16", "float32")),
-    "dist": List(Choice(DISTRIBUTIONS), 1, len(DISTRIBUTIONS), unique=True),
+    "dist": List(Choice(DISTRIBUTIONS), 1, len(DISTRIBUTIONS) + 1, unique=True),
     "scale": Float(-MAX_SCALE, MAX_SCALE),
-    "plant": List(PLANT_SCHEMA, 0, 64),
+    "plant": List(PLANT_SCHEMA, 0, MAX_PLANTS + 1),
     "expect_nonfinite": Bool(),
     "requires": Choice(("gpu",)),
-    "seed": Int(0, MAX_SEED),
+    "seed": Int(0, MAX_SEED + 1),
 })
 DEFAULTS_SCHEMA = Table({k: v for k, v in CASE_SCHEMA.keys.items() if k != "name"})
 SUITE_SCHEMA = Table({"name": Str(empty_ok=False), "description": Str(),
-                      "include": List(Str(empty_ok=False), 0, 64, unique=True)})
+                      "include": List(Str(empty_ok=False), 0, MAX_INCLUDES + 1, unique=True)})
 FILE_SCHEMA_KEYS = ("suite", "defaults", "case")
 
 assert set(CASE_SCHEMA.keys) == {f.name for f in dataclasses.fields(Case)} - {"suite", "file"}
@@ -379,13 +394,8 @@ class Suite:
 
 
 def _read_toml(path: Path) -> dict:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except OSError as e:
-        raise CaseError(f"{path}: cannot read: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise CaseError(f"{path}: malformed TOML: {e}") from None
+    """A regular file, bounded in size, nesting and integer digits (harness/io/safe_input.py)."""
+    return safe_input.load_toml(path, error=CaseError)
 
 
 def load_suite_file(path: Path) -> Suite:

@@ -26,14 +26,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from harness.diff.metrics import run_keys
 from harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, InputError, ReportError, UsageError
-from harness.io import report
+from harness.io import escape, report
 from harness.run import budgets as B
 from harness.run import memory, runner
 from harness.run import shard as S
 from harness.run.cases import Catalog, on_path
 from harness.run.inputs import geometry
 from harness.run.record import run_meta
-from harness.run.signals import stopped_by
+from harness.run.signals import deferred, hold, release, stopped_by
 from optimized import BackendUnavailable, get_backend
 
 # --- helpers: what a command resolves before its run, and what a stopped run records ------------
@@ -175,13 +175,13 @@ class Run:
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), TextColumn("{task.fields[last]}"), console=Console(stderr=True),
                       transient=True, disable=self.quiet) as bar:
-            task = bar.add_task(title, total=total, last="")
+            task = bar.add_task(escape.rich(title), total=total, last="")
             lines = report.CaseLines(total, lambda r: self.judge([r])[0], enabled=not self.quiet)  # CI logs
             for name, items in groups:
                 try:
                     rows = runner.run_cases([case_of(x) for x in items], name, jobs=jobs, case_timeout=case_timeout,
                                             progress=lambda r: (bar.update(task, advance=1,
-                                                                           last=f"{r['case']}: {r['outcome']}"),
+                                                                           last=escape.rich(f"{r['case']}: {r['outcome']}")),
                                                                 lines(r)))
                     done = list(items)
                 except runner.RunInterrupted as e:
@@ -193,6 +193,7 @@ class Run:
                     self.stopped["cases_done"] = len(results)
                     self.stopped["cancelled"] = [label(x) for _, its in groups for x in its if id(x) not in finished]
                     break
+        hold()                                   # released by `record`, once the report is whole
         return results
 
     # judge and record
@@ -225,13 +226,18 @@ class Run:
         """Judge the rows, write every report format, show the console table: the exit status."""
         meta.update(self.budgets_meta())
         df = report.frame(self.judge(rows))
-        paths = self.write(df, meta)
+        with deferred() as late:                 # a Ctrl-C now waits until the report is whole
+            paths = self.write(df, meta)
+            late += release()                    # the hold `execute` (or the command) took
         print(f"reports: {self.out}/ ({', '.join(Path(p).name for p in paths.values())})")
+        if late:
+            print(f"mxval: {late[0]} while the reports were written: they were finished first", file=sys.stderr)
+            return EXIT_INTERRUPTED
         if meta.get("interrupted"):
             print(f"mxval: interrupted: partial report ({len(rows)} case(s) finished, "
                   f"{len(meta['interrupted']['cancelled'])} cancelled)", file=sys.stderr)
             return EXIT_INTERRUPTED
-        return EXIT_OK if report.summary(df)["ok"] else EXIT_FAIL
+        return EXIT_OK if report.summary(df, meta)["ok"] else EXIT_FAIL
 
 
     def write(self, df, meta: dict) -> dict:

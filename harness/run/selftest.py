@@ -31,6 +31,7 @@ from harness.io import atomic, report
 from harness.run import budgets as B
 from harness.run import shard as S
 from harness.run.pipeline import Run
+from harness.run.signals import deferred, release
 from optimized import BackendUnavailable, get_backend
 from optimized import faults as F
 
@@ -177,7 +178,11 @@ def run(args, *, seeds: int, interpret_seeds: int) -> int:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic.write_text(path, text)
+    late = release()                          # the hold `run.execute` took: the report is whole now
     print(_summary_line(results, verdict, correct_rows, backends, len(items), len(all_plan), run) + f"; reports: {out}/")
+    if late and not run.stopped:
+        print(f"mxval: {late[0]} while the reports were written: they were finished first", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if run.stopped:
         print(f"mxval: interrupted: partial selftest report ({run.stopped['cases_done']} run(s) finished, "
               f"{len(run.stopped['cancelled'])} cancelled)", file=sys.stderr)
@@ -215,6 +220,7 @@ def plan(faults, backends, cases: dict, results: dict, *, seeds: int, quick: boo
         for name in f.cases:
             for i in range(1 if name in large_cases else fault_seeds):
                 out.append(("fault", f, with_seed(cases[name], i)))
+    scale = scale_cases()
     for be in backends:
         interp = be == "triton-interpret" and quick
         n = min(seeds, interpret_seeds) if interp else seeds
@@ -225,8 +231,15 @@ def plan(faults, backends, cases: dict, results: dict, *, seeds: int, quick: boo
                 continue
             if interp and name not in QUICK_INTERPRET_CASES:
                 continue
-            out += [("correct", be, with_seed(c, i)) for i in range(n)]
+            # --quick: the scale cases (thousands of rows) once each, the others on every seed
+            out += [("correct", be, with_seed(c, i)) for i in range(1 if quick and name in scale else n)]
     return out
+
+
+def scale_cases() -> set:
+    """Cases only the field's faults use (their sizes: thousands of rows, rows of 16k entries)."""
+    field = {c for f in F.FAULTS.values() if f.source for c in f.cases}
+    return field - {c for f in F.FAULTS.values() if not f.source for c in f.cases}
 
 
 def _verdict(results: dict, correct_rows: list, backends, notes, *, seeds: int, quick: bool, run: Run) -> dict:
@@ -459,9 +472,12 @@ def write_report(out: Path, results, correct_rows, verdict, meta, md, run: Run) 
         rows.append(rr)
     df = report.frame(rows)
     meta = dict(meta, budgets=run.budgets.as_dict(), budgets_off=verdict.get("budgets_off", []), selftest=verdict)
-    report.write_all(df, meta, out)
-    atomic.write_text(out / "selftest.md", md)
-    atomic.write_text(out / "selftest.json", json.dumps(verdict, indent=1, default=str) + "\n")
+    with deferred() as late:                  # a Ctrl-C now waits until the report is whole
+        atomic.write_text(out / "selftest.md", md)
+        atomic.write_text(out / "selftest.json", json.dumps(verdict, indent=1, default=str) + "\n")
+        report.write_all(df, meta, out)          # report.json last: only ever next to the rest
+    if late:
+        raise KeyboardInterrupt                   # honoured once the report is whole
 
 
 # --- merging the verdicts of `--shard K/N` runs (mxval report --merge) ----------------------

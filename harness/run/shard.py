@@ -24,7 +24,7 @@ from harness.errors import InputError
 from harness.run.inputs import geometry
 
 T = TypeVar("T")
-_SHARD = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
+_SHARD = re.compile(r"^\s*(\d{1,9})\s*/\s*(\d{1,9})\s*$")       # bounded before int()
 MAX_SHARDS = 4096
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from contextlib import contextmanager
 
 _SIGNAL = {"name": "SIGINT"}
 
@@ -33,3 +34,60 @@ def restore_sigterm(previous) -> None:
 def stopped_by() -> str:
     """The signal that stopped the run: SIGINT (Ctrl-C) or SIGTERM."""
     return _SIGNAL["name"]
+
+
+_HOLD = {"depth": 0, "old": {}, "got": []}
+
+
+def hold() -> None:
+    """From now until `release`, SIGINT and SIGTERM are held, not raised: once a run's work
+    is done (or stopped), a Ctrl-C must not cut the writing of its report in half (report.json
+    is written last). Nested holds count; outside the main thread nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _HOLD["depth"] += 1
+    if _HOLD["depth"] > 1:
+        return
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    _HOLD["old"], _HOLD["got"] = old, []
+
+    def held(signum, frame):
+        if old.get(signum) is not signal.SIG_IGN:          # an ignored signal stays ignored
+            _HOLD["got"].append("SIGTERM" if signum == signal.SIGTERM else "SIGINT")
+
+    for s in old:
+        signal.signal(s, held)
+
+
+def release() -> list[str]:
+    """End a `hold`: the handlers restored; the signals that came while held (for the
+    caller to honour: exit 130 with the report whole), from the outermost release."""
+    if threading.current_thread() is not threading.main_thread() or _HOLD["depth"] == 0:
+        return []
+    _HOLD["depth"] -= 1
+    if _HOLD["depth"]:
+        return []
+    for s, h in _HOLD["old"].items():
+        signal.signal(s, h if h is not None else signal.SIG_DFL)
+    got, _HOLD["got"] = _HOLD["got"], []
+    if got:
+        _SIGNAL["name"] = got[0]
+    return got
+
+
+def release_all() -> None:
+    """Whatever is still held, released (a command ended by an error while holding)."""
+    while _HOLD["depth"]:
+        release()
+
+
+@contextmanager
+def deferred():
+    """`hold` for the duration of a block; yields the list of signals that came (filled
+    when the block ends)."""
+    got: list[str] = []
+    hold()
+    try:
+        yield got
+    finally:
+        got += release()

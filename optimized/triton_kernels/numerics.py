@@ -10,10 +10,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from reference.formats import E2M1_INV_MAX, E2M1_THRESHOLDS, E8M0_TINY_AMAX
+
 from .interp import bf16_round
 
-_TINY_AMAX: tl.constexpr = tl.constexpr(6.0 * 2.0 ** -126)
-_ONE_SIXTH: tl.constexpr = tl.constexpr(1.0 / 6.0)          # rounded to fp32 in the kernel
+_TINY_AMAX: tl.constexpr = tl.constexpr(E8M0_TINY_AMAX)
+_ONE_SIXTH: tl.constexpr = tl.constexpr(E2M1_INV_MAX)          # rounded to fp32 in the kernel
+# e2m1 rounding thresholds (reference.formats: the code of |y| counts those <= |y|)
+_T0: tl.constexpr = tl.constexpr(E2M1_THRESHOLDS[0])
+_T1: tl.constexpr = tl.constexpr(E2M1_THRESHOLDS[1])
+_T2: tl.constexpr = tl.constexpr(E2M1_THRESHOLDS[2])
+_T3: tl.constexpr = tl.constexpr(E2M1_THRESHOLDS[3])
+_T4: tl.constexpr = tl.constexpr(E2M1_THRESHOLDS[4])
+_T5: tl.constexpr = tl.constexpr(E2M1_THRESHOLDS[5])
+_T6: tl.constexpr = tl.constexpr(E2M1_THRESHOLDS[6])
 
 # constexpr codes for the host wrappers
 ROUNDING_CODES = {"rocm": 0, "cuda": 1, "deepseek": 2}
@@ -85,9 +95,9 @@ def e8m0_from_amax(amax, RULE: tl.constexpr):
 def e2m1_code(y):
     """Nearest-even e2m1 code of y (|y| <= 6 after scaling), sign in bit 3."""
     a = tl.abs(y)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
+    code = ((a >= _T0).to(tl.int32) + (a >= _T1).to(tl.int32) + (a >= _T2).to(tl.int32)
+            + (a >= _T3).to(tl.int32) + (a >= _T4).to(tl.int32) + (a >= _T5).to(tl.int32)
+            + (a >= _T6).to(tl.int32))
     sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
     return code | (sign << 3)
 

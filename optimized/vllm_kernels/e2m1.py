@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import torch
 
+from reference.formats import E2M1_MAX, E2M1_THRESHOLDS, E2M1_VALUES
+
 HELPER = "_fp32x2_to_fp4x2"
 HELPER_PARAMS = ("x_lo", "x_hi")
 PTX_MARK = "e2m1x2"          # what the upstream helper must still contain to be the one we replace
 NAN_CODE = 0x7
 
-EMULATION_SOURCE = '''
+# the magnitude code counts the e2m1 thresholds at or below |x| (reference.formats)
+_CODE_SUM = "\n            + ".join(f"(a >= {t!r}).to(tl.uint32)" for t in E2M1_THRESHOLDS)
+
+EMULATION_SOURCE = f'''
 @triton.jit
 def _mxval_e2m1_code(x):
     a = tl.abs(x)
-    code = ((a > 0.25).to(tl.uint32) + (a >= 0.75).to(tl.uint32) + (a > 1.25).to(tl.uint32)
-            + (a >= 1.75).to(tl.uint32) + (a > 2.5).to(tl.uint32) + (a >= 3.5).to(tl.uint32)
-            + (a > 5.0).to(tl.uint32))
+    code = ({_CODE_SUM})
     sign = (x.to(tl.uint32, bitcast=True) >> 31) & 1
     nan = x != x
     code = tl.where(nan, 7, code)
@@ -46,14 +49,14 @@ def _fp32x2_to_fp4x2(x_lo, x_hi):
     return (_mxval_e2m1_code(x_lo) | (_mxval_e2m1_code(x_hi) << 4)).to(tl.uint8)
 '''
 
-_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+_VALUES = torch.tensor(E2M1_VALUES, dtype=torch.float64)
 
 
 def e2m1_code_table(x: torch.Tensor) -> torch.Tensor:
     """The same conversion computed another way (nearest value of the table in fp64, ties to
     the even code), for tests: fp32 tensor -> uint8 codes."""
     xd = x.double()
-    a = xd.abs().clamp(max=6.0)
+    a = xd.abs().clamp(max=E2M1_MAX)
     dist = (a[..., None] - _VALUES).abs()
     best = dist.min(dim=-1, keepdim=True).values
     cand = (dist == best)

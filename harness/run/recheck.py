@@ -1,0 +1,179 @@
+"""A verdict is computed, never read: the rows of a stored report.json judged again.
+
+`mxval report DIR` and `mxval report --merge DIR...` never take a row's `status` or `ok`
+as written. The budgets the run recorded (`run.budgets`, the limits as texts) are parsed
+back, each row's status is computed again from its metrics (`budgets.verdict`, the judge
+every run uses), and a row whose stored status, `ok` or violations disagree with the
+recomputed ones is refused with one line naming it (exit 2): a report.json passes
+through other hands (a CI artefact, a shard from another machine), and an edited
+`ok = true` must not turn a failure into a pass.
+
+A selftest report's rows judge the judge: a fault run passes when a budget breaks (its
+stored pass needs violations its metrics give), a correct run passes when none does; a
+row stored as failing is never more favourable than the truth and stands as written.
+
+What the metrics cannot say is checked for consistency instead:
+  error            never ok;
+  skipped          ok, and no metrics (a skipped case ran nothing);
+  nonfinite_input  ok exactly when the case declares `expect_nonfinite` (and planted
+                   something).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional
+
+from harness.diff.metrics import Limit
+from harness.errors import ReportError
+from harness.io import safe_input
+from harness.run import budgets as B
+from harness.run import shard as S
+
+_PART = re.compile(r"^(<=|>=) (\S+)$")
+
+
+def _limit(where: str, key: str, text) -> Limit:
+    """A limit from its recorded text ("<= 1", ">= 0.99", "<= 1 and >= 0", "off")."""
+    if text == "off":
+        return B.OFF
+    if not isinstance(text, str):
+        raise ReportError(f"{where}: {key}: expected a limit text such as \"<= 0\", got {text!r:.60}")
+    mx = mn = None
+    for part in text.split(" and "):
+        m = _PART.match(part.strip())
+        try:
+            v = float(m.group(2)) if m else math.nan
+        except ValueError:
+            v = math.nan
+        if not m or not math.isfinite(v):
+            raise ReportError(f"{where}: {key}: expected a limit text such as \"<= 0\", got {text!r:.60}")
+        if m.group(1) == "<=":
+            mx = v
+        else:
+            mn = v
+    return Limit(max=mx, min=mn)
+
+
+def recorded_budgets(meta: dict, where: str) -> B.Budgets:
+    """The budgets a report recorded (`run.budgets`), as the judge uses them."""
+    d = meta.get("budgets")
+    if not isinstance(d, dict) or not isinstance(d.get("default"), dict):
+        raise ReportError(f"{where}: run.budgets: no budgets recorded, so no verdict can be computed")
+
+    def table(scope: str, t) -> dict:
+        if not isinstance(t, dict):
+            raise ReportError(f"{where}: run.budgets.{scope}: expected an object of limits")
+        return {k: _limit(f"{where}: run.budgets.{scope}", k, v) for k, v in t.items()}
+
+    def scopes(name: str) -> dict:
+        t = d.get(name) or {}
+        if not isinstance(t, dict):
+            raise ReportError(f"{where}: run.budgets.{name}: expected an object of scopes")
+        return {s: table(f"{name}.{s}", v) for s, v in t.items()}
+
+    return B.Budgets(str(d.get("path", "")), table("default", d["default"]), scopes("suite"), scopes("case"))
+
+
+def _violated(row: dict) -> set:
+    return {v.get("metric") for v in row.get("violations") or [] if isinstance(v, dict)}
+
+
+def _selftest_disagreement(row: dict, budgets: B.Budgets, suite: str) -> Optional[str]:
+    status, ok = row.get("status"), row.get("ok")
+    if status in ("fail", "error"):
+        return None if ok is False else f"status {status} with ok = {ok!r}"
+    if status == "skipped":
+        return None if ok is True and not row.get("metrics") else f"status skipped with ok = {ok!r} or metrics"
+    if status != "pass" or ok is not True:
+        return f"status {status!r} with ok = {ok!r} in a selftest report"
+    case = str(row.get("case")).split(" [seed ")[0]          # "<case> [seed N] on <backend>"
+    broke = budgets.check({k: _value(v) for k, v in (row.get("metrics") or {}).items()}, suite, case)
+    if str(row.get("backend", "")).startswith("fault:"):
+        return None if broke else "a fault run stored as caught, but no budget breaks on its metrics"
+    return None if not broke else (f"a correct run stored as pass, but its metrics break "
+                                   f"{', '.join(v['metric'] for v in broke[:3])}")
+
+
+def disagreement(row: dict, budgets: B.Budgets, suite: str, *, selftest: bool = False) -> Optional[str]:
+    """None when the stored verdict of `row` is the one its metrics and the budgets give,
+    else what disagrees."""
+    if selftest:
+        return _selftest_disagreement(row, budgets, suite)
+    status, ok = row.get("status"), row.get("ok")
+    metrics = row.get("metrics") or {}
+    if status == "error":
+        return None if ok is False else f"status error with ok = {ok!r} (an error is never ok)"
+    if status == "skipped":
+        if metrics:
+            return f"status skipped but it reports {len(metrics)} metric(s) (a skipped case runs nothing)"
+        return None if ok is True else f"status skipped with ok = {ok!r}"
+    if status == "nonfinite_input":
+        want = bool(row.get("expect_nonfinite")) and bool(row.get("planted"))
+        return None if ok is want else (f"status nonfinite_input with ok = {ok!r}, but the case "
+                                        f"{'declares' if want else 'does not declare (with a plant)'} "
+                                        f"expect_nonfinite")
+    values = {k: _value(v) for k, v in metrics.items()}
+    for v in row.get("violations") or []:            # a NaN metric: report.json keeps its violation, not its value
+        if isinstance(v, dict) and v.get("metric") not in values and v.get("why") == "is NaN":
+            values[v["metric"]] = math.nan
+    judged = B.verdict({**row, "outcome": "ok", "reason": row.get("reason") or "", "metrics": values},
+                       budgets, suite)
+    if judged["status"] != status or judged["ok"] is not ok:
+        why = judged["reason"] if judged["status"] != "pass" else "every budget holds"
+        return f"stored status {status!r} (ok = {ok!r}), but its metrics give {judged['status']!r}: {why}"
+    if _violated(judged) != _violated(row):
+        return (f"its violations {sorted(map(str, _violated(row)))} differ from those its metrics give "
+                f"{sorted(_violated(judged))}")
+    return None
+
+
+def _value(v):
+    """A stored metric value as the judge reads it ("inf" and "nan" were written as text)."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return math.nan
+    return v
+
+
+def check_frame(df, meta: dict, where, *, budgets=None) -> None:
+    """`check_rows` on the rows of the report.json at `where` (already loaded and shape-checked
+    by harness.io.report.load into `df`; read again raw, so that a value the DataFrame cannot
+    tell from a missing one, a NaN metric, is judged as written)."""
+    data = safe_input.load_json(where, error=ReportError)
+    check_rows(data["cases"], meta, str(where), budgets=B.load(budgets) if budgets else None)
+
+
+def check_budgets(rows: list, meta: dict, budgets: B.Budgets, where: str) -> None:
+    """The recorded budgets agree with what the report says of them: a shard's budgets
+    digest (`run.shard.budgets_digest`, what --merge compares) is theirs, and every
+    required or always-fail check they turn "off" for a metric the rows report is listed in
+    `run.budgets_off` (which every format shows)."""
+    sh = meta.get("shard")
+    if isinstance(sh, dict) and "budgets_digest" in sh and sh["budgets_digest"] != S.budgets_digest(budgets):
+        raise ReportError(f"{where}: run.budgets: different budgets from those the shard was run with "
+                          "(run.shard.budgets_digest); refused")
+    keys = {str(r.get("case")): [k for k in (r.get("metrics") or {})] for r in rows}
+    off = set(budgets.disabled(keys, str(meta.get("suite") or "")))
+    listed = set(map(str, meta.get("budgets_off") or []))
+    if off - listed:
+        raise ReportError(f"{where}: run.budgets turns off {sorted(off - listed)[0]}, which run.budgets_off "
+                          "does not list (every report shows a check turned off); refused")
+
+
+def check_rows(rows: list, meta: dict, where: str, *, budgets: Optional[B.Budgets] = None) -> None:
+    """ReportError naming the first row whose stored verdict is not the computed one, judged
+    by `budgets` (a trusted file, `mxval report --budgets`) or else by the limits the report
+    recorded (checked against what the report says of them)."""
+    if budgets is None:
+        budgets = recorded_budgets(meta, where)
+        check_budgets(rows, meta, budgets, where)
+    suite = str(meta.get("suite") or "")
+    selftest = meta.get("command") == "selftest"
+    for r in rows:
+        why = disagreement(r, budgets, suite, selftest=selftest)
+        if why:
+            raise ReportError(f"{where}: case {str(r.get('case'))!r:.80}: {why}; the verdict is computed, "
+                              "never read (refused)")
