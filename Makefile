@@ -43,7 +43,7 @@ lint: $(ENV_STAMP)
 # CPU suite: lint, unit tests, the Triton backend through the interpreter, the smoke suite
 # and the CI part of the selftest (they are tests under tests/). It leaves out the tests
 # marked gpu, upstream and slow, and its summary counts them per mark with the target that
-# runs them (tests/conftest.py). Budget: 5 minutes and 4 GB on 2 cores (reports/make-test.md).
+# runs them (tests/conftest.py). Budget: 5 minutes and 4 GB on 2 cores (reports/bench-make-test.md).
 XDIST = $(if $(shell $(PY) -c 'import xdist' 2>/dev/null && echo y),-n $(JOBS))
 test: $(ENV_STAMP) lint
 	$(PY) -m pytest -q -m "not gpu and not slow and not upstream" $(XDIST)

@@ -155,3 +155,28 @@ def test_run_case_records_the_peak(monkeypatch):
     r.update(status="pass", ok=True, violations=[])
     df = report.frame([r])
     assert report.memory_ratio(df.iloc[0]) == pytest.approx(12345 / r["tensor_bytes"])
+
+
+def test_prefetched_inputs_give_the_same_rows():
+    """One case at a time on a GPU, the next case's inputs are built in a thread meanwhile:
+    the rows must not change (forced on here, on the CPU)."""
+    from harness.run.runner import run_cases
+    cases = Catalog().suite_cases("smoke")[:4]
+    plain = run_cases(cases, "reference", prefetch=False)
+    fetched = run_cases(cases, "reference", prefetch=True)
+    for a, b in zip(plain, fetched):
+        assert a["outcome"] == b["outcome"] == "ok", (a["reason"], b["reason"])
+        assert a["metrics"] == b["metrics"] and a["findings"] == b["findings"]
+        assert a["tensor_bytes"] == b["tensor_bytes"]
+
+
+def test_only_cpu_filled_pools_are_prebuilt():
+    from harness.run.inputs import filled_on_device
+    from harness.run.runner import _prebuild
+    from optimized import get_backend
+    cat = Catalog()
+    big, small = cat.case("full-pool-2gib"), cat.case("smoke-rowend-k")
+    assert filled_on_device(big) and not filled_on_device(small)
+    ref = get_backend("reference")
+    assert _prebuild(big, ref) is None                     # its pool's bytes come from the device
+    assert _prebuild(small, ref) is not None

@@ -11,7 +11,8 @@
 #
 # GPU memory: phase A's steps run side by side only when each can have a share of the GPU
 # that holds the suite's largest case (GPU_SHARE_GIB, default 24 GiB: five steps fit an
-# H200; the 2.2 GiB pool case peaks near 3x its tensors); each process is then capped at
+# H200, and a share is over five times the largest case's tensors, 4.4 GB for the 2.2 GiB
+# pool case; each report shows every case's measured peak); each process is then capped at
 # its share (MXVAL_GPU_MEMORY_FRACTION, honoured by every mxval process and the GPU tests),
 # so no step can take another's memory. A smaller GPU runs the steps one at a time, each
 # with the whole GPU; PARALLEL=0 forces that. Every report row carries the case's GPU peak.

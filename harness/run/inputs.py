@@ -427,3 +427,11 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
         steps.append(t)
     out = CaseInputs(case, geo, state, state_bt, cs, norm_weight, kv_cache, k_bt, history, steps, planted)
     return out.to(device)
+
+
+def filled_on_device(case: Case) -> bool:
+    """Whether `build` fills the case's K pool on the device (a pool over _CPU_POOL_LIMIT):
+    its bytes then depend on the device, and only `build(case, device)` gives them."""
+    geo = geometry(case)
+    needs = [max(1, -(-(s.len // geo.ratio) // geo.page_size)) for s in case.seqs]
+    return (case.pool_pages or sum(needs) + case.spare_pages) * geo.page_stride > _CPU_POOL_LIMIT

@@ -17,6 +17,7 @@ import signal
 import time
 import traceback
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 from typing import Callable, Optional
 
@@ -28,7 +29,7 @@ from harness.diff.metrics import CHAIN, chain_key
 from harness.diff.scores import recall_rows
 from harness.run import memory
 from harness.run.cases import Case
-from harness.run.inputs import CaseInputs, build
+from harness.run.inputs import CaseInputs, build, filled_on_device
 from harness.run.record import ROW_FINDINGS_PER_STAGE, case_row, jsonable
 from optimized import Backend, BackendUnavailable, get_backend
 from reference import fp8 as ref_fp8
@@ -486,7 +487,7 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
     run = inp = None
     peak = memory.Peak(be.device).start()
     try:
-        inp = inputs if inputs is not None else build(case, be.device)
+        inp = inputs.to(be.device) if inputs is not None else build(case, be.device)
         row["planted"] = list(inp.planted)
         why = next((w for w in (be.cannot(op, inp.scalars(op)) for op in case.ops) if w), None)
         if why:
@@ -661,29 +662,62 @@ def _stop(workers: list, *, grace: float = STOP_GRACE_S) -> None:
 
 def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
               progress: Optional[Callable[[dict], None]] = None, start_method: Optional[str] = None,
-              case_timeout: Optional[float] = None) -> list[dict]:
+              case_timeout: Optional[float] = None, prefetch: Optional[bool] = None) -> list[dict]:
     """Rows of every case, in case order. `jobs > 1` runs cases in mxval's worker pool:
     forked on the CPU (so backends registered at run time are inherited), spawned on GPUs
     with each worker pinned to one visible device, round-robin (`start_method` overrides
     fork/spawn: the tests run the GPU path's spawn on the CPU). `case_timeout` (seconds):
     a case still running after it has its worker killed and is an error row (a hung kernel
     costs one case, not the run); it runs cases in the pool even at `jobs = 1`.
+    `prefetch` (default: on a GPU backend, one case at a time): the next case's inputs are
+    built on the CPU in a thread while the current case runs (`_prebuild`).
     Ctrl-C: RunInterrupted."""
     be = get_backend(backend_name)
     if case_timeout is not None and not case_timeout > 0:
         raise ValueError(f"case_timeout: expected a positive number of seconds, got {case_timeout}")
     if (jobs <= 1 or len(cases) <= 1) and case_timeout is None:
-        rows: list[dict] = []
-        try:
-            for c in cases:
-                rows.append(run_case(c, backend_name))
-                if progress:
-                    progress(rows[-1])
-        except KeyboardInterrupt:
-            raise RunInterrupted(rows, [c.name for c in cases[len(rows):]]) from None
-        return rows
+        return _run_in_turn(cases, be, backend_name, progress,
+                            _on_gpu(be) if prefetch is None else prefetch)
     return _Pool(cases, be, backend_name, jobs=jobs, progress=progress, start_method=start_method,
                  case_timeout=case_timeout).run()
+
+
+def _on_gpu(be: Backend) -> bool:
+    return str(be.device) != "cpu" and torch.cuda.is_available()
+
+
+def _prebuild(case: Case, be: Backend) -> Optional[CaseInputs]:
+    """The case's inputs built on the CPU, the same bytes `build(case, be.device)` gives
+    (run_case moves them to the device); None where only run_case can build them: a pool
+    filled on the device, a case run_case skips, or an input error (run_case reports it)."""
+    try:
+        if (filled_on_device(case) or not all(be.supports(op) for op in case.ops)
+                or (case.requires == "gpu" and not _on_gpu(be))):
+            return None
+        return build(case, "cpu")
+    except Exception:
+        return None
+
+
+def _run_in_turn(cases: list[Case], be: Backend, backend_name: str, progress, prefetch: bool) -> list[dict]:
+    """Each case in this process, in order; with `prefetch`, the next case's inputs are built
+    in a thread meanwhile (input generation is CPU work; the case's is mostly the GPU's)."""
+    rows: list[dict] = []
+    pool = ThreadPoolExecutor(1, thread_name_prefix="mxval-prebuild") if prefetch else None
+    nxt = pool.submit(_prebuild, cases[0], be) if pool and cases else None
+    try:
+        for i, c in enumerate(cases):
+            inputs = nxt.result() if nxt else None
+            nxt = pool.submit(_prebuild, cases[i + 1], be) if pool and i + 1 < len(cases) else None
+            rows.append(run_case(c, backend_name, inputs=inputs))
+            if progress:
+                progress(rows[-1])
+    except KeyboardInterrupt:
+        raise RunInterrupted(rows, [c.name for c in cases[len(rows):]]) from None
+    finally:
+        if pool:
+            pool.shutdown(wait=False, cancel_futures=True)
+    return rows
 
 
 class _Pool:
