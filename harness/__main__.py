@@ -3,4 +3,5 @@ import sys
 
 from harness.commands.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":   # not when a worker process imports it
+    sys.exit(main())

@@ -322,6 +322,16 @@ def _relu64(s: torch.Tensor) -> torch.Tensor:
     return torch.maximum(s, torch.zeros((), dtype=s.dtype, device=s.device), out=out)
 
 
+def _int_dots(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a [M, D] . b [J, D]^T, int8 in, exact int32 out (J a multiple of 8). The GPU's
+    int8 GEMM wants M > 16: fewer rows are padded with zeros."""
+    m = a.shape[0]
+    if m > 16:
+        torch._int_mm(a, b.T, out=out)
+    else:
+        out.copy_(torch._int_mm(torch.nn.functional.pad(a, (0, 0, 0, 32 - m)), b.T)[:m])
+
+
 def _i8_logits(q8, mq, k8, mk, w, out) -> None:
     """CORE_I8 over whole groups into out fp64 [G, R, J] from `int8_operand`s of the queries
     ([G, R, H, D], [G, R, H]) and keys ([G, J, D], [G, J]); the caller proved the spreads."""
@@ -341,7 +351,7 @@ def _i8_logits(q8, mq, k8, mk, w, out) -> None:
             rn = min(rc, r - r0)
             n = torch.empty(gn, rn * h, jp, dtype=torch.int32, device=out.device)
             for i in range(gn):                                           # exact int32 dots
-                torch._int_mm(q8[g0 + i, r0:r0 + rn].reshape(rn * h, -1), k8[g0 + i].T, out=n[i])
+                _int_dots(q8[g0 + i, r0:r0 + rn].reshape(rn * h, -1), k8[g0 + i], n[i])
             s = _relu64(n).view(gn * rn, h, jp)
             dots = torch.bmm(wq[g0:g0 + gn, r0:r0 + rn].reshape(gn * rn, 1, h), s).view(gn, rn, jp)
             out[g0:g0 + gn, r0:r0 + rn] = dots[:, :, :j] * colscale[g0:g0 + gn]
@@ -388,11 +398,11 @@ def grouped_relu_logits(q_packed, q_scale, k_packed, k_scale, w, n, *, batched: 
         batched = dev.type in BATCHED_DEVICES
     if batched:
         valid = torch.arange(j, device=dev)[None, :] < n[:, None]
-        h, d = q_scale.shape[2], q_packed.shape[-1] * 2
+        d = q_packed.shape[-1] * 2
         if int8 is None:
             int8 = dev.type in INT8_DEVICES
         global last_path
-        if int8 and r * h > 16 and d % 8 == 0:
+        if int8 and d % 8 == 0:
             q8, mq, qspread = int8_operand(q_packed, q_scale)
             k8, mk, kspread = int8_operand(k_packed, k_scale)
             if bool((qspread <= _I8_SPREAD).all() & (~valid | (kspread <= _I8_SPREAD)).all()):

@@ -798,7 +798,7 @@ def test_a_signal_while_the_reports_are_written_leaves_them_whole(tmp_path, caps
 
 
 def test_study_interrupted_keeps_the_contexts_that_finished(tmp_path, capsys, monkeypatch):
-    from harness.commands import study
+    from harness.study import core as study
     (tmp_path / "s.toml").write_text('[distribution.normal]\n[study.s]\nvariants = ["exact", "mxfp4"]\n'
                                      'context_tokens = [512, 1024, 2048]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
                                      'needle_margins = []\nheads = 2\n')
@@ -816,6 +816,7 @@ def test_study_interrupted_keeps_the_contexts_that_finished(tmp_path, capsys, mo
     saved = json.loads((tmp_path / "r" / "study.json").read_text())
     assert saved["meta"]["interrupted"]["cases_done"] == 1
     assert {r["context_tokens"] for r in saved["rows"]} == {512}
+    assert "interrupted" in (tmp_path / "r" / "study.md").read_text().splitlines()[0]
     rc, out, err = run(capsys, "study", "--from-json", tmp_path / "r" / "study.json", "--report-dir", tmp_path / "r2")
     assert rc == 0, err
 

@@ -9,7 +9,7 @@ advance inside the step, so every step writes new K entries and scores a longer 
 
 Rows: steps/s with capture off (nothing installed), installed but idle (no chosen layer),
 recording (one chosen layer, every step; the drains to disk included), and under a graph
-a chosen layer on steps that are not chosen (the in-graph copies go to the scratch slot).
+a chosen layer on steps that are not chosen (the in-graph staging copies still run).
 
     python -m harness.bench.capture [--steps N] [--layers L] [--batch B] [--context TOKENS]
 """

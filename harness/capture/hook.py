@@ -1,7 +1,7 @@
-"""The capture hook's state and wrappers: eager calls are cloned on the host side of the
-call; calls made while a CUDA/HIP graph is captured become device-to-device copies into a
-ring of preallocated buffers that every replay refills, drained to dumps afterwards
-(harness.capture's docstring says how to use it)."""
+"""The capture hook's state and wrappers: eager calls are cloned at the call; calls made
+while a CUDA/HIP graph is captured become device-to-device copies into staging buffers
+that every replay refills, copied after each chosen replay into a preallocated ring and
+drained from it to dumps (harness.capture's docstring says how to use it)."""
 from __future__ import annotations
 
 import atexit
@@ -70,19 +70,21 @@ class _Config:
 
 @dataclass
 class _GraphCall:
-    """One op call recorded in a graph: per field a ring buffer [ring + 1, *shape] that
-    each replay fills at the slot the replay hook chose (the last one is the scratch)."""
+    """One op call recorded in a graph: per field a staging buffer that the graph's own
+    copy refills at every replay, and a ring of buffers [ring, *shape] (allocated when the
+    capture ends, outside the graph's memory pool) that a chosen replay is copied into."""
     op: str
     layer: Optional[int]
     scalars: dict
-    inputs: dict
+    inputs: dict                                        # name -> staging buffer
     outputs: dict
+    ring_inputs: dict = field(default_factory=dict)     # name -> ring buffer
+    ring_outputs: dict = field(default_factory=dict)
 
 
 @dataclass
 class _GraphRecord:
     """What one graph capture recorded."""
-    slot: list                                          # [device index tensor, the value it holds]
     calls: list = field(default_factory=list)
     anchor_calls: int = 0
     layer: Optional[int] = None                         # auto counting inside the capture
@@ -96,6 +98,8 @@ class _State:
         self.step: Optional[int] = None
         self.selected = False                 # (layer, step) is a chosen one
         self.explicit = False                 # set_context was called: no auto counting
+        self.busy = False                     # a call may have to be looked at: selected, capturing
+        self.counted: Optional[str] = None    # the op whose calls auto counting counts
         self.anchor_calls = 0
         self.pending: dict[tuple, dict] = {}
         self.installed: list[tuple[Any, str, Any]] = []
@@ -103,7 +107,6 @@ class _State:
         self.written: list[str] = []
         self.warned: set[str] = set()
         self.capture: Optional[_GraphRecord] = None    # between capture_begin and capture_end
-        self.slots: dict[str, list] = {}               # device -> [slot index tensor, value]
         self.ring: list[dict] = []                     # position -> {"step", "records"}
         self.replays = 0                               # replays of recording graphs (step without context)
         self.atexit = False
@@ -126,6 +129,15 @@ def _move_to(layer: Optional[int], step: Optional[int]) -> None:
         _S.layer, _S.step = layer, step
     cfg = _S.config
     _S.selected = cfg is not None and layer in cfg.layers and step in cfg.steps
+    _refresh()
+
+
+def _refresh() -> None:
+    """What the wrappers' fast path reads: a call of any op other than `counted` passes
+    straight through unless `busy`."""
+    cfg = _S.config
+    _S.counted = cfg.anchor if cfg is not None and cfg.auto_layers and not _S.explicit else None
+    _S.busy = cfg is not None and (_S.selected or _S.capture is not None)
 
 
 def set_context(layer: Optional[int] = None, step: Optional[int] = None) -> None:
@@ -134,6 +146,7 @@ def set_context(layer: Optional[int] = None, step: Optional[int] = None) -> None
     with _S.lock:
         _S.explicit = True
         _move_to(layer, step)
+        _refresh()
 
 
 def context() -> tuple[Optional[int], Optional[int]]:
@@ -254,62 +267,63 @@ def _clone(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
-def _device_copy(buf: torch.Tensor, slot: torch.Tensor, src: torch.Tensor) -> None:
-    """buf[slot] = src, the slot read on the device (so a captured graph copies into the
-    slot that the replay hook set)."""
-    buf.index_copy_(0, slot, src.detach().unsqueeze(0))
+def _stage_copy(stage: torch.Tensor, src: torch.Tensor) -> None:
+    """stage = src, on the device (captured: the graph repeats it at every replay)."""
+    stage.copy_(src.detach())
 
 
-def _ring_copy(v, slot: torch.Tensor, ring: int) -> torch.Tensor:
+def _stage(v) -> torch.Tensor:
+    """A staging buffer holding `v` at this point of the graph. It comes from the graph's
+    memory pool, where kernels earlier in the graph may use the same bytes: it holds the
+    field from this point to the end of a replay, which is when the replay hook copies it
+    into the ring (never across replays)."""
     if not isinstance(v, torch.Tensor):
         raise TypeError(f"a recorded field is a {type(v).__name__}, not a tensor")
-    if v.device != slot.device:
-        raise ValueError(f"a tensor on {v.device}, the graph is captured on {slot.device}")
-    buf = torch.empty((ring + 1, *v.shape), dtype=v.dtype, device=v.device)
-    _device_copy(buf, slot, v)
-    return buf
+    stage = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    _stage_copy(stage, v)
+    return stage
 
 
 # --- graphs: capture, replay, drain ----------------------------------------------------------
-
-def _capture_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def _slot(device: torch.device) -> list:
-    """The device's slot index (one int64 per device, shared by every graph), made before
-    a capture begins: filling it is never part of a graph."""
-    key = str(device)
-    if key not in _S.slots:
-        ring = _S.config.ring
-        _S.slots[key] = [torch.full((1,), ring, dtype=torch.int64, device=device), ring]
-    return _S.slots[key]
-
 
 def _capture_begin(orig):
     @functools.wraps(orig)
     def capture_begin(self, *args, **kwargs):
         with _S.lock:
-            if _S.config is not None:
-                try:
-                    _S.capture = _GraphRecord(_slot(_capture_device()))
-                except Exception as e:
-                    _warn_once("slot", f"graph capture not recorded ({type(e).__name__}: {e})")
-                    _S.capture = None
+            _S.capture = _GraphRecord() if _S.config is not None else None
+            _refresh()
         return orig(self, *args, **kwargs)
     return capture_begin
+
+
+def _ring_buffers(rec: _GraphRecord, ring: int) -> None:
+    """The ring, allocated after the capture (the graph never writes it)."""
+    for c in rec.calls:
+        for stages, rings in ((c.inputs, c.ring_inputs), (c.outputs, c.ring_outputs)):
+            for name, t in stages.items():
+                rings[name] = torch.empty((ring, *t.shape), dtype=t.dtype, device=t.device)
 
 
 def _capture_end(orig):
     @functools.wraps(orig)
     def capture_end(self, *args, **kwargs):
         try:
-            return orig(self, *args, **kwargs)
-        finally:
+            out = orig(self, *args, **kwargs)
+        except BaseException:
             with _S.lock:
-                rec, _S.capture = _S.capture, None
-                if rec is not None and rec.calls:
+                _S.capture = None
+                _refresh()
+            raise
+        with _S.lock:
+            rec, _S.capture = _S.capture, None
+            _refresh()
+            if rec is not None and rec.calls and _S.config is not None:
+                try:
+                    _ring_buffers(rec, _S.config.ring)
                     setattr(self, GRAPH_ATTR, rec)
+                except Exception as e:        # out of memory, say: the graph runs unrecorded
+                    _warn_once("ring", f"graph not recorded: cannot allocate its ring ({type(e).__name__}: {e})")
+        return out
     return capture_end
 
 
@@ -317,10 +331,17 @@ def _replay(orig):
     @functools.wraps(orig)
     def replay(self, *args, **kwargs):
         rec = getattr(self, GRAPH_ATTR, None)
-        if rec is not None and _S.config is not None:
-            with _S.lock:
-                _before_replay(rec)
-        return orig(self, *args, **kwargs)
+        if rec is None or _S.config is None:
+            return orig(self, *args, **kwargs)
+        with _S.lock:
+            pos = _ring_position(rec)
+        out = orig(self, *args, **kwargs)
+        if pos is not None:                   # after the replay, in its stream's order
+            for c in rec.calls:
+                for stages, rings in ((c.inputs, c.ring_inputs), (c.outputs, c.ring_outputs)):
+                    for name, t in stages.items():
+                        rings[name][pos].copy_(t)
+        return out
     return replay
 
 
@@ -344,12 +365,12 @@ def _graph_step(cfg: _Config) -> Optional[int]:
     return step
 
 
-def _before_replay(rec: _GraphRecord) -> None:
-    """Point the slot at this step's ring position (or the scratch one when the step is not
-    chosen), draining the ring first when it is full."""
+def _ring_position(rec: _GraphRecord) -> Optional[int]:
+    """The ring position this replay's step is copied into, None when the step is not
+    chosen; the ring is drained first when it is full."""
     cfg = _S.config
     step = _graph_step(cfg)
-    pos = cfg.ring                                        # the scratch slot
+    pos = None
     if step in cfg.steps:
         last = _S.ring[-1] if _S.ring else None
         if last is not None and last["step"] == step and all(r is not rec for r in last["records"]):
@@ -359,18 +380,17 @@ def _before_replay(rec: _GraphRecord) -> None:
                 _drain_locked()
             _S.ring.append({"step": step, "records": [rec]})
         pos = len(_S.ring) - 1
-    slot = rec.slot
-    if slot[1] != pos:
-        slot[0].fill_(pos)
-        slot[1] = pos
+    return pos
 
 
 def _drain_locked() -> None:
     ring, _S.ring = _S.ring, []
     if not ring:
         return
-    for d in {str(s[0].device) for s in _S.slots.values() if s[0].is_cuda}:
-        torch.cuda.synchronize(d)
+    devices = {t.device for e in ring for r in e["records"] for c in r.calls for t in c.ring_inputs.values()}
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
     for pos, entry in enumerate(ring):
         for rec in entry["records"]:
             for layer in dict.fromkeys(c.layer for c in rec.calls):
@@ -381,8 +401,8 @@ def _drain_locked() -> None:
                     if c.op in calls:                 # a second call in the same (layer, step)
                         _write((layer, entry["step"]), calls)
                         calls = {}
-                    calls[c.op] = ({n: b[pos] for n, b in c.inputs.items()}, c.scalars,
-                                   {n: b[pos] for n, b in c.outputs.items()})
+                    calls[c.op] = ({n: b[pos] for n, b in c.ring_inputs.items()}, c.scalars,
+                                   {n: b[pos] for n, b in c.ring_outputs.items()})
                 if calls:
                     _write((layer, entry["step"]), calls)
 
@@ -446,8 +466,7 @@ def _capture_call(fn, op: str, arg_map: ArgMap, bind, args, kwargs, extra: Optio
             _warn_once(f"skip:{op}:{why}", f"{op}: {why}; passed through, not recorded")
             return fn(*args, **kwargs)
         if mode == GRAPH:                      # copies captured into the graph, before the call
-            slot, ring = _S.capture.slot[0], _S.config.ring
-            ins = {name: _ring_copy(_get(g, bound), slot, ring) for name, g in arg_map.inputs.items()}
+            ins = {name: _stage(_get(g, bound)) for name, g in arg_map.inputs.items()}
         else:
             ins = {name: _clone(_get(g, bound)) for name, g in arg_map.inputs.items()}
         scalars = {name: (_get(g, bound) if callable(g) or isinstance(g, str) and g in bound else g)
@@ -460,7 +479,7 @@ def _capture_call(fn, op: str, arg_map: ArgMap, bind, args, kwargs, extra: Optio
         got = {name: bound[g] if isinstance(g, str) else g(bound, result) for name, g in arg_map.outputs.items()}
         with _S.lock:
             if mode == GRAPH:
-                outs = {name: _ring_copy(v, slot, ring) for name, v in got.items()}
+                outs = {name: _stage(v) for name, v in got.items()}
                 _S.capture.calls.append(_GraphCall(op, where, scalars, ins, outs))
             else:
                 outs = {name: _clone(v) for name, v in got.items()}
@@ -482,7 +501,7 @@ def wrap(fn: Callable, op: str, arg_map: ArgMap, *, extra: Optional[Callable[[],
     bind = _binder(fn, arg_map)
 
     def wrapper(*args, **kwargs):
-        if _S.config is None:
+        if not _S.busy and op != _S.counted:          # the idle path: nothing to look at
             return fn(*args, **kwargs)
         return _capture_call(fn, op, arg_map, bind, args, kwargs, extra() if extra is not None else None)
 
@@ -504,7 +523,7 @@ class _Launcher:
 
     def __getitem__(self, grid):
         launch = self.__wrapped__[grid]
-        if _S.config is None:
+        if not _S.busy and self._op != _S.counted:
             return launch
         op, amap, bind = self._op, self._map, self._bind
 
@@ -617,7 +636,7 @@ def install(targets: Optional[list] = None, *, quiet: bool = False,
 
 def uninstall() -> None:
     """Flush (the graph ring too), restore every wrapped attribute, and forget the context.
-    Graphs captured while installed keep their copies (into the slot last set)."""
+    Graphs captured while installed keep their in-graph staging copies."""
     with _S.lock:
         if _S.config is not None:
             _drain_locked()
@@ -633,8 +652,8 @@ def uninstall() -> None:
         LAST["block_scores"] = None
         _S.config = None
         _S.layer = _S.step = None
-        _S.selected = _S.explicit = False
+        _S.selected = _S.explicit = _S.busy = False
+        _S.counted = None
         _S.anchor_calls = _S.replays = 0
         _S.capture = None
-        _S.slots.clear()
         _S.ring.clear()

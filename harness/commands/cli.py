@@ -143,6 +143,8 @@ def cmd_dump(args) -> int:
     from harness.run.pipeline import backend
     from harness.run.record import machine
     from harness.run.runner import run_case
+    if args.output:                              # a link, a device or a FIFO is refused before any work
+        atomic.check_target(args.output, arg="-o")
     case = Catalog(args.cases_dir).case(args.case)
     be = backend(args.backend)
     inputs = build(case, be.device)

@@ -138,6 +138,8 @@ def check_case(where: str, c) -> None:
     if not isinstance(c.get("ok"), bool):
         raise _Bad(f"{where}: ok: expected true or false, got {_kind(c.get('ok'))}")
     _number(f"{where}: seconds", c.get("seconds"), lo=0, hi=MAX_SECONDS)
+    for key in ("gpu_peak_bytes", "tensor_bytes"):
+        _number(f"{where}: {key}", c.get(key), lo=0, hi=2.0 ** 64)
     ctx = c.get("context")
     if not (ctx is None or isinstance(ctx, str) or (_is_num(ctx) and not isinstance(ctx, float))):
         raise _Bad(f"{where}: context: expected an integer, a string or null, got {_kind(ctx)}")

@@ -41,6 +41,11 @@ def open_regular(path, *, error: Type[InputError] = InputError):
     """A binary file object of `path`, which must be a regular file (never blocks on a FIFO)."""
     p = os.fspath(path)
     try:
+        # stat first: a FIFO refused this way is never opened, so no writer ever sees a reader;
+        # the open below is non-blocking and its fstat checks again (the path may change between)
+        mode = os.stat(p).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(f"{p}: cannot read: {_kind(mode)}, not a regular file")
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise error(f"{p}: cannot read: {e.strerror or e}") from None

@@ -4,9 +4,10 @@ Everything random is fixed per (distribution, seed) and drawn on the CPU from it
 stream (so the numbers do not depend on the device, and adding a field to one
 distribution does not reshuffle another): the outlier channels, the key subspace, the norm
 weight, the head-weight projection, the queries, and the keys and values of the longest
-context in chunks of CHUNK entries. A shorter context is the prefix of a longer one; its
-query sits at the context's last token, so only the query's RoPE position (and, in a
-drifting distribution, its drift term) changes with the context.
+context in chunks of CHUNK entries. A shorter context is the prefix of a longer one. Each
+query row sits at its own position in the context (`Draw.queries`: the rows spread over its
+newer part), so only the queries' RoPE positions (and, in a drifting or local distribution,
+their position terms) change with the context.
 
 Streams are keyed by seed and purpose, not by distribution: distributions that draw the
 same shapes share their noise (common random numbers), so differences between them are
@@ -54,6 +55,11 @@ class Distribution:
     sink_channels: int = 2            # NoPE channels the sinks' massive activations sit in
     sink_scale: float = 0.0           # their magnitude before the norm (the rest is ~1)
     sink_query: float = 0.0           # query component along the sink channels
+    locality: float = 0.0             # per-element RMS of a key component shared by every key in the
+                                      # RoPE dims: after RoPE, a query holding it scores recent keys up
+    locality_query: float = 0.0       # the query's share of that component (heads weighed up hold more)
+    weight_coupling: float = 0.0      # head h's query scaled by 2**(c * w_h / sd(w)): the heads the
+                                      # indexer weighs up are the ones whose scores spread most
 
     def __post_init__(self):
         for name, value, ok in (("outliers_on", self.outliers_on, ("k", "qk")),
@@ -102,6 +108,8 @@ class Draw:
     cs: torch.Tensor         # cos/sin cache covering the longest context
     outlier_idx: list
     sink_idx: list
+    local_dir: torch.Tensor = None   # [D] the shared RoPE-dims component of locality (0 elsewhere)
+    q_local: torch.Tensor = None     # [R, H] each head's share of it
 
     @property
     def entries(self) -> int:
@@ -112,25 +120,30 @@ class Draw:
                  else getattr(self, f.name) for f in fields(self)}
         return Draw(**moved)
 
-    def query_position(self, entries: int) -> int:
-        """A query at position p sees (p + 1) // r entries: the context's last token."""
+    def query_position(self, entries):
+        """A query at position p sees (p + 1) // r entries: the last token that sees `entries`."""
         return entries * self.preset.compress_ratio - 1
 
-    def queries(self, entries: int) -> torch.Tensor:
-        """q [R, H, D] after RoPE at the context's last token (fp32 holding bf16 values)."""
-        pos = self.query_position(entries)
+    def queries(self, entries) -> torch.Tensor:
+        """q [R, H, D] after RoPE (fp32 holding bf16 values), row r at the last token that sees
+        `entries` entries (an int: every row; a tensor [R]: one count per row)."""
         raw = self.q_base
+        rows = raw.shape[0]
+        seen = torch.as_tensor(entries, device=raw.device).long().expand(rows)
         if self.dist.drift_query:
-            mu = drift_direction(self, torch.tensor([entries - 1], device=raw.device))[0]   # [D]
-            raw = raw + self.q_drift[..., None] * mu
-        positions = torch.full((raw.shape[0],), pos, dtype=torch.long, device=raw.device)
-        return q_values(raw.to(torch.bfloat16), positions, self.cs)
+            mu = drift_direction(self, seen - 1)                                        # [R, D]
+            raw = raw + self.q_drift[..., None] * mu[:, None, :]
+        if self.dist.locality_query:
+            raw = raw + self.q_local[..., None] * self.local_dir
+        return q_values(raw.to(torch.bfloat16), self.query_position(seen), self.cs)
 
     def pooled(self, entry_idx: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """Pooled rows (bf16) at entries `entry_idx` from unit noise [..., D]: drift, channels."""
         x = noise
         if self.dist.drift:
             x = x + self.dist.drift * drift_direction(self, entry_idx)
+        if self.dist.locality:
+            x = x + self.dist.locality * self.local_dir
         return (x * self.chan).to(torch.bfloat16)
 
     def keys_at(self, pooled: torch.Tensor, entry_idx: torch.Tensor) -> torch.Tensor:
@@ -208,10 +221,17 @@ def draw(dist: Distribution, seed: int, *, entries: int, rows: int, heads: int,
         q = q * 2 ** ((torch.rand(1, heads, 1, generator=g) * 2 - 1) * dist.head_scale_spread)
     if dist.sinks and dist.sink_query:
         q[..., sink_idx] += dist.sink_query * lean[..., None]
+    if dist.weight_coupling:
+        q = q * 2 ** (dist.weight_coupling * w / w.std().clamp_min(1e-30))[..., None]
+    # locality: one unit-RMS direction in the RoPE dims, in every key and (by head) in the query;
+    # RoPE turns q.k's share of it into a sum of cos(theta_i * distance): recent keys score up
+    local_dir = torch.zeros(dim)
+    local_dir[dim - rope:] = torch.randn(rope, generator=stream(seed, "locality"))
+    local_dir[dim - rope:] /= local_dir[dim - rope:].square().mean().sqrt()
 
     empty = torch.empty(0)
     d = Draw(dist, seed, p, empty, empty, w, q, dist.drift_query * lean, chan, basis, norm_w, cs,
-             outlier_idx.tolist(), sink_idx.tolist()).to(device)
+             outlier_idx.tolist(), sink_idx.tolist(), local_dir, dist.locality_query * lean).to(device)
     idx = torch.arange(entries, device=device)
     d.k = d.keys_at(d.pooled(idx, z.to(device)), idx)
     d.v = torch.cat(values).to(device).float()

@@ -56,10 +56,32 @@ VARIANTS = {v.name: v for v in (
 )}
 
 
-def key_side(v: Variant, k: torch.Tensor) -> torch.Tensor:
-    """Keys [..., D] (bf16-valued) -> the values the variant's scorer reads, fp32."""
+def key_config(v: Variant) -> tuple:
+    """What a variant's key side depends on: variants with equal configs read equal keys."""
+    return (v.hadamard == "both", v.quant, v.scale_rule if v.quant == "mxfp4" else None,
+            v.fp8_dtype if v.quant == "fp8" else None, v.read_as if v.quant == "fp8" else None)
+
+
+def key_sides(names, k: torch.Tensor) -> dict:
+    """{variant: key_side(variant, k)}, each distinct key configuration computed once and the
+    rotation once."""
+    rotated, by_config, out = None, {}, {}
+    for n in names:
+        v = VARIANTS[n]
+        cfg = key_config(v)
+        if cfg not in by_config:
+            if v.hadamard == "both" and rotated is None:
+                rotated = ref_hadamard.rotate(k)
+            by_config[cfg] = key_side(v, k, rotated=rotated if v.hadamard == "both" else None)
+        out[n] = by_config[cfg]
+    return out
+
+
+def key_side(v: Variant, k: torch.Tensor, *, rotated: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys [..., D] (bf16-valued) -> the values the variant's scorer reads, fp32 (`rotated`:
+    the keys already rotated, for a variant that rotates)."""
     if v.hadamard == "both":
-        k = ref_hadamard.rotate(k)
+        k = rotated if rotated is not None else ref_hadamard.rotate(k)
     if v.quant is None:
         return k.float()
     if v.quant == "mxfp4":

@@ -1,0 +1,133 @@
+"""`mxval study` as one call: run (or re-render) a study and write its reports."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from harness.errors import EXIT_INTERRUPTED, EXIT_OK, StudyConfigError
+from harness.io import atomic, escape, safe_input
+from harness.run.signals import hold, release, stopped_by
+from harness.study import report
+from harness.study.core import STUDY_FILE, load_config, run_study, study_dump
+from reference.formats import preset
+
+
+def machine_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores (torch {torch.__version__}, CPU)"
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children: the study's workers."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _load() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _write(result: dict, meta: dict, out: Path, readme: str | None, *, stopped=None) -> int:
+    paths = report.render(result, out, title=f"mxval study: {meta.get('study', '?')}", meta=meta)
+    md = report.summary_markdown(result, meta)
+    late = release()
+    print(escape.terminal(md, lines=True))
+    print(f"\nreports: {', '.join(paths.values())}")
+    if stopped or late:
+        print(f"mxval: interrupted: partial study report ({len(result['rows'])} row(s) kept; re-render with "
+              f"`mxval study --from-json {out / 'study.json'}`)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if readme:
+        atomic.write_text(readme, md + "\n")
+    return EXIT_OK
+
+
+def execute(*, study: str = "default", study_file: str | Path = STUDY_FILE, dumps=(), device: str | None = None,
+            report_dir: str | None = None, readme: str | None = None, from_json: str | None = None,
+            jobs: int | None = None) -> int:
+    """Run the named study (or study captured dumps, or re-render a saved study.json), write
+    study.{json,md,html,csv} and study-needles.csv, print the summary; -> the exit status."""
+    if from_json:
+        given = [f for f, v in (("--dump", dumps), ("--device", device)) if v]
+        if given:
+            raise StudyConfigError(f"{given[0]}: not with --from-json (it re-renders a saved study, running nothing)")
+        return rerender(from_json, report_dir=report_dir, readme=readme)
+    cfg = load_config(study, Path(study_file))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.partition(":")[0] not in ("cpu", "cuda"):
+        raise StudyConfigError(f"--device: expected cpu or cuda, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise StudyConfigError(f"--device: {device} requested but torch sees no CUDA/ROCm GPU")
+    out = Path(report_dir or f"reports/study-{atomic.safe_name(cfg.name)}")
+    jobs = min(2, os.cpu_count() or 1) if jobs is None else jobs
+    if jobs < 1:
+        raise StudyConfigError(f"--jobs: expected a positive count, got {jobs}")
+    t0, c0, c0_children, load0 = time.time(), time.process_time(), _children_cpu(), _load()
+    if dumps:
+        parts = []
+        try:
+            for path in dumps:
+                parts.append(study_dump(path, cfg, device=device))
+            stopped = None
+        except KeyboardInterrupt:               # the dumps studied so far are the report
+            stopped = {"signal": stopped_by(), "cases_done": len(parts), "cancelled": list(dumps[len(parts):])}
+        result = {k: sum((p[k] for p in parts), []) for k in ("rows", "needles", "inputs")}
+        result["merges"] = {}
+        if stopped:
+            result["interrupted"] = stopped
+    else:
+        total = len(cfg.distributions) * len(cfg.seed_list)
+        with Progress(transient=True) as bar:
+            task = bar.add_task(f"study {cfg.name}", total=total)
+            result = run_study(cfg, device=device, progress=lambda: bar.advance(task), jobs=jobs)
+    hold()                                    # from here a Ctrl-C waits until the report is whole
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    stopped = result.pop("interrupted", None)
+    p = preset(cfg.model)
+    meta = {"study": cfg.name, "machine": machine_name(device), "device": device,
+            "seconds": time.time() - t0,
+            "cpu_seconds": time.process_time() - c0 + _children_cpu() - c0_children,
+            "threads": torch.get_num_threads(), "jobs": jobs if device == "cpu" and not dumps else 1, "when": datetime.date.today().isoformat(),
+            "load_before": load0, "load_after": _load(),
+            "topk": p.topk, "rows": cfg.rows, "seeds": cfg.seed_list, "heads": cfg.heads or p.index_heads,
+            "contexts": sorted(set(cfg.context_tokens)), "compress_ratio": p.compress_ratio,
+            "query_spread": cfg.query_spread,
+            "distributions": [d.name for d in cfg.distributions] if not dumps else list(dumps),
+            "distribution_fields": {d.name: report.distribution_fields(d) for d in cfg.distributions},
+            "needle_depths": cfg.needle_depths, "needle_margins": cfg.needle_margins,
+            "tolerance": cfg.tolerance, "dump": bool(dumps)}
+    if stopped:
+        meta["interrupted"] = stopped
+    return _write(result, meta, out, readme, stopped=stopped)
+
+
+def rerender(from_json: str, *, report_dir: str | None = None, readme: str | None = None) -> int:
+    try:
+        saved = safe_input.load_json(from_json, error=StudyConfigError)
+    except StudyConfigError as e:
+        raise StudyConfigError(f"--from-json: not a study.json ({e})") from None
+    try:
+        meta = saved["meta"]
+        result = {k: saved[k] for k in ("rows", "needles", "inputs", "merges")}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StudyConfigError(f"--from-json: {from_json}: not a study.json ({e})") from None
+    return _write(result, meta, Path(report_dir or Path(from_json).parent), readme)
