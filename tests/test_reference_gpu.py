@@ -57,6 +57,10 @@ def test_gpu_reference_gives_the_cpu_bytes(op, kw):
             fin = a.isfinite()
             tol = sum_bound(kw, "cpu") + a.abs() * torch.finfo(torch.float32).eps + 2.0 ** -149
             assert bool(((a - b).abs() <= tol)[fin].all())
+        elif op == "topk":
+            # the top-k contract is a set per row (NUMERICS: the order inside a row is free;
+            # torch.topk orders ties differently on the two devices): the same sorted rows
+            assert same_bits(cpu[name].sort(dim=1).values, gpu[name].sort(dim=1).values), f"{op}: {name} differs"
         else:
             assert same_bits(cpu[name], gpu[name]), f"{op}: {name} differs"
 
