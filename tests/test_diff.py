@@ -504,3 +504,24 @@ def test_diff_op_checks_its_index_inputs():
     with pytest.raises(ValueError, match=r"inputs\['positions'\]: expected dtype int32 or int64"):
         diff_op("compress_pool", {"positions": torch.arange(4.0), "kv_slot_mapping": torch.arange(4)},
                 {"compress_ratio": 4}, pooled, pooled)
+
+
+def test_topk_findings_past_the_kept_ones_are_counted_and_the_recall_rows_come_with_the_report():
+    """More flagged rows than a report keeps: each row counted under its classes, the first
+    MAX_FINDINGS written in row order; the report's per-row tensors give `recall_rows`."""
+    from harness.diff.report import MAX_FINDINGS
+    from harness.diff.scores import diff_topk, recall_points, recall_rows
+    g = torch.Generator().manual_seed(5)
+    rows, w, k = MAX_FINDINGS + 30, 64, 8
+    s = torch.randn(rows, w, generator=g, dtype=torch.float64)
+    lens = torch.full((rows,), w)
+    idx = torch.topk(s, k, 1).indices
+    idx[:, -1] = torch.topk(s, w, 1).indices[:, -1]          # every row: its worst key instead
+    idx[::4, 0] = idx[::4, 1]                                 # a quarter: a duplicate too
+    rep = diff_topk(idx, s, lens, k)
+    assert rep.metrics["class_below_threshold"] == rows
+    assert rep.metrics["class_duplicates"] == len(range(0, rows, 4))
+    assert [f["row"] for f in rep.findings] == list(range(MAX_FINDINGS))
+    assert any(f"the first {MAX_FINDINGS} listed" in n for n in rep.notes)
+    assert recall_points(rep.rows) == recall_rows(idx, s, lens, k)
+    assert all(p[1] < 1 for p in recall_points(rep.rows))

@@ -203,3 +203,31 @@ def test_repeat_flag_takes_1_to_100_runs(text):
     assert repeat_count("1") == 1 and repeat_count("100") == 100
     with pytest.raises(argparse.ArgumentTypeError, match="from 1 to 100"):
         repeat_count(text)
+
+
+@pytest.mark.parametrize("where", ["past", "inside"])
+def test_repeat_compares_the_scorers_valid_region_only(cat, where):
+    """Without clean logits, columns past a row's end are unspecified: a scorer whose bytes
+    change there each run repeats; one whose valid bytes change does not."""
+    import dataclasses
+    calls = {"n": 0}
+    seen = {"past_end": False}
+
+    def drifting(*, clean_logits=False, **a):
+        out = reference.paged_mxfp4_mqa_logits(clean_logits=clean_logits, **a)["logits"].clone()
+        calls["n"] += 1
+        ends = a["row_ends"].long()
+        r = int(ends.argmin())
+        c = int(ends[r]) if where == "past" else int(ends[r]) - 1
+        seen["past_end"] |= int(ends[r]) < out.shape[1]
+        out[r, c] = float(calls["n"])
+        return {"logits": out}
+    case = dataclasses.replace(cat.case("smoke-rowend-k"), repeat=2)
+    row = run_case(case, backend(f"test-drifting-scorer-{where}", paged_mxfp4_mqa_logits=drifting))
+    assert row["outcome"] == "ok", row["reason"]
+    assert calls["n"] >= 2 and seen["past_end"]
+    found = [f for f in row["findings"] if f["class"] == "nondeterministic"]
+    if where == "past":
+        assert not found
+    else:
+        assert found and found[0]["stage"] == "paged_mxfp4_mqa_logits" and found[0]["bytes_changed"] > 0

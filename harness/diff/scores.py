@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from . import args as A
-from .report import Collector, DiffReport
+from .report import MAX_FINDINGS, Collector, DiffReport
 
 
 def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, clean: bool,
@@ -39,9 +39,12 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
     nonfinite = valid & ~fin
     good = valid & fin
     xv, yv = torch.where(good, x, 0.0), torch.where(good, y, 0.0)
-    den = float((xv * xv + yv * yv).sum())
-    num = float(((xv - yv) ** 2).sum())
-    err = (xv - yv).abs()
+    d = xv - yv
+    sq = d * d                                 # each full-size term once: whole and per row
+    mag = xv * xv + yv * yv
+    den = float(mag.sum())
+    num = float(sq.sum())
+    err = d.abs()
     rel = torch.where(good & (yv != 0), err / yv.abs().clamp_min(1e-300), 0.0)
     metrics = {"logits_diff": num / den if den > 0 else 0.0,
                "logits_max_abs_err": float(err.max()) if err.numel() else 0.0,
@@ -51,22 +54,26 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
     if clean:
         bad_inf = ~valid & ~(torch.isinf(x) & (x < 0))
         metrics["logits_inf_pattern_mismatch"] = int(bad_inf.sum())
-        for r in bad_inf.any(1).nonzero().flatten().tolist():
-            col.count("inf_pattern")
+        def inf_finding(r):
             c = int(bad_inf[r].nonzero()[0])
-            if not col.keep({"class": "inf_pattern", "row": r, "row_end": int(ends[r]), "col": c,
-                             "actual": float(x[r, c]),
-                             "where": f"row {r} (row_end {int(ends[r])}): column {c} is {float(x[r, c])!r}, "
-                                      f"expected -inf ({int(bad_inf[r].sum())} such columns)"}):
-                pass
-    for r in nonfinite.any(1).nonzero().flatten().tolist():
-        col.count("nonfinite")
+            return {"class": "inf_pattern", "row": r, "row_end": int(ends[r]), "col": c,
+                    "actual": float(x[r, c]),
+                    "where": f"row {r} (row_end {int(ends[r])}): column {c} is {float(x[r, c])!r}, "
+                             f"expected -inf ({int(bad_inf[r].sum())} such columns)"}
+        inf_rows = bad_inf.any(1).nonzero().flatten()
+        col.count("inf_pattern", inf_rows.numel())
+        _keep_rows(col, inf_rows, inf_finding)
+
+    def nonfinite_finding(r):
         c = int(nonfinite[r].nonzero()[0])
-        col.keep({"class": "nonfinite", "row": r, "row_end": int(ends[r]), "col": c,
-                  "actual": float(x[r, c]), "expected": float(y[r, c]),
-                  "where": f"row {r} column {c}: {float(x[r, c])!r}, expected {float(y[r, c])!r}"})
-    row_num = ((xv - yv) ** 2).sum(1)
-    row_den = (xv * xv + yv * yv).sum(1)
+        return {"class": "nonfinite", "row": r, "row_end": int(ends[r]), "col": c,
+                "actual": float(x[r, c]), "expected": float(y[r, c]),
+                "where": f"row {r} column {c}: {float(x[r, c])!r}, expected {float(y[r, c])!r}"}
+    nf_rows = nonfinite.any(1).nonzero().flatten()
+    col.count("nonfinite", nf_rows.numel())
+    _keep_rows(col, nf_rows, nonfinite_finding)
+    row_num = sq.sum(1)
+    row_den = mag.sum(1)
     row_diff = torch.where(row_den > 0, row_num / row_den.clamp_min(1e-300), 0.0)
     bad_rows = (row_diff > row_threshold).nonzero().flatten()
     metrics["logits_rows_differing"] = bad_rows.numel()
@@ -103,7 +110,11 @@ def score_weights(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """The mass proxy: softmax over each row's valid, finite scores (fp64 [R, J]); entries
     outside `valid` weigh 0, and a row without any valid score is all 0."""
     s = scores.double()
-    ok = valid & torch.isfinite(s)
+    return _weights(s, valid & torch.isfinite(s))
+
+
+def _weights(s: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """`score_weights` of fp64 scores with `ok` (valid and finite) given."""
     top = torch.where(ok, s, -math.inf).amax(1, keepdim=True) if s.shape[1] else s[:, :1]
     e = torch.where(ok, torch.exp(s - torch.where(torch.isfinite(top), top, 0.0)), 0.0)
     return e / e.sum(1, keepdim=True).clamp_min(1e-300)
@@ -129,7 +140,7 @@ def mass_kept(weights: torch.Tensor, selected: torch.Tensor, exact: torch.Tensor
 
 
 def selection_metrics(scores: torch.Tensor, lengths: torch.Tensor, selected: torch.Tensor, k: int,
-                      tol: torch.Tensor, recall: torch.Tensor) -> dict:
+                      tol: torch.Tensor, recall: torch.Tensor, *, shared: Optional[SimpleNamespace] = None) -> dict:
     """What a selection keeps of the exact top-k, per row (fp64 [R] each):
       mass       `mass_kept` of the proxy `score_weights`
       top<m>     of the exact top-min(m, len), the share the selection keeps, an entry tied
@@ -137,17 +148,26 @@ def selection_metrics(scores: torch.Tensor, lengths: torch.Tensor, selected: tor
       rank_lost  the exact rank (1 = the best key) of the best exact top-k key the selection
                  lacks, in rows the tie rule does not excuse (recall < 1); NaN elsewhere
     `scores` fp64 [R, W], `selected` bool [R, W] (distinct in-range indices), `tol` and
-    `recall` [R] as `diff_topk` computes them."""
+    `recall` [R] as `diff_topk` computes them. `shared`: `_topk_rows`'s namespace of the same
+    scores and lengths (its masks and, where no valid score is +inf, its top-k), so that
+    the full-size passes are not repeated."""
     rw, w = scores.shape
-    valid = torch.arange(w)[None, :] < lengths[:, None]
-    fin = valid & torch.isfinite(scores)
+    if shared is not None:
+        valid, fin = shared.valid, shared.fin
+    else:
+        valid = torch.arange(w)[None, :] < lengths[:, None]
+        fin = valid & torch.isfinite(scores)
     masked = torch.where(fin, scores, -math.inf)
     size = torch.minimum(lengths, torch.tensor(k))
     kk = min(k, w)
-    topv, topi = torch.topk(masked, kk, dim=1) if kk else (masked[:, :0], torch.zeros(rw, 0, dtype=torch.long))
+    if shared is not None and not shared.pos_inf:
+        # the same masked scores (only +inf would differ): the same top-k
+        topv, topi = shared.topv, shared.topi
+    else:
+        topv, topi = torch.topk(masked, kk, dim=1) if kk else (masked[:, :0], torch.zeros(rw, 0, dtype=torch.long))
     in_ref = torch.arange(kk)[None, :] < size[:, None]
     exact = torch.zeros(rw, w, dtype=torch.bool).scatter_(1, topi, in_ref) if kk else torch.zeros(rw, w, dtype=torch.bool)
-    out = {"mass": mass_kept(score_weights(scores, valid), selected, exact)}
+    out = {"mass": mass_kept(_weights(scores.double(), fin), selected, exact)}
     for m in TOP_M:
         if m >= k:
             continue
@@ -205,21 +225,36 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
         raise ValueError(f"lengths: {lens.numel()} entries for {rw} rows")
     t = _topk_rows(idx, s, lens, k, tol)
     col = Collector()
-    for r in (~t.exact | (t.below > 0) | (t.dups > 0) | t.oor.any(1)).nonzero().flatten().tolist():
-        f = _row_finding(t, r)
-        for kd in f["classes"]:
-            col.count(kd)
-        col.keep(f)
+    oor_rows = t.oor.any(1)
+    flagged = (~t.exact | (t.below > 0) | (t.dups > 0) | oor_rows).nonzero().flatten()
+    # every flagged row counted by its classes at once; findings written for those kept
+    named = (t.pad_err[flagged], t.dups[flagged] > 0, oor_rows[flagged], t.below[flagged] > 0)
+    for kd, has in zip(("padding", "duplicates", "out_of_range", "below_threshold"), named):
+        col.count(kd, int(has.sum()))
+    col.count("tie_swap", int((~(named[0] | named[1] | named[2] | named[3])).sum()))
+    _keep_rows(col, flagged, lambda r: _row_finding(t, r))
     sel_cols = torch.zeros(rw, w + 1, dtype=torch.bool).scatter_(1, torch.where(t.s_in, t.srt, w), True)[:, :w]
-    kept = selection_metrics(s, lens, sel_cols, k, t.row_tol, t.recall)
+    kept = selection_metrics(s, lens, sel_cols, k, t.row_tol, t.recall, shared=t)
     metrics = _topk_metrics(t, kept, rw)
+    per_row = dict(recall=t.recall, exact=t.exact, mass=kept["mass"], lengths=lens)
     if rows is not None:
-        rows.update(recall=t.recall, exact=t.exact, mass=kept["mass"], lengths=lens)
+        rows.update(per_row)
     notes = []
     if t.nan_scores:
         metrics["nonfinite_inputs"] = t.nan_scores
         notes.append(f"{t.nan_scores} NaN reference score(s) in the valid region")
-    return col.report(op, metrics, notes)
+    report = col.report(op, metrics, notes)
+    report.rows = per_row            # for `recall_points`: the recall plot without a second diff
+    return report
+
+
+def _keep_rows(col: Collector, rows: torch.Tensor, finding) -> None:
+    """`col.keep(finding(r))` for each row r of `rows` in order, the finding written only
+    while the collector still keeps them (the rest are counted in its total)."""
+    room = max(0, MAX_FINDINGS - len(col.kept))
+    for r in rows[:room].tolist():
+        col.keep(finding(r))
+    col.total += max(0, rows.numel() - room)
 
 
 def _topk_rows(idx, s, lens, k: int, tol: Optional[float]) -> SimpleNamespace:
@@ -229,9 +264,11 @@ def _topk_rows(idx, s, lens, k: int, tol: Optional[float]) -> SimpleNamespace:
     rw, w = s.shape
     cols = torch.arange(w)
     valid_cols = cols[None, :] < lens[:, None]
-    nan_scores = int((torch.isnan(s) & valid_cols).sum())
-    masked = torch.where(valid_cols, s, -math.inf)
-    masked = torch.where(torch.isnan(masked), -math.inf, masked)
+    nan = torch.isnan(s)
+    nan_scores = int((nan & valid_cols).sum())
+    fin = valid_cols & torch.isfinite(s)
+    masked = torch.where(valid_cols & ~nan, s, -math.inf)
+    pos_inf = bool((masked == math.inf).any())
     short = lens <= k
     kcols = torch.arange(k)
     want_short = torch.where(kcols[None, :] < lens[:, None], kcols[None, :], -1)
@@ -248,7 +285,7 @@ def _topk_rows(idx, s, lens, k: int, tol: Optional[float]) -> SimpleNamespace:
     kk = min(k, w)
     topv, topi = torch.topk(masked, kk, dim=1) if w else (torch.zeros(rw, 0), torch.zeros(rw, 0, dtype=torch.long))
     kth = topv[:, -1] if kk else torch.zeros(rw, dtype=torch.float64)
-    finite_abs = torch.where(valid_cols & torch.isfinite(s), s.abs(), 0.0)
+    finite_abs = torch.where(fin, s.abs(), 0.0)
     row_tol = ((finite_abs.amax(1) if w else torch.zeros(rw, dtype=torch.float64)) * 1e-4) if tol is None else torch.full((rw,), float(tol), dtype=torch.float64)
     sc = masked.gather(1, srt.clamp(0, max(w - 1, 0))) if w else torch.zeros_like(srt, dtype=torch.float64)
     acceptable = s_in & torch.where(short[:, None], torch.ones_like(s_in), sc >= (kth - row_tol)[:, None])
@@ -265,7 +302,8 @@ def _topk_rows(idx, s, lens, k: int, tol: Optional[float]) -> SimpleNamespace:
     return SimpleNamespace(idx=idx, s=s, lens=lens, k=k, kk=kk, nan_scores=nan_scores, short=short,
                            want_short=want_short, oor=oor, srt=srt, dups=dups, s_in=s_in, kth=kth,
                            row_tol=row_tol, acceptable=acceptable, below=below, recall=recall, jacc=jacc,
-                           pad_err=pad_err, exact=exact)
+                           pad_err=pad_err, exact=exact, valid=valid_cols, fin=fin, pos_inf=pos_inf,
+                           topv=topv, topi=topi)
 
 
 def _row_finding(t: SimpleNamespace, r: int) -> dict:
@@ -327,6 +365,12 @@ def recall_rows(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k
     row below 1 lost keys; a row at 1 marked 0 is a tie swap the rule accepts)."""
     rows: dict = {}
     diff_topk(indices, ref_logits_fp64, lengths, k, rows=rows)
+    return recall_points(rows)
+
+
+def recall_points(rows: dict) -> list[list]:
+    """`recall_rows` from the per-row tensors a `diff_topk` gave (its `rows`, or its report's
+    `rows` attribute)."""
     return [[int(n), float(r), int(e), float(m)] for n, r, e, m in
             zip(rows["lengths"].tolist(), rows["recall"].tolist(), rows["exact"].tolist(), rows["mass"].tolist())
             if n > 0]

@@ -26,7 +26,7 @@ import torch
 import reference
 from harness.diff import aggregate, diff_op
 from harness.diff.metrics import CHAIN, chain_key
-from harness.diff.scores import recall_rows
+from harness.diff.scores import recall_points, recall_rows
 from harness.run import memory
 from harness.run.cases import Case
 from harness.run.inputs import CaseInputs, build, filled_on_device
@@ -176,6 +176,11 @@ def _recall_rows(actual: torch.Tensor, scores: torch.Tensor, lengths: torch.Tens
         out = recall_rows(actual, scores, lengths, k)
     except ValueError:           # a misshapen output: its stage's report says so
         return []
+    return _thin(out)
+
+
+def _thin(out: list[list]) -> list[list]:
+    """At most MAX_RECALL_POINTS of the recall plot's rows, evenly spaced."""
     if len(out) > MAX_RECALL_POINTS:
         step = len(out) / MAX_RECALL_POINTS
         out = [out[int(i * step)] for i in range(MAX_RECALL_POINTS)]
@@ -183,6 +188,11 @@ def _recall_rows(actual: torch.Tensor, scores: torch.Tensor, lengths: torch.Tens
 
 
 # --- the chain --------------------------------------------------------------------------
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, flat (uint8), where the tensor is."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
 
 def _ops(inp: CaseInputs):
     """The K stage (the writer on the rocm path, the fused pool+K op on the cuda path), Q
@@ -286,16 +296,20 @@ class ChainRun:
                 continue
             if not isinstance(b, torch.Tensor) or b.shape != a.shape or b.dtype != a.dtype:
                 changed, where = a.numel() * a.element_size(), "a different shape or dtype"
+            elif torch.equal(_bytes(a), _bytes(b.to(a.device))):
+                continue                    # every byte repeated: the valid region too
             else:
                 if name == "logits" and not scalars.get("clean_logits") and a.dim() == 2:
                     valid = (torch.arange(a.shape[1], device=a.device)[None, :]
                              < ins["row_ends"].to(a.device).long()[:, None])
                     a, b = a[valid], b[valid]
-                x = a.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
-                y = b.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
-                diff = (x != y).nonzero().flatten()
-                if diff.numel() == 0:
+                # compared where the outputs are: only a run that differs is read back
+                x = a.detach().contiguous().view(torch.uint8).reshape(-1)
+                y = b.detach().to(x.device).contiguous().view(torch.uint8).reshape(-1)
+                if bool(torch.equal(x, y)):
                     continue
+                x, y = x.cpu(), y.cpu()
+                diff = (x != y).nonzero().flatten()
                 i = int(diff[0])
                 changed = int(diff.numel())
                 where = (f"{changed} of {x.numel()} bytes changed, first at byte {i}: "
@@ -437,10 +451,16 @@ class ChainRun:
                                                 {"logits": chain_logits}))
         if "topk" in ops:
             chain_idx = reference.topk(logits=chain_logits, lengths=st.row_ends, k=inp.geo.topk)["indices"]
-            self.col.add(CHAIN, i, self.diff_op("topk", dict(logits=chain_logits, lengths=st.row_ends),
-                                                self.scalars("topk"), {"indices": idx_b},
-                                                {"indices": chain_idx}))
-            self.details["recall_rows"] += _recall_rows(idx_b, chain_logits, st.row_ends, inp.geo.topk)
+            topk_scalars = self.scalars("topk")
+            rep = self.diff_op("topk", dict(logits=chain_logits, lengths=st.row_ends),
+                               topk_scalars, {"indices": idx_b}, {"indices": chain_idx})
+            self.col.add(CHAIN, i, rep)
+            # the recall plot's rows come with that diff (the same comparison: not run twice)
+            rows = getattr(rep, "rows", None)
+            if rows is not None and topk_scalars.get("k") == inp.geo.topk:
+                self.details["recall_rows"] += _thin(recall_points(rows))
+            else:
+                self.details["recall_rows"] += _recall_rows(idx_b, chain_logits, st.row_ends, inp.geo.topk)
 
     def _chain_pool(self, kw: str) -> None:
         """The whole chain's pool against the reference chain's, and the mismatched share
