@@ -154,6 +154,14 @@ class _Bad(Exception):
         self.key, self.msg = key, msg
 
 
+def _in_range(check, key, v, lo, hi):
+    """`check(key, v, lo, hi)` (reference/checks.py), its message as a _Bad."""
+    try:
+        return check(key, v, lo, hi)
+    except ValueError as e:
+        raise _Bad(key, str(e).split(": ", 1)[1]) from None
+
+
 @dataclass(frozen=True)
 class Int:
     """An integer in [lo, hi) (reference/checks.py: half-open ranges, a bool is no integer)."""
@@ -161,10 +169,7 @@ class Int:
     hi: int
 
     def check(self, key, v):
-        try:
-            return checks.integer(key, v, self.lo, self.hi)
-        except ValueError as e:
-            raise _Bad(key, str(e).split(": ", 1)[1]) from None
+        return _in_range(checks.integer, key, v, self.lo, self.hi)
 
 
 @dataclass(frozen=True)
@@ -174,10 +179,7 @@ class Float:
     hi: float
 
     def check(self, key, v):
-        try:
-            return checks.number(key, v, self.lo, self.hi)
-        except ValueError as e:
-            raise _Bad(key, str(e).split(": ", 1)[1]) from None
+        return _in_range(checks.number, key, v, self.lo, self.hi)
 
 
 @dataclass(frozen=True)
