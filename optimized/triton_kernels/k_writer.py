@@ -23,6 +23,7 @@ from .numerics import (
     mxfp4_encode_pairs,
     pow2_scale,
     rms_norm_pairs,
+    rope_cos_sin,
     rope_pairs,
 )
 
@@ -77,12 +78,7 @@ def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
         ne, no = rms_norm_pairs(e, o, w_e, w_o, eps, D, FAST_NORM)
 
         g = (pos // RATIO) * RATIO                          # RoPE at the group's first position
-        is_rope = m[None, :] >= NOPE2
-        mr = tl.where(m >= NOPE2, m - NOPE2, 0)
-        cs_off = g[:, None] * cs_stride + mr[None, :]
-        cmask = amask & is_rope
-        cos = tl.load(cs_ptr + cs_off, mask=cmask, other=1.0)
-        sin = tl.load(cs_ptr + cs_off + R // 2, mask=cmask, other=0.0)
+        cos, sin, is_rope = rope_cos_sin(cs_ptr, g, cs_stride, m, amask, NOPE2, R)
         if ROUNDING == 1:      # cuda fused: fp32 through norm and RoPE (NoPE through the formula), one bf16 round
             ye, yo = rope_pairs(ne, no, cos, sin, is_rope, False, True)
             ye = bf16_round(ye)

@@ -74,6 +74,19 @@ def rope_pairs(e, o, cos, sin, is_rope, ROUND: tl.constexpr, NOPE_FORMULA: tl.co
     return e2, o2
 
 
+@triton.jit
+def rope_cos_sin(cs_ptr, at, cs_stride, m, mask, NOPE2: tl.constexpr, R: tl.constexpr):
+    """cos and sin of pair m of each row at RoPE position `at` (rows masked by `mask`), and
+    is_rope: the pairs from NOPE2 on rotate; the NoPE pairs before them read cos 1, sin 0."""
+    is_rope = m[None, :] >= NOPE2
+    mr = tl.where(m >= NOPE2, m - NOPE2, 0)
+    cs_off = at[:, None] * cs_stride + mr[None, :]
+    cmask = mask & is_rope
+    cos = tl.load(cs_ptr + cs_off, mask=cmask, other=1.0)
+    sin = tl.load(cs_ptr + cs_off + R // 2, mask=cmask, other=0.0)
+    return cos, sin, is_rope
+
+
 # --- MXFP4 -----------------------------------------------------------------------
 
 @triton.jit
