@@ -25,6 +25,7 @@ from .numerics import (
     rms_norm_pairs,
     rope_cos_sin,
     rope_pairs,
+    writing_tokens,
 )
 
 # tokens per program, tokens written at once (H200: 32, 8 the fastest of 6 timed)
@@ -46,10 +47,7 @@ def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
     # The tile's tokens that write are compacted (by rank) into groups of BT, so no lane
     # works for a token that writes nothing (3 of 4 in a prefill chunk).
     toks = pid * TILE + tl.arange(0, TILE)
-    t_in = toks < T
-    t_pos = tl.load(pos_ptr + toks, mask=t_in, other=0).to(tl.int64)
-    t_slot = tl.load(slot_ptr + toks, mask=t_in, other=-1)
-    t_act = t_in & (t_slot >= 0) & ((t_pos + 1) % RATIO == 0)
+    _, _, t_act = writing_tokens(pos_ptr, slot_ptr, toks, T, RATIO)
     rank = tl.cumsum(t_act.to(tl.int32), axis=0) - 1
     n_act = tl.sum(t_act.to(tl.int32), axis=0)
     gi = tl.arange(0, BT)

@@ -1,5 +1,5 @@
-"""Device-side building blocks shared by the kernels: RMS norm, GPT-J RoPE on pairs, the
-MXFP4 and FP8 codecs (NUMERICS.md §2-§4, §7), written to give the reference's bits.
+"""Device-side building blocks shared by the kernels: which tokens write, RMS norm, GPT-J
+RoPE on pairs, the MXFP4 and FP8 codecs (NUMERICS.md §2-§4, §7), written to give the reference's bits.
 
 Vectors are handled as (even, odd) halves of shape [rows, D/2]: pair m is (x[2m],
 x[2m+1]); that is both RoPE's pairing and MXFP4's byte packing (even element in the low
@@ -72,6 +72,16 @@ def rope_pairs(e, o, cos, sin, is_rope, ROUND: tl.constexpr, NOPE_FORMULA: tl.co
         e2 = tl.where(is_rope, er, e)
         o2 = tl.where(is_rope, orr, o)
     return e2, o2
+
+
+@triton.jit
+def writing_tokens(pos_ptr, slot_ptr, toks, T, RATIO: tl.constexpr):
+    """Of tokens `toks`: (in range, position as int64, writes). A token writes an entry when
+    it has a slot (>= 0) and closes its group ((p + 1) % RATIO == 0)."""
+    inr = toks < T
+    pos = tl.load(pos_ptr + toks, mask=inr, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + toks, mask=inr, other=-1)
+    return inr, pos, inr & (slot >= 0) & ((pos + 1) % RATIO == 0)
 
 
 @triton.jit
