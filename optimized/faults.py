@@ -5,6 +5,9 @@ reference's public stage functions (no switch inside `reference/` or a kernel), 
 the bug is the only difference from a correct backend. `mxval selftest` runs each fault
 on the cases that expose it and checks that at least one budget catches it.
 
+A fault's words (bug class, ops, cases, description, source) are its table in faults.toml;
+its broken ops are built here (_MAKE_OPS, by the same name).
+
     from optimized import get_backend
     be = get_backend("fault:window-shift")        # a Backend like any other
     from optimized.faults import FAULTS           # name -> Fault (bug class, ops, cases)
