@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from reference import checks
+from reference.topk import check_topk_args
 
 # scale rules the kernels implement from the fp32 bits; torchao's "rceil" goes through a
 # float log2 and is only offered by the reference (for studies).
@@ -23,6 +24,16 @@ def on_device(device: str, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], 
         return out if out.device == like.device else out.to(like.device)
 
     return moved, back
+
+
+def topk_on_device(who: str, device: str, logits: torch.Tensor, lengths: torch.Tensor, k: int):
+    """A float32-only top-k kernel's arguments, checked and on `device`, with its index buffer
+    cleared to -1 (as vLLM clears it before the indexer runs): (logits, lengths, indices, back)."""
+    check_topk_args(logits, lengths, k)
+    if logits.dtype != torch.float32:
+        raise ValueError(f"logits: {who} top-k takes float32, got {str(logits.dtype)[6:]}")
+    (x, ln), back = on_device(device, logits, lengths)
+    return x, ln, torch.full((x.shape[0], k), -1, dtype=torch.int32, device=device), back
 
 
 def reject_hadamard(hadamard: bool) -> None:

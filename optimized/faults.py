@@ -5,13 +5,18 @@ reference's public stage functions (no switch inside `reference/` or a kernel), 
 the bug is the only difference from a correct backend. `mxval selftest` runs each fault
 on the cases that expose it and checks that at least one budget catches it.
 
+A fault's words (bug class, ops, cases, description, source) are its table in faults.toml;
+its broken ops are built here (_MAKE_OPS, by the same name).
+
     from optimized import get_backend
     be = get_backend("fault:window-shift")        # a Backend like any other
     from optimized.faults import FAULTS           # name -> Fault (bug class, ops, cases)
 """
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -312,11 +317,11 @@ def _duplicate_last(idx, lengths, k):
     return idx
 
 
-def fp8_scorer_op(read_as: Optional[str] = None) -> Callable:
-    """paged_fp8_mqa_logits decoding every fp8 byte as `read_as` (None: the flavour the
-    call names). The reference checks the arguments in the flavour they were written in;
-    the decode does not stop at NaNs a misread makes (0x80 is NaN in FNUZ), as a kernel
-    would not."""
+def _fp8_scorer_reading(keys: Callable, read_as: Optional[str] = None) -> Callable:
+    """paged_fp8_mqa_logits whose keys come from `keys(kv_cache, slots, page_size, d, flavour)`,
+    every fp8 byte decoded as `read_as` (None: the flavour the call names). The reference
+    checks the arguments in the flavour they were written in; the decode does not stop at
+    NaNs a misread makes (0x80 is NaN in FNUZ), as a kernel would not."""
     def paged_fp8_mqa_logits(*, q_fp8, weights, kv_cache, query_start_loc, context_lens, block_table,
                              row_ends, page_size: int = 64, fp8_dtype: str = "e4m3fn",
                              width: Optional[int] = None, clean_logits: bool = False) -> dict:
@@ -326,17 +331,24 @@ def fp8_scorer_op(read_as: Optional[str] = None) -> Callable:
                                        fp8_dtype=fp8_dtype, width=width)
         flavour = read_as or fp8_dtype
         d = q_fp8.shape[2]
-
-        def read_keys(slots):
-            vo, so = ref_fp8.fp8_slot_offsets(slots, page_size, d, kv_cache.shape[1])
-            flat = kv_cache.reshape(-1)
-            return ref_fp8.dequantize_fp8(flat[vo], flavour) * flat[so].contiguous().view(torch.float32).double()
-
         logits = scoring.paged_logits(ref_fp8.dequantize_fp8(q_fp8, flavour), weights, query_start_loc,
-                                      block_table, row_ends, page_size, read_keys,
+                                      block_table, row_ends, page_size,
+                                      lambda slots: keys(kv_cache, slots, page_size, d, flavour),
                                       width or scoring.default_width(block_table, page_size))
         return {"logits": logits.float()}
     return paged_fp8_mqa_logits
+
+
+def _planar_keys(kv_cache, slots, page_size, d, flavour):
+    """The keys of block-planar pages (all values, then all scales), as written."""
+    vo, so = ref_fp8.fp8_slot_offsets(slots, page_size, d, kv_cache.shape[1])
+    flat = kv_cache.reshape(-1)
+    return ref_fp8.dequantize_fp8(flat[vo], flavour) * flat[so].contiguous().view(torch.float32).double()
+
+
+def fp8_scorer_op(read_as: Optional[str] = None) -> Callable:
+    """paged_fp8_mqa_logits decoding every fp8 byte as `read_as` (None: the flavour the call names)."""
+    return _fp8_scorer_reading(_planar_keys, read_as)
 
 
 # --- the CUDA path (vLLM's fused K stage and Q kernels) --------------------------------------
@@ -488,31 +500,20 @@ def _neox_q_op() -> Callable:
     return q_rope_mxfp4_quant
 
 
+def _token_interleaved_keys(kv_cache, slots, page_size, d, flavour):
+    """The keys of pages read as token-interleaved [page_size, D + 4] rows."""
+    page, t = slots.long() // page_size, slots.long() % page_size
+    row = page * kv_cache.shape[1] + t * (d + 4)
+    flat = kv_cache.reshape(-1)
+    vals = flat[row.unsqueeze(-1) + torch.arange(d, device=slots.device)]
+    sc = flat[(row + d).unsqueeze(-1) + torch.arange(4, device=slots.device)]
+    return ref_fp8.dequantize_fp8(vals, flavour) * sc.contiguous().view(torch.float32).double()
+
+
 def fp8_token_interleaved_op() -> Callable:
     """paged_fp8_mqa_logits reading block-planar pages (all values, then all scales) as
     token-interleaved [page_size, D + 4] rows: the same bytes per page, so nothing asserts."""
-    def paged_fp8_mqa_logits(*, q_fp8, weights, kv_cache, query_start_loc, context_lens, block_table,
-                             row_ends, page_size: int = 64, fp8_dtype: str = "e4m3fn",
-                             width: Optional[int] = None, clean_logits: bool = False) -> dict:
-        reference.paged_fp8_mqa_logits(q_fp8=q_fp8, weights=weights, kv_cache=kv_cache,
-                                       query_start_loc=query_start_loc, context_lens=context_lens,
-                                       block_table=block_table, row_ends=row_ends, page_size=page_size,
-                                       fp8_dtype=fp8_dtype, width=width)
-        d = q_fp8.shape[2]
-
-        def read_keys(slots):
-            page, t = slots.long() // page_size, slots.long() % page_size
-            row = page * kv_cache.shape[1] + t * (d + 4)
-            flat = kv_cache.reshape(-1)
-            vals = flat[row.unsqueeze(-1) + torch.arange(d, device=slots.device)]
-            sc = flat[(row + d).unsqueeze(-1) + torch.arange(4, device=slots.device)]
-            return ref_fp8.dequantize_fp8(vals, fp8_dtype) * sc.contiguous().view(torch.float32).double()
-
-        logits = scoring.paged_logits(ref_fp8.dequantize_fp8(q_fp8, fp8_dtype), weights, query_start_loc,
-                                      block_table, row_ends, page_size, read_keys,
-                                      width or scoring.default_width(block_table, page_size))
-        return {"logits": logits.float()}
-    return paged_fp8_mqa_logits
+    return _fp8_scorer_reading(_token_interleaved_keys)
 
 
 def packed_row_starts(lengths: torch.Tensor) -> torch.Tensor:
@@ -612,165 +613,71 @@ SCORE = "paged_mxfp4_mqa_logits"
 TOPK = "topk"
 FUSED = "compress_norm_rope_mxfp4_cache"
 
-_CATALOGUE = (
-    Fault("window-shift", "one-position shift of the pooling window", (POOL,), ("chain",),
-          "pools positions p-2r .. p-1 instead of p-2r+1 .. p",
-          lambda: {POOL: pool_op(_shifted_windows)}),
-    Fault("halves-swapped", "`_a`/`_b` halves swapped", (POOL,), ("chain",),
-          "the previous group reads the `_b` halves and its own group the `_a` halves",
-          lambda: {POOL: pool_op(_swapped_halves_windows)}),
-    Fault("rope-neox", "NeoX instead of GPT-J RoPE", (K,), ("chain",),
-          "the K writer rotates pairs (t[i], t[i+R/2]) of the rope dims instead of (t[2i], t[2i+1])",
-          lambda: {K: k_writer_op(values=_permuted_values(_neox_perm))}),
-    Fault("rope-first-dims", "RoPE on the first instead of the last 64 dims", (K,), ("chain",),
-          "the K writer rotates dims 0..R-1 and leaves the last R unrotated",
-          lambda: {K: k_writer_op(values=_permuted_values(_first_dims_perm))}),
-    Fault("rope-at-p", "RoPE at p instead of the group start", (K,), ("chain",),
-          "the K writer rotates at the boundary token's own position p, not (p // r) * r",
-          lambda: {K: k_writer_op(rope_pos=lambda p, r: p.long())}),
-    Fault("rope-at-p-div-r", "RoPE at p // r instead of the group start", (K,), ("chain",),
-          "the K writer rotates at the entry index p // r, not (p // r) * r",
-          lambda: {K: k_writer_op(rope_pos=lambda p, r: p.long() // r)}),
-    Fault("boundary-off-by-one", "boundary rule off by one (`p % r == 0`)", (K,), ("chain",),
-          "the K writer takes the tokens with p % r == 0 as boundaries instead of (p + 1) % r == 0 "
-          "(vLLM gives only boundary tokens a slot, so it writes no entry at all)",
-          lambda: {K: k_writer_op(mask=_boundary_first_token)}),
-    Fault("nibbles-swapped", "nibbles swapped", (K,), ("chain",),
-          "the K writer puts the even element in the HIGH nibble",
-          lambda: {K: k_writer_op(quantize=_swap_nibbles)}),
-    Fault("scale-ocp-floor", "OCP floor scale instead of ceil", (K,), ("chain",),
-          "the K writer picks the e8m0 scale floor(log2 amax) - 2 (OCP v1.0) instead of the ceil rule",
-          lambda: {K: k_writer_op(quantize=_ocp_floor)}, source="ROCm/aiter#3212"),
-    Fault("scale-interleave-writer", "scale interleave mismatch between writer and reader", (K,),
-          ("chain", "chain-natural"),
-          "the K writer stores scale bytes in an order other than §5's (the scorer reads §5's)",
-          lambda: {K: k_writer_op(write=_write_wrong_scale_order)}, source="ROCm/aiter#4028"),
-    Fault("scale-interleave-reader", "scale interleave mismatch between writer and reader", (SCORE,),
-          ("chain", "chain-natural"),
-          "the scorer reads scale bytes in an order other than §5's (the writer stores §5's)",
-          lambda: {SCORE: scorer_op(scale_offsets=wrong_scale_offsets)}),
-    Fault("missing-bf16-round", "a missing bf16 rounding point", (K,), ("k-writer",),
-          "the ROCm K writer feeds the fp32 norm output to RoPE without its bf16 round",
-          lambda: {K: k_writer_op(values=_values_norm_unrounded)}),
-    Fault("fp8-ocp-read-fnuz", "fp8 written OCP and read FNUZ", ("paged_fp8_mqa_logits",),
-          ("chain-fp8",),
-          "the fp8 scorer reads e4m3fn (OCP) bytes as e4m3fnuz",
-          lambda: {"paged_fp8_mqa_logits": fp8_scorer_op("e4m3fnuz")}, source="vllm-project/vllm#42893"),
-    Fault("hadamard-q-only", "Hadamard on q only", (Q,), ("chain",),
-          "the Q quant applies the Hadamard rotation, the K writer does not",
-          lambda: {Q: q_quant_op(force_hadamard=True)}),
-    Fault("mask-off-by-one", "`p // r` instead of `(p + 1) // r`", (SCORE,), ("chain",),
-          "the scorer masks at row_end - 1: a boundary query loses its own entry",
-          lambda: {SCORE: scorer_op(row_ends_fn=_row_ends_minus_one)}),
-    Fault("mask-missing", "missing causal mask", (SCORE,), ("chain-clean",),
-          "the scorer scores every entry of the sequence (exposed where logits are clean)",
-          lambda: {SCORE: scorer_op(row_ends_fn=_row_ends_unmasked)}),
-    Fault("offset-int32-wrap", "32-bit offset overflow past 2 GiB pools", (K,), ("k-pool-2gib",),
-          "the K writer computes flat pool offsets in int32; entries past 2 GiB are lost",
-          lambda: {K: k_writer_op(write=wrapping_write(INT32_BITS))}, large=True),
-    Fault("offset-wrap-sim", "32-bit offset overflow past 2 GiB pools (simulated at 20 bits)", (K,),
-          ("k-pool-wrap",),
-          f"as offset-int32-wrap but wrapping at {SIM_WRAP_BITS} bits (pools past "
-          f"{(1 << (SIM_WRAP_BITS - 1)) // 1024} KiB) so that CI can hold the pool",
-          lambda: {K: k_writer_op(write=wrapping_write(SIM_WRAP_BITS))}),
-    Fault("weights-scale-missing", "weights missing a scale", (Q,), ("chain",),
-          "the Q quant returns the head weights without softmax_scale * head_scale",
-          lambda: {Q: q_quant_op(fold=_fold_none)}),
-    Fault("weights-scale-twice", "weights folding the scale twice", (Q,), ("chain",),
-          "the Q quant multiplies the head weights by the scale twice",
-          lambda: {Q: q_quant_op(fold=_fold_twice)}),
-    Fault("topk-padding", "wrong `-1` padding in top-k", (TOPK,), ("chain",),
-          "rows shorter than k: the -1 padding starts one column late (index len appears)",
-          lambda: {TOPK: topk_op(_pad_one_late)}),
-    Fault("topk-duplicates", "top-k duplicates", (TOPK,), ("chain",),
-          "rows longer than k: the last index repeats the first",
-          lambda: {TOPK: topk_op(_duplicate_last)}),
-    Fault("writer-unowned-bytes", "a writer touching bytes it does not own", (K,), ("chain",),
-          "the K writer zeroes the 4 bytes after each entry's last scale byte",
-          lambda: {K: k_writer_op(write=_write_clobbering)}),
-    Fault("cuda-nope-untouched", "NoPE dims kept out of the rotation on the CUDA path", (FUSED,),
-          ("chain-cuda",),
-          "the fused pool+K stage leaves the NoPE pairs untouched instead of pushing them through "
-          "the formula with cos 1, sin 0 (-0.0 stays -0.0 where the kernels write +0.0)",
-          lambda: {FUSED: _fused_nope_untouched()}),
-    Fault("cuda-weights-one-multiply", "head weights scaled in another order", (Q,), ("chain-cuda",),
-          "the CUDA Q quant multiplies the weights once by softmax_scale * head_scale instead of "
-          "by softmax_scale, then head_scale (one fp32 ulp apart when H is not a power of 4)",
-          lambda: {Q: _q_one_multiply()}),
-
-    # --- the field's bugs (source: the shipped bug each one models) ---------------------------
-    Fault("aiter-4244-int32-row-offset", "logits rows past a 32-bit byte offset never stored", (SCORE,),
-          ("logits-2gib",),
-          "rows whose byte offset in the fp32 [rows, W] logits buffer reaches 2^31 are not stored "
-          "(a 32-bit voffset): they keep the buffer's zeros, and top-k ranks zeros",
-          lambda: {SCORE: logits_post_op(_rows_past_offset(INT32_BITS))}, large=True,
-          source="ROCm/aiter#4244"),
-    Fault("aiter-4244-row-offset-sim", "logits rows past a 32-bit byte offset never stored "
-          f"(simulated at {LOGITS_ROW_SIM_BITS} bits)", (SCORE,), ("scorer-rows",),
-          f"as aiter-4244-int32-row-offset but wrapping at {LOGITS_ROW_SIM_BITS} bits (rows past "
-          f"{(1 << (LOGITS_ROW_SIM_BITS - 1)) >> 20} MiB of logits) so that a CPU can hold the buffer",
-          lambda: {SCORE: logits_post_op(_rows_past_offset(LOGITS_ROW_SIM_BITS))}, source="ROCm/aiter#4244"),
-    Fault("aiter-4028-schedule-truncation", "scorer schedule silently truncating long rows", (SCORE,),
-          ("long-rows",),
-          f"the scorer schedules {SCHEDULE_TILES_PER_ROW} tiles of {SCHEDULE_TILE} entries per row: "
-          f"entries past {SCHEDULE_TILE * SCHEDULE_TILES_PER_ROW} keep the -inf the row starts with",
-          lambda: {SCORE: logits_post_op(_schedule_truncated)}, source="ROCm/aiter#4028"),
-    Fault("aiter-2901-row-start-ignored", "prefill top-k ignoring the row start past 4096 rows", (TOPK,),
-          ("rows-4097",),
-          f"a top-k call of more than {PREFILL_TOPK_ROWS} rows ranks each long row's packed window "
-          "from 0: a sequence that does not start the call sees only its first len - start columns",
-          lambda: {TOPK: topk_logits_op(_row_start_ignored)}, source="ROCm/aiter#2901"),
-    Fault("aiter-3087-row-start-twice", "prefill top-k adding the row start twice past 4096 rows", (TOPK,),
-          ("rows-4097",),
-          f"a top-k call of more than {PREFILL_TOPK_ROWS} rows adds each long row's packed start to "
-          "its output indices a second time",
-          lambda: {TOPK: topk_logits_op(_row_start_twice)}, source="ROCm/aiter#3087"),
-    Fault("sglang-36807-radix-overflow", "radix top-k threshold bin overflowing its candidate buffer",
-          (TOPK,), ("narrow-band",),
-          f"radix top-k on the top {RADIX_SGLANG[0]} bits of the fp16 key keeps {RADIX_SGLANG[1]} "
-          "candidates of the threshold bin in atomic (random) order and drops the rest: wrong, "
-          "nondeterministic selections in rows whose threshold bin holds more",
-          lambda: {TOPK: topk_logits_op(radix_overflow(*RADIX_SGLANG, "random"))},
-          source="sgl-project/sglang#36807"),
-    Fault("flaggems-831-narrow-band", "top-k collapsing on a narrow band of values", (TOPK,),
-          ("narrow-band",),
-          f"the sampled prefill top-k bins on sign, 5 exponent and 5 mantissa bits of fp16 and keeps "
-          f"the first {RADIX_FLAGGEMS[1]} columns of the threshold bin: a row inside one bin is "
-          "ranked from its first columns only",
-          lambda: {TOPK: topk_logits_op(radix_overflow(*RADIX_FLAGGEMS, "column"))},
-          source="flagos-ai/FlagGems-vllm#831"),
-    Fault("vllm-50576-token-interleaved-read", "cache written block-planar, read token-interleaved",
-          ("paged_fp8_mqa_logits",), ("chain-fp8",),
-          "the FP8 scorer reads block-planar pages (all values, then all scales) as [page_size, D + 4] "
-          "token rows: keys drift 4 bytes a token and scales are value bytes of a neighbour",
-          lambda: {"paged_fp8_mqa_logits": fp8_token_interleaved_op()}, source="vllm-project/vllm#50576"),
-    Fault("vllm-40991-flat-write", "cache written flat, read preshuffled", (K,), ("chain",),
-          "the K writer stores natural (flat) pages while the scorer reads aiter's preshuffled layout",
-          lambda: {K: k_writer_op(write=_write_natural_pages)}, source="vllm-project/vllm#40991"),
-    Fault("atom-2216-neighbour-scale", "keys scored with a neighbouring row's scale exponents", (SCORE,),
-          ("chain", "chain-natural"),
-          "the scorer reads each key's values with the e8m0 scale bytes of the next entry of its page",
-          lambda: {SCORE: scorer_op(scale_offsets=_neighbour_scale_offsets)}, source="ROCm/ATOM#2216"),
-    Fault("sglang-13495-indexer-rope-layout", "indexer RoPE in the wrong pairing on q and k", (K, Q),
-          ("chain",),
-          "the K writer and the Q quant both rotate NeoX pairs (t[i], t[i+R/2]) instead of GPT-J's: "
-          "q and k agree, so scores stay plausible and only long contexts lose recall",
-          lambda: {K: k_writer_op(values=_permuted_values(_neox_perm)), Q: _neox_q_op()},
-          source="sgl-project/sglang#13495"),
-    Fault("sglang-12583-chunk-offset-ke", "prefill row ends built from the chunk offset", (SCORE,),
-          ("chain",),
-          "a chunk starting at entry e0 > 0 bounds each row at its end minus e0 (the offset inside the "
-          "chunk, not the sequence): the entries before the chunk are not scored",
-          lambda: {SCORE: logits_post_op(_window_from_chunk_offset)}, source="sgl-project/sglang#12583"),
-    Fault("mlx-lm-1189-chunk-rows-only", "indexer scoring only the rows its own chunk pooled", (SCORE,),
-          ("chain",),
-          "the scorer scores only the first tokens // r entries (what this call's tokens pooled): "
-          "later chunks and decode cannot select older entries",
-          lambda: {SCORE: logits_post_op(_chunk_rows_only)}, source="ml-explore/mlx-lm#1189"),
-    Fault("vllm-41136-nan-decode", "NaN logits in decode", (SCORE,), ("chain",),
-          "a decode call (one query row per sequence) returns NaN over every scored column",
-          lambda: {SCORE: logits_post_op(_nan_in_decode)}, source="vllm-project/vllm#41136"),
+# Values the catalogue's texts name ({NAME} in faults.toml).
+_TEXT_VALUES = dict(
+    SIM_WRAP_BITS=SIM_WRAP_BITS, SIM_WRAP_KIB=(1 << (SIM_WRAP_BITS - 1)) // 1024,
+    LOGITS_ROW_SIM_BITS=LOGITS_ROW_SIM_BITS, LOGITS_ROW_SIM_MIB=(1 << (LOGITS_ROW_SIM_BITS - 1)) >> 20,
+    SCHEDULE_TILE=SCHEDULE_TILE, SCHEDULE_TILES_PER_ROW=SCHEDULE_TILES_PER_ROW,
+    SCHEDULE_REACH=SCHEDULE_TILE * SCHEDULE_TILES_PER_ROW, PREFILL_TOPK_ROWS=PREFILL_TOPK_ROWS,
+    RADIX_SGLANG=RADIX_SGLANG, RADIX_FLAGGEMS=RADIX_FLAGGEMS,
 )
+
+# fault name -> its broken ops (op name -> the faulty op); its words are in faults.toml.
+_MAKE_OPS: dict[str, Callable[[], dict]] = {
+    "window-shift": lambda: {POOL: pool_op(_shifted_windows)},
+    "halves-swapped": lambda: {POOL: pool_op(_swapped_halves_windows)},
+    "rope-neox": lambda: {K: k_writer_op(values=_permuted_values(_neox_perm))},
+    "rope-first-dims": lambda: {K: k_writer_op(values=_permuted_values(_first_dims_perm))},
+    "rope-at-p": lambda: {K: k_writer_op(rope_pos=lambda p, r: p.long())},
+    "rope-at-p-div-r": lambda: {K: k_writer_op(rope_pos=lambda p, r: p.long() // r)},
+    "boundary-off-by-one": lambda: {K: k_writer_op(mask=_boundary_first_token)},
+    "nibbles-swapped": lambda: {K: k_writer_op(quantize=_swap_nibbles)},
+    "scale-ocp-floor": lambda: {K: k_writer_op(quantize=_ocp_floor)},
+    "scale-interleave-writer": lambda: {K: k_writer_op(write=_write_wrong_scale_order)},
+    "scale-interleave-reader": lambda: {SCORE: scorer_op(scale_offsets=wrong_scale_offsets)},
+    "missing-bf16-round": lambda: {K: k_writer_op(values=_values_norm_unrounded)},
+    "fp8-ocp-read-fnuz": lambda: {"paged_fp8_mqa_logits": fp8_scorer_op("e4m3fnuz")},
+    "hadamard-q-only": lambda: {Q: q_quant_op(force_hadamard=True)},
+    "mask-off-by-one": lambda: {SCORE: scorer_op(row_ends_fn=_row_ends_minus_one)},
+    "mask-missing": lambda: {SCORE: scorer_op(row_ends_fn=_row_ends_unmasked)},
+    "offset-int32-wrap": lambda: {K: k_writer_op(write=wrapping_write(INT32_BITS))},
+    "offset-wrap-sim": lambda: {K: k_writer_op(write=wrapping_write(SIM_WRAP_BITS))},
+    "weights-scale-missing": lambda: {Q: q_quant_op(fold=_fold_none)},
+    "weights-scale-twice": lambda: {Q: q_quant_op(fold=_fold_twice)},
+    "topk-padding": lambda: {TOPK: topk_op(_pad_one_late)},
+    "topk-duplicates": lambda: {TOPK: topk_op(_duplicate_last)},
+    "writer-unowned-bytes": lambda: {K: k_writer_op(write=_write_clobbering)},
+    "cuda-nope-untouched": lambda: {FUSED: _fused_nope_untouched()},
+    "cuda-weights-one-multiply": lambda: {Q: _q_one_multiply()},
+    "aiter-4244-int32-row-offset": lambda: {SCORE: logits_post_op(_rows_past_offset(INT32_BITS))},
+    "aiter-4244-row-offset-sim": lambda: {SCORE: logits_post_op(_rows_past_offset(LOGITS_ROW_SIM_BITS))},
+    "aiter-4028-schedule-truncation": lambda: {SCORE: logits_post_op(_schedule_truncated)},
+    "aiter-2901-row-start-ignored": lambda: {TOPK: topk_logits_op(_row_start_ignored)},
+    "aiter-3087-row-start-twice": lambda: {TOPK: topk_logits_op(_row_start_twice)},
+    "sglang-36807-radix-overflow": lambda: {TOPK: topk_logits_op(radix_overflow(*RADIX_SGLANG, "random"))},
+    "flaggems-831-narrow-band": lambda: {TOPK: topk_logits_op(radix_overflow(*RADIX_FLAGGEMS, "column"))},
+    "vllm-50576-token-interleaved-read": lambda: {"paged_fp8_mqa_logits": fp8_token_interleaved_op()},
+    "vllm-40991-flat-write": lambda: {K: k_writer_op(write=_write_natural_pages)},
+    "atom-2216-neighbour-scale": lambda: {SCORE: scorer_op(scale_offsets=_neighbour_scale_offsets)},
+    "sglang-13495-indexer-rope-layout": lambda: {K: k_writer_op(values=_permuted_values(_neox_perm)),
+                                                 Q: _neox_q_op()},
+    "sglang-12583-chunk-offset-ke": lambda: {SCORE: logits_post_op(_window_from_chunk_offset)},
+    "mlx-lm-1189-chunk-rows-only": lambda: {SCORE: logits_post_op(_chunk_rows_only)},
+    "vllm-41136-nan-decode": lambda: {SCORE: logits_post_op(_nan_in_decode)},
+}
+
+
+def _catalogue(path: Path) -> tuple[Fault, ...]:
+    rows = tomllib.loads(path.read_text())
+    if list(rows) != list(_MAKE_OPS):
+        raise RuntimeError(f"{path}: its faults {list(rows)} are not those of optimized/faults.py {list(_MAKE_OPS)}")
+    return tuple(Fault(name, row["bug_class"].format(**_TEXT_VALUES), tuple(row["ops"]), tuple(row["cases"]),
+                       row["description"].format(**_TEXT_VALUES), _MAKE_OPS[name],
+                       large=row.get("large", False), source=row.get("source", ""))
+                 for name, row in rows.items())
+
+
+_CATALOGUE = _catalogue(Path(__file__).with_name("faults.toml"))
 
 FAULTS: dict[str, Fault] = {f.name: f for f in _CATALOGUE}
 

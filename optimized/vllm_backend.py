@@ -24,10 +24,9 @@ from reference.formats import ROUNDING_PATHS
 from reference.k_writer import check_mxfp4_k_writer
 from reference.pooling import check_pool_args
 from reference.q_quant import check_q_args
-from reference.topk import check_topk_args
 
 from . import Backend, aiter_backend
-from .common import import_targets, on_device, paged_view, require_production, rocm_gfx950_reason
+from .common import import_targets, on_device, paged_view, require_production, rocm_gfx950_reason, topk_on_device
 
 NAME = "vllm"
 FUNCTIONS = {
@@ -129,12 +128,7 @@ def make_ops(fn: dict, device: str = "cuda", *, pool_kind: str = "function") -> 
 
     if "topk" in fn:
         def topk(*, logits, lengths, k: int) -> dict:
-            check_topk_args(logits, lengths, k)
-            if logits.dtype != torch.float32:
-                raise ValueError(f"logits: vLLM's top-k takes float32, got {str(logits.dtype)[6:]}")
-            (x, ln), back = on_device(device, logits, lengths)
-            # vLLM clears its top-k buffer to -1 before the indexer runs
-            idx = torch.full((x.shape[0], k), -1, dtype=torch.int32, device=device)
+            x, ln, idx, back = topk_on_device("vLLM's", device, logits, lengths, k)
             fn["topk"](x, ln.to(torch.int32).contiguous(), idx, k)
             return {"indices": back(idx, logits)}
         ops["topk"] = topk

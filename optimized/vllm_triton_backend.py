@@ -113,68 +113,72 @@ def _no_hadamard(hadamard: bool, scale_rule: str = "ceil") -> None:
 
 # --- the CUDA path -----------------------------------------------------------------------
 
-def make_cuda_ops(ks, device: str) -> dict:
+def _fused_op(ks, device: str, numerics: dict, fmt: str):
+    """vLLM's fused compress+norm+RoPE+quant K writer for `fmt`, as an mxval op."""
     from .vllm_kernels import launch
-    interp = ks.interpreted
-    numerics = cuda_numerics(interp)
+    key = launch.K_KEYS[fmt]
+    from reference import fp8 as ref_fp8
+    from reference import layout
+    entry = layout.entry_bytes if fmt == "mxfp4" else ref_fp8.entry_bytes
+
+    def op(*, state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight,
+           kv_cache, compress_ratio: int = 4, norm_eps: float = 1e-6, page_size: int = 64,
+           fp8_dtype: str = CUDA_FP8, **options) -> dict:
+        bad = sorted(set(options) - set(FUSED_OPTIONS))
+        if bad:
+            raise TypeError(f"unexpected keyword(s) {', '.join(bad)}")
+        _own_rope(f"compress_norm_rope_{fmt}_cache", options, numerics)
+        if fmt == "fp8" and fp8_dtype != CUDA_FP8:
+            checks.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
+            raise ValueError(f"fp8_dtype: vLLM's CUDA FP8 writer stores e4m3fn (FP8_MAX 448), got {fp8_dtype!r}")
+        _check_fused(fmt, state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache,
+                     norm_weight, kv_cache, norm_eps, compress_ratio, page_size, entry)
+        (sc, bt, pos, req, slots, cs, w), back = on_device(device, state_cache, block_table, positions,
+                                                         req_index, kv_slot_mapping, cos_sin_cache, norm_weight)
+        out = kv_cache.to(device, copy=True).contiguous()
+        launch.run(ks.kernels[key], launch.fused_k(fmt, state_cache=sc.contiguous(), block_table=bt.contiguous(),
+                                          positions=pos.contiguous(), req_index=req.contiguous(),
+                                          kv_slot_mapping=slots.contiguous(), cos_sin_cache=cs.contiguous(),
+                                          norm_weight=w.contiguous(), norm_eps=norm_eps, kv_cache=out,
+                                          page_size=page_size, compress_ratio=compress_ratio),
+                   interpreted=ks.interpreted)
+        return {"kv_cache": back(out, kv_cache)}
+    op.__name__ = f"compress_norm_rope_{fmt}_cache"
+    return op
+
+
+def _q_launch(ks, device: str, fmt, q, positions, cos_sin_cache, weights, weights_scale, softmax_scale, head_scale):
+    """Check, allocate and launch vLLM's Q kernel for `fmt`: (out, scale, weights, back)."""
+    from .vllm_kernels import launch
+    check_q_args(q, positions, cos_sin_cache, weights, weights_scale)
+    nope, r = q.shape[2] - cos_sin_cache.shape[1], cos_sin_cache.shape[1]
+    if fmt == "mxfp4" and (nope % 32 or r % 32):
+        raise ValueError("q: vLLM's MXFP4 Q kernel needs the NoPE and RoPE widths in whole 32-blocks")
+    if fmt == "fp8" and any(n < 1 or n & (n - 1) for n in (nope, r // 2)):
+        raise ValueError(f"q: vLLM's FP8 Q kernel needs power-of-two NoPE and half-RoPE widths "
+                         f"(tl.arange), got {nope} and {r // 2}")
+    ss, hs = check_scale_pair(weights_scale, softmax_scale, head_scale) or (float(weights_scale), 1.0)
+    (qd, pd, cd, wd), back = on_device(device, q, positions, cos_sin_cache, weights)
+    t, h, d = q.shape
+    w_out = torch.empty((t, h), dtype=torch.float32, device=device)
+    if fmt == "mxfp4":
+        out = torch.empty((t, h, d // 2), dtype=torch.uint8, device=device)
+        scale = torch.empty((t, h, d // 32), dtype=torch.uint8, device=device)
+    else:
+        out, scale = torch.empty((t, h, d), dtype=torch.float8_e4m3fn, device=device), None
+    launch.run(ks.kernels[launch.Q_KEYS[fmt]],
+               launch.q_quant(fmt, q=qd.contiguous(), positions=pd.contiguous(), cos_sin_cache=cd.contiguous(),
+                              weights=wd.contiguous(), softmax_scale=ss, head_scale=hs, out=out, scale=scale,
+                              weights_out=w_out), interpreted=ks.interpreted)
+    return out, scale, w_out, back
+
+
+def make_cuda_ops(ks, device: str) -> dict:
+    numerics = cuda_numerics(ks.interpreted)
     ops: dict = {}
 
-    def fused(fmt: str):
-        key = launch.K_KEYS[fmt]
-        from reference import fp8 as ref_fp8
-        from reference import layout
-        entry = layout.entry_bytes if fmt == "mxfp4" else ref_fp8.entry_bytes
-
-        def op(*, state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight,
-               kv_cache, compress_ratio: int = 4, norm_eps: float = 1e-6, page_size: int = 64,
-               fp8_dtype: str = CUDA_FP8, **options) -> dict:
-            bad = sorted(set(options) - set(FUSED_OPTIONS))
-            if bad:
-                raise TypeError(f"unexpected keyword(s) {', '.join(bad)}")
-            _own_rope(f"compress_norm_rope_{fmt}_cache", options, numerics)
-            if fmt == "fp8" and fp8_dtype != CUDA_FP8:
-                checks.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
-                raise ValueError(f"fp8_dtype: vLLM's CUDA FP8 writer stores e4m3fn (FP8_MAX 448), got {fp8_dtype!r}")
-            _check_fused(fmt, state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache,
-                         norm_weight, kv_cache, norm_eps, compress_ratio, page_size, entry)
-            (sc, bt, pos, req, slots, cs, w), back = on_device(device, state_cache, block_table, positions,
-                                                             req_index, kv_slot_mapping, cos_sin_cache, norm_weight)
-            out = kv_cache.to(device, copy=True).contiguous()
-            launch.run(ks.kernels[key], launch.fused_k(fmt, state_cache=sc.contiguous(), block_table=bt.contiguous(),
-                                              positions=pos.contiguous(), req_index=req.contiguous(),
-                                              kv_slot_mapping=slots.contiguous(), cos_sin_cache=cs.contiguous(),
-                                              norm_weight=w.contiguous(), norm_eps=norm_eps, kv_cache=out,
-                                              page_size=page_size, compress_ratio=compress_ratio),
-                       interpreted=interp)
-            return {"kv_cache": back(out, kv_cache)}
-        op.__name__ = f"compress_norm_rope_{fmt}_cache"
-        return op
-
-    ops["compress_norm_rope_mxfp4_cache"] = fused("mxfp4")
-    ops["compress_norm_rope_fp8_cache"] = fused("fp8")
-
-    def q_launch(fmt, q, positions, cos_sin_cache, weights, weights_scale, softmax_scale, head_scale):
-        check_q_args(q, positions, cos_sin_cache, weights, weights_scale)
-        nope, r = q.shape[2] - cos_sin_cache.shape[1], cos_sin_cache.shape[1]
-        if fmt == "mxfp4" and (nope % 32 or r % 32):
-            raise ValueError("q: vLLM's MXFP4 Q kernel needs the NoPE and RoPE widths in whole 32-blocks")
-        if fmt == "fp8" and any(n < 1 or n & (n - 1) for n in (nope, r // 2)):
-            raise ValueError(f"q: vLLM's FP8 Q kernel needs power-of-two NoPE and half-RoPE widths "
-                             f"(tl.arange), got {nope} and {r // 2}")
-        ss, hs = check_scale_pair(weights_scale, softmax_scale, head_scale) or (float(weights_scale), 1.0)
-        (qd, pd, cd, wd), back = on_device(device, q, positions, cos_sin_cache, weights)
-        t, h, d = q.shape
-        w_out = torch.empty((t, h), dtype=torch.float32, device=device)
-        if fmt == "mxfp4":
-            out = torch.empty((t, h, d // 2), dtype=torch.uint8, device=device)
-            scale = torch.empty((t, h, d // 32), dtype=torch.uint8, device=device)
-        else:
-            out, scale = torch.empty((t, h, d), dtype=torch.float8_e4m3fn, device=device), None
-        launch.run(ks.kernels[launch.Q_KEYS[fmt]],
-                   launch.q_quant(fmt, q=qd.contiguous(), positions=pd.contiguous(), cos_sin_cache=cd.contiguous(),
-                                  weights=wd.contiguous(), softmax_scale=ss, head_scale=hs, out=out, scale=scale,
-                                  weights_out=w_out), interpreted=interp)
-        return out, scale, w_out, back
+    ops["compress_norm_rope_mxfp4_cache"] = _fused_op(ks, device, numerics, "mxfp4")
+    ops["compress_norm_rope_fp8_cache"] = _fused_op(ks, device, numerics, "fp8")
 
     def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float, hadamard: bool = False,
                            scale_rule: str = "ceil", softmax_scale=None, head_scale=None, **options) -> dict:
@@ -182,8 +186,8 @@ def make_cuda_ops(ks, device: str) -> dict:
         if set(options) - set(Q_OPTIONS):
             raise TypeError(f"unexpected keyword(s) {', '.join(sorted(set(options) - set(Q_OPTIONS)))}")
         _own_rope("q_rope_mxfp4_quant", options, numerics)
-        out, scale, w, back = q_launch("mxfp4", q, positions, cos_sin_cache, weights, weights_scale,
-                                       softmax_scale, head_scale)
+        out, scale, w, back = _q_launch(ks, device, "mxfp4", q, positions, cos_sin_cache, weights, weights_scale,
+                                        softmax_scale, head_scale)
         return {"q_fp4": back(out, q), "q_scale": back(scale, q), "weights": back(w, weights)}
 
     def q_rope_fp8_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float, fp8_dtype: str = CUDA_FP8,
@@ -196,8 +200,8 @@ def make_cuda_ops(ks, device: str) -> dict:
         if fp8_dtype != CUDA_FP8:
             raise ValueError(f"fp8_dtype: vLLM's CUDA FP8 Q kernel is launched with e4m3fn here "
                              f"(USE_FNUZ is its gfx942 variant), got {fp8_dtype!r}")
-        out, _, w, back = q_launch("fp8", q, positions, cos_sin_cache, weights, weights_scale,
-                                   softmax_scale, head_scale)
+        out, _, w, back = _q_launch(ks, device, "fp8", q, positions, cos_sin_cache, weights, weights_scale,
+                                    softmax_scale, head_scale)
         return {"q_fp8": back(out.view(torch.uint8), q), "weights": back(w, weights)}
 
     ops["q_rope_mxfp4_quant"] = q_rope_mxfp4_quant

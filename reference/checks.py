@@ -184,6 +184,17 @@ def scalar(name: str, value, kind=(int,), *, positive: bool = False):
     return value
 
 
+def head_and_rope_dims(name: str, t: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[int, int]:
+    """(D, R) of a head tensor `t` (D its last dim) and its RoPE cache: D in whole 32-blocks,
+    R even and at most D."""
+    d, rdim = t.shape[-1], cos_sin_cache.shape[1]
+    if d % 32:
+        raise ValueError(f"{name}: head dim {d} is not a multiple of 32")
+    if rdim % 2 or rdim > d:
+        raise ValueError(f"cos_sin_cache: rope dim {rdim} must be even and at most D={d}")
+    return d, rdim
+
+
 def positive_finite(name: str, value) -> float:
     """A scalar that must be a finite number > 0 (an eps, a scale): NaN and inf are
     non-finite inputs (NonFiniteInput), 0 and negative values a ValueError; none is encoded."""

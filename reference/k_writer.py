@@ -76,11 +76,7 @@ def check_k_writer_args(k, positions, cos_sin_cache, norm_weight, slot_mapping, 
     dims.check("cos_sin_cache", cos_sin_cache, torch.float32, ("max_pos", "R"))
     dims.check("norm_weight", norm_weight, checks.FLOAT_DTYPES, ("D",))
     dims.check("kv_cache", kv_cache, torch.uint8, ("P", "page_bytes"))
-    d, rdim = k.shape[1], cos_sin_cache.shape[1]
-    if d % 32:
-        raise ValueError(f"k: head dim {d} is not a multiple of 32")
-    if rdim % 2 or rdim > d:
-        raise ValueError(f"cos_sin_cache: rope dim {rdim} must be even and at most D={d}")
+    d, _ = checks.head_and_rope_dims("k", k, cos_sin_cache)
     checks.positive_finite("norm_eps", norm_eps)
     checks.scalar("compress_ratio", compress_ratio, positive=True)
     checks.scalar("page_size", page_size, positive=True)

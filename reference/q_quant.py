@@ -52,11 +52,7 @@ def check_q_args(q, positions, cos_sin_cache, weights, weights_scale) -> None:
     dims.check("positions", positions, checks.INT_DTYPES, ("T",))
     dims.check("cos_sin_cache", cos_sin_cache, torch.float32, ("max_pos", "R"))
     dims.check("weights", weights, checks.FLOAT_DTYPES, ("T", "H"))
-    d, rdim = q.shape[2], cos_sin_cache.shape[1]
-    if d % 32:
-        raise ValueError(f"q: head dim {d} is not a multiple of 32")
-    if rdim % 2 or rdim > d:
-        raise ValueError(f"cos_sin_cache: rope dim {rdim} must be even and at most D={d}")
+    checks.head_and_rope_dims("q", q, cos_sin_cache)
     checks.positive_finite("weights_scale", weights_scale)
     checks.int_range("positions", positions, 0, cos_sin_cache.shape[0])
     checks.finite("q", q)

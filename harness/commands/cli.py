@@ -53,8 +53,8 @@ __all__ = ["EXIT_FAIL", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_US
 PLUGIN_COMMANDS = {
     "selftest": ("selftest", "run the fault catalogue (each must be caught) and the correct backends on "
                              "many seeds (none may be flagged)"),
-    "study": ("study", "what MXFP4 costs against FP8 and exact: per distribution, context, needle margin "
-                       "and depth, with intervals over seeds"),
+    "study": ("study", "what MXFP4 costs against FP8 and exact: attention mass and exact top-m kept, "
+                       "the ranks of the keys lost, over-selection, per distribution, with bootstrap intervals"),
     "upstream": ("upstream_cmd", "fetch upstream sources and check the adapters' targets against them"),
 }
 

@@ -155,29 +155,26 @@ class _Bad(Exception):
 
 
 @dataclass(frozen=True)
-class Int:
-    """An integer in [lo, hi) (reference/checks.py: half-open ranges, a bool is no integer)."""
-    lo: int
-    hi: int
-
-    def check(self, key, v):
-        try:
-            return checks.integer(key, v, self.lo, self.hi)
-        except ValueError as e:
-            raise _Bad(key, str(e).split(": ", 1)[1]) from None
-
-
-@dataclass(frozen=True)
-class Float:
-    """A finite number in [lo, hi)."""
+class _Range:
+    """A value `convert` (reference/checks.py: half-open ranges, a bool is no number) takes in [lo, hi)."""
     lo: float
     hi: float
 
     def check(self, key, v):
         try:
-            return checks.number(key, v, self.lo, self.hi)
+            return self.convert(key, v, self.lo, self.hi)
         except ValueError as e:
             raise _Bad(key, str(e).split(": ", 1)[1]) from None
+
+
+class Int(_Range):
+    """An integer in [lo, hi)."""
+    convert = staticmethod(checks.integer)
+
+
+class Float(_Range):
+    """A finite number in [lo, hi)."""
+    convert = staticmethod(checks.number)
 
 
 @dataclass(frozen=True)

@@ -320,17 +320,14 @@ def _pages(case: Case, needs: list[int], gen: torch.Generator) -> tuple[int, tor
     return pool, table
 
 
-def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
-    """All inputs of `case`; tensors on `device`."""
-    geo = geometry(case)
-    gen = torch.Generator().manual_seed(case.seed)
-    r, d, ps, h = geo.ratio, geo.head_dim, geo.page_size, geo.heads
-    seqs = case.seqs
-    max_len = max(s.len for s in seqs)
+def _state(case: Case, geo, gen: torch.Generator):
+    """The state cache and its block table, the narrow band (or None), and what was planted in it.
 
-    # State cache: every position of every sequence, through permuted state blocks. With
-    # direct history only the blocks the steps' pooling windows reach are materialized; the
-    # blocks before them all map to the one spare block (never read).
+    Every position of every sequence goes in through permuted state blocks. With direct history
+    only the blocks the steps' pooling windows reach are materialized; the blocks before them all
+    map to the one spare block (never read)."""
+    r, d = geo.ratio, geo.head_dim
+    seqs = case.seqs
     sb = case.state_block
     direct = case.history == "direct"
     blocks = [-(-s.len // sb) for s in seqs]
@@ -349,19 +346,17 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
     all_req = torch.cat([torch.full((s.len - lo[b],), b) for b, s in enumerate(seqs)])
     kv = shape_values(torch.randn(len(all_pos), 2 * d, generator=gen) * case.scale, case.dist,
                       gen, kind="kv", group=r)
-    narrow = "narrow_band" in case.dist
-    band = narrow_band_base(d - geo.rope_dim, gen) if narrow else None
-    if narrow:
+    band = narrow_band_base(d - geo.rope_dim, gen) if "narrow_band" in case.dist else None
+    if band is not None:
         kv = narrow_keys(kv, band, d)
     score = torch.randn(len(all_pos), 2 * d, generator=gen) * 2.0
     ape = torch.randn(r, 2 * d, generator=gen) * 0.5
     planted: list[str] = []
-    first = [(b, s.steps()[0][0]) for b, s in enumerate(seqs)]
 
     def boundary_row():
         """Row (in all_pos order) of the first boundary token of the first step."""
-        for b, s0 in first:
-            e0 = seqs[b].steps()[0][1]
+        for b, s in enumerate(seqs):
+            s0, e0 = s.steps()[0]
             for p in range(s0, e0):
                 if (p + 1) % r == 0:
                     return sum(x.len - lo[i] for i, x in enumerate(seqs[:b])) + p - lo[b], p
@@ -377,13 +372,12 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
             target[row, chans] = PLANT_VALUES[pl.value]
             planted.append(f"{pl.tensor}[pos {p}, ch {chans.tolist()}] = {pl.value}")
     rows = state_rows(kv, score, ape, all_pos)
-    state = write_state(state, state_bt, all_req, all_pos, rows)
+    return write_state(state, state_bt, all_req, all_pos, rows), state_bt, band, planted
 
-    cs = cos_sin_cache(max_len + 1, geo.rope_dim, geo.preset.rope_base, yarn_factor=geo.preset.yarn_factor,
-                       yarn_original_max_pos=geo.preset.yarn_original_max_pos)
-    norm_weight = (1.0 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16)
 
-    needs = [max(1, -(-(s.len // r) // ps)) for s in seqs]
+def _k_pool(case: Case, geo, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K cache pool (random bytes; filled on `device` when over _CPU_POOL_LIMIT) and its block table."""
+    needs = [max(1, -(-(s.len // geo.ratio) // geo.page_size)) for s in case.seqs]
     pool_pages, k_bt = _pages(case, needs, gen)
     pool_bytes = pool_pages * geo.page_stride
     if pool_bytes > _CPU_POOL_LIMIT:
@@ -392,39 +386,57 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
                                  dtype=torch.uint8, device=device)
     else:
         kv_cache = torch.randint(0, 256, (pool_pages, geo.page_stride), generator=gen, dtype=torch.uint8)
+    return kv_cache, k_bt
+
+
+def _step(case: Case, geo, rng, k_bt, gen: torch.Generator, band, planted: list[str] | None):
+    """One step's tokens with q, weights and K; `planted` (first step only) takes the q/weights plants."""
+    h, d = geo.heads, geo.head_dim
+    t = _tokens(case, geo, rng, k_bt)
+    q = shape_values(torch.randn(t.n, h, d, generator=gen) * case.scale, case.dist, gen, kind="q")
+    t.weights = torch.randn(t.n, h, generator=gen)
+    t.k = shape_values(torch.randn(t.n, d, generator=gen) * case.scale, case.dist, gen,
+                       kind="k")
+    if band is not None:
+        q, t.weights, t.k = narrow_queries(q, band), t.weights.abs(), narrow_keys(t.k, band, d)
+    t.k = t.k.to(torch.bfloat16)
+    if planted is not None:
+        for pl in case.plant:
+            if pl.tensor == "q":
+                idx = torch.randperm(h * d, generator=gen)[:pl.count]
+                q[0].view(-1)[idx] = PLANT_VALUES[pl.value]
+                planted.append(f"q[token 0, flat {idx.tolist()}] = {pl.value}")
+            elif pl.tensor == "weights":
+                idx = torch.randperm(h, generator=gen)[:pl.count]
+                t.weights[0, idx] = PLANT_VALUES[pl.value]
+                planted.append(f"weights[token 0, heads {idx.tolist()}] = {pl.value}")
+    t.q = q.to(torch.bfloat16)
+    t.weights = t.weights.to(torch.bfloat16 if case.weights_dtype == "bfloat16" else torch.float32)
+    return t
+
+
+def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
+    """All inputs of `case`; tensors on `device`."""
+    geo = geometry(case)
+    gen = torch.Generator().manual_seed(case.seed)
+    d = geo.head_dim
+    seqs = case.seqs
+    state, state_bt, band, planted = _state(case, geo, gen)
+    cs = cos_sin_cache(max(s.len for s in seqs) + 1, geo.rope_dim, geo.preset.rope_base,
+                       yarn_factor=geo.preset.yarn_factor,
+                       yarn_original_max_pos=geo.preset.yarn_original_max_pos)
+    norm_weight = (1.0 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16)
+    kv_cache, k_bt = _k_pool(case, geo, gen, device)
 
     hist = {b: (0, s.history) for b, s in enumerate(seqs)}
     history = _tokens(case, geo, hist, k_bt) if any(e > 0 for _, e in hist.values()) else None
-    if history is not None and direct:
+    if history is not None and case.history == "direct":
         # history entries straight from random K rows: pooling runs on the steps only
         hk = shape_values(torch.randn(history.n, d, generator=gen) * case.scale, case.dist, gen, kind="k")
-        history.k = (narrow_keys(hk, band, d) if narrow else hk).to(torch.bfloat16)
-    n_steps = max(len(s.steps()) for s in seqs)
-    steps = []
-    wdt = torch.bfloat16 if case.weights_dtype == "bfloat16" else torch.float32
-    for i in range(n_steps):
-        rng = {b: s.steps()[i] for b, s in enumerate(seqs) if i < len(s.steps())}
-        t = _tokens(case, geo, rng, k_bt)
-        q = shape_values(torch.randn(t.n, h, d, generator=gen) * case.scale, case.dist, gen, kind="q")
-        t.weights = torch.randn(t.n, h, generator=gen)
-        t.k = shape_values(torch.randn(t.n, d, generator=gen) * case.scale, case.dist, gen,
-                           kind="k")
-        if narrow:
-            q, t.weights, t.k = narrow_queries(q, band), t.weights.abs(), narrow_keys(t.k, band, d)
-        t.k = t.k.to(torch.bfloat16)
-        if i == 0:
-            for pl in case.plant:
-                if pl.tensor == "q":
-                    idx = torch.randperm(h * d, generator=gen)[:pl.count]
-                    q[0].view(-1)[idx] = PLANT_VALUES[pl.value]
-                    planted.append(f"q[token 0, flat {idx.tolist()}] = {pl.value}")
-                elif pl.tensor == "weights":
-                    idx = torch.randperm(h, generator=gen)[:pl.count]
-                    t.weights[0, idx] = PLANT_VALUES[pl.value]
-                    planted.append(f"weights[token 0, heads {idx.tolist()}] = {pl.value}")
-        t.q = q.to(torch.bfloat16)
-        t.weights = t.weights.to(wdt)
-        steps.append(t)
+        history.k = (narrow_keys(hk, band, d) if band is not None else hk).to(torch.bfloat16)
+    steps = [_step(case, geo, {b: s.steps()[i] for b, s in enumerate(seqs) if i < len(s.steps())},
+                   k_bt, gen, band, planted if i == 0 else None)
+             for i in range(max(len(s.steps()) for s in seqs))]
     out = CaseInputs(case, geo, state, state_bt, cs, norm_weight, kv_cache, k_bt, history, steps, planted)
     return out.to(device)
 

@@ -45,8 +45,17 @@ def _load() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
+def _partial(meta: dict) -> str:
+    """The title's mark of a study stopped by Ctrl-C/SIGTERM (its finished contexts only)."""
+    i = meta.get("interrupted") if isinstance(meta, dict) else None
+    if not isinstance(i, dict):
+        return ""
+    return f" (interrupted by {i.get('signal', 'SIGINT')}: partial, {i.get('cases_done', 0)} context(s) finished)"
+
+
 def _write(result: dict, meta: dict, out: Path, readme: str | None, *, stopped=None) -> int:
-    paths = report.render(result, out, title=f"mxval study: {meta.get('study', '?')}", meta=meta)
+    title = f"mxval study: {meta.get('study', '?')}{_partial(meta)}"
+    paths = report.render(result, out, title=title, meta=meta)
     md = report.summary_markdown(result, meta)
     late = release()
     print(escape.terminal(md, lines=True))

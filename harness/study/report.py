@@ -188,77 +188,90 @@ def _oversel_reach(cells, d, v, c) -> int | None:
     return None
 
 
-def decision_lines(rows, needles, inputs, meta: dict) -> list[str]:
-    """The decision section: every claim computed from the tables of this run."""
-    tol = float(meta.get("tolerance", 0.01))
-    sel = rows[rows.selection]
-    if sel.empty:
-        return ["No context here exceeds top-k entries: every variant keeps every entry; nothing to decide."]
-    variants = set(sel.variant)
-    if FP8 not in variants or not ({MX, MXH} & variants):
-        return [f"The decision compares {MX} and {MXH} with {FP8}; this run lacks them."]
-    k = int(meta.get("topk", 1024))
-    cells = Cells(sel, k)
-    dists = _dist_order(sel, meta)
-    longest = int(sel.context_tokens.max())
-    L = _ctx(longest)
-    lines = []
+@dataclasses.dataclass
+class _Decide:
+    """What every decision paragraph reads: the selection rows at the longest context."""
+    sel: object
+    cells: Cells
+    variants: set
+    dists: list
+    longest: int
+    L: str
+    k: int
+    tol: float
 
-    def over(v, col):
-        return [cells.mean(d, v, longest, col) for d in dists]
+    def over(self, v, col):
+        return [self.cells.mean(d, v, self.longest, col) for d in self.dists]
 
+    def headline(self):
+        """(variant, name) of each headline variant this run holds."""
+        return [(v, name) for v, name in HEADLINE[1:] if v in self.variants]
+
+
+def _mass_lines(x: _Decide) -> list[str]:
+    over, L, k = x.over, x.L, x.k
     chance = over("exact", "mass_kept_chance")
-    for v, name in HEADLINE[1:]:
-        if v not in variants:
-            continue
-        lines.append(f"- **{name}** keeps {_range(over(v, 'mass_kept'))} of the exact top-k's attention mass at {L} "
-                     f"across the {len(dists)} distributions (FP8 {_range(over(FP8, 'mass_kept'))}; a random "
-                     f"top-k keeps {_range(chance)}), {_range(over(v, 'top64'))} of the exact top-64 and "
-                     f"{_range(over(v, 'top256'))} of the exact top-256 (FP8 {_range(over(FP8, 'top64'))} and "
-                     f"{_range(over(FP8, 'top256'))}). The exact top-k keys it misses sit at a median exact rank "
-                     f"of {_range(over(v, 'miss_rank_median'), '{:.0f}')} of {k}.")
-    for v, name in HEADLINE[1:]:
-        if v not in variants:
-            continue
-        vd = verdicts(sel, tol, v)
-        groups = {s: [d for d in dists if vd.get(d, {}).get(longest, ("",))[0] == s]
+    return [f"- **{name}** keeps {_range(over(v, 'mass_kept'))} of the exact top-k's attention mass at {L} "
+            f"across the {len(x.dists)} distributions (FP8 {_range(over(FP8, 'mass_kept'))}; a random "
+            f"top-k keeps {_range(chance)}), {_range(over(v, 'top64'))} of the exact top-64 and "
+            f"{_range(over(v, 'top256'))} of the exact top-256 (FP8 {_range(over(FP8, 'top64'))} and "
+            f"{_range(over(FP8, 'top256'))}). The exact top-k keys it misses sit at a median exact rank "
+            f"of {_range(over(v, 'miss_rank_median'), '{:.0f}')} of {k}."
+            for v, name in x.headline()]
+
+
+def _recall_lines(x: _Decide) -> list[str]:
+    lines = []
+    tol = x.tol
+    for v, name in x.headline():
+        vd = verdicts(x.sel, tol, v)
+        groups = {s: [d for d in x.dists if vd.get(d, {}).get(x.longest, ("",))[0] == s]
                   for s in ("within", "behind", "undecided")}
         text = (f"- **By recall** (the share of its top-k the exact indexer keeps too), {name} scores "
-                f"{_range(over(v, 'recall'))} at {L} against FP8's {_range(over(FP8, 'recall'))}: within {tol:g} "
-                f"of FP8 on " + (_names(groups["within"]) or "no distribution"))
+                f"{_range(x.over(v, 'recall'))} at {x.L} against FP8's {_range(x.over(FP8, 'recall'))}: within "
+                f"{tol:g} of FP8 on " + (_names(groups["within"]) or "no distribution"))
         if groups["behind"]:
             text += f"; more than {tol:g} behind on " + _names(groups["behind"])
         if groups["undecided"]:
             text += "; undecided on " + _names(groups["undecided"])
         lines.append(text + ".")
-    # why the two readings differ: noise against the margins at the cut
-    if MX in variants:
-        q4 = [cells.mean(d, MX, longest, "miss_q4") / cells.mean(d, MX, longest, "miss_n")
-              if cells.mean(d, MX, longest, "miss_n") else float("nan") for d in dists]
-        lines.append(f"- **Where recall and mass part**: at {L} MXFP4's logit noise is "
-                     f"{_range(over(MX, 'noise_rel'))} of the logits' SD (FP8 {_range(over(FP8, 'noise_rel'))}); "
-                     f"{_range(over(MX, 'near_kth'), '{:.0f}')} entries lie within one noise SD of the exact k-th "
-                     f"score (FP8 {_range(over(FP8, 'near_kth'), '{:.0f}')}), and {_range(q4, '{:.0%}')} of "
-                     f"MXFP4's misses are exact ranks {3 * k // 4 + 1}–{k}. The exact top-k holds "
-                     f"{_range(over('exact', 'topk_mass'), '{:.1%}')} of a head's attention mass where a random "
-                     f"top-k holds {_range(over('exact', 'chance_mass'), '{:.1%}')}.")
-        lossy = [d for d in dists for v in (MX, MXH) if v in variants
-                 and (cells.mean(d, v, longest, "mass_kept") < 0.99 or cells.mean(d, v, longest, "top64") < 0.99)]
-        lossy = list(dict.fromkeys(lossy))
-        if not lossy:
-            lines.append(f"  On every distribution here both MXFP4 variants keep at least 0.99 of the mass and of "
-                         f"the exact top-64 at {L}: their recall gap counts exchanges of keys near the cut, which "
-                         "hold little of the mass.")
-        else:
-            rest = [d for d in dists if d not in lossy]
-            lines.append(f"  On {_names(lossy)} an MXFP4 variant keeps less than 0.99 of the mass or of the exact "
-                         f"top-64 at {L}: there its misses reach keys that hold mass"
-                         + (f"; on {_names(rest)} both keep at least 0.99 of each." if rest else "."))
-    # over-selection
-    for v, name in HEADLINE[1:]:
-        if v not in variants:
-            continue
-        reach = {d: _oversel_reach(cells, d, v, longest) for d in dists}
+    return lines
+
+
+def _parting_lines(x: _Decide) -> list[str]:
+    """Why the two readings differ: noise against the margins at the cut."""
+    if MX not in x.variants:
+        return []
+    over, L, k, cells, longest, dists = x.over, x.L, x.k, x.cells, x.longest, x.dists
+    q4 = [cells.mean(d, MX, longest, "miss_q4") / cells.mean(d, MX, longest, "miss_n")
+          if cells.mean(d, MX, longest, "miss_n") else float("nan") for d in dists]
+    lines = [f"- **Where recall and mass part**: at {L} MXFP4's logit noise is "
+             f"{_range(over(MX, 'noise_rel'))} of the logits' SD (FP8 {_range(over(FP8, 'noise_rel'))}); "
+             f"{_range(over(MX, 'near_kth'), '{:.0f}')} entries lie within one noise SD of the exact k-th "
+             f"score (FP8 {_range(over(FP8, 'near_kth'), '{:.0f}')}), and {_range(q4, '{:.0%}')} of "
+             f"MXFP4's misses are exact ranks {3 * k // 4 + 1}–{k}. The exact top-k holds "
+             f"{_range(over('exact', 'topk_mass'), '{:.1%}')} of a head's attention mass where a random "
+             f"top-k holds {_range(over('exact', 'chance_mass'), '{:.1%}')}."]
+    lossy = [d for d in dists for v in (MX, MXH) if v in x.variants
+             and (cells.mean(d, v, longest, "mass_kept") < 0.99 or cells.mean(d, v, longest, "top64") < 0.99)]
+    lossy = list(dict.fromkeys(lossy))
+    if not lossy:
+        lines.append(f"  On every distribution here both MXFP4 variants keep at least 0.99 of the mass and of "
+                     f"the exact top-64 at {L}: their recall gap counts exchanges of keys near the cut, which "
+                     "hold little of the mass.")
+    else:
+        rest = [d for d in dists if d not in lossy]
+        lines.append(f"  On {_names(lossy)} an MXFP4 variant keeps less than 0.99 of the mass or of the exact "
+                     f"top-64 at {L}: there its misses reach keys that hold mass"
+                     + (f"; on {_names(rest)} both keep at least 0.99 of each." if rest else "."))
+    return lines
+
+
+def _oversel_lines(x: _Decide) -> list[str]:
+    lines = []
+    k = x.k
+    for v, name in x.headline():
+        reach = {d: _oversel_reach(x.cells, d, v, x.longest) for d in x.dists}
         by = {}
         for d, kp in reach.items():
             by.setdefault(kp, []).append(d)
@@ -268,26 +281,50 @@ def decision_lines(rows, needles, inputs, meta: dict) -> list[str]:
             parts.append(f"not within k′ ≤ {over_select(k)[-1]} on {_names(by[None])}")
         lines.append(f"- **Over-selection**: {name}'s top-k′ holds as much of the exact top-{k} as FP8's top-{k} from "
                      + "; ".join(parts) + f" ({name}'s top-{over_select(k)[-1]} holds "
-                     f"{_range(over(v, f'cover{over_select(k)[-1]}'))} of it).")
-    # what the rotation changes
-    if {MX, MXH} <= variants:
-        for col, what in (("mass_kept", "mass kept"), ("recall", "recall")):
-            eff = paired(sel, MXH, MX, col)
-            moved, none = [], []
-            for d in dists:
-                if (d, longest) not in eff:
-                    continue
-                m, h = eff[(d, longest)]
-                (none if h == h and abs(m) <= h else moved).append((d, m, h))
-            digits = 4 if col == "mass_kept" else 3
-            text = f"- **The Hadamard rotation** changes MXFP4's {what} at {L} on " + (
-                ", ".join(f"`{d}` ({'+' if m > 0 else '−'}{_fmt(abs(m), h, digits)})" for d, m, h in moved)
-                or "no distribution")
-            if none:
-                text += "; it makes no measurable difference on " + _names(d for d, _, _ in none)
-            lines.append(text + ".")
-    lines += _needle_lines(needles, meta, longest)
+                     f"{_range(x.over(v, f'cover{over_select(k)[-1]}'))} of it).")
     return lines
+
+
+def _rotation_lines(x: _Decide) -> list[str]:
+    """What the rotation changes."""
+    if not {MX, MXH} <= x.variants:
+        return []
+    lines = []
+    for col, what in (("mass_kept", "mass kept"), ("recall", "recall")):
+        eff = paired(x.sel, MXH, MX, col)
+        moved, none = [], []
+        for d in x.dists:
+            if (d, x.longest) not in eff:
+                continue
+            m, h = eff[(d, x.longest)]
+            (none if h == h and abs(m) <= h else moved).append((d, m, h))
+        digits = 4 if col == "mass_kept" else 3
+        text = f"- **The Hadamard rotation** changes MXFP4's {what} at {x.L} on " + (
+            ", ".join(f"`{d}` ({'+' if m > 0 else '−'}{_fmt(abs(m), h, digits)})" for d, m, h in moved)
+            or "no distribution")
+        if none:
+            text += "; it makes no measurable difference on " + _names(d for d, _, _ in none)
+        lines.append(text + ".")
+    return lines
+
+
+_DECISION = (_mass_lines, _recall_lines, _parting_lines, _oversel_lines, _rotation_lines)
+
+
+def decision_lines(rows, needles, inputs, meta: dict) -> list[str]:
+    """The decision section: every claim computed from the tables of this run."""
+    sel = rows[rows.selection]
+    if sel.empty:
+        return ["No context here exceeds top-k entries: every variant keeps every entry; nothing to decide."]
+    variants = set(sel.variant)
+    if FP8 not in variants or not ({MX, MXH} & variants):
+        return [f"The decision compares {MX} and {MXH} with {FP8}; this run lacks them."]
+    k = int(meta.get("topk", 1024))
+    longest = int(sel.context_tokens.max())
+    x = _Decide(sel, Cells(sel, k), variants, _dist_order(sel, meta), longest, _ctx(longest), k,
+                float(meta.get("tolerance", 0.01)))
+    lines = [line for section in _DECISION for line in section(x)]
+    return lines + _needle_lines(needles, meta, longest)
 
 
 # --- needles ------------------------------------------------------------------------------

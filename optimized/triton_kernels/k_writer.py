@@ -23,7 +23,9 @@ from .numerics import (
     mxfp4_encode_pairs,
     pow2_scale,
     rms_norm_pairs,
+    rope_cos_sin,
     rope_pairs,
+    writing_tokens,
 )
 
 # tokens per program, tokens written at once (H200: 32, 8 the fastest of 6 timed)
@@ -45,10 +47,7 @@ def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
     # The tile's tokens that write are compacted (by rank) into groups of BT, so no lane
     # works for a token that writes nothing (3 of 4 in a prefill chunk).
     toks = pid * TILE + tl.arange(0, TILE)
-    t_in = toks < T
-    t_pos = tl.load(pos_ptr + toks, mask=t_in, other=0).to(tl.int64)
-    t_slot = tl.load(slot_ptr + toks, mask=t_in, other=-1)
-    t_act = t_in & (t_slot >= 0) & ((t_pos + 1) % RATIO == 0)
+    _, _, t_act = writing_tokens(pos_ptr, slot_ptr, toks, T, RATIO)
     rank = tl.cumsum(t_act.to(tl.int32), axis=0) - 1
     n_act = tl.sum(t_act.to(tl.int32), axis=0)
     gi = tl.arange(0, BT)
@@ -77,12 +76,7 @@ def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
         ne, no = rms_norm_pairs(e, o, w_e, w_o, eps, D, FAST_NORM)
 
         g = (pos // RATIO) * RATIO                          # RoPE at the group's first position
-        is_rope = m[None, :] >= NOPE2
-        mr = tl.where(m >= NOPE2, m - NOPE2, 0)
-        cs_off = g[:, None] * cs_stride + mr[None, :]
-        cmask = amask & is_rope
-        cos = tl.load(cs_ptr + cs_off, mask=cmask, other=1.0)
-        sin = tl.load(cs_ptr + cs_off + R // 2, mask=cmask, other=0.0)
+        cos, sin, is_rope = rope_cos_sin(cs_ptr, g, cs_stride, m, amask, NOPE2, R)
         if ROUNDING == 1:      # cuda fused: fp32 through norm and RoPE (NoPE through the formula), one bf16 round
             ye, yo = rope_pairs(ne, no, cos, sin, is_rope, False, True)
             ye = bf16_round(ye)

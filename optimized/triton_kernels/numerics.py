@@ -1,5 +1,5 @@
-"""Device-side building blocks shared by the kernels: RMS norm, GPT-J RoPE on pairs, the
-MXFP4 and FP8 codecs (NUMERICS.md §2-§4, §7), written to give the reference's bits.
+"""Device-side building blocks shared by the kernels: which tokens write, RMS norm, GPT-J
+RoPE on pairs, the MXFP4 and FP8 codecs (NUMERICS.md §2-§4, §7), written to give the reference's bits.
 
 Vectors are handled as (even, odd) halves of shape [rows, D/2]: pair m is (x[2m],
 x[2m+1]); that is both RoPE's pairing and MXFP4's byte packing (even element in the low
@@ -72,6 +72,29 @@ def rope_pairs(e, o, cos, sin, is_rope, ROUND: tl.constexpr, NOPE_FORMULA: tl.co
         e2 = tl.where(is_rope, er, e)
         o2 = tl.where(is_rope, orr, o)
     return e2, o2
+
+
+@triton.jit
+def writing_tokens(pos_ptr, slot_ptr, toks, T, RATIO: tl.constexpr):
+    """Of tokens `toks`: (in range, position as int64, writes). A token writes an entry when
+    it has a slot (>= 0) and closes its group ((p + 1) % RATIO == 0)."""
+    inr = toks < T
+    pos = tl.load(pos_ptr + toks, mask=inr, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + toks, mask=inr, other=-1)
+    return inr, pos, inr & (slot >= 0) & ((pos + 1) % RATIO == 0)
+
+
+@triton.jit
+def rope_cos_sin(cs_ptr, at, cs_stride, m, mask, NOPE2: tl.constexpr, R: tl.constexpr):
+    """cos and sin of pair m of each row at RoPE position `at` (rows masked by `mask`), and
+    is_rope: the pairs from NOPE2 on rotate; the NoPE pairs before them read cos 1, sin 0."""
+    is_rope = m[None, :] >= NOPE2
+    mr = tl.where(m >= NOPE2, m - NOPE2, 0)
+    cs_off = at[:, None] * cs_stride + mr[None, :]
+    cmask = mask & is_rope
+    cos = tl.load(cs_ptr + cs_off, mask=cmask, other=1.0)
+    sin = tl.load(cs_ptr + cs_off + R // 2, mask=cmask, other=0.0)
+    return cos, sin, is_rope
 
 
 # --- MXFP4 -----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from reference.pooling import boundary_mask, check_pool_args, gather_windows
 
 from ..common import on_device
 from .interp import LAUNCH, bf16_bits, exp_f64, tile
+from .numerics import writing_tokens
 
 
 @triton.jit
@@ -41,10 +42,7 @@ def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr,
     fp64 needs many registers, so fewer channels per program means more programs per SM)."""
     pid = tl.program_id(0)
     toks = pid * BT + tl.arange(0, BT)
-    inr = toks < T
-    pos = tl.load(pos_ptr + toks, mask=inr, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + toks, mask=inr, other=-1)
-    act = inr & (slot >= 0) & ((pos + 1) % RATIO == 0)
+    inr, pos, act = writing_tokens(pos_ptr, slot_ptr, toks, T, RATIO)
     d = tl.program_id(1) * BD + tl.arange(0, BD)         # BD: a power of two
     dm = d < D
     nan = tl.full([BT, BD], float("nan"), tl.float32)

@@ -12,7 +12,7 @@ from reference.q_quant import check_q_args, fold_weights
 
 from ..common import on_device, reject_hadamard, scale_rule_code
 from .interp import LAUNCH, tile, widen_bf16
-from .numerics import SCALE_RULE_CODES, fp8_encode, mxfp4_encode_pairs, pow2_scale, rope_pairs
+from .numerics import SCALE_RULE_CODES, fp8_encode, mxfp4_encode_pairs, pow2_scale, rope_cos_sin, rope_pairs
 
 BR = tile(16, 256)   # (token, head) rows per program
 
@@ -32,12 +32,7 @@ def _q_quant_kernel(q_ptr, pos_ptr, cs_ptr, out_ptr, scale_ptr, N, H, cs_stride,
     lmask = live[:, None]
     e = widen_bf16(tl.load(q_ptr + base, mask=lmask, other=0))
     o = widen_bf16(tl.load(q_ptr + base + 1, mask=lmask, other=0))
-    is_rope = m[None, :] >= NOPE2
-    mr = tl.where(m >= NOPE2, m - NOPE2, 0)
-    cs_off = pos[:, None] * cs_stride + mr[None, :]
-    cmask = lmask & is_rope
-    cos = tl.load(cs_ptr + cs_off, mask=cmask, other=1.0)
-    sin = tl.load(cs_ptr + cs_off + R // 2, mask=cmask, other=0.0)
+    cos, sin, is_rope = rope_cos_sin(cs_ptr, pos, cs_stride, m, lmask, NOPE2, R)
     ye, yo = rope_pairs(e, o, cos, sin, is_rope, True, False)   # NoPE dims untouched
     if QUANT_FP8:
         amax = tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=1)
