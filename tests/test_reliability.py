@@ -752,6 +752,18 @@ def test_a_merge_of_zero_cases_is_nothing_checked(tmp_path, capsys, shards):
 
 # --- interrupts keep what finished ---------------------------------------------------------------------
 
+def _interrupted_on_call(real, n):
+    """`real`, except that its n-th call raises KeyboardInterrupt (Ctrl-C) instead."""
+    calls = []
+
+    def wrapped(*a, **kw):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    return wrapped
+
+
 def test_diff_interrupted_keeps_the_files_replayed(tmp_path, capsys, monkeypatch, dumps):
     """Ctrl-C during the third of four dumps: a partial report of the two, re-renderable."""
     from harness.run import replay
@@ -760,14 +772,7 @@ def test_diff_interrupted_keeps_the_files_replayed(tmp_path, capsys, monkeypatch
         f = tmp_path / f"d{i}.safetensors"
         f.write_bytes(dumps["good"].read_bytes())
         files.append(f)
-    real, calls = replay.replay_dump, []
-
-    def replay_dump(*a, **kw):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-    monkeypatch.setattr(replay, "replay_dump", replay_dump)
+    monkeypatch.setattr(replay, "replay_dump", _interrupted_on_call(replay.replay_dump, 3))
     rc, out, err = run(capsys, "diff", *files, "--report-dir", tmp_path / "r", "-q")
     assert rc == 130, err
     data = json.loads((tmp_path / "r" / "report.json").read_text())
@@ -802,14 +807,7 @@ def test_study_interrupted_keeps_the_contexts_that_finished(tmp_path, capsys, mo
     (tmp_path / "s.toml").write_text('[distribution.normal]\n[study.s]\nvariants = ["exact", "mxfp4"]\n'
                                      'context_tokens = [512, 1024, 2048]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
                                      'needle_margins = []\nheads = 2\n')
-    real, calls = study._study_context, []
-
-    def context(*a, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-    monkeypatch.setattr(study, "_study_context", context)
+    monkeypatch.setattr(study, "_study_context", _interrupted_on_call(study._study_context, 2))
     rc, out, err = run(capsys, "study", "--study", "s", "--study-file", tmp_path / "s.toml", "--device", "cpu",
                        "--report-dir", tmp_path / "r")
     assert rc == 130, err
