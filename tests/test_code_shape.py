@@ -1,6 +1,6 @@
 """Function length, checked: no function in reference/, optimized/ or harness/ runs past
 MAX_LINES lines, except the Triton kernels (@triton.jit bodies are one launch each: splitting
-them changes what the compiler sees) and the entries of ALLOWED, which may only shrink."""
+them changes what the compiler sees)."""
 from __future__ import annotations
 
 import ast
@@ -9,9 +9,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("reference", "optimized", "harness")
 MAX_LINES = 80
-
-# "path:function" of functions still over MAX_LINES; an entry leaves when its function is split.
-ALLOWED: frozenset[str] = frozenset()
 
 
 def _is_kernel(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -42,11 +39,8 @@ def _tree() -> dict[str, int]:
 
 
 def test_no_function_is_over_the_limit():
-    found = _tree()
-    over = {k: n for k, n in found.items() if k not in ALLOWED}
+    over = _tree()
     assert not over, f"functions over {MAX_LINES} lines (split them): {over}"
-    stale = sorted(ALLOWED - set(found))
-    assert not stale, f"ALLOWED names functions no longer over {MAX_LINES} lines (remove them): {stale}"
 
 
 def test_the_check_finds_a_long_function_and_spares_kernels():

@@ -33,12 +33,6 @@ LAYERS = (
     ("harness.commands", 8), ("harness.__main__", 8), ("harness", 8),
 )
 
-# Violations that remain in modules other work is moving, each named, with why it is allowed
-# for now. An entry that no longer occurs fails the test (the list only shrinks).
-ALLOWED: dict[tuple[str, str], str] = {
-}
-
-
 def layer(module: str) -> tuple[int, str]:
     """(rank, name) of the layer a module belongs to."""
     best = max((p for p, _ in LAYERS if module == p or module.startswith(p + ".")), key=len)
@@ -136,15 +130,9 @@ def _pair(text: str) -> tuple[str, str]:
 def test_no_upward_import_and_no_cycle():
     mods = modules()
     g = graph(mods)
-    found = upward(g, mods)
-    bad = [v for v in found if _pair(v) not in ALLOWED]
+    bad = upward(g, mods)
     assert not bad, "imports against the layer order:\n" + "\n".join(bad)
-    cyc = cycles(g)
-    allowed_cycles = [c for c in cyc if all(any((a, b) in ALLOWED for b in c) for a in c)]
-    assert [c for c in cyc if c not in allowed_cycles] == [], "import cycles"
-    seen = {_pair(v) for v in found} | {(a, t) for c in cyc for a in c for t, _ in g[a] if t in c}
-    stale = [k for k in ALLOWED if k not in seen]
-    assert not stale, f"allowed violations that no longer occur (remove them from ALLOWED): {stale}"
+    assert cycles(g) == [], "import cycles"
 
 
 def test_reference_imports_no_triton():
