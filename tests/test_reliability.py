@@ -509,7 +509,7 @@ def test_toml_numbers_and_nesting_are_bounded(tmp_path, capsys, label):
             }[label.split()[0]]
     rc, out, err = run(capsys, *argv)
     assert rc == 2, (out, err[-2000:])
-    one_line(err, f)
+    one_line(err, f, "context_tokens" if label == "study context" else "digits" if "int" in label else "64 levels")
     assert not (tmp_path / "r").exists()
 
 
