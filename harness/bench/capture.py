@@ -28,11 +28,11 @@ import torch
 
 import harness.capture as capture
 from optimized import upstream
-from reference import rope
+from reference import layout, rope
 from reference.layout import choose_shuffle
 
 D, ROPE_DIM, RATIO, PAGE, STATE_BLOCK = 128, 64, 4, 64, 64
-ENTRY = D // 2 + D // 32                       # bytes of one MXFP4 key
+ENTRY = layout.entry_bytes(D)                  # bytes of one MXFP4 key
 KEYS = ("vllm.rocm.compress_pool", "aiter.k_writer", "aiter.q_quant", "aiter.scorer", "vllm.ops.topk")
 
 

@@ -40,7 +40,7 @@ BF16_TFLOPS = 790e12      # dense bf16 tensor-core rate measured on an H200 (819
 # default pick_config choice
 CONFIGS = {"scorer decode": [(1, 64, 4, 3, 128), (1, 64, 4, 4)],
            "scorer prefill": [(2, 64, 4, 2)]}
-# the targets on the H200 (microseconds)
+# the targets on the H200 (microseconds)
 TARGETS_US = {"scorer decode": 100.0, "scorer prefill": 1000.0, "K path (pool + writer)": 27.0}
 
 
