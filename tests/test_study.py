@@ -374,7 +374,7 @@ def test_reports_re_render_from_a_saved_run(tmp_path, capsys):
         study_cmd.main(["study", "--from-json", str(first)])
 
 
-# --- v3: what the selection keeps, over-selection, noise, intervals, realism -----------------
+# --- what the selection keeps, over-selection, noise, intervals, realism -------------------
 
 
 def test_selection_metrics_have_teeth():
