@@ -145,8 +145,7 @@ def set_context(layer: Optional[int] = None, step: Optional[int] = None) -> None
     CUDA graphs: set the layer while the graph is captured, the step before each replay."""
     with _S.lock:
         _S.explicit = True
-        _move_to(layer, step)
-        _refresh()
+        _move_to(layer, step)                 # refreshes the fast path with `explicit` set
 
 
 def context() -> tuple[Optional[int], Optional[int]]:
