@@ -308,14 +308,11 @@ def _capture_end(orig):
     def capture_end(self, *args, **kwargs):
         try:
             out = orig(self, *args, **kwargs)
-        except BaseException:
+        finally:
             with _S.lock:
-                _S.capture = None
+                rec, _S.capture = _S.capture, None
                 _refresh()
-            raise
         with _S.lock:
-            rec, _S.capture = _S.capture, None
-            _refresh()
             if rec is not None and rec.calls and _S.config is not None:
                 try:
                     _ring_buffers(rec, _S.config.ring)
