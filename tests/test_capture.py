@@ -640,3 +640,19 @@ def test_capture_on_vllm_034_every_op_and_the_fused_kernels(monkeypatch, env, la
     fk._load("vllm.cuda.k_mxfp4")[(40,)](*args, **consts, num_warps=1)
     (path,) = capture.flush()
     assert set(_replays_exactly(path).ops) == ALL_OPS | {"compress_norm_rope_mxfp4_cache"}
+
+
+def test_overhead_table_words_and_the_idle_target():
+    """The bench's overhead rows: a slower row says slower, a faster one faster; idle runs
+    faster than off by more than the 1 % target leave the target unresolved, never met."""
+    from harness.bench.capture import table
+    rows = [("eager", "off", 342.6), ("eager", "installed, idle", 435.5),
+            ("eager", "recording (1 layer, every step)", 25.9),
+            ("graph", "off", 4551.5), ("graph", "installed, idle", 4530.0)]
+    text = "\n".join(table(rows, layers=4, batch=32, context=8192))
+    assert "| eager | installed, idle | 435.5 | 27.1 % faster |" in text
+    assert "| eager | recording (1 layer, every step) | 25.9 | 92.4 % slower |" in text
+    assert "* eager, installed but idle: 27.1 % faster (target < 1 % slower: not resolved" in text
+    assert "* graph, installed but idle: 0.5 % slower (target < 1 % slower: met)" in text
+    slow = [("graph", "off", 100.0), ("graph", "installed, idle", 98.0)]
+    assert "2.0 % slower (target < 1 % slower: NOT met)" in "\n".join(table(slow, layers=1, batch=1, context=1))

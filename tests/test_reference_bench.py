@@ -89,3 +89,17 @@ def test_gpu_table_judges_reference_over_kernel(tmp_path):
     b.row("pooling", "16384 tokens", 0.046, 0.015, 0.009, ref_op=0.9, ref_core=0.4)
     b.write(str(out), quiet=True)
     assert "NOT met (largest: pooling, 26.7x)" in out.read_text()
+
+
+def test_startup_rows_judge_the_ratio_and_the_exit_status(monkeypatch):
+    """A start-up row is met only at or under its target ratio, and a command that exits with a
+    status other than its own fails its row however fast it was."""
+    from harness.bench import startup
+    calls = {"import torch": (1.0, 0), "--help": (0.2, 0), "--bogus": (0.4, 2), "cases": (0.9, 0),
+             "backends": (0.1, 1)}
+    monkeypatch.setattr(startup, "_wall", lambda args: calls[args[-1]])
+    rows = startup.rows(startup.measure(repeats=1))
+    assert rows[0].endswith("| yes |") and "0.20x" in rows[0]                       # help 0.2x <= 0.3x
+    assert rows[1].endswith("| no |") and "0.40x" in rows[1]                        # usage error 0.4x > 0.3x
+    assert rows[2].endswith("| - |") and "exited" not in rows[2]
+    assert rows[3].endswith("| no |") and "exited 1" in rows[3]                     # backends failed

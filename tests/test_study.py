@@ -374,7 +374,7 @@ def test_reports_re_render_from_a_saved_run(tmp_path, capsys):
         study_cmd.main(["study", "--from-json", str(first)])
 
 
-# --- v3: what the selection keeps, over-selection, noise, intervals, realism -----------------
+# --- what the selection keeps, over-selection, noise, intervals, realism -------------------
 
 
 def test_selection_metrics_have_teeth():
@@ -473,7 +473,6 @@ def test_headline_is_mass_kept_beside_recall(tmp_path):
                  "What the generated data can predict", "What it cannot predict"):
         assert fact in e2e, fact
     assert "No real activations" in md and "mxval study --dump FILE" in md
-    assert "earlier versions" not in md and "previous" not in md
 
 
 def test_decision_on_mass_follows_the_numbers():

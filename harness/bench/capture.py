@@ -28,11 +28,11 @@ import torch
 
 import harness.capture as capture
 from optimized import upstream
-from reference import rope
+from reference import layout, rope
 from reference.layout import choose_shuffle
 
 D, ROPE_DIM, RATIO, PAGE, STATE_BLOCK = 128, 64, 4, 64, 64
-ENTRY = D // 2 + D // 32                       # bytes of one MXFP4 key
+ENTRY = layout.entry_bytes(D)                  # bytes of one MXFP4 key
 KEYS = ("vllm.rocm.compress_pool", "aiter.k_writer", "aiter.q_quant", "aiter.scorer", "vllm.ops.topk")
 
 
@@ -271,14 +271,29 @@ def table(rows, *, layers, batch, context) -> list[str]:
            "every step, ring of 4, drained to disk (included). Target: installed-but-idle costs under 1 %.", "",
            "| mode | capture | steps/s | vs off |", "|---|---|---|---|"]
     for mode, state, s in rows:
-        rel = "-" if state == "off" else f"{(base[mode] - s) / base[mode] * 100:+.1f} % slower"
+        rel = "-" if state == "off" else _versus(s, base[mode])
         out.append(f"| {mode} | {state} | {s:.1f} | {rel} |")
     for mode in ("eager", "graph"):
         idle = next((s for m, st, s in rows if m == mode and st.startswith("installed")), None)
         if idle is not None and mode in base:
-            cost = (base[mode] - idle) / base[mode] * 100
-            out.append(f"* {mode}, installed but idle: {cost:+.2f} % (target < 1 %: {'met' if cost < 1 else 'NOT met'})")
+            out.append(f"* {mode}, installed but idle: {_versus(idle, base[mode])} "
+                       f"(target < 1 % slower: {_idle_verdict(idle, base[mode])})")
     return out
+
+
+def _versus(s: float, off: float) -> str:
+    """steps/s `s` against `off`, in words: "12.3 % slower" or "4.5 % faster"."""
+    cost = (off - s) / off * 100
+    return f"{abs(cost):.1f} % {'slower' if cost >= 0 else 'faster'}"
+
+
+def _idle_verdict(idle: float, off: float) -> str:
+    """The 1 % target for installed-but-idle. Idle runs more than 1 % faster than off only when
+    the timing spread exceeds the target, so such a run neither meets nor misses it."""
+    cost = (off - idle) / off * 100
+    if cost <= -1:
+        return "not resolved: idle ran faster than off by more than the target, the timing spread exceeds it"
+    return "met" if cost < 1 else "NOT met"
 
 
 def section_for(lines: list, **kw):

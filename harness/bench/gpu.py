@@ -40,7 +40,7 @@ BF16_TFLOPS = 790e12      # dense bf16 tensor-core rate measured on an H200 (819
 # default pick_config choice
 CONFIGS = {"scorer decode": [(1, 64, 4, 3, 128), (1, 64, 4, 4)],
            "scorer prefill": [(2, 64, 4, 2)]}
-# the issue's targets on the H200 (microseconds)
+# the targets on the H200 (microseconds)
 TARGETS_US = {"scorer decode": 100.0, "scorer prefill": 1000.0, "K path (pool + writer)": 27.0}
 
 
@@ -131,7 +131,7 @@ def scorer_inputs(seqs: int, rows_per_seq: int, context_tokens: int, causal: boo
     return dict({k: v.cuda() for k, v in kw.items()}, page_size=ps, shuffle=[32, 16, 2])
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> int:
+def differing_elements(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many elements of a and b differ in their bits (NaN equal to NaN)."""
     a, b = a.cpu(), b.cpu()
     if a.is_floating_point():
@@ -366,7 +366,7 @@ def _k_path(b: Bench):
                                                        graph=True) for tile in tiles})
     for tile in tiles[1:]:
         other = pooling.launch(*pk.values(), compress_ratio=r, tile=tile)
-        b.note("Bytes", f"pooling tiling {tile} against the default {pooling.TILE}: {same_bits(other, pooled_t)} of "
+        b.note("Bytes", f"pooling tiling {tile} against the default {pooling.TILE}: {differing_elements(other, pooled_t)} of "
                f"{pooled_t.numel()} pooled values differ")
     b.sweeps["K writer"] = ((k_writer.TILE, k_writer.BT, 4), {
         tile: _bench(lambda: k_writer.launch(*kargs, kc, **kopts, tile=tile), graph=True)
@@ -394,14 +394,14 @@ def _k_path(b: Bench):
     # bytes: the reference on the GPU against the kernels and against the CPU reference
     ref_pooled = reference.compress_pool(**pool_kw)["pooled"]
     cpu_pool_kw = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in pool_kw.items()}
-    b.note("Bytes", f"pooling, 16384 tokens: GPU reference vs kernel {same_bits(ref_pooled, pooled_t)}, vs CPU "
-           f"reference {same_bits(ref_pooled, reference.compress_pool(**cpu_pool_kw)['pooled'])} of "
+    b.note("Bytes", f"pooling, 16384 tokens: GPU reference vs kernel {differing_elements(ref_pooled, pooled_t)}, vs CPU "
+           f"reference {differing_elements(ref_pooled, reference.compress_pool(**cpu_pool_kw)['pooled'])} of "
            f"{ref_pooled.numel()} values differ")
     ref_pages = reference.k_norm_rope_mxfp4_cache(k=pooled_t, **k_kw)["kv_cache"]
     kern_pages = k_writer.launch(pooled_t, *kargs[1:], k_kw["kv_cache"].clone(), **kopts)
     cpu_k_kw = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in k_kw.items()}
-    b.note("Bytes", f"K writer, 4096 entries: GPU reference vs kernel {same_bits(ref_pages, kern_pages)}, vs CPU "
-           f"reference {same_bits(ref_pages, reference.k_norm_rope_mxfp4_cache(k=pooled_t.cpu(), **cpu_k_kw)['kv_cache'])}"
+    b.note("Bytes", f"K writer, 4096 entries: GPU reference vs kernel {differing_elements(ref_pages, kern_pages)}, vs CPU "
+           f"reference {differing_elements(ref_pages, reference.k_norm_rope_mxfp4_cache(k=pooled_t.cpu(), **cpu_k_kw)['kv_cache'])}"
            f" of {ref_pages.numel()} pool bytes differ")
 
 
@@ -426,9 +426,9 @@ def _q_quant(b: Bench):
         ref = reference.q_rope_mxfp4_quant(q=q, positions=pos, cos_sin_cache=cs, weights=w, weights_scale=0.01)
         cpu = reference.q_rope_mxfp4_quant(q=q.cpu(), positions=pos.cpu(), cos_sin_cache=cs.cpu(), weights=w.cpu(),
                                            weights_scale=0.01)
-        b.note("Bytes", f"{label}: GPU reference vs kernel {same_bits(ref['q_fp4'], got[0])} value and "
-               f"{same_bits(ref['q_scale'], got[1])} scale bytes differ; vs CPU reference "
-               f"{sum(same_bits(ref[k], cpu[k]) for k in ref)} of {sum(v.numel() for v in ref.values())} elements")
+        b.note("Bytes", f"{label}: GPU reference vs kernel {differing_elements(ref['q_fp4'], got[0])} value and "
+               f"{differing_elements(ref['q_scale'], got[1])} scale bytes differ; vs CPU reference "
+               f"{sum(differing_elements(ref[k], cpu[k]) for k in ref)} of {sum(v.numel() for v in ref.values())} elements")
 
 
 def _scorers(b: Bench):
@@ -555,7 +555,7 @@ def _peers(b: Bench):
     b.note("Peers", f"K path, CUDA path (16384-token chunk, natural pages): vLLM's fused "
            f"compress_norm_rope_mxfp4_cache kernel {_ms(t_v)} (graph {_ms(g_v)}); ours, pooling + K writer "
            f"{_ms(t_o)} (graph {_ms(g_o)}); ours / vLLM's = {g_o / g_v:.2f} from graphs; "
-           f"{same_bits(out_o, out_v)} of {out_o.numel()} pool bytes differ ({ks.note()})")
+           f"{differing_elements(out_o, out_v)} of {out_o.numel()} pool bytes differ ({ks.note()})")
     tp = _bench(lambda: peer.compress_norm_rope_mxfp4_cache(**fused_kw))
     b.note("Peers", f"compress_norm_rope_mxfp4_cache through vLLM's op interface: {_ms(tp)}")
     ours_be = get_backend("triton")

@@ -15,42 +15,51 @@ import sys
 import time
 from pathlib import Path
 
-from harness.errors import EXIT_OK
+from harness.errors import EXIT_OK, EXIT_USAGE
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = 0.3
-COMMANDS = (
-    ("`mxval --help`", ["-m", "harness", "--help"], TARGET),
-    ("a usage error (`mxval validate --bogus`)", ["-m", "harness", "validate", "--bogus"], TARGET),
-    ("`mxval cases`", ["-m", "harness", "cases"], None),
-    ("`mxval backends`", ["-m", "harness", "backends"], None),
+COMMANDS = (                                    # (label, arguments, target, the exit status it must give)
+    ("`mxval --help`", ["-m", "harness", "--help"], TARGET, EXIT_OK),
+    ("a usage error (`mxval validate --bogus`)", ["-m", "harness", "validate", "--bogus"], TARGET, EXIT_USAGE),
+    ("`mxval cases`", ["-m", "harness", "cases"], None, EXIT_OK),
+    ("`mxval backends`", ["-m", "harness", "backends"], None, EXIT_OK),
 )
 TORCH = ["-c", "import torch"]
 
 
-def _wall(args: list[str]) -> float:
+def _wall(args: list[str]) -> tuple[float, int]:
+    """(seconds, exit status) of one fresh process."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - t
+    rc = subprocess.run([sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL).returncode
+    return time.perf_counter() - t, rc
 
 
 def measure(repeats: int = 5) -> dict:
-    """{"torch_s": best import time, "commands": [(label, best seconds, ratio, target)]}."""
-    best = {"torch": float("inf"), **{label: float("inf") for label, _, _ in COMMANDS}}
+    """{"torch_s": best import time, "commands": [(label, best seconds, ratio, target, bad exit status
+    or None)]}: a command that exits with a status other than its own fails its row, however fast."""
+    best = {"torch": float("inf"), **{label: float("inf") for label, *_ in COMMANDS}}
+    bad: dict = {}
     for _ in range(max(1, repeats)):
-        best["torch"] = min(best["torch"], _wall(TORCH))
-        for label, args, _ in COMMANDS:
-            best[label] = min(best[label], _wall(args))
+        best["torch"] = min(best["torch"], _wall(TORCH)[0])
+        for label, args, _, want in COMMANDS:
+            s, rc = _wall(args)
+            best[label] = min(best[label], s)
+            if rc != want:
+                bad[label] = rc
     return {"torch_s": best["torch"],
-            "commands": [(label, best[label], best[label] / best["torch"], target) for label, _, target in COMMANDS]}
+            "commands": [(label, best[label], best[label] / best["torch"], target, bad.get(label))
+                         for label, _, target, _ in COMMANDS]}
 
 
 def rows(result: dict, device: str = "cpu") -> list[str]:
     """Rows of the `make bench` table: | device | workload | measured | target | peak RSS | met |."""
     out = []
-    for label, s, ratio, target in result["commands"]:
-        met = "-" if target is None else ("yes" if ratio <= target else "no")
-        out.append(f"| {device} | start-up: {label} | {s:.2f} s = {ratio:.2f}x `import torch` "
+    for label, s, ratio, target, bad_rc in result["commands"]:
+        met = "no" if bad_rc is not None else "-" if target is None else ("yes" if ratio <= target else "no")
+        exited = "" if bad_rc is None else f", exited {bad_rc}"
+        out.append(f"| {device} | start-up: {label}{exited} | {s:.2f} s = {ratio:.2f}x `import torch` "
                    f"({result['torch_s']:.2f} s, same run) | "
                    + (f"<= {target}x `import torch`" if target is not None else "-") + f" | - | {met} |")
     return out

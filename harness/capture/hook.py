@@ -145,8 +145,7 @@ def set_context(layer: Optional[int] = None, step: Optional[int] = None) -> None
     CUDA graphs: set the layer while the graph is captured, the step before each replay."""
     with _S.lock:
         _S.explicit = True
-        _move_to(layer, step)
-        _refresh()
+        _move_to(layer, step)                 # refreshes the fast path with `explicit` set
 
 
 def context() -> tuple[Optional[int], Optional[int]]:
@@ -309,14 +308,11 @@ def _capture_end(orig):
     def capture_end(self, *args, **kwargs):
         try:
             out = orig(self, *args, **kwargs)
-        except BaseException:
+        finally:
             with _S.lock:
-                _S.capture = None
+                rec, _S.capture = _S.capture, None
                 _refresh()
-            raise
         with _S.lock:
-            rec, _S.capture = _S.capture, None
-            _refresh()
             if rec is not None and rec.calls and _S.config is not None:
                 try:
                     _ring_buffers(rec, _S.config.ring)

@@ -74,10 +74,6 @@ class Distribution:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
                 raise ValueError(f"distribution {self.name!r}: {f.name} = {v} is negative")
 
-    @property
-    def position_dependent(self) -> bool:
-        return bool(self.drift or self.sinks)
-
     def sample(self, shape, gen: torch.Generator) -> torch.Tensor:
         """Unit-variance noise; Student-t divides every element by its own chi, so the row's
         RMS norm cannot cancel the tails (a per-row divisor would)."""
