@@ -77,7 +77,7 @@ def nonneg(name: str, v) -> float:
 
 def mapping(name: str, v) -> dict:
     if not isinstance(v, dict):
-        raise ValueError(f"{name}: expected a dict of name -> tensor, got {type(v).__name__}")
+        raise ValueError(f"{name}: expected a dict of name -> value, got {type(v).__name__}")
     for k, t in v.items():
         if isinstance(t, torch.Tensor):
             checks.plain(f"{name}[{k!r}]", t)
