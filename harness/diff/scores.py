@@ -189,7 +189,7 @@ def selection_metrics(scores: torch.Tensor, lengths: torch.Tensor, selected: tor
 # --- top-k ---------------------------------------------------------------------------------
 
 def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: int, *,
-              tol: Optional[float] = None, op: str = "topk", rows: Optional[dict] = None) -> DiffReport:
+              tol: Optional[float] = None, op: str = "topk") -> DiffReport:
     """Top-k indices [Rw, k] against reference scores [Rw, W].
 
     Rows with length <= k must read 0..len-1 then -1. Longer rows are sets with a tie
@@ -208,8 +208,8 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
       topk_mass_kept_min        the proxy attention mass kept (`score_weights`, `mass_kept`)
       topk_top64_kept_min       the exact top-64 kept (k > 64 only); topk_top256_kept_min alike
       topk_rank_lost_min        the best exact rank lost beyond the tie rule (absent: none lost)
-    `rows`: a dict to receive the per-row tensors recall, exact (the reference's own set),
-    mass and lengths (`recall_rows`)."""
+    The report's `rows`: the per-row tensors recall, exact (the reference's own set), mass
+    and lengths (`recall_points`)."""
     A.pos_int("k", k)
     A.tensor("ref_logits_fp64", ref_logits_fp64, A.FLOATS, 2)
     A.tensor("indices", indices, A.INT_DTYPES, 2)
@@ -236,15 +236,12 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
     sel_cols = torch.zeros(rw, w + 1, dtype=torch.bool).scatter_(1, torch.where(t.s_in, t.srt, w), True)[:, :w]
     kept = selection_metrics(s, lens, sel_cols, k, t.row_tol, t.recall, shared=t)
     metrics = _topk_metrics(t, kept, rw)
-    per_row = dict(recall=t.recall, exact=t.exact, mass=kept["mass"], lengths=lens)
-    if rows is not None:
-        rows.update(per_row)
     notes = []
     if t.nan_scores:
         metrics["nonfinite_inputs"] = t.nan_scores
         notes.append(f"{t.nan_scores} NaN reference score(s) in the valid region")
     report = col.report(op, metrics, notes)
-    report.rows = per_row            # for `recall_points`: the recall plot without a second diff
+    report.rows = dict(recall=t.recall, exact=t.exact, mass=kept["mass"], lengths=lens)   # `recall_points`
     return report
 
 
@@ -363,14 +360,11 @@ def recall_rows(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k
     """[[row length, recall within the tie rule, 1 if the set is the reference's own else 0,
     proxy mass kept], ...] of the rows with a non-empty reference set (the recall plot: a
     row below 1 lost keys; a row at 1 marked 0 is a tie swap the rule accepts)."""
-    rows: dict = {}
-    diff_topk(indices, ref_logits_fp64, lengths, k, rows=rows)
-    return recall_points(rows)
+    return recall_points(diff_topk(indices, ref_logits_fp64, lengths, k).rows)
 
 
 def recall_points(rows: dict) -> list[list]:
-    """`recall_rows` from the per-row tensors a `diff_topk` gave (its `rows`, or its report's
-    `rows` attribute)."""
+    """`recall_rows` from the per-row tensors a `diff_topk` report gave (its `rows`)."""
     return [[int(n), float(r), int(e), float(m)] for n, r, e, m in
             zip(rows["lengths"].tolist(), rows["recall"].tolist(), rows["exact"].tolist(), rows["mass"].tolist())
             if n > 0]
