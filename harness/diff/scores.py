@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from . import args as A
-from .report import MAX_FINDINGS, Collector, DiffReport
+from .report import Collector, DiffReport
 
 
 def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, clean: bool,
@@ -62,7 +62,7 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
                              f"expected -inf ({int(bad_inf[r].sum())} such columns)"}
         inf_rows = bad_inf.any(1).nonzero().flatten()
         col.count("inf_pattern", inf_rows.numel())
-        _keep_rows(col, inf_rows, inf_finding)
+        col.keep_rows(inf_rows, inf_finding)
 
     def nonfinite_finding(r):
         c = int(nonfinite[r].nonzero()[0])
@@ -71,7 +71,7 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
                 "where": f"row {r} column {c}: {float(x[r, c])!r}, expected {float(y[r, c])!r}"}
     nf_rows = nonfinite.any(1).nonzero().flatten()
     col.count("nonfinite", nf_rows.numel())
-    _keep_rows(col, nf_rows, nonfinite_finding)
+    col.keep_rows(nf_rows, nonfinite_finding)
     row_num = sq.sum(1)
     row_den = mag.sum(1)
     row_diff = torch.where(row_den > 0, row_num / row_den.clamp_min(1e-300), 0.0)
@@ -232,7 +232,7 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
     for kd, has in zip(("padding", "duplicates", "out_of_range", "below_threshold"), named):
         col.count(kd, int(has.sum()))
     col.count("tie_swap", int((~(named[0] | named[1] | named[2] | named[3])).sum()))
-    _keep_rows(col, flagged, lambda r: _row_finding(t, r))
+    col.keep_rows(flagged, lambda r: _row_finding(t, r))
     sel_cols = torch.zeros(rw, w + 1, dtype=torch.bool).scatter_(1, torch.where(t.s_in, t.srt, w), True)[:, :w]
     kept = selection_metrics(s, lens, sel_cols, k, t.row_tol, t.recall, shared=t)
     metrics = _topk_metrics(t, kept, rw)
@@ -243,15 +243,6 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
     report = col.report(op, metrics, notes)
     report.rows = dict(recall=t.recall, exact=t.exact, mass=kept["mass"], lengths=lens)   # `recall_points`
     return report
-
-
-def _keep_rows(col: Collector, rows: torch.Tensor, finding) -> None:
-    """`col.keep(finding(r))` for each row r of `rows` in order, the finding written only
-    while the collector still keeps them (the rest are counted in its total)."""
-    room = max(0, MAX_FINDINGS - len(col.kept))
-    for r in rows[:room].tolist():
-        col.keep(finding(r))
-    col.total += max(0, rows.numel() - room)
 
 
 def _topk_rows(idx, s, lens, k: int, tol: Optional[float]) -> SimpleNamespace:
