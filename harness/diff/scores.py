@@ -127,14 +127,11 @@ def mass_kept(weights: torch.Tensor, selected: torch.Tensor, exact: torch.Tensor
     `exact` is the top-|selected| by weight (rounding clamped)."""
     w = weights.double()
     if w.dim() == 3:
-        def held(sel):
-            m = sel if sel.dtype == torch.bool else torch.zeros(w.shape[0], w.shape[2], dtype=torch.bool,
-                                                                 device=w.device).scatter_(1, sel, True)
-            return (w * m[:, None, :]).sum((1, 2))
-    else:
-        def held(sel):
-            m = sel if sel.dtype == torch.bool else torch.zeros_like(w, dtype=torch.bool).scatter_(1, sel, True)
-            return (w * m).sum(1)
+        w = w.sum(1)                   # a key's weight: its heads' summed
+
+    def held(sel):
+        m = sel if sel.dtype == torch.bool else torch.zeros_like(w, dtype=torch.bool).scatter_(1, sel, True)
+        return (w * m).sum(1)
     num, den = held(selected), held(exact)
     return torch.where(den > 0, (num / den.clamp_min(1e-300)).clamp(max=1.0), 1.0)
 
