@@ -65,10 +65,6 @@ def flag(name: str, v) -> bool:
     return v
 
 
-def choice(name: str, v, options: Sequence) -> None:
-    checks.choice(name, v, options)
-
-
 def nonneg(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or math.isinf(v):
         raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
