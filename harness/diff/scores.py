@@ -137,7 +137,7 @@ def mass_kept(weights: torch.Tensor, selected: torch.Tensor, exact: torch.Tensor
 
 
 def selection_metrics(scores: torch.Tensor, lengths: torch.Tensor, selected: torch.Tensor, k: int,
-                      tol: torch.Tensor, recall: torch.Tensor, *, shared: Optional[SimpleNamespace] = None) -> dict:
+                      tol: torch.Tensor, recall: torch.Tensor, *, shared: SimpleNamespace) -> dict:
     """What a selection keeps of the exact top-k, per row (fp64 [R] each):
       mass       `mass_kept` of the proxy `score_weights`
       top<m>     of the exact top-min(m, len), the share the selection keeps, an entry tied
@@ -146,21 +146,17 @@ def selection_metrics(scores: torch.Tensor, lengths: torch.Tensor, selected: tor
                  lacks, in rows the tie rule does not excuse (recall < 1); NaN elsewhere
     `scores` fp64 [R, W], `selected` bool [R, W] (distinct in-range indices), `tol` and
     `recall` [R] as `diff_topk` computes them. `shared`: `_topk_rows`'s namespace of the same
-    scores and lengths (its masks and, where no valid score is +inf, its top-k), so that
-    the full-size passes are not repeated."""
+    scores and lengths (its finite mask and, where no valid score is +inf, its top-k), so
+    that the full-size passes are not repeated."""
     rw, w = scores.shape
-    if shared is not None:
-        valid, fin = shared.valid, shared.fin
-    else:
-        valid = torch.arange(w)[None, :] < lengths[:, None]
-        fin = valid & torch.isfinite(scores)
-    masked = torch.where(fin, scores, -math.inf)
+    fin = shared.fin
     size = torch.minimum(lengths, torch.tensor(k))
     kk = min(k, w)
-    if shared is not None and not shared.pos_inf:
+    if not shared.pos_inf:
         # the same masked scores (only +inf would differ): the same top-k
         topv, topi = shared.topv, shared.topi
     else:
+        masked = torch.where(fin, scores, -math.inf)
         topv, topi = torch.topk(masked, kk, dim=1) if kk else (masked[:, :0], torch.zeros(rw, 0, dtype=torch.long))
     in_ref = torch.arange(kk)[None, :] < size[:, None]
     exact = torch.zeros(rw, w, dtype=torch.bool).scatter_(1, topi, in_ref) if kk else torch.zeros(rw, w, dtype=torch.bool)
@@ -287,7 +283,7 @@ def _topk_rows(idx, s, lens, k: int, tol: Optional[float]) -> SimpleNamespace:
     return SimpleNamespace(idx=idx, s=s, lens=lens, k=k, kk=kk, nan_scores=nan_scores, short=short,
                            want_short=want_short, oor=oor, srt=srt, dups=dups, s_in=s_in, kth=kth,
                            row_tol=row_tol, acceptable=acceptable, below=below, recall=recall, jacc=jacc,
-                           pad_err=pad_err, exact=exact, valid=valid_cols, fin=fin, pos_inf=pos_inf,
+                           pad_err=pad_err, exact=exact, fin=fin, pos_inf=pos_inf,
                            topv=topv, topi=topi)
 
 
