@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from . import checks, layout, mxfp4
-from .formats import E2M1_SIGNED, MX_BLOCK
+from .formats import E2M1_SIGNED, E8M0_NAN, MX_BLOCK
 
 # Work tile of the dense core: rows*H*entries fp64 scores materialized at once.
 _TILE_ELEMS = 1 << 23
@@ -506,7 +506,7 @@ def check_width(width, block_table: torch.Tensor, page_size: int, row_ends: torc
 
 def nan_scale(name: str, scales: torch.Tensor) -> None:
     """e8m0 byte 255 encodes NaN: a non-finite input, reported, never scored."""
-    bad = scales == 255
+    bad = scales == E8M0_NAN
     if bool(bad.any()):
         raise checks.NonFiniteInput(name, int(bad.sum()), bad.nonzero()[0].tolist())
 
@@ -582,7 +582,7 @@ def _score_group(out, seqs, rows, n, qsl, q_fp4, q_scale, weights, kv_cache, blo
     scales = scales.view(len(seqs), pages * page_size, -1)[:, :j]
     nt = torch.tensor(n, device=dev)
     cols = torch.arange(j, device=dev)
-    if bool(((scales == 255).any(-1) & (cols[None, :] < nt[:, None])).any()):
+    if bool(((scales == E8M0_NAN).any(-1) & (cols[None, :] < nt[:, None])).any()):
         for i, b in enumerate(seqs):
             nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", scales[i, :n[i]])
     ridx = (torch.tensor([qsl[b] for b in seqs], device=dev)[:, None] + torch.arange(rows, device=dev)).flatten()

@@ -434,9 +434,11 @@ def test_diff_op_every_op_exact(layer):
     for op, rec in layer.items():
         rep = diff_op(op, rec.inputs, rec.scalars, {k: v.clone() for k, v in rec.outputs.items()}, rec.outputs)
         assert rep.op == op and rep.findings == [], (op, rep.summary())
-        assert all(v == 0 or k in ("topk_recall_min", "topk_jaccard_min", "pooled_rows_compared",
-                                    "topk_mass_kept_min", "topk_top64_kept_min", "topk_top256_kept_min")
+        kept_all = ("topk_recall_min", "topk_jaccard_min", "topk_mass_kept_min", "topk_top64_kept_min",
+                    "topk_top256_kept_min")             # an exact selection keeps everything
+        assert all(v == 1.0 if k in kept_all else v == 0 or k == "pooled_rows_compared"
                    for k, v in rep.metrics.items()), (op, rep.metrics)
+        assert "topk_rank_lost_min" not in rep.metrics   # nothing lost
 
 
 def test_diff_op_missing_or_misshapen_output(layer):

@@ -65,10 +65,6 @@ def flag(name: str, v) -> bool:
     return v
 
 
-def choice(name: str, v, options: Sequence) -> None:
-    checks.choice(name, v, options)
-
-
 def nonneg(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or math.isinf(v):
         raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
@@ -77,7 +73,7 @@ def nonneg(name: str, v) -> float:
 
 def mapping(name: str, v) -> dict:
     if not isinstance(v, dict):
-        raise ValueError(f"{name}: expected a dict of name -> tensor, got {type(v).__name__}")
+        raise ValueError(f"{name}: expected a dict of name -> value, got {type(v).__name__}")
     for k, t in v.items():
         if isinstance(t, torch.Tensor):
             checks.plain(f"{name}[{k!r}]", t)

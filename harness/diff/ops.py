@@ -9,6 +9,7 @@ import torch
 from reference import checks
 from reference.ops import OPS
 
+from . import args as A
 from .pages import diff_pages
 from .report import DiffReport
 from .rows import diff_pooled, diff_q
@@ -127,11 +128,7 @@ def diff_op(op: str, inputs: dict, scalars: dict, actual: dict, expected: dict) 
     if not isinstance(op, str) or op not in OPS:
         raise ValueError(f"op: unknown op {op!r} (known: {', '.join(OPS)})")
     for name, d in (("inputs", inputs), ("scalars", scalars), ("actual", actual), ("expected", expected)):
-        if not isinstance(d, dict):
-            raise ValueError(f"{name}: expected a dict, got {type(d).__name__}")
-        for key, t in d.items():         # a meta, sparse or nested tensor: named here, not deep in torch
-            if isinstance(t, torch.Tensor):
-                checks.plain(f"{name}[{key!r}]", t)
+        A.mapping(name, d)               # a meta, sparse or nested tensor: named here, not deep in torch
     view = STAGE_VIEWS[OPS[op].stage]
     for name in view.inputs:
         if name not in inputs:

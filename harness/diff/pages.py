@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from reference import layout
+from reference import checks, layout
 from reference.mxfp4 import MX_BLOCK, dequantize_mxfp4, e8m0_to_float
 
 from . import args as A
@@ -205,7 +205,7 @@ def _check_pages(actual, expected, before, page_size: int, head_dim: int, shuffl
         raise ValueError(f"head_dim: {head_dim} is not a multiple of 32")
     if fmt == "fp8":
         from reference.formats import FP8_FLAVOURS
-        A.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
+        checks.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
         need = page_size * (head_dim + 4)
     else:
         try:

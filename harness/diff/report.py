@@ -95,6 +95,14 @@ class Collector:
             return True
         return False
 
+    def keep_rows(self, rows, finding) -> None:
+        """`keep(finding(r))` for each row r of `rows` (a 1-D tensor) in order, each finding
+        made only while there is room (the rest are counted in the total)."""
+        room = max(0, MAX_FINDINGS - len(self.kept))
+        for r in rows[:room].tolist():
+            self.keep(finding(r))
+        self.total += max(0, rows.numel() - room)
+
     def report(self, op: str, metrics: dict, notes: Optional[list] = None) -> DiffReport:
         notes = list(notes or [])
         for cls, n in sorted(self.counts.items()):

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from . import args as A
-from .report import MAX_FINDINGS, Collector, DiffReport
+from .report import Collector, DiffReport
 
 
 def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, clean: bool,
@@ -62,7 +62,7 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
                              f"expected -inf ({int(bad_inf[r].sum())} such columns)"}
         inf_rows = bad_inf.any(1).nonzero().flatten()
         col.count("inf_pattern", inf_rows.numel())
-        _keep_rows(col, inf_rows, inf_finding)
+        col.keep_rows(inf_rows, inf_finding)
 
     def nonfinite_finding(r):
         c = int(nonfinite[r].nonzero()[0])
@@ -71,7 +71,7 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
                 "where": f"row {r} column {c}: {float(x[r, c])!r}, expected {float(y[r, c])!r}"}
     nf_rows = nonfinite.any(1).nonzero().flatten()
     col.count("nonfinite", nf_rows.numel())
-    _keep_rows(col, nf_rows, nonfinite_finding)
+    col.keep_rows(nf_rows, nonfinite_finding)
     row_num = sq.sum(1)
     row_den = mag.sum(1)
     row_diff = torch.where(row_den > 0, row_num / row_den.clamp_min(1e-300), 0.0)
@@ -127,20 +127,17 @@ def mass_kept(weights: torch.Tensor, selected: torch.Tensor, exact: torch.Tensor
     `exact` is the top-|selected| by weight (rounding clamped)."""
     w = weights.double()
     if w.dim() == 3:
-        def held(sel):
-            m = sel if sel.dtype == torch.bool else torch.zeros(w.shape[0], w.shape[2], dtype=torch.bool,
-                                                                 device=w.device).scatter_(1, sel, True)
-            return (w * m[:, None, :]).sum((1, 2))
-    else:
-        def held(sel):
-            m = sel if sel.dtype == torch.bool else torch.zeros_like(w, dtype=torch.bool).scatter_(1, sel, True)
-            return (w * m).sum(1)
+        w = w.sum(1)                   # a key's weight: its heads' summed
+
+    def held(sel):
+        m = sel if sel.dtype == torch.bool else torch.zeros_like(w, dtype=torch.bool).scatter_(1, sel, True)
+        return (w * m).sum(1)
     num, den = held(selected), held(exact)
     return torch.where(den > 0, (num / den.clamp_min(1e-300)).clamp(max=1.0), 1.0)
 
 
 def selection_metrics(scores: torch.Tensor, lengths: torch.Tensor, selected: torch.Tensor, k: int,
-                      tol: torch.Tensor, recall: torch.Tensor, *, shared: Optional[SimpleNamespace] = None) -> dict:
+                      tol: torch.Tensor, recall: torch.Tensor, *, shared: SimpleNamespace) -> dict:
     """What a selection keeps of the exact top-k, per row (fp64 [R] each):
       mass       `mass_kept` of the proxy `score_weights`
       top<m>     of the exact top-min(m, len), the share the selection keeps, an entry tied
@@ -149,21 +146,17 @@ def selection_metrics(scores: torch.Tensor, lengths: torch.Tensor, selected: tor
                  lacks, in rows the tie rule does not excuse (recall < 1); NaN elsewhere
     `scores` fp64 [R, W], `selected` bool [R, W] (distinct in-range indices), `tol` and
     `recall` [R] as `diff_topk` computes them. `shared`: `_topk_rows`'s namespace of the same
-    scores and lengths (its masks and, where no valid score is +inf, its top-k), so that
-    the full-size passes are not repeated."""
+    scores and lengths (its finite mask and, where no valid score is +inf, its top-k), so
+    that the full-size passes are not repeated."""
     rw, w = scores.shape
-    if shared is not None:
-        valid, fin = shared.valid, shared.fin
-    else:
-        valid = torch.arange(w)[None, :] < lengths[:, None]
-        fin = valid & torch.isfinite(scores)
-    masked = torch.where(fin, scores, -math.inf)
+    fin = shared.fin
     size = torch.minimum(lengths, torch.tensor(k))
     kk = min(k, w)
-    if shared is not None and not shared.pos_inf:
+    if not shared.pos_inf:
         # the same masked scores (only +inf would differ): the same top-k
         topv, topi = shared.topv, shared.topi
     else:
+        masked = torch.where(fin, scores, -math.inf)
         topv, topi = torch.topk(masked, kk, dim=1) if kk else (masked[:, :0], torch.zeros(rw, 0, dtype=torch.long))
     in_ref = torch.arange(kk)[None, :] < size[:, None]
     exact = torch.zeros(rw, w, dtype=torch.bool).scatter_(1, topi, in_ref) if kk else torch.zeros(rw, w, dtype=torch.bool)
@@ -189,7 +182,7 @@ def selection_metrics(scores: torch.Tensor, lengths: torch.Tensor, selected: tor
 # --- top-k ---------------------------------------------------------------------------------
 
 def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: int, *,
-              tol: Optional[float] = None, op: str = "topk", rows: Optional[dict] = None) -> DiffReport:
+              tol: Optional[float] = None, op: str = "topk") -> DiffReport:
     """Top-k indices [Rw, k] against reference scores [Rw, W].
 
     Rows with length <= k must read 0..len-1 then -1. Longer rows are sets with a tie
@@ -208,8 +201,8 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
       topk_mass_kept_min        the proxy attention mass kept (`score_weights`, `mass_kept`)
       topk_top64_kept_min       the exact top-64 kept (k > 64 only); topk_top256_kept_min alike
       topk_rank_lost_min        the best exact rank lost beyond the tie rule (absent: none lost)
-    `rows`: a dict to receive the per-row tensors recall, exact (the reference's own set),
-    mass and lengths (`recall_rows`)."""
+    The report's `rows`: the per-row tensors recall, exact (the reference's own set), mass
+    and lengths (`recall_points`)."""
     A.pos_int("k", k)
     A.tensor("ref_logits_fp64", ref_logits_fp64, A.FLOATS, 2)
     A.tensor("indices", indices, A.INT_DTYPES, 2)
@@ -232,29 +225,17 @@ def diff_topk(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k: 
     for kd, has in zip(("padding", "duplicates", "out_of_range", "below_threshold"), named):
         col.count(kd, int(has.sum()))
     col.count("tie_swap", int((~(named[0] | named[1] | named[2] | named[3])).sum()))
-    _keep_rows(col, flagged, lambda r: _row_finding(t, r))
+    col.keep_rows(flagged, lambda r: _row_finding(t, r))
     sel_cols = torch.zeros(rw, w + 1, dtype=torch.bool).scatter_(1, torch.where(t.s_in, t.srt, w), True)[:, :w]
     kept = selection_metrics(s, lens, sel_cols, k, t.row_tol, t.recall, shared=t)
     metrics = _topk_metrics(t, kept, rw)
-    per_row = dict(recall=t.recall, exact=t.exact, mass=kept["mass"], lengths=lens)
-    if rows is not None:
-        rows.update(per_row)
     notes = []
     if t.nan_scores:
         metrics["nonfinite_inputs"] = t.nan_scores
         notes.append(f"{t.nan_scores} NaN reference score(s) in the valid region")
     report = col.report(op, metrics, notes)
-    report.rows = per_row            # for `recall_points`: the recall plot without a second diff
+    report.rows = dict(recall=t.recall, exact=t.exact, mass=kept["mass"], lengths=lens)   # `recall_points`
     return report
-
-
-def _keep_rows(col: Collector, rows: torch.Tensor, finding) -> None:
-    """`col.keep(finding(r))` for each row r of `rows` in order, the finding written only
-    while the collector still keeps them (the rest are counted in its total)."""
-    room = max(0, MAX_FINDINGS - len(col.kept))
-    for r in rows[:room].tolist():
-        col.keep(finding(r))
-    col.total += max(0, rows.numel() - room)
 
 
 def _topk_rows(idx, s, lens, k: int, tol: Optional[float]) -> SimpleNamespace:
@@ -302,7 +283,7 @@ def _topk_rows(idx, s, lens, k: int, tol: Optional[float]) -> SimpleNamespace:
     return SimpleNamespace(idx=idx, s=s, lens=lens, k=k, kk=kk, nan_scores=nan_scores, short=short,
                            want_short=want_short, oor=oor, srt=srt, dups=dups, s_in=s_in, kth=kth,
                            row_tol=row_tol, acceptable=acceptable, below=below, recall=recall, jacc=jacc,
-                           pad_err=pad_err, exact=exact, valid=valid_cols, fin=fin, pos_inf=pos_inf,
+                           pad_err=pad_err, exact=exact, fin=fin, pos_inf=pos_inf,
                            topv=topv, topi=topi)
 
 
@@ -363,14 +344,11 @@ def recall_rows(indices: torch.Tensor, ref_logits_fp64: torch.Tensor, lengths, k
     """[[row length, recall within the tie rule, 1 if the set is the reference's own else 0,
     proxy mass kept], ...] of the rows with a non-empty reference set (the recall plot: a
     row below 1 lost keys; a row at 1 marked 0 is a tie swap the rule accepts)."""
-    rows: dict = {}
-    diff_topk(indices, ref_logits_fp64, lengths, k, rows=rows)
-    return recall_points(rows)
+    return recall_points(diff_topk(indices, ref_logits_fp64, lengths, k).rows)
 
 
 def recall_points(rows: dict) -> list[list]:
-    """`recall_rows` from the per-row tensors a `diff_topk` gave (its `rows`, or its report's
-    `rows` attribute)."""
+    """`recall_rows` from the per-row tensors a `diff_topk` report gave (its `rows`)."""
     return [[int(n), float(r), int(e), float(m)] for n, r, e, m in
             zip(rows["lengths"].tolist(), rows["recall"].tolist(), rows["exact"].tolist(), rows["mass"].tolist())
             if n > 0]
