@@ -304,8 +304,7 @@ class ChainRun:
                              < ins["row_ends"].to(a.device).long()[:, None])
                     a, b = a[valid], b[valid]
                 # compared where the outputs are: only a run that differs is read back
-                x = a.detach().contiguous().view(torch.uint8).reshape(-1)
-                y = b.detach().to(x.device).contiguous().view(torch.uint8).reshape(-1)
+                x, y = _bytes(a), _bytes(b.to(a.device))
                 if bool(torch.equal(x, y)):
                     continue
                 x, y = x.cpu(), y.cpu()
