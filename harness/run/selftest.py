@@ -296,7 +296,7 @@ def _alarm(row: dict) -> bool:
 def _fault_json(res: FaultResult) -> dict:
     f = res.fault
     worst = res.worst()
-    return {"name": f.name, "bug_class": f.bug_class, "source": getattr(f, "source", ""),
+    return {"name": f.name, "bug_class": f.bug_class, "source": f.source,
             "caught": res.caught, "caught_by": res.caught_by,
             "ops": list(f.ops), "cases": list(f.cases), "description": f.description,
             "runs": len(res.rows), "runs_caught": sum(res.runs_caught),
@@ -409,8 +409,8 @@ def markdown(results, budgets, verdict, meta) -> str:
              f"on {meta['machine']}.",
              "",
              ]
-    field = [r for r in results.values() if getattr(r.fault, "source", "")]
-    invented = [r for r in results.values() if not getattr(r.fault, "source", "")]
+    field = [r for r in results.values() if r.fault.source]
+    invented = [r for r in results.values() if not r.fault.source]
     for title, group, source in (("Faults invented here (NUMERICS.md §10)", invented, False),
                                  ("Bugs that shipped, each modelled on its source (NUMERICS.md §10)", field, True)):
         if not group:
