@@ -747,7 +747,7 @@ class _Pool:
                  case_timeout: Optional[float]):
         self.cases, self.be, self.backend_name = cases, be, backend_name
         self.progress, self.case_timeout = progress, case_timeout
-        gpu = str(be.device) != "cpu" and torch.cuda.is_available()
+        gpu = _on_gpu(be)
         self.ctx = mp.get_context(start_method or ("spawn" if gpu else "fork"))
         self.var, self.devices = _visible_gpus() if gpu else ("", [])
         self.n = min(jobs, len(cases))
