@@ -111,3 +111,16 @@ def test_verdicts():
     # a case that planted non-finites but saw none fails: the harness missed them
     v = B.verdict(_row(expect_nonfinite=True, planted=["q[0] = nan"]), b, "s")
     assert (v["status"], v["ok"]) == ("fail", False)
+
+
+def test_the_first_failing_stage_is_the_earliest_in_chain_order():
+    def v(*keys):
+        return [{"metric": k} for k in keys]
+    assert B.first_failing_stage(v("chain.topk_recall_min", "topk.topk_duplicates", "paged_mxfp4_mqa_logits.logits_diff",
+                                   "q_rope_mxfp4_quant.q_bytes_mismatched")) == "q_rope_mxfp4_quant"
+    assert B.first_failing_stage(v("topk.topk_duplicates", "compress_norm_rope_fp8_cache.page_bytes_mismatched")) \
+        == "compress_norm_rope_fp8_cache"
+    assert B.first_failing_stage(v("k_norm_rope_mxfp4_cache.page_bytes_mismatched", "compress_pool.pooled_max_ulp")) \
+        == "compress_pool"
+    assert B.first_failing_stage(v("chain.topk_recall_min")) == "chain"
+    assert B.first_failing_stage([]) == ""

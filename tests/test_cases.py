@@ -172,7 +172,7 @@ def _edges(cases):
         rows |= set(r)
         nbytes |= set(b)
         narrow |= "narrow_band" in c.dist and "topk" in c.ops
-        deep |= any(len({s.steps()[0][0] > 0 for s in c.seqs}) == 2 and max(r) > 4096 for _ in [0])
+        deep |= len({s.steps()[0][0] > 0 for s in c.seqs}) == 2 and max(r) > 4096
     out = {f"positions {x}" for x in (2 ** 15, 2 ** 16, 2 ** 17) if _straddles(pos, x)}
     out |= {f"entries {x}" for x in (2048, 4096, 16384, 32768) if x in ends and x + 1 in ends}
     out |= {f"rows {x}" for x in (256, 512, 1024, 4096, 65536) if x in rows and x + 1 in rows}

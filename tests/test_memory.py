@@ -64,7 +64,6 @@ def test_the_memory_cap_is_read_from_the_environment(monkeypatch):
     assert memory.fraction() == 0.25
     monkeypatch.delenv(memory.FRACTION_ENV)
     assert memory.fraction() is None
-    memory.apply_fraction("cpu")                            # the CPU: nothing to cap
 
 
 def test_peak_is_none_on_the_cpu():
@@ -137,6 +136,8 @@ def test_peak_is_what_the_block_allocated_above_its_start(monkeypatch):
     """The GPU path on any machine: the allocator's counters are played back."""
     fake = _FakeAllocator(monkeypatch)
     monkeypatch.setenv(memory.FRACTION_ENV, "0.2")
+    memory.apply_fraction("cpu")                         # the CPU: nothing to cap
+    assert fake.fractions == []
     with memory.Peak("cuda:0") as p:
         pass
     assert p.bytes == 1000

@@ -40,7 +40,7 @@ from harness.diff.metrics import CHAIN, METRICS, OFF, Limit, bare, emitted_by, i
 from harness.errors import InputError
 from harness.io import safe_input
 from harness.run.cases import BUDGETS_FILE, CASES_DIR
-from reference.ops import OPS
+from reference.ops import OPS, STAGES
 
 __all__ = ["BudgetError", "Budgets", "Limit", "OFF", "load", "verdict"]
 
@@ -253,14 +253,11 @@ def verdict(row: dict, budgets: Budgets, suite: str) -> dict:
     return row
 
 
-_STAGE_ORDER = {"pooling": 0, "k_writer": 1, "pool_k": 1, "q_quant": 2, "scorer": 3, "topk": 4}
-
-
 def first_failing_stage(violations: list[dict]) -> str:
     """The op, in chain order, of the first violated `<op>.<metric>` (`chain.*` only when no
     stage broke a budget); "" when none names an op."""
     ops = [v["metric"].split(".")[0] for v in violations]
     staged = [o for o in ops if o in OPS]
     if staged:
-        return min(staged, key=lambda o: _STAGE_ORDER.get(OPS[o].stage, 9))
+        return min(staged, key=lambda o: STAGES.index(OPS[o].stage))
     return "chain" if any(o == "chain" for o in ops) else ""

@@ -83,10 +83,20 @@ MAX_LOGITS = 2 ** 31              # one step's tokens x the widest row (fp64 ref
                                   # the GPU suite's 65537-row top-k call needs just over 2^30)
 
 
+def _page_needs(case: Case, r: int, ps: int) -> list[int]:
+    """The K pool pages each sequence needs (at least one)."""
+    return [max(1, -(-(s.len // r) // ps)) for s in case.seqs]
+
+
+def _pool_pages(case: Case, needs: list[int]) -> int:
+    """The K pool's pages: `pool_pages`, else what the sequences need plus the spare pages."""
+    return case.pool_pages or sum(needs) + case.spare_pages
+
+
 def _check_sizes(case: Case, r: int, ps: int, stride: int, heads: int, d: int) -> None:
     where = f"{case.file}: case {case.name!r}"
-    needs = [max(1, -(-(s.len // r) // ps)) for s in case.seqs]
-    pool = case.pool_pages or sum(needs) + case.spare_pages
+    needs = _page_needs(case, r, ps)
+    pool = _pool_pages(case, needs)
     if pool < sum(needs):
         raise CaseError(f"{where}: pool_pages: {pool} < the {sum(needs)} pages the sequences need")
     if pool * stride > MAX_POOL_BYTES:
@@ -303,7 +313,7 @@ def _tokens(case: Case, geo: Geometry, ranges: dict[int, tuple[int, int]],
 
 def _pages(case: Case, needs: list[int], gen: torch.Generator) -> tuple[int, torch.Tensor]:
     total = sum(needs)
-    pool = case.pool_pages or total + case.spare_pages
+    pool = _pool_pages(case, needs)
     if pool < total:
         raise CaseError(f"{case.file}: case {case.name!r}: pool_pages {pool} < the {total} pages needed")
     if case.page_order == "permuted":
@@ -377,8 +387,7 @@ def _state(case: Case, geo, gen: torch.Generator):
 
 def _k_pool(case: Case, geo, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The K cache pool (random bytes; filled on `device` when over _CPU_POOL_LIMIT) and its block table."""
-    needs = [max(1, -(-(s.len // geo.ratio) // geo.page_size)) for s in case.seqs]
-    pool_pages, k_bt = _pages(case, needs, gen)
+    pool_pages, k_bt = _pages(case, _page_needs(case, geo.ratio, geo.page_size), gen)
     pool_bytes = pool_pages * geo.page_stride
     if pool_bytes > _CPU_POOL_LIMIT:
         dgen = torch.Generator(device=device).manual_seed(case.seed)
@@ -445,5 +454,4 @@ def filled_on_device(case: Case) -> bool:
     """Whether `build` fills the case's K pool on the device (a pool over _CPU_POOL_LIMIT):
     its bytes then depend on the device, and only `build(case, device)` gives them."""
     geo = geometry(case)
-    needs = [max(1, -(-(s.len // geo.ratio) // geo.page_size)) for s in case.seqs]
-    return (case.pool_pages or sum(needs) + case.spare_pages) * geo.page_stride > _CPU_POOL_LIMIT
+    return _pool_pages(case, _page_needs(case, geo.ratio, geo.page_size)) * geo.page_stride > _CPU_POOL_LIMIT

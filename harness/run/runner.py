@@ -304,8 +304,7 @@ class ChainRun:
                              < ins["row_ends"].to(a.device).long()[:, None])
                     a, b = a[valid], b[valid]
                 # compared where the outputs are: only a run that differs is read back
-                x = a.detach().contiguous().view(torch.uint8).reshape(-1)
-                y = b.detach().to(x.device).contiguous().view(torch.uint8).reshape(-1)
+                x, y = _bytes(a), _bytes(b.to(a.device))
                 if bool(torch.equal(x, y)):
                     continue
                 x, y = x.cpu(), y.cpu()
@@ -748,7 +747,7 @@ class _Pool:
                  case_timeout: Optional[float]):
         self.cases, self.be, self.backend_name = cases, be, backend_name
         self.progress, self.case_timeout = progress, case_timeout
-        gpu = str(be.device) != "cpu" and torch.cuda.is_available()
+        gpu = _on_gpu(be)
         self.ctx = mp.get_context(start_method or ("spawn" if gpu else "fork"))
         self.var, self.devices = _visible_gpus() if gpu else ("", [])
         self.n = min(jobs, len(cases))

@@ -26,9 +26,9 @@ from rich.table import Table
 from harness.diff import higher_is_better
 from harness.diff.metrics import CHAIN_PREFIX, is_chain
 from harness.diff.ops import label as op_label
-from harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, InputError, UsageError
+from harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from harness.io import atomic, report
-from harness.run import budgets as B
+from harness.run import recheck
 from harness.run import shard as S
 from harness.run.pipeline import Run
 from harness.run.signals import deferred, release
@@ -296,7 +296,7 @@ def _alarm(row: dict) -> bool:
 def _fault_json(res: FaultResult) -> dict:
     f = res.fault
     worst = res.worst()
-    return {"name": f.name, "bug_class": f.bug_class, "source": getattr(f, "source", ""),
+    return {"name": f.name, "bug_class": f.bug_class, "source": f.source,
             "caught": res.caught, "caught_by": res.caught_by,
             "ops": list(f.ops), "cases": list(f.cases), "description": f.description,
             "runs": len(res.rows), "runs_caught": sum(res.runs_caught),
@@ -409,8 +409,8 @@ def markdown(results, budgets, verdict, meta) -> str:
              f"on {meta['machine']}.",
              "",
              ]
-    field = [r for r in results.values() if getattr(r.fault, "source", "")]
-    invented = [r for r in results.values() if not getattr(r.fault, "source", "")]
+    field = [r for r in results.values() if r.fault.source]
+    invented = [r for r in results.values() if not r.fault.source]
     for title, group, source in (("Faults invented here (NUMERICS.md §10)", invented, False),
                                  ("Bugs that shipped, each modelled on its source (NUMERICS.md §10)", field, True)):
         if not group:
@@ -543,38 +543,11 @@ class _MergedResult:
         return self._values
 
 
-class _LimitTexts:
-    """Budgets for the matrix heads when the run's budgets file is not here: the texts of
-    the limits the report recorded."""
-
-    def __init__(self, d: dict):
-        self.default = d.get("default") or {}
-
-    def limit(self, key: str, suite: str, case: str = ""):
-        bare = key.partition(".")[2] if key.startswith("x.") else key
-        text = self.default.get(key) or self.default.get(bare)
-        return SimpleNamespace(text=lambda: text) if text else None
-
-
 def write_merged_extras(out: Path, df, meta: dict) -> None:
     """selftest.json and selftest.md of a merged selftest report."""
     verdict = meta["selftest"]
-    budgets = _LimitTexts(meta.get("budgets") or {})
-    try:
-        real = B.load((meta.get("budgets") or {}).get("path"))
-        if S.budgets_digest(real) == S.budgets_digest(_AsDict(meta.get("budgets") or {})):
-            budgets = real
-    except (InputError, OSError):       # the budgets file moved or changed: the recorded limit texts
-        pass
+    budgets = recheck.recorded_budgets(meta, str(out / "report.json"))     # the limits the run judged by
     results = {f["name"]: _MergedResult(f) for f in verdict["faults"]}
     md = markdown(results, budgets, verdict, {"machine": verdict.get("machine", "")})
     atomic.write_text(out / "selftest.md", md)
     atomic.write_text(out / "selftest.json", json.dumps(verdict, indent=1, default=str) + "\n")
-
-
-class _AsDict:
-    def __init__(self, d):
-        self.d = d
-
-    def as_dict(self):
-        return self.d
