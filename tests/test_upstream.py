@@ -352,7 +352,9 @@ def test_fetch_aiter_takes_a_pinned_ref_from_git_and_records_the_hashes(tmp_path
     assert find_source(package="aiter").root == root            # the tree fetched last is the default
     assert main(["upstream", "fetch", "--aiter", "no-such-ref", "--aiter-url", str(repo)]) == 2
     assert "cannot fetch" in capsys.readouterr().err
-    assert main(["upstream", "fetch", "--aiter", "--upload-pack=touch /tmp/x"]) == 2
+    marker = tmp_path / "ran"
+    assert main(["upstream", "fetch", f"--aiter=--upload-pack=touch {marker}", "--aiter-url", str(repo)]) == 2
+    assert "not a git ref or an archive file" in capsys.readouterr().err and not marker.exists()
 
 
 def test_fetch_never_writes_through_a_symlinked_cache_dir(fake_index, tmp_path, capsys):
