@@ -401,13 +401,11 @@ RADIX_FLAGGEMS = (11, 2048)
 POOL_RATIO = 4                  # r of every preset (the scorer is not told r)
 
 
-def logits_post_op(post: Callable, scorer: Optional[Callable] = None) -> Callable:
+def logits_post_op(post: Callable) -> Callable:
     """paged_mxfp4_mqa_logits whose fp32 logits go through `post(logits, args)` after the
-    reference (or `scorer`) computed them; `args` are the call's keyword arguments."""
-    base = scorer or reference.paged_mxfp4_mqa_logits
-
+    reference computed them; `args` are the call's keyword arguments."""
     def paged_mxfp4_mqa_logits(**kw) -> dict:
-        out = base(**kw)
+        out = reference.paged_mxfp4_mqa_logits(**kw)
         return {"logits": post(out["logits"].clone(), kw)}
     return paged_mxfp4_mqa_logits
 

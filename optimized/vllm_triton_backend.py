@@ -44,7 +44,11 @@ def cuda_numerics(interpreted: bool) -> dict:
             **{op: {"rope": q} for op in ("q_rope_mxfp4_quant", "q_rope_fp8_quant")}}
 
 
-def _own_rope(op: str, options: dict, numerics: dict) -> None:
+def _own_rope(op: str, options: dict, numerics: dict, allowed=Q_OPTIONS) -> None:
+    """The reference options the runner passes (`allowed` ones only) are those vLLM's kernel computes."""
+    bad = sorted(set(options) - set(allowed))
+    if bad:
+        raise TypeError(f"unexpected keyword(s) {', '.join(bad)}")
     want = numerics[op]["rope"]
     if options.get("rope", want) != want:
         raise ValueError(f"rope: vLLM's {op} kernel computes rope={want!r} here, got {options['rope']!r}")
@@ -124,10 +128,7 @@ def _fused_op(ks, device: str, numerics: dict, fmt: str):
     def op(*, state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight,
            kv_cache, compress_ratio: int = 4, norm_eps: float = 1e-6, page_size: int = 64,
            fp8_dtype: str = CUDA_FP8, **options) -> dict:
-        bad = sorted(set(options) - set(FUSED_OPTIONS))
-        if bad:
-            raise TypeError(f"unexpected keyword(s) {', '.join(bad)}")
-        _own_rope(f"compress_norm_rope_{fmt}_cache", options, numerics)
+        _own_rope(f"compress_norm_rope_{fmt}_cache", options, numerics, FUSED_OPTIONS)
         if fmt == "fp8" and fp8_dtype != CUDA_FP8:
             checks.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
             raise ValueError(f"fp8_dtype: vLLM's CUDA FP8 writer stores e4m3fn (FP8_MAX 448), got {fp8_dtype!r}")
@@ -183,8 +184,6 @@ def make_cuda_ops(ks, device: str) -> dict:
     def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float, hadamard: bool = False,
                            scale_rule: str = "ceil", softmax_scale=None, head_scale=None, **options) -> dict:
         _no_hadamard(hadamard, scale_rule)
-        if set(options) - set(Q_OPTIONS):
-            raise TypeError(f"unexpected keyword(s) {', '.join(sorted(set(options) - set(Q_OPTIONS)))}")
         _own_rope("q_rope_mxfp4_quant", options, numerics)
         out, scale, w, back = _q_launch(ks, device, "mxfp4", q, positions, cos_sin_cache, weights, weights_scale,
                                         softmax_scale, head_scale)
@@ -193,8 +192,6 @@ def make_cuda_ops(ks, device: str) -> dict:
     def q_rope_fp8_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float, fp8_dtype: str = CUDA_FP8,
                          hadamard: bool = False, softmax_scale=None, head_scale=None, **options) -> dict:
         _no_hadamard(hadamard)
-        if set(options) - set(Q_OPTIONS):
-            raise TypeError(f"unexpected keyword(s) {', '.join(sorted(set(options) - set(Q_OPTIONS)))}")
         _own_rope("q_rope_fp8_quant", options, numerics)
         checks.choice("fp8_dtype", fp8_dtype, tuple(FP8_FLAVOURS))
         if fp8_dtype != CUDA_FP8:

@@ -398,32 +398,26 @@ def _fused_k(fmt: str, kw: dict, grid) -> None:
     pages.copy_(out)
 
 
-def _fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn(
-        state_cache_ptr, state_cache_stride0, state_cache_stride1, token_to_req_indices_ptr, positions_ptr,
-        slot_mapping_ptr, block_table_ptr, block_table_stride, block_size, rms_norm_weight_ptr, rms_norm_eps,
-        cos_sin_cache_ptr, cos_sin_stride, k_cache_ptr, kv_slot_mapping_ptr, kv_cache_block_size,
-        HEAD_SIZE: tl.constexpr, TRITON_BLOCK_SIZE: tl.constexpr, STATE_WIDTH: tl.constexpr,
-        COMPRESS_RATIO: tl.constexpr, OVERLAP: tl.constexpr, ROPE_HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr,
-        QUANT_BLOCK: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_DIM: tl.constexpr,
-        KV_BLOCK_STRIDE: tl.constexpr, MX_SCALE: tl.constexpr):
-    CALLS.append(("vllm.cuda.k_mxfp4",))
-    _fused_k("mxfp4", dict(locals()), FUSED_K_MXFP4.grid)
+def _fused_k_kernel(name: str, key: str, fmt: str) -> _Jit:
+    """vLLM's fused K kernel `name` (one signature for both formats), logging `key`."""
+    def kernel(
+            state_cache_ptr, state_cache_stride0, state_cache_stride1, token_to_req_indices_ptr, positions_ptr,
+            slot_mapping_ptr, block_table_ptr, block_table_stride, block_size, rms_norm_weight_ptr, rms_norm_eps,
+            cos_sin_cache_ptr, cos_sin_stride, k_cache_ptr, kv_slot_mapping_ptr, kv_cache_block_size,
+            HEAD_SIZE: tl.constexpr, TRITON_BLOCK_SIZE: tl.constexpr, STATE_WIDTH: tl.constexpr,
+            COMPRESS_RATIO: tl.constexpr, OVERLAP: tl.constexpr, ROPE_HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr,
+            QUANT_BLOCK: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_DIM: tl.constexpr,
+            KV_BLOCK_STRIDE: tl.constexpr, MX_SCALE: tl.constexpr):
+        CALLS.append((key,))
+        _fused_k(fmt, dict(locals()), jit.grid)
+
+    kernel.__name__ = kernel.__qualname__ = name
+    jit = _Jit(kernel)
+    return jit
 
 
-def _fused_kv_compress_norm_rope_insert_indexer_attn(
-        state_cache_ptr, state_cache_stride0, state_cache_stride1, token_to_req_indices_ptr, positions_ptr,
-        slot_mapping_ptr, block_table_ptr, block_table_stride, block_size, rms_norm_weight_ptr, rms_norm_eps,
-        cos_sin_cache_ptr, cos_sin_stride, k_cache_ptr, kv_slot_mapping_ptr, kv_cache_block_size,
-        HEAD_SIZE: tl.constexpr, TRITON_BLOCK_SIZE: tl.constexpr, STATE_WIDTH: tl.constexpr,
-        COMPRESS_RATIO: tl.constexpr, OVERLAP: tl.constexpr, ROPE_HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr,
-        QUANT_BLOCK: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_DIM: tl.constexpr,
-        KV_BLOCK_STRIDE: tl.constexpr, MX_SCALE: tl.constexpr):
-    CALLS.append(("vllm.cuda.k_fp8",))
-    _fused_k("fp8", dict(locals()), FUSED_K_FP8.grid)
-
-
-FUSED_K_MXFP4 = _Jit(_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn)
-FUSED_K_FP8 = _Jit(_fused_kv_compress_norm_rope_insert_indexer_attn)
+FUSED_K_MXFP4 = _fused_k_kernel("_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn", "vllm.cuda.k_mxfp4", "mxfp4")
+FUSED_K_FP8 = _fused_k_kernel("_fused_kv_compress_norm_rope_insert_indexer_attn", "vllm.cuda.k_fp8", "fp8")
 # vLLM's CUDA-path kernels the capture hook wraps (install(..., fused=True) puts them in place)
 FUSED_KEYS = ("vllm.cuda.k_mxfp4", "vllm.cuda.k_fp8")
 

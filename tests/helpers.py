@@ -232,6 +232,20 @@ def _judge():
     return dataclasses.replace(b, cases={**b.cases, _KERNEL_CASE: {"pooled_max_ulp": budgets.Limit(max=0.0)}})
 
 
+def aiter_backend(name: str):
+    """The aiter backend `name`, loaded from the aiter tree in $MXVAL_AITER_SRC; the test is
+    skipped, with the reason, when there is no tree or the backend cannot load it."""
+    import os
+
+    from optimized import get_backend
+    if not os.environ.get("MXVAL_AITER_SRC"):
+        pytest.skip("no aiter tree: set MXVAL_AITER_SRC (make test-aiter AITER=DIR)")
+    be = get_backend(name, require=False)
+    if be.available():
+        pytest.skip(be.available())
+    return be
+
+
 def reference_outputs(op: str, kw: dict) -> dict:
     """The reference's outputs on `kw` (fp64 logits for the scorers, as the harness compares)."""
     o = reference.OPS[op]

@@ -294,3 +294,18 @@ def test_the_adapters_name_no_upstream_module():
                 hits.append(f"{py.relative_to(root)}:{n}: {line.strip()}")
     assert hits == []
     assert inspect.getsourcefile(aiter_backend) and inspect.getsourcefile(vllm_backend)
+
+
+@pytest.mark.parametrize("op,case", [("k_norm_rope_mxfp4_cache", k_writer_case), ("q_rope_mxfp4_quant", q_case)])
+def test_the_aiter_adapter_refuses_a_rope_its_kernel_does_not_compute(op, case):
+    """A backend declaring rope=fma-oc (Backend.numerics) refuses any other rope, before its
+    kernel runs; the declared one reaches the kernel."""
+    ran = []
+    ops = aiter_backend.make_ops({op: lambda *a: ran.append(a) or a[:3]}, "cpu", {op: {"rope": "fma-oc"}})
+    kw = case()
+    kw.pop("rope", None)
+    with pytest.raises(ValueError, match=r"rope: aiter's .* computes rope='fma-oc' here, got 'separate'"):
+        ops[op](**kw, rope="separate")
+    assert ran == []
+    ops[op](**kw, rope="fma-oc")
+    assert len(ran) == 1

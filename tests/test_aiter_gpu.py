@@ -69,18 +69,6 @@ def test_the_two_scale_rules_agree_on_every_bf16_amax():
     assert int((c != b).sum()) == 0
 
 
-def _aiter_compiled():
-    import os
-
-    from optimized import get_backend
-    if not os.environ.get("MXVAL_AITER_SRC"):
-        pytest.skip("no aiter tree: set MXVAL_AITER_SRC")
-    be = get_backend("aiter-triton", require=False)
-    if be.available():
-        pytest.skip(be.available())
-    return be
-
-
 def _which_rope(op: str, kw: dict, got: dict, keys) -> str:
     hits = [m for m in ("separate", "fma-oc", "fma-es")
             if all(torch.equal(got[k], reference.OPS[op].fn(**kw, rope=m)[k]) for k in keys)]
@@ -91,7 +79,7 @@ def _which_rope(op: str, kw: dict, got: dict, keys) -> str:
 @pytest.mark.upstream
 @pytest.mark.parametrize("heads,ratio,shuffled", [(64, 4, True), (16, 1, True), (32, 2, False)])
 def test_aiter_k_writer_compiled(heads, ratio, shuffled):
-    be = _aiter_compiled()
+    be = H.aiter_backend("aiter-triton")
     kw = H.k_writer_case(seed=heads + ratio, shuffle=layout.choose_shuffle(128, heads).as_list() if shuffled
                          else None)
     kw["compress_ratio"] = ratio
@@ -107,7 +95,7 @@ def test_aiter_k_writer_compiled(heads, ratio, shuffled):
 @pytest.mark.upstream
 @pytest.mark.parametrize("seed,tokens,heads", [(1, 6, 8), (2, 5, 64)])
 def test_aiter_q_quant_compiled(seed, tokens, heads):
-    be = _aiter_compiled()
+    be = H.aiter_backend("aiter-triton")
     kw = H.q_case(seed=seed, tokens=tokens, heads=heads)
     rope = be.numerics["q_rope_mxfp4_quant"]["rope"]
     got = be.ops["q_rope_mxfp4_quant"](**kw, rope=rope)

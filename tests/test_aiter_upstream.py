@@ -17,15 +17,7 @@ pytestmark = pytest.mark.upstream
 
 @pytest.fixture(scope="module")
 def be():
-    import os
-
-    from optimized import get_backend
-    if not os.environ.get("MXVAL_AITER_SRC"):
-        pytest.skip("no aiter tree: set MXVAL_AITER_SRC (make test-aiter AITER=DIR)")
-    b = get_backend("aiter-triton-interpret", require=False)
-    if b.available():
-        pytest.skip(b.available())
-    return b
+    return H.aiter_backend("aiter-triton-interpret")
 
 
 @pytest.mark.parametrize("heads,ratio,shuffled", [(64, 4, True), (16, 1, True), (32, 2, False), (64, 4, False)])

@@ -299,7 +299,7 @@ def test_radix_topk_overflow_past_its_candidate_buffer(name, edge):
         assert got[r].unique().numel() == 8
 
 
-def _scorer_kw(qsl, ends, width=64):
+def _scorer_kw(qsl, ends):
     return dict(query_start_loc=torch.tensor(qsl), row_ends=torch.tensor(ends))
 
 

@@ -3,6 +3,7 @@ written from the table itself (no download, nothing imported)."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import subprocess
 import zipfile
@@ -344,15 +345,17 @@ def test_fetch_aiter_takes_a_pinned_ref_from_git_and_records_the_hashes(tmp_path
     assert not (root / "aiter/unrelated.py").exists()
     manifest = json.loads((root / ".mxval-manifest.json").read_text())
     assert manifest["commit"] == first and manifest["git"] == str(repo)
-    assert manifest["sha256"] == {rel: d for rel, d in F.aiter_pins(root).items()} | {
-        "aiter/__init__.py": manifest["sha256"]["aiter/__init__.py"]}
+    assert manifest["sha256"] == {rel: hashlib.sha256(text.encode()).hexdigest()       # the first commit's files
+                                  for rel, text in F.AITER_TREE.items() if rel.endswith(".py")}
     assert "not pinned by optimized/upstream.py" in out and "--trust-upstream" in out
     from optimized.vllm_kernels.source import find_source
     assert find_source(package="aiter", version=first).root == root
     assert find_source(package="aiter").root == root            # the tree fetched last is the default
     assert main(["upstream", "fetch", "--aiter", "no-such-ref", "--aiter-url", str(repo)]) == 2
     assert "cannot fetch" in capsys.readouterr().err
-    assert main(["upstream", "fetch", "--aiter", "--upload-pack=touch /tmp/x"]) == 2
+    marker = tmp_path / "ran"
+    assert main(["upstream", "fetch", f"--aiter=--upload-pack=touch {marker}", "--aiter-url", str(repo)]) == 2
+    assert "not a git ref or an archive file" in capsys.readouterr().err and not marker.exists()
 
 
 def test_fetch_never_writes_through_a_symlinked_cache_dir(fake_index, tmp_path, capsys):

@@ -125,6 +125,16 @@ def test_cuda_path_refuses_what_it_cannot_do(cuda_be):
     ins["kv_slot_mapping"] = ins["kv_slot_mapping"] + 10_000      # past the pool: the kernel would not notice
     with pytest.raises(ValueError, match="kv_slot_mapping"):
         cuda_be.ops["compress_norm_rope_mxfp4_cache"](**ins)
+    for op, kw in (("q_rope_mxfp4_quant", qc), ("compress_norm_rope_mxfp4_cache", _fused_inputs("mxfp4"))):
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            cuda_be.ops[op](**kw, clean_logits=True)
+        want = cuda_be.numerics[op]["rope"]
+        with pytest.raises(ValueError, match=f"computes rope={want!r} here, got 'fma-xx'"):
+            cuda_be.ops[op](**kw, rope="fma-xx")
+    with pytest.raises(TypeError, match="unexpected keyword"):                # softmax: the fused ops only
+        cuda_be.ops["q_rope_mxfp4_quant"](**qc, softmax="fp32")
+    with pytest.raises(ValueError, match="softmax"):
+        cuda_be.ops["compress_norm_rope_mxfp4_cache"](**_fused_inputs("mxfp4"), softmax="fp32")
 
 
 def test_rocm_pooling_kernel_matches_the_reference(rocm_be):

@@ -93,16 +93,16 @@ class DirSource(Source):
         self.root = root
 
     def read(self, rel: str) -> Optional[str]:
+        from optimized.vllm_kernels.source import SourceError, read_bounded
         p = self.root / rel
+        if not p.is_file():
+            return None
         try:
-            if not p.is_file():
-                return None
-            with open(p, "rb") as f:
-                data = f.read(MAX_SOURCE_CHARS + 1)
+            data = read_bounded(p)
         except OSError:
             return None
-        if len(data) > MAX_SOURCE_CHARS:
-            raise _too_large(str(p), p.stat().st_size)
+        except SourceError as e:
+            raise UpstreamError(str(e)) from None
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError:

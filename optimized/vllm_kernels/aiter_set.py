@@ -23,7 +23,7 @@ from typing import Optional
 from .. import upstream
 from .kernelset import KernelSetError, LazyKernels
 from .loader import KernelRef, Loader, LoadError, Replacement
-from .source import KernelSource, SourceError, find_source, trusted_from_env
+from .source import ENVS, KernelSource, SourceError, find_source, trusted_from_env
 
 K_KEY, Q_KEY = "aiter.k_writer", "aiter.q_quant"
 LOGGER_KEY, REPR_KEY = "aiter.triton.logger", "aiter.triton.kernel_repr"
@@ -82,7 +82,7 @@ def aiter_set(*, interpreted: bool, path: Optional[str] = None, trusted: Optiona
     """aiter's wrappers, resolved now (parsed, names checked, files verified), compiled on
     first use. KernelSetError (one line) when the tree is missing, not pinned or drifted."""
     trusted = trusted_from_env() if trusted is None else trusted
-    key = (interpreted, path or os.environ.get("MXVAL_AITER_SRC"), trusted)
+    key = (interpreted, path or os.environ.get(ENVS["aiter"]), trusted)
     if key in _CACHE:
         return _CACHE[key]
     try:

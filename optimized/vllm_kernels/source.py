@@ -13,7 +13,7 @@ Upstream trees are data until verified: every file read is checked against the s
 upstream table pins for it (`optimized.upstream.PINS`, one set per known release); a file
 whose hash is not pinned is refused, unless the tree is trusted (`trusted=True`: the user
 named the tree and said it is trusted, `--trust-upstream` / $MXVAL_TRUST_UPSTREAM). Files are
-read with a size bound (MAX_SOURCE_BYTES).
+read with a size bound (reader.MAX_SOURCE_CHARS).
 
 `KernelSource.describe()` is the one line every result carries.
 """
@@ -27,18 +27,18 @@ from pathlib import Path
 from typing import Optional
 
 from .. import upstream
+from .reader import MAX_SOURCE_CHARS
 
 ENV = "MXVAL_VLLM_SRC"
 ENVS = {"vllm": ENV, "aiter": "MXVAL_AITER_SRC"}
 TRUST_ENV = "MXVAL_TRUST_UPSTREAM"      # "1": the named trees are trusted (hashes not enforced)
-MAX_SOURCE_BYTES = 4 << 20              # one source file; upstream's largest table file is ~60 kB
 
 
 class SourceError(RuntimeError):
     """No usable source: one line saying what to do."""
 
 
-def read_bounded(path: Path, limit: int = MAX_SOURCE_BYTES) -> bytes:
+def read_bounded(path: Path, limit: int = MAX_SOURCE_CHARS) -> bytes:
     """A regular file's bytes, refused past `limit` (never reads more than limit + 1)."""
     if not path.is_file():
         raise SourceError(f"{path}: not a regular file")
