@@ -570,7 +570,8 @@ def _fp16_radix_key(x: torch.Tensor, bits: int) -> torch.Tensor:
 def radix_overflow(bits: int, capacity: int, arrival: str) -> Callable:
     """Radix top-k whose threshold bin keeps at most `capacity` candidates: bins above the
     threshold bin are taken whole, the threshold bin's candidates are stored in arrival
-    order (`column` order, or `random` as atomics deliver them) until the buffer is full,
+    order (`column` order, or `random` as atomics deliver them, drawn from a per-row seed so the
+    fault itself is reproducible) until the buffer is full,
     and the rest of k comes exactly from what was stored. Bins that fit are exact."""
     def post(idx, lengths, k, logits):
         for r in (lengths > k).nonzero().flatten().tolist():
@@ -584,8 +585,9 @@ def radix_overflow(bits: int, capacity: int, arrival: str) -> Callable:
             cand = (key == thr).nonzero().flatten()
             if cand.numel() <= capacity:
                 continue
-            if arrival == "random":
-                cand = cand[torch.randperm(cand.numel(), device=cand.device)]
+            if arrival == "random":     # an arrival order other than columns', seeded by the row so reruns agree
+                perm = torch.randperm(cand.numel(), generator=torch.Generator().manual_seed(r))
+                cand = cand[perm.to(cand.device)]
             kept = cand[:capacity]
             need = k - higher.numel()
             best = kept[torch.topk(row[kept].double(), need).indices]

@@ -674,7 +674,9 @@ def _from_archive(path: Path, wanted: list[str]) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
 
     def rel_of(name: str) -> Optional[str]:
-        name = name.lstrip("./")
+        while name.startswith("./"):        # a prefix, not characters: ".x/..." keeps its dot
+            name = name[2:]
+        name = name.lstrip("/")
         if name in wanted:
             return name
         tail = name.split("/", 1)[1] if "/" in name else ""
