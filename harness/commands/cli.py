@@ -45,8 +45,7 @@ from harness.errors import (
 from harness.io import atomic, escape
 from harness.run.signals import catch_sigterm, hold, release_all, restore_sigterm, stopped_by
 
-__all__ = ["EXIT_FAIL", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UsageError",
-           "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 # Commands other modules add, each `harness.commands.<module>` with `add_parser(subparsers)` and
 # `run(args) -> int`: command -> (module, the one-line help `mxval --help` shows).

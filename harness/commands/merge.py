@@ -101,12 +101,11 @@ def merge(shards: list[tuple[Path, object, dict]]):
     shards = sorted(shards, key=lambda s: int(s[2]["shard"]["k"]))
     order = {c: i for i, c in enumerate(shards[0][2]["shard"]["all_cases"])}
     df = pd.concat([s[1] for s in shards], ignore_index=True, sort=False)
-    df = df.iloc[sorted(range(len(df)), key=lambda i: order[df["case"].iloc[i]])].reset_index(drop=True)
+    df = df.iloc[df["case"].map(order).argsort(kind="stable")].reset_index(drop=True)
     first = shards[0][2]
     meta = {k: v for k, v in first.items() if k not in ("shard", "cases", "seconds", "machine", "started", "argv")}
-    meta["cases"] = list(first["shard"]["all_cases"]) if first.get("command") != "selftest" else None
-    if meta["cases"] is None:
-        del meta["cases"]
+    if first.get("command") != "selftest":
+        meta["cases"] = list(first["shard"]["all_cases"])
     meta["started"] = min(str(m.get("started", "")) for _, _, m in shards)
     meta["seconds"] = max(float(m.get("seconds") or 0) for _, _, m in shards)      # wall: shards in parallel
     machines = sorted({str(m.get("machine", "")) for _, _, m in shards})

@@ -3,7 +3,7 @@ flagged (harness/run/selftest.py). This module parses the arguments; it imports 
 heavy, so that help and usage errors stay instant."""
 from __future__ import annotations
 
-from harness.commands.args import add_case_timeout, add_force, add_shard
+from harness.commands.args import add_case_timeout, add_common, add_shard
 from harness.errors import UsageError
 
 DEFAULT_SEEDS = 20
@@ -32,13 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="write the verdict as JSON")
     p.add_argument("--markdown", default=None, metavar="FILE",
                    help="write the matrix as Markdown (`make readme-matrix`)")
-    p.add_argument("--cases-dir", default=None, help="directory of suite TOML files (default: cases/)")
-    p.add_argument("--budgets", default=None, help="budgets TOML (default: cases/budgets.toml)")
-    p.add_argument("--report-dir", default=None, help="where reports go (default: reports/selftest-<time>-<pid>/)")
-    add_force(p)
     add_shard(p)
     add_case_timeout(p)
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or console tables")
+    add_common(p)
 
 
 def run(args) -> int:

@@ -1,8 +1,6 @@
 """`mxval study`: the arguments; the study lives in harness/study."""
 from __future__ import annotations
 
-import argparse
-
 from harness.study.command import execute
 from harness.study.core import STUDY_FILE
 
@@ -29,10 +27,3 @@ def run(args) -> int:
     return execute(study=args.study, study_file=args.study_file, dumps=args.dump, device=args.device,
                    report_dir=args.report_dir, readme=args.readme, from_json=args.from_json,
                    jobs=args.jobs)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="mxval")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    add_parser(sub)
-    return run(ap.parse_args(argv))

@@ -210,11 +210,16 @@ def memory_cell(row) -> str:
     return f"{peak / 2**30:.2f} GiB" + (f" ({ratio:.1f}×)" if ratio is not None else "")
 
 
+def memory_ratios(df: pd.DataFrame) -> list[float]:
+    """Every case's GPU peak over its tensors' bytes, where both are known."""
+    return [x for x in (memory_ratio(r) for _, r in df.iterrows()) if x is not None]
+
+
 def memory_note(df: pd.DataFrame) -> str:
     """One line for the report heads: the largest peak and the largest ratio; "" on the CPU."""
     if not has_memory(df):
         return ""
-    ratios = [x for x in (memory_ratio(r) for _, r in df.iterrows()) if x is not None]
+    ratios = memory_ratios(df)
     top = float(df["gpu_peak_bytes"].max())
     return (f"GPU peak per case: largest {top / 2**30:.2f} GiB"
             + (f", at most {max(ratios):.1f}× the case's tensors" if ratios else ""))
@@ -237,7 +242,7 @@ def summary(df: pd.DataFrame, meta: Optional[dict] = None) -> dict:
         out["interrupted"] = True
         out["ok"] = False
     if has_memory(df):
-        ratios = [x for x in (memory_ratio(r) for _, r in df.iterrows()) if x is not None]
+        ratios = memory_ratios(df)
         out["gpu_peak_bytes_max"] = int(df["gpu_peak_bytes"].max())
         out["gpu_peak_ratio_max"] = round(max(ratios), 3) if ratios else None
     return out
@@ -350,8 +355,9 @@ def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
         console.print(f"[bold red]{escape.rich(_interrupt_note(meta))}[/]")
     console.print(f"{verdict}: {s['pass']} pass, {s['fail']} fail, {s['error']} error, "
                   f"{s['nonfinite_input']} non-finite input, {s['skipped']} skipped")
-    if memory_note(df):
-        console.print(memory_note(df))
+    note = memory_note(df)
+    if note:
+        console.print(note)
     if meta.get("budgets_off"):
         console.print(f"[yellow]checks turned off[/] by {escape.rich((meta.get('budgets') or {}).get('path', ''))}: "
                       + escape.rich("; ".join(map(str, meta["budgets_off"]))))

@@ -60,12 +60,6 @@ def open_regular(path, *, error: Type[InputError] = InputError):
         raise
 
 
-def check_regular(path, *, error: Type[InputError] = InputError) -> int:
-    """The size of `path`, a regular file; `error` (one line) otherwise."""
-    with open_regular(path, error=error) as f:
-        return os.fstat(f.fileno()).st_size
-
-
 def read_bytes(path, limit: int, *, error: Type[InputError] = InputError) -> bytes:
     """The whole of a regular file of at most `limit` bytes."""
     with open_regular(path, error=error) as f:
