@@ -10,7 +10,6 @@ import torch
 from helpers import sample_path
 
 from harness import study
-from harness.commands import study as study_cmd
 from harness.study import core as study_core
 
 QUICK = dict(heads=8, rows=4, seeds=2, context_tokens=[8192], needle_depths=[0.5], needle_margins=[0.05])
@@ -366,12 +365,15 @@ def test_study_of_a_captured_dump():
 
 def test_reports_re_render_from_a_saved_run(tmp_path, capsys):
     first, again = tmp_path / "a.md", tmp_path / "b.md"
-    assert study_cmd.main(["study", "--study", "quick", "--device", "cpu", "--report-dir", str(tmp_path / "r"),
-                           "--readme", str(first), "--jobs", "1"]) == 0
-    assert study_cmd.main(["study", "--from-json", str(tmp_path / "r" / "study.json"), "--readme", str(again)]) == 0
+    from harness.commands import cli
+    assert cli.main(["study", "--study", "quick", "--device", "cpu", "--report-dir", str(tmp_path / "r"),
+                     "--readme", str(first), "--jobs", "1"]) == 0
+    assert cli.main(["study", "--from-json", str(tmp_path / "r" / "study.json"), "--readme", str(again)]) == 0
     assert first.read_text() == again.read_text() and "### Decision" in first.read_text()
-    with pytest.raises(ValueError, match="not a study.json"):
-        study_cmd.main(["study", "--from-json", str(first)])
+    capsys.readouterr()
+    assert cli.main(["study", "--from-json", str(first)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mxval: ") and "not a study.json" in err[0], err
 
 
 # --- what the selection keeps, over-selection, noise, intervals, realism -------------------
@@ -522,7 +524,7 @@ def test_study_of_a_dump_made_by_mxval_dump(tmp_path):
     dump = tmp_path / "step.safetensors"
     assert cli.main(["dump", "--case", "smoke-rowend-k", "--backend", "reference", "-o", str(dump)]) == 0
     out = tmp_path / "r"
-    assert study_cmd.main(["study", "--dump", str(dump), "--study", "quick", "--report-dir", str(out)]) == 0
+    assert cli.main(["study", "--dump", str(dump), "--study", "quick", "--report-dir", str(out)]) == 0
     md = (out / "study.md").read_text()
     assert "queries captured" in md and "| mxfp4 | cost |" in md
     rows = {r["variant"]: r for r in json.loads((out / "study.json").read_text())["rows"]}
