@@ -196,9 +196,8 @@ def record_problem(rec: OpRecord) -> Optional[str]:
             t = given[name]
             if not isinstance(t, torch.Tensor):
                 return f"{where}: expected a tensor, got {type(t).__name__}"
-            if t.dtype not in f.dtypes:
-                return (f"{where}: dtype {_dtype_name(t.dtype)}, expected "
-                        f"{' or '.join(_dtype_name(d) for d in f.dtypes)}")
+            if _dtype_name(t.dtype) not in f.dtypes:
+                return f"{where}: dtype {_dtype_name(t.dtype)}, expected {' or '.join(f.dtypes)}"
             if t.dim() != len(f.shape):
                 return f"{where}: shape {list(t.shape)}, expected {_shape_str(f.shape)}"
             for expr, n in zip(f.shape, t.shape):
