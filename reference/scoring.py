@@ -314,6 +314,37 @@ def int8_operand(packed: torch.Tensor, scales: torch.Tensor):
     return vals.view(*scales.shape[:-1], scales.shape[-1] * MX_BLOCK), m, spread
 
 
+@functools.lru_cache(maxsize=8)
+def _shifted_word_lut(device: torch.device) -> torch.Tensor:
+    """int32 [4 * 65536]: entry s * 65536 + (v + 32768), for a signed int16 word v of packed
+    codes and a block shift s in 0..3, holds the word's 4 int8 values (twice an e2m1 value,
+    times 2**s) as one int32 in memory order: one gather decodes and scales 4 values."""
+    pairs = _pair_lut(torch.device("cpu"), torch.int8, 2.0)              # by v & 0xFFFF
+    signed = pairs[torch.arange(65536) ^ 0x8000].int()                  # by v + 32768
+    return torch.cat([(signed << s).to(torch.int8) for s in range(_I8_SPREAD + 1)]).contiguous(
+        ).view(torch.int32).reshape(-1).to(device)
+
+
+def paged_int8_keys(pg: torch.Tensor, k_scale: torch.Tensor, *, page_size: int, head_dim: int, shuffle):
+    """Keys of gathered pages `pg` as an `int8_operand` (int8 [E, D], m [E]) read straight
+    from the page bytes, E = pages * page_size in entry order, with scale bytes `k_scale`
+    [E, D/32] (`layout.page_scales`); None where the layout cannot be read so. m is the
+    smallest of an entry's scale bytes, dead blocks included, and the value is exact where
+    the entry's bytes span at most `_I8_SPREAD` binades (the caller checks the spread of the
+    entries it reads; the others hold clamped values, never read). The unshuffle, the
+    decode and the block scaling are one add and one gather (no per-nibble passes)."""
+    words = layout.page_block_words(pg, page_size=page_size, head_dim=head_dim, shuffle=shuffle)
+    if words is None:
+        return None
+    e = k_scale.int()
+    m = e.amin(-1)
+    off = ((e - m.unsqueeze(-1)).clamp_(0, _I8_SPREAD) * 65536 + 32768).view(*words.shape[:5], 1)
+    idx = torch.empty(words.shape, dtype=torch.int32, device=pg.device)
+    torch.add(words, off, out=idx)                                       # unshuffled, in entry order
+    vals = _shifted_word_lut(pg.device).index_select(0, idx.view(-1))
+    return vals.view(torch.int8).view(k_scale.shape[0], head_dim), m
+
+
 def _relu64(s: torch.Tensor) -> torch.Tensor:
     """max(s, 0) as fp64, one pass (exact: s is an exact dot)."""
     if s.dtype == torch.float64:
@@ -450,9 +481,15 @@ def check_paged_args(dims: checks.Dims, weights, kv_cache, query_start_loc, cont
         r = int(bad.nonzero()[0])
         raise ValueError(f"row_ends: row {r} ends at {int(row_ends[r])}, outside [0, context_lens="
                          f"{int(context_lens[seq[r]])}]")
-    for b in range(context_lens.shape[0]):
-        pages = -(-int(context_lens[b]) // page_size)
-        checks.int_range(f"block_table[{b}]", block_table[b, :pages], 0, kv_cache.shape[0])
+    # the pages each sequence reads (its context's), all checked at once: one host sync
+    used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size
+            < context_lens.long()[:, None])
+    bt = block_table.long()
+    bad = used & ((bt < 0) | (bt >= kv_cache.shape[0]))
+    if bool(bad.any()):
+        b = int(bad.any(1).nonzero()[0])
+        row = bt[b][used[b]]
+        checks.int_range(f"block_table[{b}]", row, 0, kv_cache.shape[0])
     checks.finite("weights", weights)
 
 
@@ -566,6 +603,32 @@ def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_star
     return out
 
 
+def _paged_i8_logits(q_packed, q_scale, pg, k_scale, w, n, j, geo):
+    """`grouped_relu_logits` of G sequences whose keys are the gathered pages `pg` (each
+    sequence's pages in turn) with scale bytes `k_scale` [G * pages * ps, NB], with CORE_I8
+    read straight from the pages (`paged_int8_keys`) -> fp64 [G, R, j]; None where the
+    spreads (or the layout) rule it out."""
+    g, r = q_scale.shape[:2]
+    e_all = k_scale.shape[0] // g                                         # entries per sequence read
+    if q_packed.shape[-1] * 2 % 8:
+        return None
+    valid = torch.arange(e_all, device=pg.device)[None, :] < n[:, None]
+    ke = k_scale.view(g, e_all, -1).int()
+    kspread = ke.amax(-1) - ke.amin(-1)
+    q8, mq, qspread = int8_operand(q_packed, q_scale)
+    if not bool((qspread <= _I8_SPREAD).all() & (~valid | (kspread <= _I8_SPREAD)).all()):
+        return None
+    keys = paged_int8_keys(pg, k_scale, **geo)
+    if keys is None:
+        return None
+    k8, mk = keys
+    out = torch.empty(g, r, e_all, dtype=torch.float64, device=pg.device)
+    _i8_logits(q8, mq, k8.view(g, e_all, -1), mk.view(g, e_all), w, out)
+    global last_path
+    last_path = "int8"
+    return out[:, :, :j]
+
+
 def _score_group(out, seqs, rows, n, qsl, q_fp4, q_scale, weights, kv_cache, block_table, ends,
                  page_size, d, shuffle) -> None:
     """Score sequences `seqs` (each with `rows` rows, reading n[i] keys) into `out`."""
@@ -577,20 +640,24 @@ def _score_group(out, seqs, rows, n, qsl, q_fp4, q_scale, weights, kv_cache, blo
     # pages past a sequence's own hold no keys of it: read its first page there instead
     own = torch.arange(pages, device=dev)[None, :] < torch.tensor([-(-m // page_size) for m in n], device=dev)[:, None]
     bt = torch.where(own, bt, bt[:, :1])
-    packed, scales = layout.read_pages(kv_cache, bt.flatten(), page_size=page_size, head_dim=d, shuffle=shuffle)
-    packed = packed.view(len(seqs), pages * page_size, -1)[:, :j]
-    scales = scales.view(len(seqs), pages * page_size, -1)[:, :j]
+    geo = dict(page_size=page_size, head_dim=d, shuffle=shuffle)
+    pg = layout.gather_pages(kv_cache, bt.flatten(), **geo)
+    all_scales = layout.page_scales(pg, **geo)                                # [G * pages * ps, NB]
+    scales = all_scales.view(len(seqs), pages * page_size, -1)[:, :j]
     nt = torch.tensor(n, device=dev)
     cols = torch.arange(j, device=dev)
     if bool(((scales == E8M0_NAN).any(-1) & (cols[None, :] < nt[:, None])).any()):
         for i, b in enumerate(seqs):
             nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", scales[i, :n[i]])
     ridx = (torch.tensor([qsl[b] for b in seqs], device=dev)[:, None] + torch.arange(rows, device=dev)).flatten()
-    s = grouped_relu_logits(q_fp4[ridx].view(len(seqs), rows, *q_fp4.shape[1:]),
-                            q_scale[ridx].view(len(seqs), rows, *q_scale.shape[1:]),
-                            packed, scales, weights[ridx].view(len(seqs), rows, -1), nt).view(-1, j)
-    s.masked_fill_(cols[None, :] >= ends[ridx][:, None], float("-inf"))
-    out[ridx, :j] = s
+    q = q_fp4[ridx].view(len(seqs), rows, *q_fp4.shape[1:])
+    qs = q_scale[ridx].view(len(seqs), rows, *q_scale.shape[1:])
+    w = weights[ridx].view(len(seqs), rows, -1)
+    s = _paged_i8_logits(q, qs, pg, all_scales, w, nt, j, geo) if dev.type in INT8_DEVICES else None
+    if s is None:
+        packed = layout.page_values(pg, **geo).view(len(seqs), pages * page_size, -1)[:, :j]
+        s = grouped_relu_logits(q, qs, packed, scales, w, nt)
+    out[ridx, :j] = s.reshape(-1, j).masked_fill_(cols[None, :] >= ends[ridx][:, None], float("-inf"))
 
 
 def paged_mxfp4_mqa_logits(*, clean_logits: bool = False, **kwargs) -> dict:
