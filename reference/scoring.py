@@ -456,7 +456,9 @@ def grouped_relu_logits(q_packed, q_scale, k_packed, k_scale, w, n, *, batched: 
 
 
 def check_paged_args(dims: checks.Dims, weights, kv_cache, query_start_loc, context_lens,
-                     block_table, row_ends, page_size, entry_bytes: int) -> None:
+                     block_table, row_ends, page_size, entry_bytes: int, more=()) -> list[int]:
+    """The paged scorers' argument checks (and `more`: (flag, check) pairs run after them)
+    with two host syncs -> query_start_loc as a list."""
     dims.check("weights", weights, torch.float32, ("Rw", "H"))
     dims.check("kv_cache", kv_cache, torch.uint8, ("P", "page_bytes"))
     dims.check("query_start_loc", query_start_loc, checks.INT_DTYPES, ("B+1",))
@@ -467,30 +469,39 @@ def check_paged_args(dims: checks.Dims, weights, kv_cache, query_start_loc, cont
     if query_start_loc.shape[0] != context_lens.shape[0] + 1:
         raise ValueError(f"query_start_loc: expected {context_lens.shape[0] + 1} entries (B+1), "
                          f"got {query_start_loc.shape[0]}")
-    qsl = query_start_loc.long()
-    if int(qsl[0]) != 0 or int(qsl[-1]) != row_ends.shape[0] or bool((qsl[1:] < qsl[:-1]).any()):
-        raise ValueError(f"query_start_loc: must rise from 0 to Rw={row_ends.shape[0]}, got {qsl.tolist()[:8]}")
+    qsl = query_start_loc.long().tolist()
+    if qsl[0] != 0 or qsl[-1] != row_ends.shape[0] or any(b < a for a, b in zip(qsl, qsl[1:])):
+        raise ValueError(f"query_start_loc: must rise from 0 to Rw={row_ends.shape[0]}, got {qsl[:8]}")
     need = page_size * entry_bytes
     if kv_cache.shape[1] < need:
         raise ValueError(f"kv_cache: page stride {kv_cache.shape[1]} is below the {need} bytes of "
                          f"{page_size} entries")
-    checks.int_range("context_lens", context_lens, 0, block_table.shape[1] * page_size + 1)
+    span = block_table.shape[1] * page_size
+    ctx = context_lens.long()
+    ctx_bad = ((ctx < 0) | (ctx > span)).any()
     seq = seq_of_rows(query_start_loc, row_ends.shape[0])
-    bad = (row_ends.long() < 0) | (row_ends.long() > context_lens.long()[seq])
-    if bool(bad.any()):
-        r = int(bad.nonzero()[0])
+    ends = row_ends.long()
+    bad_end = (ends < 0) | (ends > ctx[seq])
+    # the pages each sequence reads (its context's), all at once
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < ctx[:, None]
+    bt = block_table.long()
+    bad_bt = used & ((bt < 0) | (bt >= kv_cache.shape[0]))
+
+    def end_error():
+        r = int(bad_end.nonzero()[0])
         raise ValueError(f"row_ends: row {r} ends at {int(row_ends[r])}, outside [0, context_lens="
                          f"{int(context_lens[seq[r]])}]")
-    # the pages each sequence reads (its context's), all checked at once: one host sync
-    used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size
-            < context_lens.long()[:, None])
-    bt = block_table.long()
-    bad = used & ((bt < 0) | (bt >= kv_cache.shape[0]))
-    if bool(bad.any()):
-        b = int(bad.any(1).nonzero()[0])
-        row = bt[b][used[b]]
-        checks.int_range(f"block_table[{b}]", row, 0, kv_cache.shape[0])
-    checks.finite("weights", weights)
+
+    def table_error():
+        b = int(bad_bt.any(1).nonzero()[0])
+        checks.int_range(f"block_table[{b}]", bt[b][used[b]], 0, kv_cache.shape[0])
+
+    tests = [(ctx_bad, lambda: checks.int_range("context_lens", context_lens, 0, span + 1)),
+             (bad_end.any(), end_error), (bad_bt.any(), table_error)]
+    if weights.is_floating_point():
+        tests.append((~torch.isfinite(weights).all(), lambda: checks.finite("weights", weights)))
+    checks.first_failure([*tests, *more])
+    return qsl
 
 
 def seq_of_rows(query_start_loc: torch.Tensor, rows: int) -> torch.Tensor:
@@ -550,7 +561,8 @@ def nan_scale(name: str, scales: torch.Tensor) -> None:
 
 def check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens, block_table,
                        row_ends, page_size, shuffle, width):
-    """Every argument check of the MXFP4 scorer -> (parsed shuffle, head dim D, logits width)."""
+    """Every argument check of the MXFP4 scorer -> (parsed shuffle, head dim D, logits width,
+    query_start_loc as a list)."""
     shuffle = layout.as_shuffle(shuffle)
     dims = checks.Dims()
     dims.check("q_fp4", q_fp4, torch.uint8, ("Rw", "H", "D/2"))
@@ -560,11 +572,11 @@ def check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc, conte
         raise ValueError(f"q_fp4: head dim {d} (twice the last dimension) is not a multiple of 32")
     if q_scale.shape[2] * 32 != d:
         raise ValueError(f"q_scale: {q_scale.shape[2]} scale blocks do not match D={d} from q_fp4")
-    check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
-                     page_size, layout.entry_bytes(d))
     layout.check_layout(page_size, d, shuffle)
-    nan_scale("q_scale", q_scale)
-    return shuffle, d, check_width(width, block_table, page_size, row_ends)
+    qsl = check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
+                           page_size, layout.entry_bytes(d),
+                           more=[((q_scale == E8M0_NAN).any(), lambda: nan_scale("q_scale", q_scale))])
+    return shuffle, d, check_width(width, block_table, page_size, row_ends), qsl
 
 
 # pages read at once per group of sequences (bytes)
@@ -576,14 +588,13 @@ def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_star
                                  width: int | None = None, **_unused) -> torch.Tensor:
     """The scorer's logits in fp64 (what the study and top-k use). Sequences with the same
     number of rows are scored together (`grouped_relu_logits`)."""
-    shuffle, d, width = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
-                                           context_lens, block_table, row_ends, page_size, shuffle, width)
+    shuffle, d, width, qsl = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
+                                                context_lens, block_table, row_ends, page_size, shuffle, width)
     rw = q_fp4.shape[0]
     dev = q_fp4.device
     out = torch.full((rw, width), float("-inf"), dtype=torch.float64, device=dev)
     if rw == 0:
         return out
-    qsl = query_start_loc.long().tolist()
     nseq = len(qsl) - 1
     ends = row_ends.long()
     # the keys a sequence reads: its rows' largest end
