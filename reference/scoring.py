@@ -363,6 +363,31 @@ def _int_dots(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch._int_mm(torch.nn.functional.pad(a, (0, 0, 0, 32 - m)), b.T)[:m])
 
 
+# Sequences whose rows are few (decode) share one int8 GEMM: their queries as the diagonal
+# blocks of a block-diagonal operand, against their keys side by side in the reduction
+# dimension. The zero blocks add exact zeros, so every int32 dot is the same integer; the
+# GEMM does `c` times the work in one launch instead of `c` (GEMM calls cost far more host
+# time than their small tiles take on the device). c = this many rows over the rows of one.
+_I8_DIAG_ROWS = 256
+
+
+def _seq_int_dots(q8, k8, n) -> None:
+    """n [G, R*H, J] = per sequence g, q8[g] ([R, H, D] int8) . k8[g] ([J, D] int8)^T, exact
+    int32; up to `_I8_DIAG_ROWS` // (R*H) sequences per GEMM."""
+    g, r, h, d = q8.shape
+    rh = r * h
+    c = max(1, min(g, _I8_DIAG_ROWS // rh))
+    for i0 in range(0, g, c):
+        cn = min(c, g - i0)
+        if cn == 1:
+            _int_dots(q8[i0].reshape(rh, d), k8[i0], n[i0])
+            continue
+        a = torch.zeros(cn, rh, cn, d, dtype=torch.int8, device=q8.device)
+        a.diagonal(0, 0, 2).copy_(q8[i0:i0 + cn].reshape(cn, rh, d).permute(1, 2, 0))   # block i at (i, i)
+        b = k8[i0:i0 + cn].permute(1, 0, 2).reshape(k8.shape[1], cn * d)                  # [J, cn*D]
+        _int_dots(a.view(cn * rh, cn * d), b, n[i0:i0 + cn].view(cn * rh, -1))
+
+
 def _i8_logits(q8, mq, k8, mk, w, out) -> None:
     """CORE_I8 over whole groups into out fp64 [G, R, J] from `int8_operand`s of the queries
     ([G, R, H, D], [G, R, H]) and keys ([G, J, D], [G, J]); the caller proved the spreads."""
@@ -381,8 +406,7 @@ def _i8_logits(q8, mq, k8, mk, w, out) -> None:
         for r0 in range(0, r, rc):
             rn = min(rc, r - r0)
             n = torch.empty(gn, rn * h, jp, dtype=torch.int32, device=out.device)
-            for i in range(gn):                                           # exact int32 dots
-                _int_dots(q8[g0 + i, r0:r0 + rn].reshape(rn * h, -1), k8[g0 + i], n[i])
+            _seq_int_dots(q8[g0:g0 + gn, r0:r0 + rn], k8[g0:g0 + gn], n)
             s = _relu64(n).view(gn * rn, h, jp)
             dots = torch.bmm(wq[g0:g0 + gn, r0:r0 + rn].reshape(gn * rn, 1, h), s).view(gn, rn, jp)
             out[g0:g0 + gn, r0:r0 + rn] = dots[:, :, :j] * colscale[g0:g0 + gn]

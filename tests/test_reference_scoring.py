@@ -440,3 +440,20 @@ def test_paged_int8_keys_step_aside_past_a_spread_of_3(gen, monkeypatch):
     want = dense_loop(kw)
     assert paths and not paged
     assert torch.allclose(got[~want.isinf()], want[~want.isinf()], rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("diag_rows", [0, 8, 20, 1 << 12])
+def test_block_diagonal_int8_gemms_give_the_same_integers(gen, monkeypatch, diag_rows):
+    """Sequences sharing one int8 GEMM as diagonal blocks (1, 2, 3 or all 5 per call, with a
+    ragged last call) give every dot's integer: the logits' bits of one GEMM per sequence."""
+    qp, qs, kp, ks, w, n = group_operands(gen, 5, 1, 4, 72, "realistic")
+    monkeypatch.setattr(scoring, "_I8_DIAG_ROWS", 1)
+    one = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=True)
+    calls = []
+    real = scoring._int_dots
+    monkeypatch.setattr(scoring, "_int_dots", lambda a, b, out: calls.append(a.shape[0]) or real(a, b, out))
+    monkeypatch.setattr(scoring, "_I8_DIAG_ROWS", diag_rows)
+    got = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=True)
+    per = max(1, min(5, diag_rows // 4))
+    assert calls == [4 * min(per, 5 - i) for i in range(0, 5, per)]
+    assert bits_equal_valid(got, one, n)
