@@ -388,3 +388,72 @@ def test_batched_path_reports_a_nan_scale_by_sequence(gen, monkeypatch):
     kw["kv_cache"].view(-1)[so[0, 1]] = 255
     with pytest.raises(reference.NonFiniteInput, match="sequence 2's entries"):
         scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+
+
+@pytest.mark.parametrize("shuffle,stride", [(SHUF, 4352), ([16, 16, 4], 4352), (None, 4353), ([32, 8, 2], 4360)])
+def test_paged_int8_keys_give_the_grouped_int8_bits(gen, monkeypatch, shuffle, stride):
+    """CORE_I8 read straight from the pages (one add, one gather) gives the bits of CORE_I8
+    on the unshuffled keys, for every layout; a tile narrower than a block (Dt = 8), a key
+    whose scale bytes span 4 binades, or a dead block's stray byte makes it step aside."""
+    monkeypatch.setattr(scoring, "BATCHED_DEVICES", ("cpu",))
+    monkeypatch.setattr(scoring, "INT8_DEVICES", ("cpu",))
+    kw = paged_case(gen, lens=(150, 64, 70, 3, 129), rows=(2, 1, 2, 1, 3), pages=16, shuffle=shuffle, stride=stride)
+    used = []
+    real = scoring.paged_int8_keys
+    monkeypatch.setattr(scoring, "paged_int8_keys", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+    got = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    assert used and all(u is None for u in used) == (shuffle == [32, 8, 2])
+    monkeypatch.setattr(scoring, "paged_int8_keys", lambda *a, **k: None)
+    want = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+    ref = dense_loop(kw)
+    assert torch.allclose(got[~ref.isinf()], ref[~ref.isinf()], rtol=1e-15, atol=0)
+
+
+def test_paged_int8_keys_step_aside_past_a_spread_of_3(gen, monkeypatch):
+    monkeypatch.setattr(scoring, "BATCHED_DEVICES", ("cpu",))
+    monkeypatch.setattr(scoring, "INT8_DEVICES", ("cpu",))
+    kw = paged_case(gen, lens=(150, 64), rows=(2, 2), pages=8)    # one group
+    want = dense_loop(kw)
+    # entry 5 of sequence 1: scale bytes spanning 4 binades (live blocks) -> no int8 core at all
+    slot = int(kw["block_table"][1, 0]) * PS + 5
+    _, so = layout.slot_byte_offsets(torch.tensor([slot]), PS, D, kw["shuffle"], kw["kv_cache"].shape[1])
+    flat = kw["kv_cache"].view(-1)
+    base = int(flat[so[0, 1]])
+    for b, v in enumerate((base, base + 4, base, base)):
+        flat[so[0, b]] = v
+    paths = []
+    real = scoring._i8_logits
+    monkeypatch.setattr(scoring, "_i8_logits", lambda *a: paths.append(1) or real(*a))
+    got = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    want = dense_loop(kw)
+    assert not paths                                   # spread 4 rules out CORE_I8 everywhere
+    assert torch.allclose(got[~want.isinf()], want[~want.isinf()], rtol=1e-15, atol=0)
+    # the same span in a dead (all-zero) block: the paged read steps aside, the live-block
+    # spread of the grouped core still allows CORE_I8, and the values hold
+    vo, _ = layout.slot_byte_offsets(torch.tensor([slot]), PS, D, kw["shuffle"], kw["kv_cache"].shape[1])
+    flat[vo[0, 16:32]] = 0
+    paged = []
+    real_keys = scoring.paged_int8_keys
+    monkeypatch.setattr(scoring, "paged_int8_keys", lambda *a, **k: paged.append(1) or real_keys(*a, **k))
+    got = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    want = dense_loop(kw)
+    assert paths and not paged
+    assert torch.allclose(got[~want.isinf()], want[~want.isinf()], rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("diag_rows", [0, 8, 20, 1 << 12])
+def test_block_diagonal_int8_gemms_give_the_same_integers(gen, monkeypatch, diag_rows):
+    """Sequences sharing one int8 GEMM as diagonal blocks (1, 2, 3 or all 5 per call, with a
+    ragged last call) give every dot's integer: the logits' bits of one GEMM per sequence."""
+    qp, qs, kp, ks, w, n = group_operands(gen, 5, 1, 4, 72, "realistic")
+    monkeypatch.setattr(scoring, "_I8_DIAG_ROWS", 1)
+    one = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=True)
+    calls = []
+    real = scoring._int_dots
+    monkeypatch.setattr(scoring, "_int_dots", lambda a, b, out: calls.append(a.shape[0]) or real(a, b, out))
+    monkeypatch.setattr(scoring, "_I8_DIAG_ROWS", diag_rows)
+    got = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=True)
+    per = max(1, min(5, diag_rows // 4))
+    assert calls == [4 * min(per, 5 - i) for i in range(0, 5, per)]
+    assert bits_equal_valid(got, one, n)
