@@ -21,7 +21,6 @@ What the metrics cannot say is checked for consistency instead:
 from __future__ import annotations
 
 import math
-import re
 from typing import Optional
 
 from harness.diff.metrics import Limit
@@ -30,29 +29,13 @@ from harness.io import safe_input
 from harness.run import budgets as B
 from harness.run import shard as S
 
-_PART = re.compile(r"^(<=|>=) (\S+)$")
-
 
 def _limit(where: str, key: str, text) -> Limit:
-    """A limit from its recorded text ("<= 1", ">= 0.99", "<= 1 and >= 0", "off")."""
-    if text == "off":
-        return B.OFF
-    if not isinstance(text, str):
-        raise ReportError(f"{where}: {key}: expected a limit text such as \"<= 0\", got {text!r:.60}")
-    mx = mn = None
-    for part in text.split(" and "):
-        m = _PART.match(part.strip())
-        try:
-            v = float(m.group(2)) if m else math.nan
-        except ValueError:
-            v = math.nan
-        if not m or not math.isfinite(v):
-            raise ReportError(f"{where}: {key}: expected a limit text such as \"<= 0\", got {text!r:.60}")
-        if m.group(1) == "<=":
-            mx = v
-        else:
-            mn = v
-    return Limit(max=mx, min=mn)
+    """A limit from its recorded text (`Limit.text()`: "<= 1", ">= 0.99", "<= 1 and >= 0", "off")."""
+    try:
+        return Limit.from_text(text)
+    except ValueError as e:
+        raise ReportError(f"{where}: {key}: {e}") from None
 
 
 def recorded_budgets(meta: dict, where: str) -> B.Budgets:
