@@ -325,24 +325,24 @@ def _shifted_word_lut(device: torch.device) -> torch.Tensor:
         ).view(torch.int32).reshape(-1).to(device)
 
 
-def paged_int8_keys(pg: torch.Tensor, k_scale: torch.Tensor, *, page_size: int, head_dim: int, shuffle):
-    """Keys of gathered pages `pg` as an `int8_operand` (int8 [E, D], m [E]) read straight
-    from the page bytes, E = pages * page_size in entry order, with scale bytes `k_scale`
-    [E, D/32] (`layout.page_scales`); None where the layout cannot be read so. m is the
-    smallest of an entry's scale bytes, dead blocks included, and the value is exact where
-    the entry's bytes span at most `_I8_SPREAD` binades (the caller checks the spread of the
-    entries it reads; the others hold clamped values, never read). The unshuffle, the
-    decode and the block scaling are one add and one gather (no per-nibble passes)."""
+def paged_int8_keys(pg: torch.Tensor, k_scale: torch.Tensor, m: torch.Tensor, *, page_size: int, head_dim: int,
+                    shuffle):
+    """Keys of gathered pages `pg` as an `int8_operand` (int8 [E, D]) read straight from the
+    page bytes, E = pages * page_size in entry order, with scale bytes `k_scale` [E, D/32]
+    (`layout.page_scales`) and m [E] the smallest of each entry's scale bytes (dead blocks
+    included): the value is int8 * 2**(m - 128), exact where the entry's scale bytes span
+    at most `_I8_SPREAD` binades (the caller checks the entries it reads; the others hold
+    clamped values, never read). None where the layout cannot be read so. The unshuffle,
+    the decode and the block scaling are one add and one gather (no per-nibble passes)."""
     words = layout.page_block_words(pg, page_size=page_size, head_dim=head_dim, shuffle=shuffle)
     if words is None:
         return None
-    e = k_scale.int()
-    m = e.amin(-1)
-    off = ((e - m.unsqueeze(-1)).clamp_(0, _I8_SPREAD) * 65536 + 32768).view(*words.shape[:5], 1)
+    shift = (k_scale - m.unsqueeze(-1)).clamp_(max=_I8_SPREAD).int()       # uint8: m is the row's least
+    off = (shift * 65536 + 32768).view(*words.shape[:5], 1)
     idx = torch.empty(words.shape, dtype=torch.int32, device=pg.device)
     torch.add(words, off, out=idx)                                       # unshuffled, in entry order
     vals = _shifted_word_lut(pg.device).index_select(0, idx.view(-1))
-    return vals.view(torch.int8).view(k_scale.shape[0], head_dim), m
+    return vals.view(torch.int8).view(k_scale.shape[0], head_dim)
 
 
 def _relu64(s: torch.Tensor) -> torch.Tensor:
@@ -363,31 +363,6 @@ def _int_dots(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch._int_mm(torch.nn.functional.pad(a, (0, 0, 0, 32 - m)), b.T)[:m])
 
 
-# Sequences whose rows are few (decode) share one int8 GEMM: their queries as the diagonal
-# blocks of a block-diagonal operand, against their keys side by side in the reduction
-# dimension. The zero blocks add exact zeros, so every int32 dot is the same integer; the
-# GEMM does `c` times the work in one launch instead of `c` (GEMM calls cost far more host
-# time than their small tiles take on the device). c = this many rows over the rows of one.
-_I8_DIAG_ROWS = 256
-
-
-def _seq_int_dots(q8, k8, n) -> None:
-    """n [G, R*H, J] = per sequence g, q8[g] ([R, H, D] int8) . k8[g] ([J, D] int8)^T, exact
-    int32; up to `_I8_DIAG_ROWS` // (R*H) sequences per GEMM."""
-    g, r, h, d = q8.shape
-    rh = r * h
-    c = max(1, min(g, _I8_DIAG_ROWS // rh))
-    for i0 in range(0, g, c):
-        cn = min(c, g - i0)
-        if cn == 1:
-            _int_dots(q8[i0].reshape(rh, d), k8[i0], n[i0])
-            continue
-        a = torch.zeros(cn, rh, cn, d, dtype=torch.int8, device=q8.device)
-        a.diagonal(0, 0, 2).copy_(q8[i0:i0 + cn].reshape(cn, rh, d).permute(1, 2, 0))   # block i at (i, i)
-        b = k8[i0:i0 + cn].permute(1, 0, 2).reshape(k8.shape[1], cn * d)                  # [J, cn*D]
-        _int_dots(a.view(cn * rh, cn * d), b, n[i0:i0 + cn].view(cn * rh, -1))
-
-
 def _i8_logits(q8, mq, k8, mk, w, out) -> None:
     """CORE_I8 over whole groups into out fp64 [G, R, J] from `int8_operand`s of the queries
     ([G, R, H, D], [G, R, H]) and keys ([G, J, D], [G, J]); the caller proved the spreads."""
@@ -406,7 +381,8 @@ def _i8_logits(q8, mq, k8, mk, w, out) -> None:
         for r0 in range(0, r, rc):
             rn = min(rc, r - r0)
             n = torch.empty(gn, rn * h, jp, dtype=torch.int32, device=out.device)
-            _seq_int_dots(q8[g0:g0 + gn, r0:r0 + rn], k8[g0:g0 + gn], n)
+            for i in range(gn):                                           # exact int32 dots
+                _int_dots(q8[g0 + i, r0:r0 + rn].reshape(rn * h, -1), k8[g0 + i], n[i])
             s = _relu64(n).view(gn * rn, h, jp)
             dots = torch.bmm(wq[g0:g0 + gn, r0:r0 + rn].reshape(gn * rn, 1, h), s).view(gn, rn, jp)
             out[g0:g0 + gn, r0:r0 + rn] = dots[:, :, :j] * colscale[g0:g0 + gn]
@@ -641,27 +617,25 @@ def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_star
 def _paged_i8_logits(q_packed, q_scale, pg, k_scale, w, n, j, geo):
     """`grouped_relu_logits` of G sequences whose keys are the gathered pages `pg` (each
     sequence's pages in turn) with scale bytes `k_scale` [G * pages * ps, NB], with CORE_I8
-    read straight from the pages (`paged_int8_keys`) -> fp64 [G, R, j]; None where the
-    spreads (or the layout) rule it out."""
+    read straight from the pages (`paged_int8_keys`) -> (fp64 [G, R, j], ok: a device bool,
+    false where a spread rules CORE_I8 out and the values are not the scores), or None
+    where the layout rules it out. Nothing here waits for the device: the caller reads ok
+    with its other flags in one host sync."""
     g, r = q_scale.shape[:2]
     e_all = k_scale.shape[0] // g                                         # entries per sequence read
     if q_packed.shape[-1] * 2 % 8:
         return None
-    valid = torch.arange(e_all, device=pg.device)[None, :] < n[:, None]
-    ke = k_scale.view(g, e_all, -1).int()
-    kspread = ke.amax(-1) - ke.amin(-1)
+    mk = k_scale.amin(-1)
+    kspread = (k_scale.amax(-1) - mk).view(g, e_all)                       # uint8: hi - lo >= 0
+    k8 = paged_int8_keys(pg, k_scale, mk, **geo)
+    if k8 is None:
+        return None
     q8, mq, qspread = int8_operand(q_packed, q_scale)
-    if not bool((qspread <= _I8_SPREAD).all() & (~valid | (kspread <= _I8_SPREAD)).all()):
-        return None
-    keys = paged_int8_keys(pg, k_scale, **geo)
-    if keys is None:
-        return None
-    k8, mk = keys
+    valid = torch.arange(e_all, device=pg.device)[None, :] < n[:, None]
+    ok = (qspread <= _I8_SPREAD).all() & (~valid | (kspread <= _I8_SPREAD)).all()
     out = torch.empty(g, r, e_all, dtype=torch.float64, device=pg.device)
-    _i8_logits(q8, mq, k8.view(g, e_all, -1), mk.view(g, e_all), w, out)
-    global last_path
-    last_path = "int8"
-    return out[:, :, :j]
+    _i8_logits(q8, mq, k8.view(g, e_all, -1), mk.view(g, e_all).int(), w, out)
+    return out[:, :, :j], ok
 
 
 def _score_group(out, seqs, rows, n, qsl, q_fp4, q_scale, weights, kv_cache, block_table, ends,
@@ -681,18 +655,29 @@ def _score_group(out, seqs, rows, n, qsl, q_fp4, q_scale, weights, kv_cache, blo
     scales = all_scales.view(len(seqs), pages * page_size, -1)[:, :j]
     nt = torch.tensor(n, device=dev)
     cols = torch.arange(j, device=dev)
-    if bool(((scales == E8M0_NAN).any(-1) & (cols[None, :] < nt[:, None])).any()):
-        for i, b in enumerate(seqs):
-            nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", scales[i, :n[i]])
+    nan = ((scales == E8M0_NAN).any(-1) & (cols[None, :] < nt[:, None])).any()
     ridx = (torch.tensor([qsl[b] for b in seqs], device=dev)[:, None] + torch.arange(rows, device=dev)).flatten()
     q = q_fp4[ridx].view(len(seqs), rows, *q_fp4.shape[1:])
     qs = q_scale[ridx].view(len(seqs), rows, *q_scale.shape[1:])
     w = weights[ridx].view(len(seqs), rows, -1)
-    s = _paged_i8_logits(q, qs, pg, all_scales, w, nt, j, geo) if dev.type in INT8_DEVICES else None
-    if s is None:
-        packed = layout.page_values(pg, **geo).view(len(seqs), pages * page_size, -1)[:, :j]
-        s = grouped_relu_logits(q, qs, packed, scales, w, nt)
-    out[ridx, :j] = s.reshape(-1, j).masked_fill_(cols[None, :] >= ends[ridx][:, None], float("-inf"))
+    past = cols[None, :] >= ends[ridx][:, None]
+    fast = _paged_i8_logits(q, qs, pg, all_scales, w, nt, j, geo) if dev.type in INT8_DEVICES else None
+    if fast is not None:
+        # everything is queued; one host sync reads the NaN and spread flags
+        out[ridx, :j] = fast[0].reshape(-1, j).masked_fill_(past, float("-inf"))
+        is_nan, fast_ok = torch.stack((nan, fast[1])).tolist()
+        if fast_ok and not is_nan:
+            global last_path
+            last_path = "int8"
+            return
+    else:
+        is_nan = bool(nan)
+    if is_nan:
+        for i, b in enumerate(seqs):
+            nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", scales[i, :n[i]])
+    packed = layout.page_values(pg, **geo).view(len(seqs), pages * page_size, -1)[:, :j]
+    s = grouped_relu_logits(q, qs, packed, scales, w, nt)
+    out[ridx, :j] = s.reshape(-1, j).masked_fill_(past, float("-inf"))
 
 
 def paged_mxfp4_mqa_logits(*, clean_logits: bool = False, **kwargs) -> dict:

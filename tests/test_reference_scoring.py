@@ -411,49 +411,38 @@ def test_paged_int8_keys_give_the_grouped_int8_bits(gen, monkeypatch, shuffle, s
 
 
 def test_paged_int8_keys_step_aside_past_a_spread_of_3(gen, monkeypatch):
+    """The paged CORE_I8 is computed before its spreads are read (one host sync per group);
+    a key whose scale bytes span 4 binades makes the group fall back, and the values hold."""
     monkeypatch.setattr(scoring, "BATCHED_DEVICES", ("cpu",))
     monkeypatch.setattr(scoring, "INT8_DEVICES", ("cpu",))
     kw = paged_case(gen, lens=(150, 64), rows=(2, 2), pages=8)    # one group
-    want = dense_loop(kw)
-    # entry 5 of sequence 1: scale bytes spanning 4 binades (live blocks) -> no int8 core at all
     slot = int(kw["block_table"][1, 0]) * PS + 5
-    _, so = layout.slot_byte_offsets(torch.tensor([slot]), PS, D, kw["shuffle"], kw["kv_cache"].shape[1])
+    vo, so = layout.slot_byte_offsets(torch.tensor([slot]), PS, D, kw["shuffle"], kw["kv_cache"].shape[1])
     flat = kw["kv_cache"].view(-1)
     base = int(flat[so[0, 1]])
     for b, v in enumerate((base, base + 4, base, base)):
         flat[so[0, b]] = v
-    paths = []
-    real = scoring._i8_logits
-    monkeypatch.setattr(scoring, "_i8_logits", lambda *a: paths.append(1) or real(*a))
+    i8, fallback = [], []
+    real, grouped = scoring._i8_logits, scoring.grouped_relu_logits
+    monkeypatch.setattr(scoring, "_i8_logits", lambda *a: i8.append(1) or real(*a))
+    monkeypatch.setattr(scoring, "grouped_relu_logits", lambda *a, **k: fallback.append(1) or grouped(*a, **k))
     got = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
     want = dense_loop(kw)
-    assert not paths                                   # spread 4 rules out CORE_I8 everywhere
+    assert fallback and len(i8) == 1                 # the paged try only: spread 4 rules CORE_I8 out
     assert torch.allclose(got[~want.isinf()], want[~want.isinf()], rtol=1e-15, atol=0)
-    # the same span in a dead (all-zero) block: the paged read steps aside, the live-block
-    # spread of the grouped core still allows CORE_I8, and the values hold
-    vo, _ = layout.slot_byte_offsets(torch.tensor([slot]), PS, D, kw["shuffle"], kw["kv_cache"].shape[1])
+    # the same span in a dead (all-zero) block: the paged read (all blocks) steps aside, the
+    # grouped core's live-block spread still allows CORE_I8, and the values hold
     flat[vo[0, 16:32]] = 0
-    paged = []
-    real_keys = scoring.paged_int8_keys
-    monkeypatch.setattr(scoring, "paged_int8_keys", lambda *a, **k: paged.append(1) or real_keys(*a, **k))
+    i8.clear()
+    fallback.clear()
     got = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
     want = dense_loop(kw)
-    assert paths and not paged
+    assert fallback and len(i8) == 2
     assert torch.allclose(got[~want.isinf()], want[~want.isinf()], rtol=1e-15, atol=0)
-
-
-@pytest.mark.parametrize("diag_rows", [0, 8, 20, 1 << 12])
-def test_block_diagonal_int8_gemms_give_the_same_integers(gen, monkeypatch, diag_rows):
-    """Sequences sharing one int8 GEMM as diagonal blocks (1, 2, 3 or all 5 per call, with a
-    ragged last call) give every dot's integer: the logits' bits of one GEMM per sequence."""
-    qp, qs, kp, ks, w, n = group_operands(gen, 5, 1, 4, 72, "realistic")
-    monkeypatch.setattr(scoring, "_I8_DIAG_ROWS", 1)
-    one = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=True)
-    calls = []
-    real = scoring._int_dots
-    monkeypatch.setattr(scoring, "_int_dots", lambda a, b, out: calls.append(a.shape[0]) or real(a, b, out))
-    monkeypatch.setattr(scoring, "_I8_DIAG_ROWS", diag_rows)
-    got = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=True, int8=True)
-    per = max(1, min(5, diag_rows // 4))
-    assert calls == [4 * min(per, 5 - i) for i in range(0, 5, per)]
-    assert bits_equal_valid(got, one, n)
+    # and ignoring the flag would have been wrong: the paged values differ there
+    monkeypatch.setattr(scoring, "grouped_relu_logits", lambda *a, **k: pytest.fail("fallback"))
+    base_ok = scoring._paged_i8_logits
+    monkeypatch.setattr(scoring, "_paged_i8_logits", lambda *a: (base_ok(*a)[0], torch.tensor(True)))
+    flat[vo[0, 16:32]] = 0x77
+    assert not torch.allclose(scoring.paged_mxfp4_mqa_logits_fp64(**kw)[~want.isinf()], dense_loop(kw)[~want.isinf()],
+                              rtol=1e-15, atol=0)
