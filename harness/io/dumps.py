@@ -240,9 +240,9 @@ def _check_container(path: str) -> dict:
     except UnicodeDecodeError:
         _fail(path, "not a safetensors file (its header is not UTF-8 JSON)")
     safe_input.check_structure(text, f"{path}: safetensors header", toml=False, error=DumpError)
-    try:
-        header = safe_input.loads_json(text, "", error=DumpError)
-    except DumpError:
+    try:                                    # its structure is checked (once): parse it
+        header = safe_input.parse_checked_json(text)
+    except (ValueError, RecursionError):
         header = None
     if not isinstance(header, dict):
         _fail(path, "not a safetensors file (its header is not a JSON object)")
