@@ -336,7 +336,8 @@ def _other_parsers(sub) -> None:
                    help="combine the reports of `--shard K/N` runs into one (every format)")
     p.add_argument("--report-dir", default=None, help="write there instead of DIR")
     p.add_argument("--budgets", default=None,
-                   help="judge every row again against this budgets file (default: the limits the report recorded)")
+                   help="judge every row again against this budgets file (default: the file the report names, "
+                        "whose limits must be those it recorded)")
     add_force(p)
     p.add_argument("-q", "--quiet", action="store_true")
 
