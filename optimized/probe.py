@@ -54,10 +54,15 @@ class TorchBuild:
     gpu: Optional[bool]          # a GPU visible to torch: None when only importing torch can tell
 
 
+def _loaded_torch():
+    """torch when this process has imported it already (then it answers itself), else None."""
+    return sys.modules.get("torch")
+
+
 def torch_build() -> Optional[TorchBuild]:
     """The installed torch's build, without importing it (None: torch is not installed). When
     torch is already imported in this process, it answers itself."""
-    torch = sys.modules.get("torch")
+    torch = _loaded_torch()
     if torch is not None:
         return TorchBuild(torch.__version__, torch.version.cuda, getattr(torch.version, "hip", None),
                           bool(torch.cuda.is_available()))
@@ -115,7 +120,7 @@ def _need(name: str, need: str, build: Optional[TorchBuild]) -> tuple[Optional[s
         return "torch is not installed", None
     if need == "gpu":
         if build.gpu is False:
-            return no_gpu(name, "" if "torch" in sys.modules else f" (torch {build.version} is a CPU build)"), None
+            return no_gpu(name, "" if _loaded_torch() else f" (torch {build.version} is a CPU build)"), None
         if build.gpu is None:
             kind = "ROCm" if build.hip else "CUDA"
             return None, (f"a GPU visible to torch {build.version} (a {kind} build) is known once torch loads; "
@@ -124,7 +129,7 @@ def _need(name: str, need: str, build: Optional[TorchBuild]) -> tuple[Optional[s
     if need == "rocm-gfx950":
         if not build.hip:
             return not_rocm_build(build.version), None
-        if "torch" in sys.modules:
+        if _loaded_torch():
             return rocm_gfx950_reason(), None
         return None, f"a gfx950 GPU visible to torch {build.version} (a ROCm build) is known once torch loads"
     raise ValueError(f"backend {name}: unknown need {need!r}")
