@@ -27,7 +27,7 @@ from reference.k_writer import check_mxfp4_k_writer
 from reference.q_quant import check_q_args
 from reference.scoring import check_mxfp4_scorer
 
-from . import Backend, BackendUnavailable, upstream
+from . import DECLARED, Backend, BackendUnavailable, upstream
 from .common import (
     equal_row_groups,
     import_targets,
@@ -106,7 +106,7 @@ def _paged_mxfp4_mqa_logits(fn: dict, device: str, numerics: dict):
     def paged_mxfp4_mqa_logits(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
                                block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
                                clean_logits: bool = False, width: int | None = None) -> dict:
-        shuf, d, width = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
+        shuf, d, width, _ = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
                                             context_lens, block_table, row_ends, page_size, shuffle, width)
         rw, h, tb = q_fp4.shape
         if shuf is not None and shuf != layout.choose_shuffle(d, h):
@@ -164,7 +164,7 @@ def make_ops(fn: dict, device: str = "cuda", numerics: dict | None = None) -> di
 
 
 def make_backend() -> Backend:
-    desc = "aiter's ROCm ops (K writer, Q quant, paged MXFP4 scorer, top-k), gfx950"
+    desc = DECLARED[NAME].summary
     fn, _, missing = import_targets(FUNCTIONS)
     platform = rocm_gfx950_reason()
     reason = "; ".join(missing + ([platform] if platform else [])) or None

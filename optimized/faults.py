@@ -14,9 +14,7 @@ its broken ops are built here (_MAKE_OPS, by the same name).
 """
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -26,41 +24,35 @@ from reference import fp8 as ref_fp8
 from reference import hadamard as ref_hadamard
 from reference import layout, mxfp4, scoring
 from reference.k_writer import check_mxfp4_k_writer, group_start, k_values, rms_norm, writer_mask
-from reference.pooling import boundary_mask, gather_windows, softmax_pool
-from reference.q_quant import fold_weights
+from reference.pooling import SOFTMAX_MODES, boundary_mask, gather_windows
+from reference.q_quant import check_scale_pair, fold_weights
 from reference.rope import cos_sin_at, rope_gptj_tail
 
 from . import Backend, register
+from .fault_table import (  # noqa: F401  (the constants the faults are built with)
+    INT32_BITS,
+    LOGITS_ROW_SIM_BITS,
+    PREFILL_TOPK_ROWS,
+    RADIX_FLAGGEMS,
+    RADIX_SGLANG,
+    SCHEDULE_TILE,
+    SCHEDULE_TILES_PER_ROW,
+    SIM_WRAP_BITS,
+    FaultText,
+    read_catalogue,
+)
 
-# Signed width of the emulated offset arithmetic. The production bug wraps at 32 bits
-# (pools past 2 GiB); CI cannot hold such a pool, so a second fault wraps at 20 bits
-# (pools past 512 KiB) to exercise the same mechanism on a small case.
-INT32_BITS = 32
-SIM_WRAP_BITS = 20
 
-
-@dataclass(frozen=True)
-class Fault:
-    name: str
-    bug_class: str                 # the §10 wording
-    ops: tuple[str, ...]           # ops whose output it changes
-    cases: tuple[str, ...]         # cases (cases/selftest.toml) that expose it
-    description: str               # exactly what is broken
+@dataclass(frozen=True, kw_only=True)
+class Fault(FaultText):
+    """A fault's words (faults.toml, optimized/fault_table.py) and its broken ops."""
     make_ops: Callable[[], dict]   # op name -> the faulty op
-    large: bool = False            # needs more than a CPU affords (a pool or logits past 2 GiB):
-                                   # full selftest on a GPU (or --large) only, not --quick
-    source: str = ""               # the shipped bug it models ("ROCm/aiter#4244"); "" = invented here
-
-    @property
-    def backend_name(self) -> str:
-        return f"fault:{self.name}"
 
     def backend(self) -> Backend:
         ops = dict(reference.FUNCTIONS)
         ops.update(self.make_ops())
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return Backend(self.backend_name, f"FAULT ({self.bug_class}): {self.description}", ops,
-                       device=dev)
+        return Backend(self.backend_name, self.describe(), ops, device=dev)
 
 
 # --- the correct path, as composable stages ----------------------------------------
@@ -69,25 +61,25 @@ def pool_op(windows: Callable = gather_windows) -> Callable:
     """compress_pool whose windows come from `windows(state, table, pos, req, r) ->
     (kv, score, valid)`; the reference op checks the arguments and lays out the result."""
     def compress_pool(*, state_cache, block_table, positions, req_index, kv_slot_mapping,
-                      compress_ratio: int = 4, rounding: str = "rocm") -> dict:
+                      compress_ratio: int = 4, rounding: str = "rocm", softmax: str = "fp64") -> dict:
         out = reference.compress_pool(state_cache=state_cache, block_table=block_table,
                                       positions=positions, req_index=req_index,
                                       kv_slot_mapping=kv_slot_mapping, compress_ratio=compress_ratio,
-                                      rounding=rounding)
+                                      rounding=rounding, softmax=softmax)
         sel = boundary_mask(positions, compress_ratio) & (kv_slot_mapping >= 0)
         if bool(sel.any()):
             kv, score, _ = windows(state_cache, block_table, positions[sel], req_index[sel],
                                    compress_ratio)
             pooled = out["pooled"].clone()
-            pooled[sel] = softmax_pool(kv, score).to(pooled.dtype)
+            pooled[sel] = SOFTMAX_MODES[softmax](kv, score).to(pooled.dtype)
             out["pooled"] = pooled
         return out
     return compress_pool
 
 
-def default_values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard):
+def default_values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard, rope="separate"):
     return k_values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding=rounding,
-                    hadamard=hadamard)
+                    hadamard=hadamard, rope=rope)
 
 
 def default_write(kv_cache, slots, packed, scales, page_size, shuffle):
@@ -103,12 +95,12 @@ def k_writer_op(*, mask: Callable = writer_mask, rope_pos: Callable = group_star
     def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                                 norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
                                 shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
-                                scale_rule: str = "ceil") -> dict:
+                                scale_rule: str = "ceil", rope: str = "separate") -> dict:
         shuffle = check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                                        norm_eps, compress_ratio, page_size, shuffle, rounding)
         sel = mask(positions, slot_mapping, compress_ratio)
         y = values(k[sel], rope_pos(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
-                   norm_eps, rounding, hadamard)
+                   norm_eps, rounding, hadamard, rope)
         packed, scales = quantize(y, scale_rule)
         return {"kv_cache": write(kv_cache, slot_mapping[sel], packed, scales, page_size, shuffle)}
     return k_norm_rope_mxfp4_cache
@@ -117,12 +109,13 @@ def k_writer_op(*, mask: Callable = writer_mask, rope_pos: Callable = group_star
 def q_quant_op(*, force_hadamard: Optional[bool] = None, fold: Callable = fold_weights) -> Callable:
     """q_rope_mxfp4_quant with the Hadamard switch forced and/or the weight fold replaced."""
     def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
-                           hadamard: bool = False, scale_rule: str = "ceil") -> dict:
+                           hadamard: bool = False, scale_rule: str = "ceil", rope: str = "separate",
+                           softmax_scale: Optional[float] = None, head_scale: Optional[float] = None) -> dict:
         out = reference.q_rope_mxfp4_quant(
             q=q, positions=positions, cos_sin_cache=cos_sin_cache, weights=weights,
-            weights_scale=weights_scale, scale_rule=scale_rule,
-            hadamard=hadamard if force_hadamard is None else force_hadamard)
-        out["weights"] = fold(weights, weights_scale)
+            weights_scale=weights_scale, scale_rule=scale_rule, rope=rope, softmax_scale=softmax_scale,
+            head_scale=head_scale, hadamard=hadamard if force_hadamard is None else force_hadamard)
+        out["weights"] = fold(weights, weights_scale, check_scale_pair(weights_scale, softmax_scale, head_scale))
         return out
     return q_rope_mxfp4_quant
 
@@ -183,11 +176,11 @@ def _permuted_values(perm_fn: Callable) -> Callable:
     """RoPE on other dims/pairs, built from the reference: permute the channels so that
     the wrongly rotated dims land where the reference rotates, run the reference stages
     (the norm is order-free: its fp64 sum of bf16 squares is exact), permute back."""
-    def values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard):
+    def values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard, rope="separate"):
         perm = perm_fn(k.shape[-1], cos_sin_cache.shape[-1]).to(k.device)
         inv = torch.argsort(perm)
         y = k_values(k[:, perm], rope_pos, cos_sin_cache, norm_weight[perm], norm_eps,
-                     rounding=rounding, hadamard=False)[:, inv]
+                     rounding=rounding, hadamard=False, rope=rope)[:, inv]
         return ref_hadamard.rotate(y) if hadamard else y
     return values
 
@@ -204,11 +197,12 @@ def _first_dims_perm(d: int, rdim: int) -> torch.Tensor:
     return torch.cat((torch.arange(rdim, d), torch.arange(rdim)))
 
 
-def _values_norm_unrounded(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard):
+def _values_norm_unrounded(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard,
+                           rope="separate"):
     """The ROCm path without its bf16 round between the norm and RoPE."""
     cos, sin = cos_sin_at(cos_sin_cache, rope_pos)
     y = rope_gptj_tail(rms_norm(k.float(), norm_weight, norm_eps), cos, sin, round_bf16=True,
-                       nope_through_formula=(rounding == "rocm"))
+                       nope_through_formula=(rounding == "rocm"), rope=rope)
     return ref_hadamard.rotate(y) if hadamard else y
 
 
@@ -295,12 +289,12 @@ def _row_ends_unmasked(row_ends, context_lens, qsl):
     return context_lens.long()[scoring.seq_of_rows(qsl, row_ends.shape[0])].to(row_ends.dtype)
 
 
-def _fold_none(weights, weights_scale):
+def _fold_none(weights, weights_scale, pair=None):
     return weights.float()
 
 
-def _fold_twice(weights, weights_scale):
-    return fold_weights(fold_weights(weights, weights_scale), weights_scale)
+def _fold_twice(weights, weights_scale, pair=None):
+    return fold_weights(fold_weights(weights, weights_scale, pair), weights_scale, pair)
 
 
 def _pad_one_late(idx, lengths, k):
@@ -383,21 +377,6 @@ def _q_one_multiply() -> Callable:
 
 # --- the field's bugs: what shipped, modelled at the size where it appeared ------------------
 
-# Byte offsets of a logits row past this width wrap (aiter's buffer_store voffset is a
-# 32-bit byte offset). The simulated twin wraps at 22 bits (rows past 4 MiB) so that a CPU
-# case can hold the buffer.
-LOGITS_ROW_SIM_BITS = 22
-# aiter's FP4 MQA-logits scheduler: 256-entry tiles, at most 64 of them per row (16384
-# entries); work past the schedule's capacity was dropped without a word.
-SCHEDULE_TILE = 256
-SCHEDULE_TILES_PER_ROW = 64
-# aiter's prefill top-k takes its long-row path once a call has more than this many rows.
-PREFILL_TOPK_ROWS = 4096
-# Radix top-k candidate buffers: sglang fast_topk_v2 keeps 4096 candidates of the threshold
-# bin (coarse key: the top 8 bits of the fp16 value); FlagGems' sampled prefill path keeps
-# 2048 (key: sign, 5 exponent and 5 mantissa bits of the fp16 value).
-RADIX_SGLANG = (8, 4096)
-RADIX_FLAGGEMS = (11, 2048)
 POOL_RATIO = 4                  # r of every preset (the scorer is not told r)
 
 
@@ -485,13 +464,14 @@ def _neox_q_op() -> Callable:
     """q_rope_mxfp4_quant rotating NeoX pairs (t[i], t[i+R/2]) of the rope dims, as the K
     writer of the same fault does: q and k agree with each other, not with the model."""
     def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
-                           hadamard: bool = False, scale_rule: str = "ceil") -> dict:
+                           hadamard: bool = False, scale_rule: str = "ceil", rope: str = "separate",
+                           **pair) -> dict:
         out = reference.q_rope_mxfp4_quant(q=q, positions=positions, cos_sin_cache=cos_sin_cache,
                                            weights=weights, weights_scale=weights_scale,
-                                           hadamard=hadamard, scale_rule=scale_rule)
+                                           hadamard=hadamard, scale_rule=scale_rule, rope=rope, **pair)
         from reference.q_quant import q_values
         perm = _neox_perm(q.shape[-1], cos_sin_cache.shape[-1]).to(q.device)
-        y = q_values(q[..., perm], positions, cos_sin_cache)[..., torch.argsort(perm)]
+        y = q_values(q[..., perm], positions, cos_sin_cache, rope=rope)[..., torch.argsort(perm)]
         out["q_fp4"], out["q_scale"] = mxfp4.quantize_mxfp4(ref_hadamard.rotate(y) if hadamard else y,
                                                             scale_rule)
         return out
@@ -613,15 +593,6 @@ SCORE = "paged_mxfp4_mqa_logits"
 TOPK = "topk"
 FUSED = "compress_norm_rope_mxfp4_cache"
 
-# Values the catalogue's texts name ({NAME} in faults.toml).
-_TEXT_VALUES = dict(
-    SIM_WRAP_BITS=SIM_WRAP_BITS, SIM_WRAP_KIB=(1 << (SIM_WRAP_BITS - 1)) // 1024,
-    LOGITS_ROW_SIM_BITS=LOGITS_ROW_SIM_BITS, LOGITS_ROW_SIM_MIB=(1 << (LOGITS_ROW_SIM_BITS - 1)) >> 20,
-    SCHEDULE_TILE=SCHEDULE_TILE, SCHEDULE_TILES_PER_ROW=SCHEDULE_TILES_PER_ROW,
-    SCHEDULE_REACH=SCHEDULE_TILE * SCHEDULE_TILES_PER_ROW, PREFILL_TOPK_ROWS=PREFILL_TOPK_ROWS,
-    RADIX_SGLANG=RADIX_SGLANG, RADIX_FLAGGEMS=RADIX_FLAGGEMS,
-)
-
 # fault name -> its broken ops (op name -> the faulty op); its words are in faults.toml.
 _MAKE_OPS: dict[str, Callable[[], dict]] = {
     "window-shift": lambda: {POOL: pool_op(_shifted_windows)},
@@ -667,17 +638,15 @@ _MAKE_OPS: dict[str, Callable[[], dict]] = {
 }
 
 
-def _catalogue(path: Path) -> tuple[Fault, ...]:
-    rows = tomllib.loads(path.read_text())
-    if list(rows) != list(_MAKE_OPS):
-        raise RuntimeError(f"{path}: its faults {list(rows)} are not those of optimized/faults.py {list(_MAKE_OPS)}")
-    return tuple(Fault(name, row["bug_class"].format(**_TEXT_VALUES), tuple(row["ops"]), tuple(row["cases"]),
-                       row["description"].format(**_TEXT_VALUES), _MAKE_OPS[name],
-                       large=row.get("large", False), source=row.get("source", ""))
-                 for name, row in rows.items())
+def _catalogue() -> tuple[Fault, ...]:
+    words = read_catalogue()
+    if list(words) != list(_MAKE_OPS):
+        raise RuntimeError(f"optimized/faults.toml: its faults {list(words)} are not those of optimized/faults.py "
+                           f"{list(_MAKE_OPS)}")
+    return tuple(Fault(**vars(w), make_ops=_MAKE_OPS[name]) for name, w in words.items())
 
 
-_CATALOGUE = _catalogue(Path(__file__).with_name("faults.toml"))
+_CATALOGUE = _catalogue()
 
 FAULTS: dict[str, Fault] = {f.name: f for f in _CATALOGUE}
 
