@@ -55,12 +55,13 @@ def gather_windows(state_cache: torch.Tensor, block_table: torch.Tensor, positio
     (`converts_in_kernel`)."""
     r = compress_ratio
     bs = state_cache.shape[1]
-    q = positions.long()[:, None] + torch.arange(1 - 2 * r, 1, device=positions.device)   # [N, 2r]
+    offsets, halves = _window_slots(r, positions.device)
+    q = positions.long()[:, None] + offsets                                       # [N, 2r]
     valid = q >= 0
     qc = q.clamp_min(0)
     blk = block_table[req_index.long()[:, None], qc // bs].long()
     dev = state_cache.device
-    g = _lanes(state_cache).view(*state_cache.shape[:2], 4, -1)[blk, qc % bs, _window_halves(r, dev)]
+    g = _lanes(state_cache).view(*state_cache.shape[:2], 4, -1)[blk, qc % bs, halves]
     kv = torch.where(valid[..., None], g[0], _const(0, g.dtype, dev)).view(state_cache.dtype)
     score = torch.where(valid[..., None], g[1].view(state_cache.dtype),
                         _const(float("-inf"), torch.float64 if converts_in_kernel(g) else state_cache.dtype, dev)).double()
@@ -68,10 +69,12 @@ def gather_windows(state_cache: torch.Tensor, block_table: torch.Tensor, positio
 
 
 @functools.lru_cache(maxsize=16)
-def _window_halves(r: int, device: torch.device) -> torch.Tensor:
-    """The state-row quarter each window slot reads ([2, 1, 2r]: kv_a/kv_b = 0/1, then
-    score_a/score_b = 2/3). Made once per device, on the device (no host copy: CUDA graphs)."""
-    return (torch.arange(4 * r, device=device) // r).view(2, 1, 2 * r)
+def _window_slots(r: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each window slot's position relative to the boundary token ([2r]: 1 - 2r .. 0) and
+    the state-row quarter it reads ([2, 1, 2r]: kv_a/kv_b = 0/1, then score_a/score_b =
+    2/3). Made once per device, on the device (no host copy: CUDA graphs)."""
+    i = torch.arange(4 * r, device=device)
+    return i[:2 * r] + (1 - 2 * r), (i // r).view(2, 1, 2 * r)
 
 
 @functools.lru_cache(maxsize=16)
