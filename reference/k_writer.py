@@ -6,6 +6,8 @@ op does not own keeps its previous value.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import checks, layout, mxfp4
@@ -29,15 +31,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, dtype=torch.f
     is exact (fp64) then rounded to fp32, and rsqrt is correctly rounded (via fp64). A
     kernel's fp32 tree sum and approximate rsqrt differ from this by an ulp or two in
     fp32, which the bf16 round after the norm hides almost always.
-    The fp32 sum `ms + eps` is stored as fp64 (exact) for the rsqrt, and the fp64 rsqrt
-    stored as fp32 (rounded to nearest, as `.float()`): each op computes in its inputs'
-    dtype and rounds on the store, so no separate casts."""
+    Each op computes in its inputs' dtype and rounds on the store, so there are no separate
+    casts: `eps + sum / D` is one fp32 op (addcdiv: an IEEE divide, then an add; with a
+    tensor divisor, so a GPU divides rather than multiplying by 1/D) stored as fp64 (exact)
+    for the rsqrt, whose fp64 result is stored as fp32 (rounded to nearest, as `.float()`)."""
     x = fp32_operand(x)
     x64 = x.double()
-    ms = (x64 * x64).sum(dim=-1, keepdim=True).float() / x.shape[-1]
-    v = torch.add(ms, torch.tensor(eps, dtype=torch.float32), out=torch.empty_like(ms, dtype=torch.float64))
-    rstd = torch.rsqrt(v, out=torch.empty_like(ms))
+    s = (x64 * x64).sum(dim=-1, keepdim=True).float()
+    eps32, d32 = _norm_consts(float(eps), x.shape[-1], x.device)
+    v = torch.addcdiv(eps32, s, d32, out=torch.empty_like(s, dtype=torch.float64))
+    rstd = torch.rsqrt(v, out=torch.empty_like(s))
     return torch.mul(x * rstd, fp32_operand(weight), out=torch.empty(x.shape, dtype=dtype, device=x.device))
+
+
+@functools.lru_cache(maxsize=16)
+def _norm_consts(eps: float, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32(eps) and D as 1-element fp32 tensors, made once per device."""
+    return (torch.full((1,), eps, dtype=torch.float32, device=device),
+            torch.full((1,), float(d), dtype=torch.float32, device=device))
 
 
 def group_start(positions: torch.Tensor, compress_ratio: int) -> torch.Tensor:
