@@ -153,5 +153,7 @@ def write_rows(k, positions, slots, cos_sin_cache, norm_weight, kv_cache, *, nor
     # view: one integer op fewer)
     y = _k_values(k, cos_sin_cache[::compress_ratio], positions.long() // compress_ratio, norm_weight,
                   norm_eps, rounding=rounding, hadamard=hadamard, rope=rope)
-    packed, scales = mxfp4.quantize_mxfp4(y, scale_rule)
-    return layout.write_entries(kv_cache, slots, packed, scales, page_size=page_size, shuffle=shuffle)
+    d = y.shape[-1]
+    entries = torch.empty(*y.shape[:-1], layout.entry_bytes(d), dtype=torch.uint8, device=y.device)
+    mxfp4.quantize_mxfp4(y, scale_rule, out=entries)
+    return layout.write_entry_bytes(kv_cache, slots, entries, page_size=page_size, head_dim=d, shuffle=shuffle)

@@ -79,14 +79,21 @@ def _entry_offsets(page_size: int, head_dim: int, shuffle: Optional[Shuffle], de
 def write_entries(kv_cache: torch.Tensor, slots: torch.Tensor, packed: torch.Tensor,
                   scales: torch.Tensor, *, page_size: int, shuffle) -> torch.Tensor:
     """Return a copy of the pool [P, stride] u8 with entries stored at `slots`; every
-    byte not owned by those entries keeps its value. One store of each entry's bytes (values
-    then scales) at (page, in-page offset): the same bytes as `slot_byte_offsets` gives."""
+    byte not owned by those entries keeps its value."""
+    return write_entry_bytes(kv_cache, slots, torch.cat((packed, scales), -1), page_size=page_size,
+                             head_dim=packed.shape[-1] * 2, shuffle=shuffle)
+
+
+def write_entry_bytes(kv_cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor, *,
+                      page_size: int, head_dim: int, shuffle) -> torch.Tensor:
+    """write_entries with each entry's bytes given whole ([..., D/2 + D/32]: the packed
+    values, then the scales): one store at (page, in-page offset), the offsets of
+    `slot_byte_offsets`."""
     out = kv_cache.clone()
     if slots.numel():
-        head_dim = packed.shape[-1] * 2
         offs = _entry_offsets(page_size, head_dim, as_shuffle(shuffle), slots.device)
         s = slots.long()
-        out[(s // page_size).unsqueeze(-1), offs[s % page_size]] = torch.cat((packed, scales), -1)
+        out[(s // page_size).unsqueeze(-1), offs[s % page_size]] = entries
     return out
 
 

@@ -165,16 +165,23 @@ def block_amax(xb: torch.Tensor) -> torch.Tensor:
     return xb.abs().amax(dim=-1).float()
 
 
-def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x"):
+def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x", out=None):
     """x [..., D] (any float dtype, taken as fp32) -> (packed u8 [..., D/2], e8m0 u8 [..., D/32]).
 
     y = x * inv in fp32; the packed bytes come from the code buckets of y through the pair
-    table (`_code_tables`): the same bytes as pack_nibbles(e2m1_codes(y))."""
+    table (`_code_tables`): the same bytes as pack_nibbles(e2m1_codes(y)). `out`: a u8
+    [..., D/2 + D/32] that receives the packed bytes then the scales (an entry's bytes; the
+    two returned tensors are its parts), so no copy joins them."""
     xb = _blocks(x, name)
     e8m0 = _rule(scale_rule)(block_amax(xb))
     inv = _from_bits((254 - e8m0) << F32_MANT_BITS)       # 2**(127 - e8m0), exact
     b = _code_buckets(xb * inv.unsqueeze(-1)).flatten(-2)
-    return _code_tables(x.device)[2][b[..., 0::2], b[..., 1::2]], e8m0.to(torch.uint8)
+    pair = _code_tables(x.device)[2]
+    if out is None:
+        return pair[b[..., 0::2], b[..., 1::2]], e8m0.to(torch.uint8)
+    packed, scales = out[..., :x.shape[-1] // 2], out[..., x.shape[-1] // 2:]
+    torch.ops.aten.index.Tensor_out(pair, [b[..., 0::2], b[..., 1::2]], out=packed)
+    return packed, scales.copy_(e8m0)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
