@@ -156,7 +156,7 @@ def _blocks(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
 
 
-def block_amax(xb: torch.Tensor) -> torch.Tensor:
+def _block_amax(xb: torch.Tensor) -> torch.Tensor:
     """max |x| of each block, fp32 (exact): on a GPU one inf-norm reduction, which also takes
     bf16 to fp32 in the kernel; on the CPU, where that reduction is several times slower, abs
     then amax."""
@@ -173,7 +173,7 @@ def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x"
     [..., D/2 + D/32] that receives the packed bytes then the scales (an entry's bytes; the
     two returned tensors are its parts), so no copy joins them."""
     xb = _blocks(x, name)
-    e8m0 = _rule(scale_rule)(block_amax(xb))
+    e8m0 = _rule(scale_rule)(_block_amax(xb))
     inv = _from_bits((254 - e8m0) << F32_MANT_BITS)       # 2**(127 - e8m0), exact
     b = _code_buckets(xb * inv.unsqueeze(-1)).flatten(-2)
     pair = _code_tables(x.device)[2]

@@ -8,7 +8,7 @@ _NARROW = (torch.bfloat16, torch.float16)
 
 def converts_in_kernel(t: torch.Tensor) -> bool:
     """Whether an op on t with an operand of another dtype converts it in the kernel (a GPU)
-    rather than through the CPU's unvectorized path."""
+    rather than through the CPU's slower mixed-dtype path."""
     return t.is_cuda
 
 
@@ -16,8 +16,8 @@ def widened(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t (a float dtype no wider than `dtype`) as an operand of `dtype` arithmetic; the
     values are exact either way. On a GPU t as it is: an op whose operands differ in dtype
     converts them in the kernel, one pass over memory fewer than a conversion first. On the
-    CPU t converted: there such an op takes an unvectorized path, several times slower than
-    the conversion and a same-dtype op."""
+    CPU t converted: there such an op is several times slower than the conversion and a
+    same-dtype op together (measured: bf16 * fp32 over 512k elements 0.97 ms against 0.25)."""
     return t if converts_in_kernel(t) or t.dtype == dtype else t.to(dtype)
 
 

@@ -63,8 +63,8 @@ def gather_windows(state_cache: torch.Tensor, block_table: torch.Tensor, positio
     dev = state_cache.device
     g = _lanes(state_cache).view(*state_cache.shape[:2], 4, -1)[blk, qc % bs, halves]
     kv = torch.where(valid[..., None], g[0], _const(0, g.dtype, dev)).view(state_cache.dtype)
-    score = torch.where(valid[..., None], g[1].view(state_cache.dtype),
-                        _const(float("-inf"), torch.float64 if converts_in_kernel(g) else state_cache.dtype, dev)).double()
+    ninf = _const(float("-inf"), torch.float64 if converts_in_kernel(g) else state_cache.dtype, dev)
+    score = torch.where(valid[..., None], g[1].view(state_cache.dtype), ninf).double()
     return kv, score, valid
 
 
