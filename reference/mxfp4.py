@@ -236,19 +236,6 @@ def _stored(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.t()
 
 
-def _scales(amax: torch.Tensor, scale_rule: str, srow: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each block's scale row into srow (int64, `_entry_table`) -> (inv = 2**(127 - e8m0) fp32,
-    the entry table). The ceil rule by lookup on the amax bits (`_ceil_tables`); the others by
-    their arithmetic."""
-    if _rule(scale_rule) is e8m0_ceil:
-        bounds, inv, table = _ceil_tables(amax.device)
-        torch.bucketize(_stored(amax).view(torch.int32), bounds, right=True, out=_stored(srow))
-        return inv[srow], table
-    e8m0 = _rule(scale_rule)(amax)
-    torch.add(e8m0 & 0xFF, _SCALE_ROW0, out=srow)
-    return _from_bits((254 - e8m0) << F32_MANT_BITS), _byte_rows(amax.device)    # inv exact
-
-
 def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x", out=None):
     """x [..., D] (any float dtype, taken as fp32) -> (packed u8 [..., D/2], e8m0 u8 [..., D/32]).
 
@@ -257,48 +244,70 @@ def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x"
     pack_nibbles(e2m1_codes(y)). `out`: a u8 [..., D/2 + D/32] that receives the packed bytes
     then the scales (an entry's bytes; the two returned tensors are its parts).
 
-    y holds the even elements of a row, then the odd ones; their code buckets are looked up
-    in `_entry_table` (odd bucket, even bucket). On a GPU amax, y and the buckets are stored
-    element-major ([rows, M] for the M rows of x) and the code buckets and the scale rows
-    share one buffer, so that each step is one op and one lookup (the odd buckets then the
-    scale rows, against the even buckets then any code buckets) gives whole entries; on the
-    CPU, where strided stores are slow, all are row-major and the scales a lookup of their own."""
+    y holds a row's even elements, then its odd ones (one strided store), so that the
+    buckets of each are a block of columns. On a GPU the steps are laid out for one op each
+    (`_quantize_element_major`); on the CPU, where strided stores and small ops cost more than
+    they save, the rows stay row-major and the scale is the rule's arithmetic."""
     xb = _blocks(x, name)
     lead, nb = xb.shape[:-2], xb.shape[-2]
     half, m, dev = nb * MX_BLOCK // 2, math.prod(lead), x.device
     xb = xb.reshape(m, nb, MX_BLOCK)
-    one_buffer = converts_in_kernel(xb)
+    if converts_in_kernel(xb):
+        return _quantize_element_major(xb, lead, scale_rule, out)
+    amax = _block_amax(xb, out=torch.empty(m, nb, dtype=torch.float32, device=dev))
+    e8m0 = _rule(scale_rule)(amax)
+    inv = _from_bits((254 - e8m0) << F32_MANT_BITS)       # 2**(127 - e8m0), exact
+    y = _evens_then_odds(xb, inv, torch.empty(m, 2 * half, dtype=torch.float32, device=dev))
+    b = torch.bucketize(y.view(torch.int32), _code_tables(dev)[0], right=True)
+    if out is None:
+        packed = torch.empty(*lead, half, dtype=torch.uint8, device=dev)
+        scales = e8m0.to(torch.uint8).view(*lead, nb)
+    else:
+        packed, scales = out[..., :half], out[..., half:]
+        scales.view(m, nb).copy_(e8m0)
+    torch.ops.aten.index.Tensor_out(_code_tables(dev)[2], [b[:, :half], b[:, half:]], out=packed.view(m, half))
+    return packed, scales
 
-    def buf(cols: int, dtype: torch.dtype) -> torch.Tensor:      # [m, cols], element-major on a GPU
-        if one_buffer:
-            return torch.empty(cols, m, dtype=dtype, device=dev).t()
-        return torch.empty(m, cols, dtype=dtype, device=dev)
 
-    amax = _block_amax(xb, out=buf(nb, torch.float32))
-    rows = buf(2 * half + nb, torch.int64) if one_buffer else None
-    srow = rows[:, 2 * half:] if one_buffer else buf(nb, torch.int64)
-    inv, table = _scales(amax, scale_rule, srow)
-    y = buf(2 * half, torch.float32)                             # [m, D]: evens, then odds
+def _evens_then_odds(xb: torch.Tensor, inv: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y [M, D] (any 2-D layout) = xb [M, D/32, 32] * inv [M, D/32] in fp32, row n holding
+    element 2j + p of xb's row n at column p * D/2 + j."""
+    m, nb = xb.shape[:2]
     torch.mul(xb.view(m, nb, MX_BLOCK // 2, 2), inv[..., None, None],
               out=y.view(m, 2, nb, MX_BLOCK // 2).permute(0, 2, 3, 1))
-    codes = rows[:, :2 * half] if one_buffer else buf(2 * half, torch.int64)
-    torch.bucketize(_stored(y).view(torch.int32), _code_tables(dev)[0], right=True, out=_stored(codes))
-    if one_buffer:
-        odd, even = rows[:, half:], rows[:, :half + nb]      # odds, scale rows | evens, any codes
-        if out is not None:
-            torch.ops.aten.index.Tensor_out(table, [odd, even], out=out.view(m, half + nb))
-            return out[..., :half], out[..., half:]
-        cuts = (slice(None, half), slice(half, None))
-        idx = [(odd[:, c], even[:, c]) for c in cuts]
+    return y
+
+
+def _quantize_element_major(xb: torch.Tensor, lead, scale_rule: str, out):
+    """quantize_mxfp4 on a GPU, one op a step: amax, y and the buckets are stored element-major
+    ([rows, M] for the M rows of x: `_stored`), the code buckets (evens, then odds) and each
+    block's scale row in one int64 buffer, and one lookup in `_entry_table` with (the odd
+    buckets, then the scale rows) against (the even buckets, then any code buckets) gives
+    whole entries. With the ceil rule the scale row and inv are lookups on the amax bits
+    (`_ceil_tables`); with the others, the rule's arithmetic."""
+    m, nb = xb.shape[:2]
+    half, dev = nb * MX_BLOCK // 2, xb.device
+    amax = _block_amax(xb, out=torch.empty(nb, m, dtype=torch.float32, device=dev).t())
+    rows = torch.empty(2 * half + nb, m, dtype=torch.int64, device=dev).t()
+    srow = rows[:, 2 * half:]
+    if _rule(scale_rule) is e8m0_ceil:
+        bounds, inv, table = _ceil_tables(dev)
+        torch.bucketize(_stored(amax).view(torch.int32), bounds, right=True, out=_stored(srow))
+        inv = inv[srow]
     else:
-        idx = [(codes[:, half:], codes[:, :half]), (srow, codes[:, :nb])]
-    if out is None:       # tensors of their own (a lookup's result would take the buckets' layout)
-        parts = (torch.empty(*lead, half, dtype=torch.uint8, device=dev),
-                 torch.empty(*lead, nb, dtype=torch.uint8, device=dev))
-    else:
-        parts = (out[..., :half], out[..., half:])
-    for part, (i, j) in zip(parts, idx):
-        torch.ops.aten.index.Tensor_out(table, [i, j], out=part.view(m, part.shape[-1]))
+        e8m0 = _rule(scale_rule)(amax)
+        torch.add(e8m0 & 0xFF, _SCALE_ROW0, out=srow)
+        inv, table = _from_bits((254 - e8m0) << F32_MANT_BITS), _byte_rows(dev)
+    y = _evens_then_odds(xb, inv, torch.empty(2 * half, m, dtype=torch.float32, device=dev).t())
+    torch.bucketize(_stored(y).view(torch.int32), _code_tables(dev)[0], right=True, out=_stored(rows[:, :2 * half]))
+    odd, even = rows[:, half:], rows[:, :half + nb]      # odds, scale rows | evens, any codes
+    if out is not None:
+        torch.ops.aten.index.Tensor_out(table, [odd, even], out=out.view(m, half + nb))
+        return out[..., :half], out[..., half:]
+    parts = (torch.empty(*lead, half, dtype=torch.uint8, device=dev),   # tensors of their own: a
+             torch.empty(*lead, nb, dtype=torch.uint8, device=dev))     # lookup's result would take
+    for part, c in zip(parts, (slice(None, half), slice(half, None))):  # the buckets' layout
+        torch.ops.aten.index.Tensor_out(table, [odd[:, c], even[:, c]], out=part.view(m, part.shape[-1]))
     return parts
 
 

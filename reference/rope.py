@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from . import operands
 from .operands import fp32_operand
 
 
@@ -193,17 +194,18 @@ def rope_rows(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, *, nope_
     narrower; NoPE dims not through the formula are copied (x must then hold `dtype` values
     there).
 
-    `separate`: with x's rotated dims gathered next to themselves pair-swapped (g) and a
-    table t of (cos, cos | sin, sin) per pair, one product pq = g * t gives (e*cos, o*cos |
-    o*sin, e*sin), and e' = e*cos - o*sin, o' = o*cos + e*sin are one addcmul
+    `separate` on a GPU: with x's rotated dims gathered next to themselves pair-swapped (g)
+    and a table t of (cos, cos | sin, sin) per pair, one product pq = g * t gives (e*cos,
+    o*cos | o*sin, e*sin), and e' = e*cos - o*sin, o' = o*cos + e*sin are one addcmul
     pq[:L] + pq[L:] * (-1, +1) stored in `dtype`: the product by -1 or +1 is exact, so each
     output is the fp32 sum of the two rounded products, rounded once on the store, whether or
-    not a kernel fuses the multiply-add; the rounding of `rotate_pairs`."""
+    not a kernel fuses the multiply-add; the rounding of `rotate_pairs`. On the CPU, where
+    the gather costs more than the ops it saves, and for the FMA modes: `rotate_into`."""
     d, half = x.shape[-1], cache.shape[-1] // 2
     bcast = (1,) * (x.dim() - rows.dim() - 1)
-    if rope != "separate":
-        return _rope_rows_fma(x, cache, rows, nope_through_formula=nope_through_formula, rope=rope,
-                              dtype=dtype, bcast=bcast)
+    if rope != "separate" or not operands.converts_in_kernel(x):
+        return _rope_rows_pairs(x, cache, rows, nope_through_formula=nope_through_formula, rope=rope,
+                                dtype=dtype, bcast=bcast)
     start = 0 if nope_through_formula else d - 2 * half
     gather, cols, nope, fill, sign = _rotation_tables(d, half, nope_through_formula, rows.device)
     g = x[..., gather]
@@ -220,8 +222,8 @@ def rope_rows(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, *, nope_
     return out
 
 
-def _rope_rows_fma(x, cache, rows, *, nope_through_formula, rope, dtype, bcast) -> torch.Tensor:
-    """rope_rows for the modes with an FMA (`rotate_into`)."""
+def _rope_rows_pairs(x, cache, rows, *, nope_through_formula, rope, dtype, bcast) -> torch.Tensor:
+    """rope_rows through `rotate_into` (the even and odd dims as strided views)."""
     d, half = x.shape[-1], cache.shape[-1] // 2
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     x = fp32_operand(x)
