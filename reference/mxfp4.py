@@ -246,8 +246,9 @@ def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x"
 
     y holds a row's even elements, then its odd ones (one strided store), so that the
     buckets of each are a block of columns. On a GPU the steps are laid out for one op each
-    (`_quantize_element_major`); on the CPU, where strided stores and small ops cost more than
-    they save, the rows stay row-major and the scale is the rule's arithmetic."""
+    (`_quantize_element_major`); on the CPU, where element-major stores and small lookups
+    cost more than the ops they save, the rows stay row-major, the scale is the rule's
+    arithmetic and the scale bytes a copy."""
     xb = _blocks(x, name)
     lead, nb = xb.shape[:-2], xb.shape[-2]
     half, m, dev = nb * MX_BLOCK // 2, math.prod(lead), x.device

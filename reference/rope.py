@@ -190,9 +190,8 @@ def rope_rows(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, *, nope_
     """rope_gptj_tail(x.float(), *cos_sin_at(cache, rows)) (cos/sin broadcast over the dims
     of x between rows' and the last), each value rounded once to `dtype`: the same values as
     bf16_round(rope_gptj_tail(..., round_bf16=False)) or rope_gptj_tail(..., round_bf16=True),
-    as a `dtype` tensor (a view: the last dim's stride may exceed its size). x fp32 or
-    narrower; NoPE dims not through the formula are copied (x must then hold `dtype` values
-    there).
+    as a `dtype` tensor (on a GPU possibly a view into longer rows). x fp32 or narrower;
+    NoPE dims not through the formula are copied (x must then hold `dtype` values there).
 
     `separate` on a GPU: with x's rotated dims gathered next to themselves pair-swapped (g)
     and a table t of (cos, cos | sin, sin) per pair, one product pq = g * t gives (e*cos,
@@ -217,7 +216,8 @@ def rope_rows(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, *, nope_
         out = g[..., :d]                       # x's NoPE dims already in place
     else:
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
-        out[..., :start] = x[..., :start]
+        if start:
+            out[..., :start] = x[..., :start]
     torch.addcmul(pq[..., :d - start], pq[..., d - start:], sign, out=out[..., start:])
     return out
 
