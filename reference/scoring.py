@@ -65,16 +65,34 @@ def _pair_lut(device: torch.device, dtype: torch.dtype = torch.float32, factor: 
     return lut.to(device)
 
 
+@functools.lru_cache(maxsize=8)
+def _scaled_byte_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Entry (e << 8) | byte: the two values e2m1(byte & 15) * 2**(e - 127) and
+    e2m1(byte >> 4) * 2**(e - 127), computed in fp64 (exact) and stored as one element of
+    twice the width (fp32 pair: int64, fp64 pair: complex128); e = 255 (NaN scale): NaN."""
+    e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64)
+    b = torch.arange(256)
+    pair = torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)                       # [256, 2]
+    e = torch.arange(256)
+    pow2 = ((e.clamp(max=254) - 127 + 1023) << 52).view(torch.float64)        # 2**(e - 127)
+    pow2 = torch.where(e == E8M0_NAN, float("nan"), pow2)
+    lut = (pow2[:, None, None] * pair).to(dtype).contiguous()                 # [256, 256, 2]
+    if dtype == torch.float64:
+        return torch.view_as_complex(lut).view(-1).to(device)
+    return lut.view(torch.int64).view(-1).to(device)
+
+
 def dequantize_mxfp4_f32(packed: torch.Tensor, scales: torch.Tensor,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Exact dequantization for scale bytes in [2, 252] (others give subnormals, inf or
-    NaN; the exact core sends those entries to the generic fp64 one). `dtype` fp64: the
-    same values, read from an fp64 table (no fp32 pass)."""
+    """MXFP4 values in fp32 (exact for scale bytes in [0, 252]; 253 and 254 overflow, 255
+    is NaN; the exact cores send those entries to the generic fp64 one) or fp64 (exact for
+    every scale byte). One table read per byte, scale folded in: (e << 8) | byte -> the
+    byte's two values."""
     nb = scales.shape[-1]
-    words = packed.contiguous().view(torch.int16).reshape(-1).int() & 0xFFFF
-    vals = _pair_lut(packed.device, dtype).index_select(0, words).view(*scales.shape, MX_BLOCK)
-    pow2 = (scales.int().clamp(1, 254) << 23).view(torch.float32)        # 2**(e - 127)
-    return vals.mul_(pow2.to(dtype).unsqueeze(-1)).view(*scales.shape[:-1], nb * MX_BLOCK)
+    idx = packed.reshape(*scales.shape, -1) + (scales.int() << 8).unsqueeze(-1)   # int32
+    vals = _scaled_byte_lut(packed.device, dtype).index_select(0, idx.view(-1))
+    vals = torch.view_as_real(vals) if dtype == torch.float64 else vals.view(dtype)
+    return vals.reshape(*scales.shape[:-1], nb * MX_BLOCK)
 
 
 def _block_exponents(packed: torch.Tensor, scales: torch.Tensor):
@@ -170,18 +188,42 @@ def blockwise_f32_columns(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
 
 
 def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
-    """Same values as `weighted_relu_logits` on the dequantized operands (fp64 [Rw, J]),
-    each column from its `column_cores` core: exact dots wherever the core's proof holds
-    (fp32 or fp64 matmul, or per-block fp32 dots summed in fp64: those are exact up to 40
-    binades between a pair's blocks, beyond that only the 3 block additions round);
-    relu and the weighted head sum in fp64. The fp64 matmul is about as fast as the fp32
-    one on a CPU (the scorer streams keys), so wide scale spreads cost little."""
-    rw, h = q_scale.shape[:2]
-    nb = q_scale.shape[-1]
+    """Same values as `weighted_relu_logits` on the dequantized operands (fp64 [Rw, J]):
+    exact dots, relu and the weighted head sum in fp64, summed over the heads in order
+    (the order of the fp64 matmul there; `_head_sum`). On a CPU, key columns whose scale
+    bytes span at most `_I8_SPREAD` binades (counting every block), scored with queries
+    that do too, come from int8 dots (`_i8_cpu`); the others from their `column_cores`
+    core: an fp32 or fp64 matmul, or per-block fp32 dots summed in fp64 (exact up to 40
+    binades between a pair's blocks, beyond that only the 3 block additions round)."""
+    rw = q_scale.shape[0]
     j = k_scale.shape[0]
     out = torch.empty(rw, j, dtype=torch.float64, device=q_packed.device)
     if rw == 0 or j == 0:
         return out
+    i8 = _i8_cpu_queries(q_packed, q_scale)
+    if i8 is None:
+        return _column_core_logits(q_packed, q_scale, k_packed, k_scale, w)
+    lo, hi = k_scale.amin(-1), k_scale.amax(-1)
+    sel = (hi - lo <= _I8_SPREAD) & (hi != E8M0_NAN)
+    if bool(sel.all()):
+        _i8_cpu(*i8, w, k_packed, k_scale, lo, out)
+        return out
+    if not bool(sel.any()):
+        return _column_core_logits(q_packed, q_scale, k_packed, k_scale, w)
+    cols, rest = sel.nonzero().flatten(), (~sel).nonzero().flatten()
+    part = torch.empty(rw, cols.numel(), dtype=torch.float64, device=out.device)
+    _i8_cpu(*i8, w, k_packed[cols], k_scale[cols], lo[cols], part)
+    out[:, cols] = part
+    out[:, rest] = _column_core_logits(q_packed, q_scale, k_packed[rest], k_scale[rest], w)
+    return out
+
+
+def _column_core_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
+    """fp64 [Rw, J], each column from its `column_cores` core."""
+    rw, h = q_scale.shape[:2]
+    nb = q_scale.shape[-1]
+    j = k_scale.shape[0]
+    out = torch.empty(rw, j, dtype=torch.float64, device=q_packed.device)
     cores = column_cores(q_packed, q_scale, k_packed, k_scale)
     q32 = w64 = None
     for core in (CORE_F32, CORE_F64, CORE_BLOCKS, CORE_FP64_GENERIC):
@@ -194,44 +236,126 @@ def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
         if core == CORE_FP64_GENERIC:
             res = weighted_relu_logits(mxfp4.dequantize_mxfp4(q_packed, q_scale, torch.float64),
                                        mxfp4.dequantize_mxfp4(kp, ks, torch.float64), w)
-        else:
+        elif core == CORE_BLOCKS:
             if q32 is None:
                 q32, w64 = dequantize_mxfp4_f32(q_packed, q_scale), w.double()
-            if core == CORE_BLOCKS:
-                res = _blockwise_f32(q32, dequantize_mxfp4_f32(kp, ks), w64, nb)
-            else:
-                # keys dequantized a chunk at a time, so the matmul reads them from cache
-                qx = q32 if core == CORE_F32 else q32.double()
-                dt = torch.float32 if core == CORE_F32 else torch.float64
-                res = torch.empty(rw, kp.shape[0], dtype=torch.float64, device=q_packed.device)
-                for c0 in range(0, kp.shape[0], _KEY_CHUNK):
-                    kc = dequantize_mxfp4_f32(kp[c0:c0 + _KEY_CHUNK], ks[c0:c0 + _KEY_CHUNK], dt)
-                    res[:, c0:c0 + _KEY_CHUNK] = _dense(qx, kc, w64)
+            res = _blockwise_f32(q32, dequantize_mxfp4_f32(kp, ks), w64, nb)
+        else:
+            dt = torch.float32 if core == CORE_F32 else torch.float64
+            res = _dense(dequantize_mxfp4_f32(q_packed, q_scale, dt), kp, ks, w.double())
         if whole:
             return res
         out[:, cols] = res
     return out
 
 
-def _dense(q32, k32, w64) -> torch.Tensor:
-    """fp64 [Rw, J] from fp32 or fp64 dots that are exact (the caller proved it), relu
-    and the weighted head sum in fp64; tiled so that per-head scores never fill memory."""
-    rw, h = q32.shape[:2]
-    j = k32.shape[0]
-    out = torch.empty(rw, j, dtype=torch.float64, device=q32.device)
-    jc = max(1, min(j, _TILE_ELEMS // h))
-    rc = max(1, _TILE_ELEMS // (h * jc))
-    for r0 in range(0, rw, rc):
-        qr = q32[r0:r0 + rc]
-        wr = w64[r0:r0 + rc].unsqueeze(1)
-        for j0 in range(0, j, jc):
-            s = torch.matmul(qr, k32[j0:j0 + jc].T).clamp_min_(0).to(torch.float64)
-            out[r0:r0 + rc, j0:j0 + jc] = torch.bmm(wr, s).squeeze(1)
+def _head_sum(w64: torch.Tensor, s64: torch.Tensor) -> torch.Tensor:
+    """sum_h w[r, h] * s[r, h, j] in fp64: [Rw, H] x [Rw, H, J] -> [Rw, J]. The products are
+    exact (the callers' dots are exact, w has 24 bits), the sum is the bmm's: over h in
+    order, the same for any J, chunk or row count (the reference's tests pin it bitwise)."""
+    return torch.bmm(w64.unsqueeze(1), s64).squeeze(1)
+
+
+def _dense(q, k_packed, k_scale, w64) -> torch.Tensor:
+    """fp64 [Rw, J] from fp32 or fp64 (q's dtype) dots that are exact (the caller proved it),
+    relu and the weighted head sum in fp64. Keys are dequantized `_CPU_KEYS` at a time, so
+    the matmul reads them from cache, and rows go `_CPU_TILE` scores at a time."""
+    rw, h, d = q.shape
+    j = k_scale.shape[0]
+    out = torch.empty(rw, j, dtype=torch.float64, device=q.device)
+    rc = max(1, _CPU_TILE // (h * _CPU_KEYS))
+    for c0 in range(0, j, _CPU_KEYS):
+        k = dequantize_mxfp4_f32(k_packed[c0:c0 + _CPU_KEYS], k_scale[c0:c0 + _CPU_KEYS], q.dtype)
+        for r0 in range(0, rw, rc):
+            s = _relu64(torch.matmul(q[r0:r0 + rc], k.T))                  # [rc, H, c]
+            out[r0:r0 + rc, c0:c0 + _CPU_KEYS] = _head_sum(w64[r0:r0 + rc], s)
     return out
 
 
-# keys per chunk of the matmul cores (4096 x 128 fp64 = 4 MB)
-_KEY_CHUNK = 4096
+# --- the CPU's int8 core ---------------------------------------------------------------
+#
+# The CORE_I8 identity below (`grouped_relu_logits`), one sequence at a time: a key whose
+# scale bytes e_b span at most `_I8_SPREAD` binades is c_b * 2**(e_b - lo) * 2**(lo - 128)
+# with c_b twice an e2m1 value, so its int8 operand is a table read per byte (index
+# (e_b - lo) << 8 | byte); dead blocks hold zeros whatever their scale byte, so counting
+# every block only sends a few more columns to the other cores. The int32 dots are exact,
+# relu commutes with the positive column factor 2**(lo - 128), and
+#     logits[r, j] = 2**(lo[j]-128) * sum_h (w[r,h] * 2**(mq[r,h]-128)) * relu(N[r,h,j])
+# is the fp64 head sum of `_head_sum` with every term scaled by the same power of two
+# (no term nears fp64's subnormal or overflow range): the same bits as the fp32 core.
+
+# keys per chunk of the CPU cores (int8 keys 512 KB) and per-head scores per tile (fp64
+# 2 MB): they stay in cache between the dequantization, the matmul and the head sum
+_CPU_KEYS = 4096
+_CPU_TILE = 1 << 18
+
+
+@functools.lru_cache(maxsize=4)
+def _shift_byte_lut_i8(device: torch.device) -> torch.Tensor:
+    """int16 [4 * 256]: entry (s << 8) | byte holds, in memory order, the int8 values
+    2 * e2m1(byte & 15) * 2**s and 2 * e2m1(byte >> 4) * 2**s (|.| <= 96)."""
+    e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64) * 2
+    b = torch.arange(256)
+    pair = torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)                       # [256, 2]
+    lut = torch.cat([pair * 2 ** s for s in range(_I8_SPREAD + 1)]).to(torch.int8)
+    return lut.contiguous().view(torch.int16).view(-1).to(device)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_int_mm_exact() -> bool:
+    """Whether torch's CPU int8 GEMM returns exact int32 dots at the operands' extremes
+    (|.| <= 96, K = 128; an int16 intermediate would saturate here). Checked once."""
+    a = torch.tensor([96, -96, 96, 96, -96, -96, 96, -96], dtype=torch.int8).repeat(17, 16)
+    b = torch.tensor([96, -96, 96, 96, -96, -96, 96, -96], dtype=torch.int8).repeat(24, 16)
+    b[1::2] = -b[1::2]
+    b[2::3] = 96
+    try:
+        got = torch._int_mm(a, b.T)
+    except RuntimeError:
+        return False
+    return bool(torch.equal(got.long(), a.long() @ b.long().T))
+
+
+def _i8_cpu_queries(q_packed, q_scale):
+    """(q8 [Rw, H, D], mq [Rw, H]) when the CPU int8 core may score these queries: on a CPU
+    whose int8 GEMM is exact, no NaN scale byte, every head's live blocks within
+    `_I8_SPREAD` binades; else None."""
+    if q_packed.device.type != "cpu" or bool((q_scale == E8M0_NAN).any()) or not _cpu_int_mm_exact():
+        return None
+    q8, mq, spread = int8_operand(q_packed, q_scale)
+    return (q8, mq) if int(spread.max()) <= _I8_SPREAD else None
+
+
+def _i8_cpu(q8, mq, w, k_packed, k_scale, lo, out) -> None:
+    """out fp64 [Rw, J] = the logits of keys whose scale bytes lie in [lo, lo + _I8_SPREAD]
+    (lo [J], NaN excluded), from the queries' int8 operand (`int8_operand`)."""
+    rw, h, d = q8.shape
+    j, nb = k_scale.shape
+    w64 = w.double() * ((mq.long() - 128 + 1023) << 52).view(torch.float64)      # exact
+    col = ((lo.long() - 128 + 1023) << 52).view(torch.float64)                      # 2**(lo - 128)
+    sh = ((k_scale - lo.unsqueeze(-1)).int() << 8).unsqueeze(-1)                   # [J, nb, 1]
+    kp = k_packed.reshape(j, nb, -1)
+    lut = _shift_byte_lut_i8(q8.device)
+    rc = max(1, min(rw, _CPU_TILE // (h * _CPU_KEYS)))
+    # buffers reused chunk after chunk: they stay in cache, no page faults
+    cc = min(j, _CPU_KEYS)
+    idx = torch.empty(cc * nb * kp.shape[-1], dtype=torch.int32)
+    k8 = torch.empty(cc * d // 2, dtype=torch.int16)
+    n = torch.empty(rc * h * cc, dtype=torch.int32)
+    s = torch.empty(rc * h * cc, dtype=torch.float64)
+    for c0 in range(0, j, _CPU_KEYS):
+        c = min(_CPU_KEYS, j - c0)
+        ic = idx[:c * nb * kp.shape[-1]]
+        ic.view(c, nb, -1).copy_(kp[c0:c0 + c]).add_(sh[c0:c0 + c])             # no uint8 temporary
+        kc = torch.index_select(lut, 0, ic, out=k8[:c * d // 2]).view(torch.int8).view(c, d)
+        for r0 in range(0, rw, rc):
+            rn = min(rc, rw - r0)
+            nc, sc = n[:rn * h * c].view(rn * h, c), s[:rn * h * c].view(rn, h, c)
+            torch._int_mm(q8[r0:r0 + rn].reshape(rn * h, d), kc.T, out=nc)        # exact int32 dots
+            sc.copy_(nc.view(rn, h, c)).clamp_min_(0)                              # relu, in fp64
+            torch.mul(_head_sum(w64[r0:r0 + rn], sc), col[c0:c0 + c], out=out[r0:r0 + rn, c0:c0 + c])
+
+
 # columns per chunk of the blockwise core: its fp32 and fp64 block scores stay in cache
 _BLOCK_COLS = 1024
 
