@@ -190,31 +190,43 @@ def blockwise_f32_columns(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
 def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
     """Same values as `weighted_relu_logits` on the dequantized operands (fp64 [Rw, J]):
     exact dots, relu and the weighted head sum in fp64, summed over the heads in order
-    (the order of the fp64 matmul there; `_head_sum`). On a CPU, key columns whose scale
-    bytes span at most `_I8_SPREAD` binades (counting every block), scored with queries
-    that do too, come from int8 dots (`_i8_cpu`); the others from their `column_cores`
-    core: an fp32 or fp64 matmul, or per-block fp32 dots summed in fp64 (exact up to 40
-    binades between a pair's blocks, beyond that only the 3 block additions round)."""
+    (the order of the fp64 matmul there; `_head_sum`). On a CPU, by the spread of each
+    key's scale bytes (all blocks counted) and the queries' (live blocks): int8 dots where
+    both are within `_I8_SPREAD` binades, else one fp64 matmul where the key's are within
+    `_F64_SHIFTS` and the pair's within the fp64 proof (`_table_core`); the other columns
+    (and all on other devices) from their `column_cores` core: an fp32 or fp64 matmul, or
+    per-block fp32 dots summed in fp64 (exact up to 40 binades between a pair's blocks,
+    beyond that only the 3 block additions round)."""
     rw = q_scale.shape[0]
-    j = k_scale.shape[0]
+    j, nb = k_scale.shape
     out = torch.empty(rw, j, dtype=torch.float64, device=q_packed.device)
     if rw == 0 or j == 0:
         return out
-    i8 = _i8_cpu_queries(q_packed, q_scale)
-    if i8 is None:
+    if q_packed.device.type != "cpu" or bool((q_scale == E8M0_NAN).any()):
         return _column_core_logits(q_packed, q_scale, k_packed, k_scale, w)
+    q8, mq, qspread = int8_operand(q_packed, q_scale)
+    qs = int(qspread.max())
     lo, hi = k_scale.amin(-1), k_scale.amax(-1)
-    sel = (hi - lo <= _I8_SPREAD) & (hi != E8M0_NAN)
-    if bool(sel.all()):
-        _i8_cpu(*i8, w, k_packed, k_scale, lo, out)
-        return out
-    if not bool(sel.any()):
-        return _column_core_logits(q_packed, q_scale, k_packed, k_scale, w)
-    cols, rest = sel.nonzero().flatten(), (~sel).nonzero().flatten()
-    part = torch.empty(rw, cols.numel(), dtype=torch.float64, device=out.device)
-    _i8_cpu(*i8, w, k_packed[cols], k_scale[cols], lo[cols], part)
-    out[:, cols] = part
-    out[:, rest] = _column_core_logits(q_packed, q_scale, k_packed[rest], k_scale[rest], w)
+    ks = hi - lo                                                   # uint8: hi >= lo
+    ok = hi != E8M0_NAN
+    i8 = ok & (ks <= _I8_SPREAD) if qs <= _I8_SPREAD and _cpu_int_mm_exact() else torch.zeros_like(ok)
+    f64 = ok & ~i8 & (ks <= _F64_SHIFTS) & (ks.int() + qs <= 53 - (nb * 4608 - 1).bit_length())
+    cores = [(i8, lambda kp, ksc, klo, o: _table_core(q8, w.double() * _pow2(mq), kp, ksc, klo, o)),
+             (f64, lambda kp, ksc, klo, o: _table_core(dequantize_mxfp4_f32(q_packed, q_scale, torch.float64),
+                                                      w.double(), kp, ksc, klo, o))]
+    rest = ~(i8 | f64)
+    for sel, core in cores:
+        if bool(sel.all()):
+            core(k_packed, k_scale, lo, out)
+            return out
+        if bool(sel.any()):
+            cols = sel.nonzero().flatten()
+            part = torch.empty(rw, cols.numel(), dtype=torch.float64)
+            core(k_packed[cols], k_scale[cols], lo[cols], part)
+            out[:, cols] = part
+    if bool(rest.any()):
+        cols = rest.nonzero().flatten()
+        out[:, cols] = _column_core_logits(q_packed, q_scale, k_packed[cols], k_scale[cols], w)
     return out
 
 
@@ -272,43 +284,54 @@ def _dense(q, k_packed, k_scale, w64) -> torch.Tensor:
     return out
 
 
-# --- the CPU's int8 core ---------------------------------------------------------------
+# --- the CPU's table-decoded cores ----------------------------------------------------
 #
-# The CORE_I8 identity below (`grouped_relu_logits`), one sequence at a time: a key whose
-# scale bytes e_b span at most `_I8_SPREAD` binades is c_b * 2**(e_b - lo) * 2**(lo - 128)
-# with c_b twice an e2m1 value, so its int8 operand is a table read per byte (index
-# (e_b - lo) << 8 | byte); dead blocks hold zeros whatever their scale byte, so counting
-# every block only sends a few more columns to the other cores. The int32 dots are exact,
-# relu commutes with the positive column factor 2**(lo - 128), and
-#     logits[r, j] = 2**(lo[j]-128) * sum_h (w[r,h] * 2**(mq[r,h]-128)) * relu(N[r,h,j])
-# is the fp64 head sum of `_head_sum` with every term scaled by the same power of two
-# (no term nears fp64's subnormal or overflow range): the same bits as the fp32 core.
+# A key whose scale bytes e_b lie in [lo, lo + S] is k = c * 2**(lo - 128) with c the
+# vector of 2 * e2m1 * 2**(e_b - lo): small integers, read from a table per byte (index
+# (e_b - lo) << 8 | byte, the shift and the decode in one gather; dead blocks decode to
+# zeros whatever their scale byte). For q . c exact, scaling by the power of two
+# 2**(lo - 128) > 0 commutes with relu, and every fp64 product and sum of
+#     logits[r, j] = 2**(lo[j]-128) * sum_h w[r,h] * relu(q[r,h] . c[j])
+# is the one of `_head_sum` on the true dots scaled by the same power of two (no value
+# nears fp64's subnormal or overflow range): the same bits, whatever rounds. Two cores:
+# * int8 (S = `_I8_SPREAD`, c * 2**3 <= 96): the queries as `int8_operand`s too (q =
+#   q8 * 2**(mq - 128), that factor moved onto w: exact), int32 dots exact;
+# * fp64 (S = `_F64_SHIFTS`): the queries' fp64 values, one fp64 matmul, exact where the
+#   pair's spread is within the fp64 proof (`column_cores`).
 
-# keys per chunk of the CPU cores (int8 keys 512 KB) and per-head scores per tile (fp64
-# 2 MB): they stay in cache between the dequantization, the matmul and the head sum
+# keys per chunk (decoded keys at most 4 MB) and per-head scores per tile (fp64 2 MB): they
+# stay in cache between the decode, the matmul and the head sum
 _CPU_KEYS = 4096
 _CPU_TILE = 1 << 18
+_F64_SHIFTS = 15
 
 
-@functools.lru_cache(maxsize=4)
-def _shift_byte_lut_i8(device: torch.device) -> torch.Tensor:
-    """int16 [4 * 256]: entry (s << 8) | byte holds, in memory order, the int8 values
-    2 * e2m1(byte & 15) * 2**s and 2 * e2m1(byte >> 4) * 2**s (|.| <= 96)."""
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2**(e - 128) in fp64 (exact, e an e8m0 byte in [0, 254])."""
+    return ((e.long() - 128 + 1023) << 52).view(torch.float64)
+
+
+@functools.lru_cache(maxsize=8)
+def _shift_byte_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Entry (s << 8) | byte: 2 * e2m1(byte & 15) * 2**s and 2 * e2m1(byte >> 4) * 2**s as one
+    element (int8 pair: int16, s <= `_I8_SPREAD`; fp64 pair: complex128, s <= `_F64_SHIFTS`)."""
     e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64) * 2
     b = torch.arange(256)
     pair = torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)                       # [256, 2]
-    lut = torch.cat([pair * 2 ** s for s in range(_I8_SPREAD + 1)]).to(torch.int8)
-    return lut.contiguous().view(torch.int16).view(-1).to(device)
+    shifts = _I8_SPREAD if dtype == torch.int8 else _F64_SHIFTS
+    lut = torch.cat([pair * 2 ** s for s in range(shifts + 1)]).to(dtype).contiguous()
+    lut = torch.view_as_complex(lut) if dtype == torch.float64 else lut.view(torch.int16)
+    return lut.view(-1).to(device)
 
 
 @functools.lru_cache(maxsize=1)
 def _cpu_int_mm_exact() -> bool:
     """Whether torch's CPU int8 GEMM returns exact int32 dots at the operands' extremes
-    (|.| <= 96, K = 128; an int16 intermediate would saturate here). Checked once."""
-    a = torch.tensor([96, -96, 96, 96, -96, -96, 96, -96], dtype=torch.int8).repeat(17, 16)
-    b = torch.tensor([96, -96, 96, 96, -96, -96, 96, -96], dtype=torch.int8).repeat(24, 16)
-    b[1::2] = -b[1::2]
-    b[2::3] = 96
+    (|.| <= 96, K = 128: a u8 x s8 pair sum in int16, as some int8 GEMMs without VNNI form,
+    saturates here). Checked once."""
+    pattern = torch.tensor([[96] * 8, [-96] * 8, [96, -96] * 4, [96, 96, -96, 96, -96, -96, 96, -96]])
+    a = pattern.repeat(5, 16).to(torch.int8)                                    # [20, 128]
+    b = torch.cat((pattern, -pattern)).repeat(3, 16).to(torch.int8)             # [24, 128]
     try:
         got = torch._int_mm(a, b.T)
     except RuntimeError:
@@ -316,43 +339,40 @@ def _cpu_int_mm_exact() -> bool:
     return bool(torch.equal(got.long(), a.long() @ b.long().T))
 
 
-def _i8_cpu_queries(q_packed, q_scale):
-    """(q8 [Rw, H, D], mq [Rw, H]) when the CPU int8 core may score these queries: on a CPU
-    whose int8 GEMM is exact, no NaN scale byte, every head's live blocks within
-    `_I8_SPREAD` binades; else None."""
-    if q_packed.device.type != "cpu" or bool((q_scale == E8M0_NAN).any()) or not _cpu_int_mm_exact():
-        return None
-    q8, mq, spread = int8_operand(q_packed, q_scale)
-    return (q8, mq) if int(spread.max()) <= _I8_SPREAD else None
-
-
-def _i8_cpu(q8, mq, w, k_packed, k_scale, lo, out) -> None:
-    """out fp64 [Rw, J] = the logits of keys whose scale bytes lie in [lo, lo + _I8_SPREAD]
-    (lo [J], NaN excluded), from the queries' int8 operand (`int8_operand`)."""
-    rw, h, d = q8.shape
+def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
+    """out fp64 [Rw, J] from queries q [Rw, H, D] (int8: the int8 core, w64 carrying their
+    factor; fp64: the fp64 core) and keys whose scale bytes lie in [lo, lo + S] (lo [J],
+    NaN excluded); the caller proved the dots exact."""
+    rw, h, d = q.shape
     j, nb = k_scale.shape
-    w64 = w.double() * ((mq.long() - 128 + 1023) << 52).view(torch.float64)      # exact
-    col = ((lo.long() - 128 + 1023) << 52).view(torch.float64)                      # 2**(lo - 128)
+    int8 = q.dtype == torch.int8
+    col = _pow2(lo)
     sh = ((k_scale - lo.unsqueeze(-1)).int() << 8).unsqueeze(-1)                   # [J, nb, 1]
     kp = k_packed.reshape(j, nb, -1)
-    lut = _shift_byte_lut_i8(q8.device)
+    lut = _shift_byte_lut(q.device, q.dtype)
     rc = max(1, min(rw, _CPU_TILE // (h * _CPU_KEYS)))
     # buffers reused chunk after chunk: they stay in cache, no page faults
     cc = min(j, _CPU_KEYS)
-    idx = torch.empty(cc * nb * kp.shape[-1], dtype=torch.int32)
-    k8 = torch.empty(cc * d // 2, dtype=torch.int16)
-    n = torch.empty(rc * h * cc, dtype=torch.int32)
-    s = torch.empty(rc * h * cc, dtype=torch.float64)
+    idx = torch.empty(cc * d // 2, dtype=torch.int32)
+    kbuf = torch.empty(cc * d // 2, dtype=lut.dtype)
+    dots = torch.empty(rc * h * cc, dtype=torch.int32 if int8 else torch.float64)
+    s64 = torch.empty(rc * h * cc, dtype=torch.float64) if int8 else dots
     for c0 in range(0, j, _CPU_KEYS):
         c = min(_CPU_KEYS, j - c0)
-        ic = idx[:c * nb * kp.shape[-1]]
-        ic.view(c, nb, -1).copy_(kp[c0:c0 + c]).add_(sh[c0:c0 + c])             # no uint8 temporary
-        kc = torch.index_select(lut, 0, ic, out=k8[:c * d // 2]).view(torch.int8).view(c, d)
+        ic = idx[:c * d // 2]
+        ic.view(c, nb, -1).copy_(kp[c0:c0 + c]).add_(sh[c0:c0 + c])                 # no uint8 temporary
+        kc = torch.index_select(lut, 0, ic, out=kbuf[:c * d // 2])
+        kc = (kc.view(torch.int8) if int8 else torch.view_as_real(kc)).view(c, d)
         for r0 in range(0, rw, rc):
             rn = min(rc, rw - r0)
-            nc, sc = n[:rn * h * c].view(rn * h, c), s[:rn * h * c].view(rn, h, c)
-            torch._int_mm(q8[r0:r0 + rn].reshape(rn * h, d), kc.T, out=nc)        # exact int32 dots
-            sc.copy_(nc.view(rn, h, c)).clamp_min_(0)                              # relu, in fp64
+            dc, sc = dots[:rn * h * c].view(rn * h, c), s64[:rn * h * c].view(rn, h, c)
+            qm = q[r0:r0 + rn].reshape(rn * h, d)
+            if int8:
+                torch._int_mm(qm, kc.T, out=dc)                                    # exact int32 dots
+                sc.copy_(dc.view(rn, h, c))
+            else:
+                torch.mm(qm, kc.T, out=dc)                                         # exact fp64 dots
+            sc.clamp_min_(0)
             torch.mul(_head_sum(w64[r0:r0 + rn], sc), col[c0:c0 + c], out=out[r0:r0 + rn, c0:c0 + c])
 
 
