@@ -589,3 +589,23 @@ def test_dequantize_mxfp4_f32_is_exact_for_every_scale_byte(gen):
     got32 = scoring.dequantize_mxfp4_f32(kp, ks)
     assert got32.dtype == torch.float32 and torch.equal(got32[:253].double(), want[:253])
     assert got32[253:255].abs().amax() == float("inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_topk_picks_torch_topk_choice_over_each_row_masked(gen, dtype):
+    """The indices are torch.topk's over the fp64 row with -inf past its length, whichever
+    shortcut serves it (no copy when every row is long and full; one masking pass when
+    some end early; short rows in order), ties included."""
+    logits = torch.randint(0, 40, (6, 300), generator=gen).to(dtype)       # many ties
+    for lengths in ([300] * 6, [300, 250, 300, 299, 260, 300], [300, 5, 250, 0, 16, 17]):
+        lengths = torch.tensor(lengths)
+        got = reference.topk(logits=logits, lengths=lengths, k=16)["indices"]
+        for r in range(6):
+            n = int(lengths[r])
+            if n <= 16:
+                assert got[r].tolist() == list(range(n)) + [-1] * (16 - n)
+            else:
+                row = logits[r].double().clone()
+                row[n:] = float("-inf")
+                assert got[r].tolist() == torch.topk(row[None], 16, dim=1).indices[0].tolist()
+    assert logits.dtype == dtype and logits.max() < 40                      # the input is untouched
