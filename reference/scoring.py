@@ -300,10 +300,11 @@ def _dense(q, k_packed, k_scale, w64) -> torch.Tensor:
 # * fp64 (S = `_F64_SHIFTS`): the queries' fp64 values, one fp64 matmul, exact where the
 #   pair's spread is within the fp64 proof (`column_cores`).
 
-# keys per chunk (decoded keys at most 4 MB) and per-head scores per tile (fp64 2 MB): they
-# stay in cache between the decode, the matmul and the head sum
+# keys per matmul (and per-head scores per tile, fp64 2 MB: in cache between the matmul
+# and the head sum), decoded keys per gather (4 MB)
 _CPU_KEYS = 4096
 _CPU_TILE = 1 << 18
+_CPU_DECODE_BYTES = 1 << 22
 _F64_SHIFTS = 15
 
 
@@ -343,38 +344,53 @@ def _cpu_int_mm_exact() -> bool:
 def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
     """out fp64 [Rw, J] from queries q [Rw, H, D] (int8: the int8 core, w64 carrying their
     factor; fp64: the fp64 core) and keys whose scale bytes lie in [lo, lo + S] (lo [J],
-    NaN excluded); the caller proved the dots exact."""
+    NaN excluded); the caller proved the dots exact. Few, large operations: keys decoded
+    `_CPU_DECODE_BYTES` at a time, scored `_CPU_KEYS` at a time, the power of two last."""
     rw, h, d = q.shape
     j, nb = k_scale.shape
     int8 = q.dtype == torch.int8
-    col = _pow2(lo)
-    sh = ((k_scale - lo.unsqueeze(-1)).int() << 8).unsqueeze(-1)                   # [J, nb, 1]
-    kp = k_packed.reshape(j, nb, -1)
-    lut = _shift_byte_lut(q.device, q.dtype)
+    shift = (k_scale - lo.unsqueeze(-1)).int().unsqueeze(-1)                       # [J, nb, 1]
+    if int8:    # a word (2 bytes) per index: entry s * 65536 + (word + 32768) -> 4 int8 values
+        kp = k_packed.reshape(j, nb, -1).view(torch.int16)
+        sh = (shift << 16) + 32768
+        lut = _shifted_word_lut(q.device)
+    else:       # a byte per index: entry (s << 8) | byte -> 2 fp64 values
+        kp = k_packed.reshape(j, nb, -1)
+        sh = shift << 8
+        lut = _shift_byte_lut(q.device, q.dtype)
+    per_key = kp.shape[1] * kp.shape[2]                                            # table reads
     rc = max(1, min(rw, _CPU_TILE // (h * _CPU_KEYS)))
+    dk = max(_CPU_KEYS, _CPU_DECODE_BYTES // (d * q.element_size()) // _CPU_KEYS * _CPU_KEYS)
     # buffers reused chunk after chunk: they stay in cache, no page faults
+    idx = torch.empty(min(j, dk) * per_key, dtype=torch.int32)
+    kbuf = torch.empty(min(j, dk) * per_key, dtype=lut.dtype)
     cc = min(j, _CPU_KEYS)
-    idx = torch.empty(cc * d // 2, dtype=torch.int32)
-    kbuf = torch.empty(cc * d // 2, dtype=lut.dtype)
     dots = torch.empty(rc * h * cc, dtype=torch.int32 if int8 else torch.float64)
     s64 = torch.empty(rc * h * cc, dtype=torch.float64) if int8 else dots
-    for c0 in range(0, j, _CPU_KEYS):
-        c = min(_CPU_KEYS, j - c0)
-        ic = idx[:c * d // 2]
-        ic.view(c, nb, -1).copy_(kp[c0:c0 + c]).add_(sh[c0:c0 + c])                 # no uint8 temporary
-        kc = torch.index_select(lut, 0, ic, out=kbuf[:c * d // 2])
-        kc = (kc.view(torch.int8) if int8 else torch.view_as_real(kc)).view(c, d)
-        for r0 in range(0, rw, rc):
-            rn = min(rc, rw - r0)
-            dc, sc = dots[:rn * h * c].view(rn * h, c), s64[:rn * h * c].view(rn, h, c)
-            qm = q[r0:r0 + rn].reshape(rn * h, d)
-            if int8:
-                torch._int_mm(qm, kc.T, out=dc)                                    # exact int32 dots
-                sc.copy_(dc.view(rn, h, c))
-            else:
-                torch.mm(qm, kc.T, out=dc)                                         # exact fp64 dots
-            sc.clamp_min_(0)
-            torch.mul(_head_sum(w64[r0:r0 + rn], sc), col[c0:c0 + c], out=out[r0:r0 + rn, c0:c0 + c])
+    for d0 in range(0, j, dk):
+        dn = min(dk, j - d0)
+        ic = idx[:dn * per_key]
+        ic.view(dn, nb, -1).copy_(kp[d0:d0 + dn]).add_(sh[d0:d0 + dn])             # no temporary
+        kd = torch.index_select(lut, 0, ic, out=kbuf[:dn * per_key])
+        kd = (kd.view(torch.int8) if int8 else torch.view_as_real(kd)).view(dn, d)
+        for c0 in range(0, dn, _CPU_KEYS):
+            c = min(_CPU_KEYS, dn - c0)
+            kc = kd[c0:c0 + c]
+            for r0 in range(0, rw, rc):
+                rn = min(rc, rw - r0)
+                dc, sc = dots[:rn * h * c].view(rn * h, c), s64[:rn * h * c].view(rn, h, c)
+                qm = q[r0:r0 + rn].reshape(rn * h, d)
+                if int8:
+                    torch._int_mm(qm, kc.T, out=dc)                                # exact int32 dots
+                    sc.copy_(dc.clamp_min_(0).view(rn, h, c))                      # relu, to fp64
+                else:
+                    torch.mm(qm, kc.T, out=dc).clamp_min_(0)                       # exact fp64 dots, relu
+                dst = out[r0:r0 + rn, d0 + c0:d0 + c0 + c]
+                if rn == 1:
+                    torch.mm(w64[r0:r0 + 1], sc[0], out=dst)                       # = `_head_sum`
+                else:
+                    dst.copy_(_head_sum(w64[r0:r0 + rn], sc))
+    out.mul_(_pow2(lo))
 
 
 # columns per chunk of the blockwise core: its fp32 and fp64 block scores stay in cache
