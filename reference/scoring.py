@@ -313,17 +313,15 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e.long() - 128 + 1023) << 52).view(torch.float64)
 
 
-@functools.lru_cache(maxsize=8)
-def _shift_byte_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Entry (s << 8) | byte: 2 * e2m1(byte & 15) * 2**s and 2 * e2m1(byte >> 4) * 2**s as one
-    element (int8 pair: int16, s <= `_I8_SPREAD`; fp64 pair: complex128, s <= `_F64_SHIFTS`)."""
+@functools.lru_cache(maxsize=4)
+def _shift_byte_lut_f64(device: torch.device) -> torch.Tensor:
+    """complex128 [16 * 256]: entry (s << 8) | byte holds 2 * e2m1(byte & 15) * 2**s and
+    2 * e2m1(byte >> 4) * 2**s (s <= `_F64_SHIFTS`) as one element."""
     e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64) * 2
     b = torch.arange(256)
     pair = torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)                       # [256, 2]
-    shifts = _I8_SPREAD if dtype == torch.int8 else _F64_SHIFTS
-    lut = torch.cat([pair * 2 ** s for s in range(shifts + 1)]).to(dtype).contiguous()
-    lut = torch.view_as_complex(lut) if dtype == torch.float64 else lut.view(torch.int16)
-    return lut.view(-1).to(device)
+    lut = torch.cat([pair * 2 ** s for s in range(_F64_SHIFTS + 1)]).contiguous()
+    return torch.view_as_complex(lut).to(device)
 
 
 @functools.lru_cache(maxsize=1)
@@ -357,7 +355,7 @@ def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
     else:       # a byte per index: entry (s << 8) | byte -> 2 fp64 values
         kp = k_packed.reshape(j, nb, -1)
         sh = shift << 8
-        lut = _shift_byte_lut(q.device, q.dtype)
+        lut = _shift_byte_lut_f64(q.device)
     per_key = kp.shape[1] * kp.shape[2]                                            # table reads
     rc = max(1, min(rw, _CPU_TILE // (h * _CPU_KEYS)))
     dk = max(_CPU_KEYS, _CPU_DECODE_BYTES // (d * q.element_size()) // _CPU_KEYS * _CPU_KEYS)

@@ -533,12 +533,12 @@ def test_cpu_table_cores_bounds_have_teeth(gen, monkeypatch):
     want = generic(qp, qs, kp, ks, w)
     assert torch.equal(bits(scoring.mxfp4_relu_logits(qp, qs, kp, ks, w)), bits(want))
     monkeypatch.setattr(scoring, "_I8_SPREAD", 4)
-    scoring._shift_byte_lut.cache_clear()
+    scoring._shifted_word_lut.cache_clear()
     try:
         assert not torch.allclose(scoring.mxfp4_relu_logits(qp, qs, kp, ks, w), want, rtol=1e-3)
     finally:
         monkeypatch.undo()
-        scoring._shift_byte_lut.cache_clear()
+        scoring._shifted_word_lut.cache_clear()
     qp, qs, kp, ks, w = cpu_case(gen, 2, 16, 200, (110, 12), "spread-15")
     q32 = scoring.dequantize_mxfp4_f32(qp, qs)
     f32 = torch.matmul(q32, scoring.dequantize_mxfp4_f32(kp, ks).T).double()
