@@ -288,24 +288,26 @@ def _dense(q, k_packed, k_scale, w64) -> torch.Tensor:
 # --- the CPU's table-decoded cores ----------------------------------------------------
 #
 # A key whose scale bytes e_b lie in [lo, lo + S] is k = c * 2**(lo - 128) with c the
-# vector of 2 * e2m1 * 2**(e_b - lo): small integers, read from a table per byte (index
-# (e_b - lo) << 8 | byte, the shift and the decode in one gather; dead blocks decode to
-# zeros whatever their scale byte). For q . c exact, scaling by the power of two
-# 2**(lo - 128) > 0 commutes with relu, and every fp64 product and sum of
+# vector of 2 * e2m1 * 2**(e_b - lo): small integers, read from a table (the shift and the
+# decode in one gather; dead blocks decode to zeros whatever their scale byte). For q . c
+# exact, scaling by the power of two 2**(lo - 128) > 0 commutes with relu, and every fp64
+# product and sum of
 #     logits[r, j] = 2**(lo[j]-128) * sum_h w[r,h] * relu(q[r,h] . c[j])
 # is the one of `_head_sum` on the true dots scaled by the same power of two (no value
 # nears fp64's subnormal or overflow range): the same bits, whatever rounds. Two cores:
-# * int8 (S = `_I8_SPREAD`, c * 2**3 <= 96): the queries as `int8_operand`s too (q =
-#   q8 * 2**(mq - 128), that factor moved onto w: exact), int32 dots exact;
-# * fp64 (S = `_F64_SHIFTS`): the queries' fp64 values, one fp64 matmul, exact where the
-#   pair's spread is within the fp64 proof (`column_cores`).
+# * int8 (S = `_I8_SPREAD`, |c| <= 12 * 2**3 = 96; a word per table read, index
+#   s * 65536 + word + 32768): the queries as `int8_operand`s too (q = q8 * 2**(mq - 128),
+#   that factor moved onto w: exact), int32 dots exact;
+# * fp64 (S = `_F64_SHIFTS`, |c| <= 12 * 2**11 fits int16; a byte per table read, index
+#   s << 8 | byte): the queries' fp64 values, c converted to fp64 (exact) just before one
+#   fp64 matmul, exact where the pair's spread is within the fp64 proof (`column_cores`).
 
 # keys per matmul (and per-head scores per tile, fp64 2 MB: in cache between the matmul
 # and the head sum), decoded keys per gather (4 MB)
 _CPU_KEYS = 4096
 _CPU_TILE = 1 << 18
 _CPU_DECODE_BYTES = 1 << 22
-_F64_SHIFTS = 15
+_F64_SHIFTS = 11
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
@@ -314,14 +316,14 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=4)
-def _shift_byte_lut_f64(device: torch.device) -> torch.Tensor:
-    """complex128 [16 * 256]: entry (s << 8) | byte holds 2 * e2m1(byte & 15) * 2**s and
-    2 * e2m1(byte >> 4) * 2**s (s <= `_F64_SHIFTS`) as one element."""
+def _shift_byte_lut_i16(device: torch.device) -> torch.Tensor:
+    """int32 [(_F64_SHIFTS + 1) * 256]: entry (s << 8) | byte holds, in memory order, the int16
+    values 2 * e2m1(byte & 15) * 2**s and 2 * e2m1(byte >> 4) * 2**s (|.| <= 12 * 2**11)."""
     e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64) * 2
     b = torch.arange(256)
     pair = torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)                       # [256, 2]
-    lut = torch.cat([pair * 2 ** s for s in range(_F64_SHIFTS + 1)]).contiguous()
-    return torch.view_as_complex(lut).to(device)
+    lut = torch.cat([pair * 2 ** s for s in range(_F64_SHIFTS + 1)]).to(torch.int16).contiguous()
+    return lut.view(torch.int32).view(-1).to(device)
 
 
 @functools.lru_cache(maxsize=1)
@@ -343,7 +345,8 @@ def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
     """out fp64 [Rw, J] from queries q [Rw, H, D] (int8: the int8 core, w64 carrying their
     factor; fp64: the fp64 core) and keys whose scale bytes lie in [lo, lo + S] (lo [J],
     NaN excluded); the caller proved the dots exact. Few, large operations: keys decoded
-    `_CPU_DECODE_BYTES` at a time, scored `_CPU_KEYS` at a time, the power of two last."""
+    (to int8 or int16) `_CPU_DECODE_BYTES` at a time, scored `_CPU_KEYS` at a time (fp64:
+    a quarter, converted just before the matmul), the power of two last."""
     rw, h, d = q.shape
     j, nb = k_scale.shape
     int8 = q.dtype == torch.int8
@@ -352,17 +355,19 @@ def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
         kp = k_packed.reshape(j, nb, -1).view(torch.int16)
         sh = (shift << 16) + 32768
         lut = _shifted_word_lut(q.device)
-    else:       # a byte per index: entry (s << 8) | byte -> 2 fp64 values
+    else:       # a byte per index: entry (s << 8) | byte -> 2 int16 values
         kp = k_packed.reshape(j, nb, -1)
         sh = shift << 8
-        lut = _shift_byte_lut_f64(q.device)
+        lut = _shift_byte_lut_i16(q.device)
     per_key = kp.shape[1] * kp.shape[2]                                            # table reads
-    rc = max(1, min(rw, _CPU_TILE // (h * _CPU_KEYS)))
-    dk = max(_CPU_KEYS, _CPU_DECODE_BYTES // (d * q.element_size()) // _CPU_KEYS * _CPU_KEYS)
+    step = _CPU_KEYS if int8 else _CPU_KEYS // 4
+    rc = max(1, min(rw, _CPU_TILE // (h * step)))
+    dk = max(step, _CPU_DECODE_BYTES // (d * (1 if int8 else 2)) // step * step)
     # buffers reused chunk after chunk: they stay in cache, no page faults
     idx = torch.empty(min(j, dk) * per_key, dtype=torch.int32)
     kbuf = torch.empty(min(j, dk) * per_key, dtype=lut.dtype)
-    cc = min(j, _CPU_KEYS)
+    cc = min(j, step)
+    k64 = None if int8 else torch.empty(cc, d, dtype=torch.float64)
     dots = torch.empty(rc * h * cc, dtype=torch.int32 if int8 else torch.float64)
     s64 = torch.empty(rc * h * cc, dtype=torch.float64) if int8 else dots
     for d0 in range(0, j, dk):
@@ -370,10 +375,10 @@ def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
         ic = idx[:dn * per_key]
         ic.view(dn, nb, -1).copy_(kp[d0:d0 + dn]).add_(sh[d0:d0 + dn])             # no temporary
         kd = torch.index_select(lut, 0, ic, out=kbuf[:dn * per_key])
-        kd = (kd.view(torch.int8) if int8 else torch.view_as_real(kd)).view(dn, d)
-        for c0 in range(0, dn, _CPU_KEYS):
-            c = min(_CPU_KEYS, dn - c0)
-            kc = kd[c0:c0 + c]
+        kd = kd.view(torch.int8 if int8 else torch.int16).view(dn, d)
+        for c0 in range(0, dn, step):
+            c = min(step, dn - c0)
+            kc = kd[c0:c0 + c] if int8 else k64[:c].copy_(kd[c0:c0 + c])           # int16 -> fp64, exact
             for r0 in range(0, rw, rc):
                 rn = min(rc, rw - r0)
                 dc, sc = dots[:rn * h * c].view(rn * h, c), s64[:rn * h * c].view(rn, h, c)

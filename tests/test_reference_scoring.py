@@ -464,10 +464,10 @@ def cpu_case(gen, r, h, j, q_lo_hi, k_mode):
         ks = (torch.randint(0, 252, (j, 1), generator=gen) + torch.randint(0, 4, (j, D // 32), generator=gen))
         ks[::5] = torch.tensor([0, 3, 1, 2])
         ks[1::5] = torch.tensor([254, 251, 252, 253])
-    elif k_mode == "spread-15":
-        ks = torch.randint(100, 140, (j, 1), generator=gen) + torch.randint(0, 16, (j, D // 32), generator=gen)
-        ks[::4] = torch.tensor([0, 15, 7, 1])
-        ks[1::4] = torch.tensor([239, 254, 240, 250])
+    elif k_mode == "spread-11":
+        ks = torch.randint(100, 140, (j, 1), generator=gen) + torch.randint(0, 12, (j, D // 32), generator=gen)
+        ks[::4] = torch.tensor([0, 11, 7, 1])
+        ks[1::4] = torch.tensor([243, 254, 244, 250])
     elif k_mode == "mixed":           # every core: int8, fp64 table, column cores, NaN
         ks = torch.randint(115, 119, (j, D // 32), generator=gen)
         ks[::3] = torch.randint(110, 126, (ks[::3].shape[0], D // 32), generator=gen)
@@ -492,7 +492,7 @@ def generic(qp, qs, kp, ks, w):
 @pytest.mark.parametrize("case", [
     ((2, 64, 333), (118, 4), "spread-3", "int8"),
     ((3, 8, 300), (0, 4), "spread-3", "int8"),
-    ((2, 16, 300), (118, 4), "spread-15", "fp64"),
+    ((2, 16, 300), (118, 4), "spread-11", "fp64"),
     ((2, 16, 300), (100, 20), "spread-3", "fp64"),                   # q spans 19: no int8
     ((2, 16, 400), (118, 3), "mixed", None),
 ])
@@ -525,8 +525,9 @@ def test_cpu_table_cores_give_the_generic_fp64_bits(gen, monkeypatch, case):
 
 def test_cpu_table_cores_bounds_have_teeth(gen, monkeypatch):
     """The bounds that send a column to a core are needed: a key spread of 4 overflows the
-    int8 operand (12 * 2**4 > 127), and an fp32 matmul rounds the spreads the fp64 core takes."""
-    qp, qs, kp, ks, w = cpu_case(gen, 2, 16, 200, (118, 4), "spread-15")
+    int8 operand (12 * 2**4 > 127), one of 12 the fp64 core's int16 decode, and an fp32
+    matmul rounds the spreads the fp64 core takes."""
+    qp, qs, kp, ks, w = cpu_case(gen, 2, 16, 200, (118, 4), "spread-11")
     ks = ks.clamp(100, 150)
     ks[:, 0] = ks[:, 1] + 4
     ks[:, 2:] = ks[:, 1:2]
@@ -539,7 +540,19 @@ def test_cpu_table_cores_bounds_have_teeth(gen, monkeypatch):
     finally:
         monkeypatch.undo()
         scoring._shifted_word_lut.cache_clear()
-    qp, qs, kp, ks, w = cpu_case(gen, 2, 16, 200, (110, 12), "spread-15")
+    # a key spread of 12 overflows the fp64 core's int16 decode (12 * 2**12 > 32767)
+    ks12 = ks.clone()
+    ks12[:, 0] = ks12[:, 1] + 12
+    want = generic(qp, qs, kp, ks12, w)
+    assert torch.equal(bits(scoring.mxfp4_relu_logits(qp, qs, kp, ks12, w)), bits(want))
+    monkeypatch.setattr(scoring, "_F64_SHIFTS", 12)
+    scoring._shift_byte_lut_i16.cache_clear()
+    try:
+        assert not torch.allclose(scoring.mxfp4_relu_logits(qp, qs, kp, ks12, w), want, rtol=1e-3)
+    finally:
+        monkeypatch.undo()
+        scoring._shift_byte_lut_i16.cache_clear()
+    qp, qs, kp, ks, w = cpu_case(gen, 2, 16, 200, (110, 12), "spread-11")
     q32 = scoring.dequantize_mxfp4_f32(qp, qs)
     f32 = torch.matmul(q32, scoring.dequantize_mxfp4_f32(kp, ks).T).double()
     exact = torch.matmul(q32.double(), scoring.dequantize_mxfp4_f32(kp, ks, torch.float64).T)
