@@ -207,10 +207,15 @@ def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
         return _column_core_logits(q_packed, q_scale, k_packed, k_scale, w)
     q8, mq, qspread = int8_operand(q_packed, q_scale)
     qs = int(qspread.max())
-    lo, hi = k_scale.amin(-1), k_scale.amax(-1)
+    lo, hi = torch.aminmax(k_scale, dim=-1)
     ks = hi - lo                                                   # uint8: hi >= lo
     ok = hi != E8M0_NAN
-    i8 = ok & (ks <= _I8_SPREAD) if qs <= _I8_SPREAD and _cpu_int_mm_exact() else torch.zeros_like(ok)
+    i8 = torch.zeros_like(ok)
+    if qs <= _I8_SPREAD and _cpu_int_mm_exact():
+        i8 = ok & (ks <= _I8_SPREAD)
+        if bool(i8.all()):
+            _table_core(q8, w.double() * _pow2(mq), k_packed, k_scale, lo, out)
+            return out
     f64 = ok & ~i8 & (ks <= _F64_SHIFTS) & (ks.int() + qs <= 53 - (nb * 4608 - 1).bit_length())
     cores = [(i8, lambda kp, ksc, klo, o: _table_core(q8, w.double() * _pow2(mq), kp, ksc, klo, o)),
              (f64, lambda kp, ksc, klo, o: _table_core(dequantize_mxfp4_f32(q_packed, q_scale, torch.float64),
