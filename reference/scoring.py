@@ -366,39 +366,56 @@ def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
         lut = _shift_byte_lut_i16(q.device)
     per_key = kp.shape[1] * kp.shape[2]                                            # table reads
     step = _CPU_KEYS if int8 else _CPU_KEYS // 4
-    rc = max(1, min(rw, _CPU_TILE // (h * step)))
     dk = max(step, _CPU_DECODE_BYTES // (d * (1 if int8 else 2)) // step * step)
     # buffers reused chunk after chunk: they stay in cache, no page faults
     idx = torch.empty(min(j, dk) * per_key, dtype=torch.int32)
     kbuf = torch.empty(min(j, dk) * per_key, dtype=lut.dtype)
-    cc = min(j, step)
-    k64 = None if int8 else torch.empty(cc, d, dtype=torch.float64)
-    dots = torch.empty(rc * h * cc, dtype=torch.int32 if int8 else torch.float64)
-    s64 = torch.empty(rc * h * cc, dtype=torch.float64) if int8 else dots
+    bufs: dict = {}
     for d0 in range(0, j, dk):
         dn = min(dk, j - d0)
         ic = idx[:dn * per_key]
         ic.view(dn, nb, -1).copy_(kp[d0:d0 + dn]).add_(sh[d0:d0 + dn])             # no temporary
         kd = torch.index_select(lut, 0, ic, out=kbuf[:dn * per_key])
-        kd = kd.view(torch.int8 if int8 else torch.int16).view(dn, d)
-        for c0 in range(0, dn, step):
-            c = min(step, dn - c0)
-            kc = kd[c0:c0 + c] if int8 else k64[:c].copy_(kd[c0:c0 + c])           # int16 -> fp64, exact
-            for r0 in range(0, rw, rc):
-                rn = min(rc, rw - r0)
-                dc, sc = dots[:rn * h * c].view(rn * h, c), s64[:rn * h * c].view(rn, h, c)
-                qm = q[r0:r0 + rn].reshape(rn * h, d)
-                if int8:
-                    torch._int_mm(qm, kc.T, out=dc)                                # exact int32 dots
-                    sc.copy_(dc.clamp_min_(0).view(rn, h, c))                      # relu, to fp64
-                else:
-                    torch.mm(qm, kc.T, out=dc).clamp_min_(0)                       # exact fp64 dots, relu
-                dst = out[r0:r0 + rn, d0 + c0:d0 + c0 + c]
-                if rn == 1:
-                    torch.mm(w64[r0:r0 + 1], sc[0], out=dst)                       # = `_head_sum`
-                else:
-                    dst.copy_(_head_sum(w64[r0:r0 + rn], sc))
+        score_decoded(q, w64, kd.view(torch.int8 if int8 else torch.int16).view(dn, d), out[:, d0:d0 + dn], bufs)
     out.mul_(_pow2(lo))
+
+
+def score_decoded(q, w64, kd, out, bufs=None) -> None:
+    """out fp64 [Rw, J] = sum_h w64[r, h] * relu(q[r, h] . kd[j]) for decoded keys kd
+    (int8 [J, D] with int8 q: exact int32 dots; int16 [J, D] with fp64 q: exact fp64 dots
+    where the caller proved it), relu and the head sum in fp64 (`_head_sum`'s order),
+    `_CPU_KEYS` keys at a time (fp64: a quarter, converted just before the matmul); the
+    keys' powers of two are the caller's. `bufs`: scratch kept across calls."""
+    rw, h, d = q.shape
+    j = kd.shape[0]
+    int8 = q.dtype == torch.int8
+    step = _CPU_KEYS if int8 else _CPU_KEYS // 4
+    rc = max(1, min(rw, _CPU_TILE // (h * step)))
+    cc = min(j, step)
+    bufs = {} if bufs is None else bufs
+    if bufs.get("shape") != (rc, h, cc, d, int8):
+        bufs.update(shape=(rc, h, cc, d, int8),
+                    k64=None if int8 else torch.empty(cc, d, dtype=torch.float64),
+                    dots=torch.empty(rc * h * cc, dtype=torch.int32 if int8 else torch.float64))
+        bufs["s64"] = torch.empty(rc * h * cc, dtype=torch.float64) if int8 else bufs["dots"]
+    k64, dots, s64 = bufs["k64"], bufs["dots"], bufs["s64"]
+    for c0 in range(0, j, step):
+        c = min(step, j - c0)
+        kc = kd[c0:c0 + c] if int8 else k64[:c].copy_(kd[c0:c0 + c])               # int16 -> fp64, exact
+        for r0 in range(0, rw, rc):
+            rn = min(rc, rw - r0)
+            dc, sc = dots[:rn * h * c].view(rn * h, c), s64[:rn * h * c].view(rn, h, c)
+            qm = q[r0:r0 + rn].reshape(rn * h, d)
+            if int8:
+                torch._int_mm(qm, kc.T, out=dc)                                    # exact int32 dots
+                sc.copy_(dc.clamp_min_(0).view(rn, h, c))                          # relu, to fp64
+            else:
+                torch.mm(qm, kc.T, out=dc).clamp_min_(0)                           # exact fp64 dots, relu
+            dst = out[r0:r0 + rn, c0:c0 + c]
+            if rn == 1:
+                torch.mm(w64[r0:r0 + 1], sc[0], out=dst)                           # = `_head_sum`
+            else:
+                dst.copy_(_head_sum(w64[r0:r0 + rn], sc))
 
 
 # columns per chunk of the blockwise core: its fp32 and fp64 block scores stay in cache
