@@ -351,7 +351,7 @@ def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
     factor; fp64: the fp64 core) and keys whose scale bytes lie in [lo, lo + S] (lo [J],
     NaN excluded); the caller proved the dots exact. Few, large operations: keys decoded
     (to int8 or int16) `_CPU_DECODE_BYTES` at a time, scored `_CPU_KEYS` at a time (fp64:
-    a quarter, converted just before the matmul), the power of two last."""
+    converted just before the matmul), the power of two last."""
     rw, h, d = q.shape
     j, nb = k_scale.shape
     int8 = q.dtype == torch.int8
@@ -365,7 +365,7 @@ def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
         sh = shift << 8
         lut = _shift_byte_lut_i16(q.device)
     per_key = kp.shape[1] * kp.shape[2]                                            # table reads
-    step = _CPU_KEYS if int8 else _CPU_KEYS // 4
+    step = _CPU_KEYS
     dk = max(step, _CPU_DECODE_BYTES // (d * (1 if int8 else 2)) // step * step)
     # buffers reused chunk after chunk: they stay in cache, no page faults
     idx = torch.empty(min(j, dk) * per_key, dtype=torch.int32)
@@ -384,12 +384,12 @@ def score_decoded(q, w64, kd, out, bufs=None) -> None:
     """out fp64 [Rw, J] = sum_h w64[r, h] * relu(q[r, h] . kd[j]) for decoded keys kd
     (int8 [J, D] with int8 q: exact int32 dots; int16 [J, D] with fp64 q: exact fp64 dots
     where the caller proved it), relu and the head sum in fp64 (`_head_sum`'s order),
-    `_CPU_KEYS` keys at a time (fp64: a quarter, converted just before the matmul); the
-    keys' powers of two are the caller's. `bufs`: scratch kept across calls."""
+    `_CPU_KEYS` keys at a time (fp64: converted just before the matmul); the keys' powers
+    of two are the caller's. `bufs`: scratch kept across calls."""
     rw, h, d = q.shape
     j = kd.shape[0]
     int8 = q.dtype == torch.int8
-    step = _CPU_KEYS if int8 else _CPU_KEYS // 4
+    step = _CPU_KEYS
     rc = max(1, min(rw, _CPU_TILE // (h * step)))
     cc = min(j, step)
     bufs = {} if bufs is None else bufs
