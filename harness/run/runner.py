@@ -14,10 +14,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 from typing import Callable, Optional
 
@@ -718,24 +718,70 @@ def _prebuild(case: Case, be: Backend) -> Optional[CaseInputs]:
         return None
 
 
+class _Background:
+    """`fn(*args)` on a daemon thread; `result()` waits for it (re-raising its exception).
+
+    The wait is a `join` with a timeout, which a signal interrupts: Ctrl-C or SIGTERM reach
+    the main thread at once even while the case is inside one long native call (a kernel, a
+    host op over GiBs), where a call on the main thread would hold the signal's handler
+    until it returns. A thread left running when the run stops is `abandoned()`."""
+
+    def __init__(self, fn: Callable, *args, **kw):
+        self._box: dict = {}
+
+        def target():
+            try:
+                self._box["value"] = fn(*args, **kw)
+            except BaseException as e:       # handed to the waiting thread
+                self._box["error"] = e
+        self.thread = threading.Thread(target=target, daemon=True, name="mxval-case")
+        self.thread.start()
+
+    def result(self):
+        try:
+            while self.thread.is_alive():
+                self.thread.join(0.5)
+        except BaseException:
+            _LEFT.append(self.thread)
+            raise
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box["value"]
+
+    def leave(self) -> None:
+        """Not waited for: the run stopped before its result was needed."""
+        _LEFT.append(self.thread)
+
+
+_LEFT: list[threading.Thread] = []
+
+
+def abandoned() -> bool:
+    """Whether a stopped run left a case (or a case's inputs) on a thread it did not wait
+    for: the process should then end with os._exit once its report is written, neither
+    waiting for that case nor tearing torch down under it (a normal exit after a thread
+    left mid-case aborts in torch's C++ teardown, even once the thread has ended)."""
+    return bool(_LEFT)
+
+
 def _run_in_turn(cases: list[Case], be: Backend, backend_name: str, progress, prefetch: bool) -> list[dict]:
-    """Each case in this process, in order; with `prefetch`, the next case's inputs are built
-    in a thread meanwhile (input generation is CPU work; the case's is mostly the GPU's)."""
+    """Each case in this process, in order, on a worker thread the main thread waits for (a
+    signal is handled at once: `_Background`); with `prefetch`, the next case's inputs are
+    built on another thread meanwhile (input generation is CPU work; the case's is mostly
+    the GPU's)."""
     rows: list[dict] = []
-    pool = ThreadPoolExecutor(1, thread_name_prefix="mxval-prebuild") if prefetch else None
-    nxt = pool.submit(_prebuild, cases[0], be) if pool and cases else None
+    nxt = _Background(_prebuild, cases[0], be) if prefetch and cases else None
     try:
         for i, c in enumerate(cases):
             inputs = nxt.result() if nxt else None
-            nxt = pool.submit(_prebuild, cases[i + 1], be) if pool and i + 1 < len(cases) else None
-            rows.append(run_case(c, backend_name, inputs=inputs))
+            nxt = _Background(_prebuild, cases[i + 1], be) if prefetch and i + 1 < len(cases) else None
+            rows.append(_Background(run_case, c, backend_name, inputs=inputs).result())
             if progress:
                 progress(rows[-1])
     except KeyboardInterrupt:
+        if nxt is not None:
+            nxt.leave()
         raise RunInterrupted(rows, [c.name for c in cases[len(rows):]]) from None
-    finally:
-        if pool:
-            pool.shutdown(wait=False, cancel_futures=True)
     return rows
 
 
