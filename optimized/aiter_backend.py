@@ -106,7 +106,7 @@ def _paged_mxfp4_mqa_logits(fn: dict, device: str, numerics: dict):
     def paged_mxfp4_mqa_logits(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
                                block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
                                clean_logits: bool = False, width: int | None = None) -> dict:
-        shuf, d, width = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
+        shuf, d, width, _ = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
                                             context_lens, block_table, row_ends, page_size, shuffle, width)
         rw, h, tb = q_fp4.shape
         if shuf is not None and shuf != layout.choose_shuffle(d, h):

@@ -26,8 +26,8 @@ from reference import fp8 as ref_fp8
 from reference import hadamard as ref_hadamard
 from reference import layout, mxfp4, scoring
 from reference.k_writer import check_mxfp4_k_writer, group_start, k_values, rms_norm, writer_mask
-from reference.pooling import boundary_mask, gather_windows, softmax_pool
-from reference.q_quant import fold_weights
+from reference.pooling import SOFTMAX_MODES, boundary_mask, gather_windows
+from reference.q_quant import check_scale_pair, fold_weights
 from reference.rope import cos_sin_at, rope_gptj_tail
 
 from . import Backend, register
@@ -69,25 +69,25 @@ def pool_op(windows: Callable = gather_windows) -> Callable:
     """compress_pool whose windows come from `windows(state, table, pos, req, r) ->
     (kv, score, valid)`; the reference op checks the arguments and lays out the result."""
     def compress_pool(*, state_cache, block_table, positions, req_index, kv_slot_mapping,
-                      compress_ratio: int = 4, rounding: str = "rocm") -> dict:
+                      compress_ratio: int = 4, rounding: str = "rocm", softmax: str = "fp64") -> dict:
         out = reference.compress_pool(state_cache=state_cache, block_table=block_table,
                                       positions=positions, req_index=req_index,
                                       kv_slot_mapping=kv_slot_mapping, compress_ratio=compress_ratio,
-                                      rounding=rounding)
+                                      rounding=rounding, softmax=softmax)
         sel = boundary_mask(positions, compress_ratio) & (kv_slot_mapping >= 0)
         if bool(sel.any()):
             kv, score, _ = windows(state_cache, block_table, positions[sel], req_index[sel],
                                    compress_ratio)
             pooled = out["pooled"].clone()
-            pooled[sel] = softmax_pool(kv, score).to(pooled.dtype)
+            pooled[sel] = SOFTMAX_MODES[softmax](kv, score).to(pooled.dtype)
             out["pooled"] = pooled
         return out
     return compress_pool
 
 
-def default_values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard):
+def default_values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard, rope="separate"):
     return k_values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding=rounding,
-                    hadamard=hadamard)
+                    hadamard=hadamard, rope=rope)
 
 
 def default_write(kv_cache, slots, packed, scales, page_size, shuffle):
@@ -103,12 +103,12 @@ def k_writer_op(*, mask: Callable = writer_mask, rope_pos: Callable = group_star
     def k_norm_rope_mxfp4_cache(*, k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                                 norm_eps: float = 1e-6, compress_ratio: int = 4, page_size: int = 64,
                                 shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
-                                scale_rule: str = "ceil") -> dict:
+                                scale_rule: str = "ceil", rope: str = "separate") -> dict:
         shuffle = check_mxfp4_k_writer(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache,
                                        norm_eps, compress_ratio, page_size, shuffle, rounding)
         sel = mask(positions, slot_mapping, compress_ratio)
         y = values(k[sel], rope_pos(positions[sel], compress_ratio), cos_sin_cache, norm_weight,
-                   norm_eps, rounding, hadamard)
+                   norm_eps, rounding, hadamard, rope)
         packed, scales = quantize(y, scale_rule)
         return {"kv_cache": write(kv_cache, slot_mapping[sel], packed, scales, page_size, shuffle)}
     return k_norm_rope_mxfp4_cache
@@ -117,12 +117,13 @@ def k_writer_op(*, mask: Callable = writer_mask, rope_pos: Callable = group_star
 def q_quant_op(*, force_hadamard: Optional[bool] = None, fold: Callable = fold_weights) -> Callable:
     """q_rope_mxfp4_quant with the Hadamard switch forced and/or the weight fold replaced."""
     def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
-                           hadamard: bool = False, scale_rule: str = "ceil") -> dict:
+                           hadamard: bool = False, scale_rule: str = "ceil", rope: str = "separate",
+                           softmax_scale: Optional[float] = None, head_scale: Optional[float] = None) -> dict:
         out = reference.q_rope_mxfp4_quant(
             q=q, positions=positions, cos_sin_cache=cos_sin_cache, weights=weights,
-            weights_scale=weights_scale, scale_rule=scale_rule,
-            hadamard=hadamard if force_hadamard is None else force_hadamard)
-        out["weights"] = fold(weights, weights_scale)
+            weights_scale=weights_scale, scale_rule=scale_rule, rope=rope, softmax_scale=softmax_scale,
+            head_scale=head_scale, hadamard=hadamard if force_hadamard is None else force_hadamard)
+        out["weights"] = fold(weights, weights_scale, check_scale_pair(weights_scale, softmax_scale, head_scale))
         return out
     return q_rope_mxfp4_quant
 
@@ -183,11 +184,11 @@ def _permuted_values(perm_fn: Callable) -> Callable:
     """RoPE on other dims/pairs, built from the reference: permute the channels so that
     the wrongly rotated dims land where the reference rotates, run the reference stages
     (the norm is order-free: its fp64 sum of bf16 squares is exact), permute back."""
-    def values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard):
+    def values(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard, rope="separate"):
         perm = perm_fn(k.shape[-1], cos_sin_cache.shape[-1]).to(k.device)
         inv = torch.argsort(perm)
         y = k_values(k[:, perm], rope_pos, cos_sin_cache, norm_weight[perm], norm_eps,
-                     rounding=rounding, hadamard=False)[:, inv]
+                     rounding=rounding, hadamard=False, rope=rope)[:, inv]
         return ref_hadamard.rotate(y) if hadamard else y
     return values
 
@@ -204,11 +205,12 @@ def _first_dims_perm(d: int, rdim: int) -> torch.Tensor:
     return torch.cat((torch.arange(rdim, d), torch.arange(rdim)))
 
 
-def _values_norm_unrounded(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard):
+def _values_norm_unrounded(k, rope_pos, cos_sin_cache, norm_weight, norm_eps, rounding, hadamard,
+                           rope="separate"):
     """The ROCm path without its bf16 round between the norm and RoPE."""
     cos, sin = cos_sin_at(cos_sin_cache, rope_pos)
     y = rope_gptj_tail(rms_norm(k.float(), norm_weight, norm_eps), cos, sin, round_bf16=True,
-                       nope_through_formula=(rounding == "rocm"))
+                       nope_through_formula=(rounding == "rocm"), rope=rope)
     return ref_hadamard.rotate(y) if hadamard else y
 
 
@@ -295,12 +297,12 @@ def _row_ends_unmasked(row_ends, context_lens, qsl):
     return context_lens.long()[scoring.seq_of_rows(qsl, row_ends.shape[0])].to(row_ends.dtype)
 
 
-def _fold_none(weights, weights_scale):
+def _fold_none(weights, weights_scale, pair=None):
     return weights.float()
 
 
-def _fold_twice(weights, weights_scale):
-    return fold_weights(fold_weights(weights, weights_scale), weights_scale)
+def _fold_twice(weights, weights_scale, pair=None):
+    return fold_weights(fold_weights(weights, weights_scale, pair), weights_scale, pair)
 
 
 def _pad_one_late(idx, lengths, k):
@@ -485,13 +487,14 @@ def _neox_q_op() -> Callable:
     """q_rope_mxfp4_quant rotating NeoX pairs (t[i], t[i+R/2]) of the rope dims, as the K
     writer of the same fault does: q and k agree with each other, not with the model."""
     def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
-                           hadamard: bool = False, scale_rule: str = "ceil") -> dict:
+                           hadamard: bool = False, scale_rule: str = "ceil", rope: str = "separate",
+                           **pair) -> dict:
         out = reference.q_rope_mxfp4_quant(q=q, positions=positions, cos_sin_cache=cos_sin_cache,
                                            weights=weights, weights_scale=weights_scale,
-                                           hadamard=hadamard, scale_rule=scale_rule)
+                                           hadamard=hadamard, scale_rule=scale_rule, rope=rope, **pair)
         from reference.q_quant import q_values
         perm = _neox_perm(q.shape[-1], cos_sin_cache.shape[-1]).to(q.device)
-        y = q_values(q[..., perm], positions, cos_sin_cache)[..., torch.argsort(perm)]
+        y = q_values(q[..., perm], positions, cos_sin_cache, rope=rope)[..., torch.argsort(perm)]
         out["q_fp4"], out["q_scale"] = mxfp4.quantize_mxfp4(ref_hadamard.rotate(y) if hadamard else y,
                                                             scale_rule)
         return out

@@ -118,6 +118,19 @@ def finite(name: str, t: torch.Tensor) -> None:
             raise NonFiniteInput(name, int(bad.sum()), idx)
 
 
+def first_failure(tests) -> None:
+    """`tests`: (bool tensor, check) pairs. The device-side flags are read with one host
+    sync; the check of the first flag that is set runs and raises with its own words (a
+    check whose flag is clear is never run)."""
+    tests = list(tests)
+    if not tests:
+        return
+    flags = torch.stack([t.reshape(()).to(torch.bool) for t, _ in tests]).tolist()
+    for flag, (_, check) in zip(flags, tests):
+        if flag:
+            check()
+
+
 class NonFiniteInput(ValueError):
     """Raised for NaN/Inf inputs: a separate class of result, never a pass."""
 

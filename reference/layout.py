@@ -181,21 +181,65 @@ def read_pages(kv_cache: torch.Tensor, pages: torch.Tensor, *, page_size: int, h
     [len(pages)*page_size, D/32]). Same bytes as `read_entries` on those pages' slots, but
     un-shuffled with one view/permute per page instead of a gather per byte (the scorer's
     hot path)."""
+    pg = gather_pages(kv_cache, pages, page_size=page_size, head_dim=head_dim, shuffle=shuffle)
+    return (page_values(pg, page_size=page_size, head_dim=head_dim, shuffle=shuffle),
+            page_scales(pg, page_size=page_size, head_dim=head_dim, shuffle=shuffle))
+
+
+def gather_pages(kv_cache: torch.Tensor, pages: torch.Tensor, *, page_size: int, head_dim: int,
+                 shuffle) -> torch.Tensor:
+    """The pages' bytes [len(pages), stride], checked against the layout (one gather)."""
+    check_layout(page_size, head_dim, as_shuffle(shuffle))
+    return kv_cache.index_select(0, pages.long())
+
+
+def page_values(pg: torch.Tensor, *, page_size: int, head_dim: int, shuffle) -> torch.Tensor:
+    """Value bytes of gathered pages `pg` in entry order: packed [pages*page_size, D/2]."""
     shuffle = as_shuffle(shuffle)
-    check_layout(page_size, head_dim, shuffle)
-    tb, nb = head_dim // 2, head_dim // MX_BLOCK
-    pg = kv_cache.index_select(0, pages.long())
-    vals, scs = pg[:, :page_size * tb], pg[:, page_size * tb:page_size * (tb + nb)]
+    tb = head_dim // 2
+    vals = pg[:, :page_size * tb]
     if shuffle is None:
-        return vals.reshape(-1, tb), scs.reshape(-1, nb)
-    n, dt, l = shuffle.n, shuffle.dt, shuffle.l
+        return vals.reshape(-1, tb)
+    n, dt = shuffle.n, shuffle.dt
     g = page_size // n
     # val = g*N*TB + (b//Dt)*N*Dt + lane*Dt + b%Dt  ->  dims [page, g, b//Dt, lane, b%Dt];
     # tiles move whole, so permute 8-byte words when Dt allows (8x fewer elements)
     w = 8 if dt % 8 == 0 else 1
     vals = vals.contiguous().view(torch.int64) if w == 8 else vals
     vals = vals.reshape(-1, g, tb // dt, n, dt // w).permute(0, 1, 3, 2, 4).contiguous()
-    vals = vals.view(torch.uint8).reshape(-1, tb)
+    return vals.view(torch.uint8).reshape(-1, tb)
+
+
+def page_scales(pg: torch.Tensor, *, page_size: int, head_dim: int, shuffle) -> torch.Tensor:
+    """Scale bytes of gathered pages `pg` in entry order: [pages*page_size, D/32]."""
+    shuffle = as_shuffle(shuffle)
+    tb, nb = head_dim // 2, head_dim // MX_BLOCK
+    scs = pg[:, page_size * tb:page_size * (tb + nb)]
+    if shuffle is None:
+        return scs.reshape(-1, nb)
+    n, l = shuffle.n, shuffle.l
     # scale = g*N*NB + (s%L)*N*S_HI + lane*S_HI + s//L  ->  dims [page, g, s%L, lane, s//L]
-    scs = scs.reshape(-1, g, l, n, nb // l).permute(0, 1, 3, 4, 2).reshape(-1, nb)
-    return vals, scs
+    return scs.reshape(-1, page_size // n, l, n, nb // l).permute(0, 1, 3, 4, 2).reshape(-1, nb)
+
+
+def page_block_words(pg: torch.Tensor, *, page_size: int, head_dim: int, shuffle):
+    """Value bytes of gathered pages as a strided int16 view with 6 dims [P, a, b, c, e, 8]:
+    entry (a, b) of a page is a*b_size + b, MX block (c, e) is c*e_size + e, and the 8 words
+    are the block's 16 bytes in order. Copying it contiguously gives [P*page_size, D/32, 8]
+    in entry order without materializing the unshuffled bytes first (the GPU scorer folds
+    that copy into its decode). None where a block's 16 bytes are not contiguous in the
+    page (a tile narrower than a block): use `page_values` then."""
+    shuffle = as_shuffle(shuffle)
+    tb, nb = head_dim // 2, head_dim // MX_BLOCK
+    vals = pg[:, :page_size * tb]
+    if vals.stride(0) % 2 or vals.storage_offset() % 2:
+        vals = vals.contiguous()               # an odd page stride: int16 words need even offsets
+    words = vals.view(torch.int16)
+    p = pg.shape[0]
+    if shuffle is None:
+        return words.view(p, 1, page_size, 1, nb, 8)
+    n, dt = shuffle.n, shuffle.dt
+    if dt % 16:
+        return None
+    # value byte offset g*N*TB + (b//Dt)*N*Dt + lane*Dt + b%Dt, in words of 2 bytes
+    return words.view(p, page_size // n, tb // dt, n, dt // 16, 8).permute(0, 1, 3, 2, 4, 5)

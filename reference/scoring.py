@@ -314,6 +314,37 @@ def int8_operand(packed: torch.Tensor, scales: torch.Tensor):
     return vals.view(*scales.shape[:-1], scales.shape[-1] * MX_BLOCK), m, spread
 
 
+@functools.lru_cache(maxsize=8)
+def _shifted_word_lut(device: torch.device) -> torch.Tensor:
+    """int32 [4 * 65536]: entry s * 65536 + (v + 32768), for a signed int16 word v of packed
+    codes and a block shift s in 0..3, holds the word's 4 int8 values (twice an e2m1 value,
+    times 2**s) as one int32 in memory order: one gather decodes and scales 4 values."""
+    pairs = _pair_lut(torch.device("cpu"), torch.int8, 2.0)              # by v & 0xFFFF
+    signed = pairs[torch.arange(65536) ^ 0x8000].int()                  # by v + 32768
+    return torch.cat([(signed << s).to(torch.int8) for s in range(_I8_SPREAD + 1)]).contiguous(
+        ).view(torch.int32).reshape(-1).to(device)
+
+
+def paged_int8_keys(pg: torch.Tensor, k_scale: torch.Tensor, m: torch.Tensor, *, page_size: int, head_dim: int,
+                    shuffle):
+    """Keys of gathered pages `pg` as an `int8_operand` (int8 [E, D]) read straight from the
+    page bytes, E = pages * page_size in entry order, with scale bytes `k_scale` [E, D/32]
+    (`layout.page_scales`) and m [E] the smallest of each entry's scale bytes (dead blocks
+    included): the value is int8 * 2**(m - 128), exact where the entry's scale bytes span
+    at most `_I8_SPREAD` binades (the caller checks the entries it reads; the others hold
+    clamped values, never read). None where the layout cannot be read so. The unshuffle,
+    the decode and the block scaling are one add and one gather (no per-nibble passes)."""
+    words = layout.page_block_words(pg, page_size=page_size, head_dim=head_dim, shuffle=shuffle)
+    if words is None:
+        return None
+    shift = (k_scale - m.unsqueeze(-1)).clamp_(max=_I8_SPREAD).int()       # uint8: m is the row's least
+    off = (shift * 65536 + 32768).view(*words.shape[:5], 1)
+    idx = torch.empty(words.shape, dtype=torch.int32, device=pg.device)
+    torch.add(words, off, out=idx)                                       # unshuffled, in entry order
+    vals = _shifted_word_lut(pg.device).index_select(0, idx.view(-1))
+    return vals.view(torch.int8).view(k_scale.shape[0], head_dim)
+
+
 def _relu64(s: torch.Tensor) -> torch.Tensor:
     """max(s, 0) as fp64, one pass (exact: s is an exact dot)."""
     if s.dtype == torch.float64:
@@ -425,7 +456,9 @@ def grouped_relu_logits(q_packed, q_scale, k_packed, k_scale, w, n, *, batched: 
 
 
 def check_paged_args(dims: checks.Dims, weights, kv_cache, query_start_loc, context_lens,
-                     block_table, row_ends, page_size, entry_bytes: int) -> None:
+                     block_table, row_ends, page_size, entry_bytes: int, more=()) -> list[int]:
+    """The paged scorers' argument checks (and `more`: (flag, check) pairs run after them)
+    with two host syncs -> query_start_loc as a list."""
     dims.check("weights", weights, torch.float32, ("Rw", "H"))
     dims.check("kv_cache", kv_cache, torch.uint8, ("P", "page_bytes"))
     dims.check("query_start_loc", query_start_loc, checks.INT_DTYPES, ("B+1",))
@@ -436,24 +469,39 @@ def check_paged_args(dims: checks.Dims, weights, kv_cache, query_start_loc, cont
     if query_start_loc.shape[0] != context_lens.shape[0] + 1:
         raise ValueError(f"query_start_loc: expected {context_lens.shape[0] + 1} entries (B+1), "
                          f"got {query_start_loc.shape[0]}")
-    qsl = query_start_loc.long()
-    if int(qsl[0]) != 0 or int(qsl[-1]) != row_ends.shape[0] or bool((qsl[1:] < qsl[:-1]).any()):
-        raise ValueError(f"query_start_loc: must rise from 0 to Rw={row_ends.shape[0]}, got {qsl.tolist()[:8]}")
+    qsl = query_start_loc.long().tolist()
+    if qsl[0] != 0 or qsl[-1] != row_ends.shape[0] or any(b < a for a, b in zip(qsl, qsl[1:])):
+        raise ValueError(f"query_start_loc: must rise from 0 to Rw={row_ends.shape[0]}, got {qsl[:8]}")
     need = page_size * entry_bytes
     if kv_cache.shape[1] < need:
         raise ValueError(f"kv_cache: page stride {kv_cache.shape[1]} is below the {need} bytes of "
                          f"{page_size} entries")
-    checks.int_range("context_lens", context_lens, 0, block_table.shape[1] * page_size + 1)
+    span = block_table.shape[1] * page_size
+    ctx = context_lens.long()
+    ctx_bad = ((ctx < 0) | (ctx > span)).any()
     seq = seq_of_rows(query_start_loc, row_ends.shape[0])
-    bad = (row_ends.long() < 0) | (row_ends.long() > context_lens.long()[seq])
-    if bool(bad.any()):
-        r = int(bad.nonzero()[0])
+    ends = row_ends.long()
+    bad_end = (ends < 0) | (ends > ctx[seq])
+    # the pages each sequence reads (its context's), all at once
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < ctx[:, None]
+    bt = block_table.long()
+    bad_bt = used & ((bt < 0) | (bt >= kv_cache.shape[0]))
+
+    def end_error():
+        r = int(bad_end.nonzero()[0])
         raise ValueError(f"row_ends: row {r} ends at {int(row_ends[r])}, outside [0, context_lens="
                          f"{int(context_lens[seq[r]])}]")
-    for b in range(context_lens.shape[0]):
-        pages = -(-int(context_lens[b]) // page_size)
-        checks.int_range(f"block_table[{b}]", block_table[b, :pages], 0, kv_cache.shape[0])
-    checks.finite("weights", weights)
+
+    def table_error():
+        b = int(bad_bt.any(1).nonzero()[0])
+        checks.int_range(f"block_table[{b}]", bt[b][used[b]], 0, kv_cache.shape[0])
+
+    tests = [(ctx_bad, lambda: checks.int_range("context_lens", context_lens, 0, span + 1)),
+             (bad_end.any(), end_error), (bad_bt.any(), table_error)]
+    if weights.is_floating_point():
+        tests.append((~torch.isfinite(weights).all(), lambda: checks.finite("weights", weights)))
+    checks.first_failure([*tests, *more])
+    return qsl
 
 
 def seq_of_rows(query_start_loc: torch.Tensor, rows: int) -> torch.Tensor:
@@ -513,7 +561,8 @@ def nan_scale(name: str, scales: torch.Tensor) -> None:
 
 def check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens, block_table,
                        row_ends, page_size, shuffle, width):
-    """Every argument check of the MXFP4 scorer -> (parsed shuffle, head dim D, logits width)."""
+    """Every argument check of the MXFP4 scorer -> (parsed shuffle, head dim D, logits width,
+    query_start_loc as a list)."""
     shuffle = layout.as_shuffle(shuffle)
     dims = checks.Dims()
     dims.check("q_fp4", q_fp4, torch.uint8, ("Rw", "H", "D/2"))
@@ -523,11 +572,11 @@ def check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc, conte
         raise ValueError(f"q_fp4: head dim {d} (twice the last dimension) is not a multiple of 32")
     if q_scale.shape[2] * 32 != d:
         raise ValueError(f"q_scale: {q_scale.shape[2]} scale blocks do not match D={d} from q_fp4")
-    check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
-                     page_size, layout.entry_bytes(d))
     layout.check_layout(page_size, d, shuffle)
-    nan_scale("q_scale", q_scale)
-    return shuffle, d, check_width(width, block_table, page_size, row_ends)
+    qsl = check_paged_args(dims, weights, kv_cache, query_start_loc, context_lens, block_table, row_ends,
+                           page_size, layout.entry_bytes(d),
+                           more=[((q_scale == E8M0_NAN).any(), lambda: nan_scale("q_scale", q_scale))])
+    return shuffle, d, check_width(width, block_table, page_size, row_ends), qsl
 
 
 # pages read at once per group of sequences (bytes)
@@ -539,14 +588,13 @@ def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_star
                                  width: int | None = None, **_unused) -> torch.Tensor:
     """The scorer's logits in fp64 (what the study and top-k use). Sequences with the same
     number of rows are scored together (`grouped_relu_logits`)."""
-    shuffle, d, width = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
-                                           context_lens, block_table, row_ends, page_size, shuffle, width)
+    shuffle, d, width, qsl = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
+                                                context_lens, block_table, row_ends, page_size, shuffle, width)
     rw = q_fp4.shape[0]
     dev = q_fp4.device
     out = torch.full((rw, width), float("-inf"), dtype=torch.float64, device=dev)
     if rw == 0:
         return out
-    qsl = query_start_loc.long().tolist()
     nseq = len(qsl) - 1
     ends = row_ends.long()
     # the keys a sequence reads: its rows' largest end
@@ -566,6 +614,30 @@ def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_star
     return out
 
 
+def _paged_i8_logits(q_packed, q_scale, pg, k_scale, w, n, j, geo):
+    """`grouped_relu_logits` of G sequences whose keys are the gathered pages `pg` (each
+    sequence's pages in turn) with scale bytes `k_scale` [G * pages * ps, NB], with CORE_I8
+    read straight from the pages (`paged_int8_keys`) -> (fp64 [G, R, j], ok: a device bool,
+    false where a spread rules CORE_I8 out and the values are not the scores), or None
+    where the layout rules it out. Nothing here waits for the device: the caller reads ok
+    with its other flags in one host sync."""
+    g, r = q_scale.shape[:2]
+    e_all = k_scale.shape[0] // g                                         # entries per sequence read
+    if q_packed.shape[-1] * 2 % 8:
+        return None
+    mk = k_scale.amin(-1)
+    kspread = (k_scale.amax(-1) - mk).view(g, e_all)                       # uint8: hi - lo >= 0
+    k8 = paged_int8_keys(pg, k_scale, mk, **geo)
+    if k8 is None:
+        return None
+    q8, mq, qspread = int8_operand(q_packed, q_scale)
+    valid = torch.arange(e_all, device=pg.device)[None, :] < n[:, None]
+    ok = (qspread <= _I8_SPREAD).all() & (~valid | (kspread <= _I8_SPREAD)).all()
+    out = torch.empty(g, r, e_all, dtype=torch.float64, device=pg.device)
+    _i8_logits(q8, mq, k8.view(g, e_all, -1), mk.view(g, e_all).int(), w, out)
+    return out[:, :, :j], ok
+
+
 def _score_group(out, seqs, rows, n, qsl, q_fp4, q_scale, weights, kv_cache, block_table, ends,
                  page_size, d, shuffle) -> None:
     """Score sequences `seqs` (each with `rows` rows, reading n[i] keys) into `out`."""
@@ -577,20 +649,35 @@ def _score_group(out, seqs, rows, n, qsl, q_fp4, q_scale, weights, kv_cache, blo
     # pages past a sequence's own hold no keys of it: read its first page there instead
     own = torch.arange(pages, device=dev)[None, :] < torch.tensor([-(-m // page_size) for m in n], device=dev)[:, None]
     bt = torch.where(own, bt, bt[:, :1])
-    packed, scales = layout.read_pages(kv_cache, bt.flatten(), page_size=page_size, head_dim=d, shuffle=shuffle)
-    packed = packed.view(len(seqs), pages * page_size, -1)[:, :j]
-    scales = scales.view(len(seqs), pages * page_size, -1)[:, :j]
+    geo = dict(page_size=page_size, head_dim=d, shuffle=shuffle)
+    pg = layout.gather_pages(kv_cache, bt.flatten(), **geo)
+    all_scales = layout.page_scales(pg, **geo)                                # [G * pages * ps, NB]
+    scales = all_scales.view(len(seqs), pages * page_size, -1)[:, :j]
     nt = torch.tensor(n, device=dev)
     cols = torch.arange(j, device=dev)
-    if bool(((scales == E8M0_NAN).any(-1) & (cols[None, :] < nt[:, None])).any()):
+    nan = ((scales == E8M0_NAN).any(-1) & (cols[None, :] < nt[:, None])).any()
+    ridx = (torch.tensor([qsl[b] for b in seqs], device=dev)[:, None] + torch.arange(rows, device=dev)).flatten()
+    q = q_fp4[ridx].view(len(seqs), rows, *q_fp4.shape[1:])
+    qs = q_scale[ridx].view(len(seqs), rows, *q_scale.shape[1:])
+    w = weights[ridx].view(len(seqs), rows, -1)
+    past = cols[None, :] >= ends[ridx][:, None]
+    fast = _paged_i8_logits(q, qs, pg, all_scales, w, nt, j, geo) if dev.type in INT8_DEVICES else None
+    if fast is not None:
+        # everything is queued; one host sync reads the NaN and spread flags
+        out[ridx, :j] = fast[0].reshape(-1, j).masked_fill_(past, float("-inf"))
+        is_nan, fast_ok = torch.stack((nan, fast[1])).tolist()
+        if fast_ok and not is_nan:
+            global last_path
+            last_path = "int8"
+            return
+    else:
+        is_nan = bool(nan)
+    if is_nan:
         for i, b in enumerate(seqs):
             nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", scales[i, :n[i]])
-    ridx = (torch.tensor([qsl[b] for b in seqs], device=dev)[:, None] + torch.arange(rows, device=dev)).flatten()
-    s = grouped_relu_logits(q_fp4[ridx].view(len(seqs), rows, *q_fp4.shape[1:]),
-                            q_scale[ridx].view(len(seqs), rows, *q_scale.shape[1:]),
-                            packed, scales, weights[ridx].view(len(seqs), rows, -1), nt).view(-1, j)
-    s.masked_fill_(cols[None, :] >= ends[ridx][:, None], float("-inf"))
-    out[ridx, :j] = s
+    packed = layout.page_values(pg, **geo).view(len(seqs), pages * page_size, -1)[:, :j]
+    s = grouped_relu_logits(q, qs, packed, scales, w, nt)
+    out[ridx, :j] = s.reshape(-1, j).masked_fill_(past, float("-inf"))
 
 
 def paged_mxfp4_mqa_logits(*, clean_logits: bool = False, **kwargs) -> dict:

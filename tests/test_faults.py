@@ -117,6 +117,21 @@ def test_catalogue_declares_every_fault():
             assert (be.ops[op] is reference.FUNCTIONS[op]) == (op not in f.ops), (f.name, op)
 
 
+def test_every_faulty_op_takes_the_reference_ops_arguments():
+    """A faulty op accepts every argument its reference op does (the CUDA path's too), so a
+    fault is caught or passes on every case, never an error for a keyword it lacks."""
+    import inspect
+    for f in F.FAULTS.values():
+        be = get_backend(f.backend_name)
+        for op in f.ops:
+            want = inspect.signature(reference.FUNCTIONS[op]).parameters
+            got = inspect.signature(be.ops[op]).parameters
+            if any(p.kind is p.VAR_KEYWORD for p in got.values()):
+                continue
+            missing = [n for n, p in want.items() if p.kind is not p.VAR_KEYWORD and n not in got]
+            assert not missing, (f.name, op, missing)
+
+
 @pytest.mark.parametrize("shuffle", [SHUFFLE, None])
 def test_composed_stages_give_the_reference(shuffle):
     c = make_case(seed=3, shuffle=shuffle, clean=True)

@@ -147,7 +147,7 @@ def test_scorer_decoders_are_exact_compiled(be, decode):
 def _scorer_variant(kw, config, decode, words=False):
     from optimized.triton_kernels import scoring
     from reference.scoring import check_mxfp4_scorer
-    shuf, _, width = check_mxfp4_scorer(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"],
+    shuf, _, width, _ = check_mxfp4_scorer(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"],
                                         kw["query_start_loc"], kw["context_lens"], kw["block_table"],
                                         kw["row_ends"], kw["page_size"], kw["shuffle"], None)
     cu = {k: v.cuda() for k, v in kw.items() if isinstance(v, torch.Tensor)}

@@ -107,3 +107,22 @@ def test_bad_layouts_raise():
         layout.scale_offsets(torch.arange(3), 64, 128, (32, 16, 3))
     with pytest.raises(ValueError, match="shuffle"):
         layout.as_shuffle([32, 16])
+
+
+@pytest.mark.parametrize("pad", [40, 13])                              # 13: odd page stride
+@pytest.mark.parametrize("page_size,d,shuffle", [*CASES, (64, 128, (32, 32, 2)), (64, 128, (32, 64, 4)),
+                                                 (32, 128, (32, 8, 2))])
+def test_page_block_words_copy_to_the_unshuffled_values(gen, page_size, d, shuffle, pad):
+    """The strided int16 view of gathered pages, copied, is `page_values` word for word
+    (entries in order, blocks in order); a tile narrower than a block has no such view."""
+    pages, stride = 3, layout.page_bytes(page_size, d) + pad
+    pool = torch.randint(0, 256, (pages, stride), dtype=torch.uint8, generator=gen)
+    pg = layout.gather_pages(pool, torch.tensor([2, 0, 1]), page_size=page_size, head_dim=d, shuffle=shuffle)
+    words = layout.page_block_words(pg, page_size=page_size, head_dim=d, shuffle=shuffle)
+    if shuffle is not None and shuffle[1] % 16:
+        assert words is None
+        return
+    assert words.dim() == 6 and words.shape[0] == pages and words.shape[-1] == 8
+    assert words.shape[1] * words.shape[2] == page_size and words.shape[3] * words.shape[4] == d // 32
+    vals = layout.page_values(pg, page_size=page_size, head_dim=d, shuffle=shuffle)
+    assert torch.equal(words.contiguous().view(torch.uint8).view(pages * page_size, d // 2), vals)

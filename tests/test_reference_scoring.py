@@ -388,3 +388,61 @@ def test_batched_path_reports_a_nan_scale_by_sequence(gen, monkeypatch):
     kw["kv_cache"].view(-1)[so[0, 1]] = 255
     with pytest.raises(reference.NonFiniteInput, match="sequence 2's entries"):
         scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+
+
+@pytest.mark.parametrize("shuffle,stride", [(SHUF, 4352), ([16, 16, 4], 4352), (None, 4353), ([32, 8, 2], 4360)])
+def test_paged_int8_keys_give_the_grouped_int8_bits(gen, monkeypatch, shuffle, stride):
+    """CORE_I8 read straight from the pages (one add, one gather) gives the bits of CORE_I8
+    on the unshuffled keys, for every layout; a tile narrower than a block (Dt = 8), a key
+    whose scale bytes span 4 binades, or a dead block's stray byte makes it step aside."""
+    monkeypatch.setattr(scoring, "BATCHED_DEVICES", ("cpu",))
+    monkeypatch.setattr(scoring, "INT8_DEVICES", ("cpu",))
+    kw = paged_case(gen, lens=(150, 64, 70, 3, 129), rows=(2, 1, 2, 1, 3), pages=16, shuffle=shuffle, stride=stride)
+    used = []
+    real = scoring.paged_int8_keys
+    monkeypatch.setattr(scoring, "paged_int8_keys", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+    got = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    assert used and all(u is None for u in used) == (shuffle == [32, 8, 2])
+    monkeypatch.setattr(scoring, "paged_int8_keys", lambda *a, **k: None)
+    want = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+    ref = dense_loop(kw)
+    assert torch.allclose(got[~ref.isinf()], ref[~ref.isinf()], rtol=1e-15, atol=0)
+
+
+def test_paged_int8_keys_step_aside_past_a_spread_of_3(gen, monkeypatch):
+    """The paged CORE_I8 is computed before its spreads are read (one host sync per group);
+    a key whose scale bytes span 4 binades makes the group fall back, and the values hold."""
+    monkeypatch.setattr(scoring, "BATCHED_DEVICES", ("cpu",))
+    monkeypatch.setattr(scoring, "INT8_DEVICES", ("cpu",))
+    kw = paged_case(gen, lens=(150, 64), rows=(2, 2), pages=8)    # one group
+    slot = int(kw["block_table"][1, 0]) * PS + 5
+    vo, so = layout.slot_byte_offsets(torch.tensor([slot]), PS, D, kw["shuffle"], kw["kv_cache"].shape[1])
+    flat = kw["kv_cache"].view(-1)
+    base = int(flat[so[0, 1]])
+    for b, v in enumerate((base, base + 4, base, base)):
+        flat[so[0, b]] = v
+    i8, fallback = [], []
+    real, grouped = scoring._i8_logits, scoring.grouped_relu_logits
+    monkeypatch.setattr(scoring, "_i8_logits", lambda *a: i8.append(1) or real(*a))
+    monkeypatch.setattr(scoring, "grouped_relu_logits", lambda *a, **k: fallback.append(1) or grouped(*a, **k))
+    got = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    want = dense_loop(kw)
+    assert fallback and len(i8) == 1                 # the paged try only: spread 4 rules CORE_I8 out
+    assert torch.allclose(got[~want.isinf()], want[~want.isinf()], rtol=1e-15, atol=0)
+    # the same span in a dead (all-zero) block: the paged read (all blocks) steps aside, the
+    # grouped core's live-block spread still allows CORE_I8, and the values hold
+    flat[vo[0, 16:32]] = 0
+    i8.clear()
+    fallback.clear()
+    got = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    want = dense_loop(kw)
+    assert fallback and len(i8) == 2
+    assert torch.allclose(got[~want.isinf()], want[~want.isinf()], rtol=1e-15, atol=0)
+    # and ignoring the flag would have been wrong: the paged values differ there
+    monkeypatch.setattr(scoring, "grouped_relu_logits", lambda *a, **k: pytest.fail("fallback"))
+    base_ok = scoring._paged_i8_logits
+    monkeypatch.setattr(scoring, "_paged_i8_logits", lambda *a: (base_ok(*a)[0], torch.tensor(True)))
+    flat[vo[0, 16:32]] = 0x77
+    assert not torch.allclose(scoring.paged_mxfp4_mqa_logits_fp64(**kw)[~want.isinf()], dense_loop(kw)[~want.isinf()],
+                              rtol=1e-15, atol=0)

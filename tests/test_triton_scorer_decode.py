@@ -41,7 +41,7 @@ def test_logits_with_each_decoder(kernels, decode, words, page_size, shuffle, bn
     kw = dict(logits_case(seqs=((3, 170), (1, 33)), page_size=page_size, pad=8, shuffle=shuffle),
               clean_logits=True)
     from reference.scoring import check_mxfp4_scorer
-    shuf, _, width = check_mxfp4_scorer(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"],
+    shuf, _, width, _ = check_mxfp4_scorer(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"],
                                         kw["query_start_loc"], kw["context_lens"], kw["block_table"],
                                         kw["row_ends"], kw["page_size"], kw["shuffle"], None)
     (qv, qs, w, kc, bt, ends), tiles, config, _ = kernels.prepare(

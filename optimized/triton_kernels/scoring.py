@@ -296,7 +296,7 @@ def make_op(device: str):
     def paged_mxfp4_mqa_logits(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
                                block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
                                clean_logits: bool = False, width: int | None = None) -> dict:
-        shuf, _, width = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
+        shuf, _, width, _ = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
                                             context_lens, block_table, row_ends, page_size, shuffle, width)
         (qv, qs, w, kc, bt, ends), tiles, config, back = prepare(
             device, query_start_loc, row_ends, weights.shape[1], q_fp4, q_scale, weights, kv_cache, block_table)
