@@ -181,3 +181,98 @@ def test_only_cpu_filled_pools_are_prebuilt():
     ref = get_backend("reference")
     assert _prebuild(big, ref) is None                     # its pool's bytes come from the device
     assert _prebuild(small, ref) is not None
+
+
+def _scores(rows=37, width=700, k=64, seed=11):
+    """fp64 scores with ties, zeros, NaN/inf, short and empty rows; fp32 logits off by a few
+    ulps in some rows and wrong in one; a top-k with every kind of fault in a few rows."""
+    import math
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(rows, width, generator=g, dtype=torch.float64) * 4
+    e[0, :200] = 0.0
+    e[5, 1::3] = e[5, 0]
+    e[6, 7] = float("-inf")
+    ends = torch.randint(0, width + 1, (rows,), generator=g)
+    ends[:3] = torch.tensor([width, 0, k // 2])
+    ends[11:14] = width
+    a = e.float()
+    a[9, :50] += 0.5
+    a[10, 3] = float("nan")
+    clean = a.clone()
+    for r in range(rows):
+        clean[r, int(ends[r]):] = -math.inf
+    clean[4, -1] = 1.0
+    masked = torch.where(torch.arange(width)[None] < ends[:, None], e, -math.inf)
+    idx = torch.topk(masked, k, 1).indices
+    idx = torch.where(torch.arange(k)[None] < torch.minimum(ends, torch.tensor(k))[:, None], idx, -1)
+    idx[ends <= k] = torch.where(torch.arange(k)[None] < ends[ends <= k, None], torch.arange(k)[None], -1)
+    idx[11, 0] = idx[11, 1]                       # duplicate
+    idx[12, -1] = int(ends[12]) + 1 if ends[12] < width - 1 else -2      # out of range
+    idx[13, 5] = int(e[13].argmin())         # below the tie rule
+    idx[2, 0], idx[2, 1] = idx[2, 1], idx[2, 0]   # a short row out of order
+    return a, e, clean, ends, idx.int(), k
+
+
+def test_scores_compared_in_row_blocks_give_the_same_reports(monkeypatch):
+    """diff_logits, diff_topk and the logit-error plot walk the rows a block at a time (no
+    buffer-sized mask, no host copy of a 2^20-wide buffer): block edges must change no count,
+    no finding and no plotted value, down to a block of one row."""
+    from harness.diff import scores
+    from harness.run import runner
+    a, e, clean, ends, idx, k = _scores()
+
+    def reports():
+        lg = [scores.diff_logits(x, e, ends, clean=c) for x, c in ((a, False), (clean, True))]
+        tk = [scores.diff_topk(idx, e, ends, k, tol=t) for t in (None, 0.25)]
+        return ([(r.metrics, r.findings, r.notes) for r in lg],
+                [(r.metrics, r.findings, r.notes, scores.recall_points(r.rows)) for r in tk],
+                runner._logit_errors(a, e, ends))
+    whole = reports()
+    lg, tk, errs = whole
+    assert lg[0][0]["logits_nonfinite"] > 0 and lg[0][0]["logits_rows_differing"] > 0
+    assert lg[1][0]["logits_inf_pattern_mismatch"] > 0
+    assert {"duplicates", "out_of_range", "below_threshold", "padding"} <= {f["class"] for f in tk[0][1]}
+    assert len(errs) == 4000
+    for chunk in (8 * 700 * 3, 8 * 700, 1):                        # three rows, one row, one row (floor)
+        monkeypatch.setattr(scores, "CHUNK_BYTES", chunk)
+        assert len(scores.row_blocks(37, 700)) == (13 if chunk > 8 * 700 else 37)
+        got = reports()
+        assert repr(got) == repr(whole)
+
+
+def test_stage_seconds_are_recorded_only_when_asked(monkeypatch):
+    from harness.run import stagetime
+    case = Catalog().case("smoke-rowend-k")
+    monkeypatch.delenv(stagetime.ENV, raising=False)
+    assert "stage_seconds" not in run_case(case, "reference")["details"]
+    monkeypatch.setenv(stagetime.ENV, "1")
+    r = run_case(case, "reference")
+    st = r["details"]["stage_seconds"]
+    assert {"inputs", "reference", "backend", "diff", "row"} <= set(st)
+    assert sum(st.values()) <= r["seconds"] + 0.01 and all(v >= 0 for v in st.values())
+
+
+def test_a_nested_part_is_charged_to_itself_only():
+    import time
+
+    from harness.run.stagetime import StageClock
+    clock = StageClock("cpu", on=True)
+    with clock("outer"):
+        time.sleep(0.05)
+        with clock("inner"):
+            time.sleep(0.1)
+    s = clock.seconds
+    assert 0.09 < s["inner"] < 0.5 and 0.04 < s["outer"] < 0.09 + 0.05
+
+
+def test_jobs_on_a_gpu_fit_the_memory_shares(monkeypatch):
+    from harness.run import pipeline
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv(memory.FRACTION_ENV, raising=False)
+    assert pipeline.cap_jobs(4, 37, "cuda")[0] == 1                       # one worker per GPU
+    monkeypatch.setenv(memory.FRACTION_ENV, "0.3")
+    jobs, info = pipeline.cap_jobs(4, 37, "cuda")
+    assert jobs == 3 and "0.3" in info["cap"]                            # three 30 % shares fit
+    monkeypatch.setenv(memory.FRACTION_ENV, "0.5")
+    assert pipeline.cap_jobs(2, 37, "cuda")[0] == 2

@@ -1,10 +1,13 @@
 """GPU memory of a case: its peak against the size of its tensors, and a per-process cap.
 
 A report row carries `gpu_peak_bytes` (the most GPU memory allocated while the case ran,
-above what was allocated when it started; None on the CPU) and `tensor_bytes` (the
-case's inputs plus the outputs of each stage it checks, one step's worth, counted once
-per storage). Their ratio is the case's memory overhead: the harness's copies of the
-pool, the reference's intermediates, the diffs.
+above what was allocated when it started, less what the process still holds once the
+case's tensors are released: cuBLAS workspaces and caches made during the case are the
+process's, not the case's, and are listed as `details.gpu_kept_bytes`; None on the CPU)
+and `tensor_bytes` (the case's inputs plus the outputs of each stage it checks, the
+backend's and the reference's, one step's worth, counted once per storage and on a GPU in
+the allocator's 512-byte blocks). Their ratio is the case's memory overhead: the harness's
+copies of the pool, the reference's intermediates, the diffs.
 
 `MXVAL_GPU_MEMORY_FRACTION` (a number in (0, 1]) caps every mxval process that sets it at
 that share of the GPU's memory (`torch.cuda.set_per_process_memory_fraction`): several
@@ -14,6 +17,7 @@ its share is one case's out-of-memory error, not another process's.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from typing import Optional
 
@@ -49,9 +53,13 @@ def apply_fraction(device) -> None:
         _applied.add(index)
 
 
+BLOCK = 512                 # the CUDA caching allocator's smallest block and its rounding
+
+
 def tensor_bytes(*objs) -> int:
     """Bytes of the distinct tensor storages reachable from `objs` (tensors, dataclasses,
-    dicts, lists, tuples); a view counts its storage once."""
+    dicts, lists, tuples); a view counts its storage once; a GPU storage counts the
+    allocator's blocks it takes (rounded up to BLOCK bytes)."""
     seen: set = set()
     total = 0
     stack = list(objs)
@@ -62,7 +70,8 @@ def tensor_bytes(*objs) -> int:
             key = (x.device, st.data_ptr())
             if key not in seen:
                 seen.add(key)
-                total += st.nbytes()
+                n = st.nbytes()
+                total += -(-n // BLOCK) * BLOCK if x.device.type == "cuda" else n
         elif dataclasses.is_dataclass(x) and not isinstance(x, type):
             stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
         elif isinstance(x, dict):
@@ -82,6 +91,7 @@ class Peak:
         self.device = dev
         self.base = 0
         self.bytes: Optional[int] = None
+        self.kept = 0
 
     def start(self) -> "Peak":
         if self.cuda:
@@ -99,6 +109,23 @@ class Peak:
                 return None
             self.bytes = int(torch.cuda.max_memory_allocated(self.device) - self.base)
         return self.bytes
+
+    def own(self) -> Optional[int]:
+        """After `stop`, once the block's own tensors are released: the peak less what is
+        still allocated above the start (`kept`: workspaces and caches the block created,
+        which outlive it; the peak counts them whenever they came, so this is the block's
+        peak at most)."""
+        if self.bytes is None:
+            return None
+        try:
+            kept = torch.cuda.memory_allocated(self.device) - self.base
+            if kept > 0:                 # a cycle may still hold a tensor of the block
+                gc.collect()
+                kept = torch.cuda.memory_allocated(self.device) - self.base
+        except RuntimeError:
+            return self.bytes
+        self.kept = max(0, int(kept))
+        return max(0, self.bytes - self.kept)
 
     def __enter__(self) -> "Peak":
         return self.start()
