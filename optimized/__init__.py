@@ -15,7 +15,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from reference.ops import OP_NAMES  # noqa: F401  (re-exported: the ops a backend may implement)
+from reference.op_table import OP_NAMES  # noqa: F401  (re-exported: the ops a backend may implement)
 
 
 class BackendUnavailable(RuntimeError):
@@ -58,20 +58,53 @@ class Backend:
         raise AttributeError(op)
 
 
-# name -> "module:factory"; factories return a Backend (unavailable ones carry a reason).
-_FACTORIES: dict[str, str] = {
-    "reference": "optimized.reference_backend:make_backend",
-    "triton": "optimized.triton_kernels:make_backend",
-    "triton-interpret": "optimized.triton_kernels:make_interpreter_backend",
-    "aiter": "optimized.aiter_backend:make_backend",
-    "aiter-triton": "optimized.aiter_triton_backend:make_backend",
-    "aiter-triton-interpret": "optimized.aiter_triton_backend:make_interpret_backend",
-    "vllm": "optimized.vllm_backend:make_backend",
-    "vllm-cuda": "optimized.vllm_triton_backend:make_cuda_backend",
-    "vllm-cuda-interpret": "optimized.vllm_triton_backend:make_cuda_interpret_backend",
-    "vllm-rocm": "optimized.vllm_triton_backend:make_rocm_backend",
-    "vllm-rocm-interpret": "optimized.vllm_triton_backend:make_rocm_interpret_backend",
-}
+@dataclass(frozen=True)
+class Declared:
+    """A backend as declared: what builds it, what it is, and what it needs to run here
+    (optimized/probe.py checks the needs without importing torch, triton, aiter or vllm)."""
+    name: str
+    factory: str                  # "module:function" returning the Backend (unavailable ones carry a reason)
+    summary: str                  # what it is (its factory's description starts with it)
+    # "triton" (installed), "gpu" (compiled Triton: a CUDA or ROCm GPU visible to torch),
+    # "rocm-gfx950", "module:<name>" (importable), "tree:vllm" / "tree:aiter" (upstream source found)
+    needs: tuple = ()
+
+    @property
+    def interpreted(self) -> bool:
+        return "triton" in self.needs and "gpu" not in self.needs
+
+
+_TRITON = "mxval Triton kernels (optimized/triton_kernels)"
+_AITER_TRITON = ("aiter's K writer k_norm_rope_mxfp4_cache and Q quant q_rope_mxfp4_quant (its wrappers and Triton "
+                 "kernels, through mxval's aiter adapter) with mxval's Triton pooling, scorer and top-k (aiter's "
+                 "scorer is a gfx950 Gluon kernel, its top-k a HIP kernel; the pooling is vLLM's)")
+_VLLM_CUDA = ("vLLM's CUDA indexer path (fused K writers MXFP4/FP8 + fused Q quant) with mxval's Triton scorer "
+              "and top-k (vLLM's are DeepGEMM/CUDA ops)")
+_VLLM_ROCM = "vLLM's ROCm pooling kernel _compress_pool_kernel"
+DECLARED: dict[str, Declared] = {d.name: d for d in (
+    Declared("reference", "optimized.reference_backend:make_backend", "pure-torch reference (reference/)"),
+    Declared("triton", "optimized.triton_kernels:make_backend", _TRITON, ("triton", "gpu")),
+    Declared("triton-interpret", "optimized.triton_kernels:make_interpreter_backend",
+             _TRITON + ", Triton interpreter on the CPU", ("triton",)),
+    Declared("aiter", "optimized.aiter_backend:make_backend",
+             "aiter's ROCm ops (K writer, Q quant, paged MXFP4 scorer, top-k), gfx950",
+             ("module:aiter", "rocm-gfx950")),
+    Declared("aiter-triton", "optimized.aiter_triton_backend:make_backend", _AITER_TRITON,
+             ("triton", "gpu", "tree:aiter")),
+    Declared("aiter-triton-interpret", "optimized.aiter_triton_backend:make_interpret_backend", _AITER_TRITON,
+             ("triton", "tree:aiter")),
+    Declared("vllm", "optimized.vllm_backend:make_backend",
+             "vLLM's DeepSeek-V4 ROCm indexer (pooling, K store, Q quant, top-k) + aiter's scorer",
+             ("module:vllm", "module:aiter", "rocm-gfx950")),
+    Declared("vllm-cuda", "optimized.vllm_triton_backend:make_cuda_backend", _VLLM_CUDA, ("triton", "gpu", "tree:vllm")),
+    Declared("vllm-cuda-interpret", "optimized.vllm_triton_backend:make_cuda_interpret_backend", _VLLM_CUDA,
+             ("triton", "tree:vllm")),
+    Declared("vllm-rocm", "optimized.vllm_triton_backend:make_rocm_backend", _VLLM_ROCM, ("triton", "gpu", "tree:vllm")),
+    Declared("vllm-rocm-interpret", "optimized.vllm_triton_backend:make_rocm_interpret_backend", _VLLM_ROCM,
+             ("triton", "tree:vllm")),
+)}
+# `auto`: the first of these that is available here (the last always is, given triton).
+AUTO_ORDER = ("aiter", "triton", "triton-interpret")
 _EXTRA: dict[str, Callable[[], Backend]] = {}
 
 
@@ -81,7 +114,7 @@ def register(name: str, factory: Callable[[], Backend]) -> None:
 
 
 def backend_names(include_extra: bool = False) -> list[str]:
-    names = ["auto", *_FACTORIES]
+    names = ["auto", *DECLARED]
     return names + sorted(_EXTRA) if include_extra else names
 
 
@@ -93,8 +126,8 @@ def _load_extra() -> None:
 
 
 def _make(name: str) -> Backend:
-    if name in _FACTORIES:
-        mod, fn = _FACTORIES[name].split(":")
+    if name in DECLARED:
+        mod, fn = DECLARED[name].factory.split(":")
         try:
             return getattr(importlib.import_module(mod), fn)()
         except ImportError as e:
@@ -110,10 +143,10 @@ def _make(name: str) -> Backend:
 def auto_backend_name() -> str:
     """aiter on ROCm when importable (vLLM's pooling kernel needs vllm), else triton on a
     GPU, else the Triton interpreter on the CPU."""
-    for name in ("aiter", "triton"):
+    for name in AUTO_ORDER[:-1]:
         if _make(name).available() is None:
             return name
-    return "triton-interpret"
+    return AUTO_ORDER[-1]
 
 
 def get_backend(name: str = "auto", *, require: bool = True) -> Backend:

@@ -27,7 +27,7 @@ from reference.k_writer import check_mxfp4_k_writer
 from reference.q_quant import check_q_args
 from reference.scoring import check_mxfp4_scorer
 
-from . import Backend, BackendUnavailable, upstream
+from . import DECLARED, Backend, BackendUnavailable, upstream
 from .common import (
     equal_row_groups,
     import_targets,
@@ -164,7 +164,7 @@ def make_ops(fn: dict, device: str = "cuda", numerics: dict | None = None) -> di
 
 
 def make_backend() -> Backend:
-    desc = "aiter's ROCm ops (K writer, Q quant, paged MXFP4 scorer, top-k), gfx950"
+    desc = DECLARED[NAME].summary
     fn, _, missing = import_targets(FUNCTIONS)
     platform = rocm_gfx950_reason()
     reason = "; ".join(missing + ([platform] if platform else [])) or None

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import Backend
+from . import DECLARED, Backend
 from .aiter_backend import make_ops
 
 OPS = ("k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant")
 MXVAL_OPS = ("compress_pool", "paged_mxfp4_mqa_logits", "topk")
-HEAD = ("aiter's K writer k_norm_rope_mxfp4_cache and Q quant q_rope_mxfp4_quant (its wrappers and Triton "
-        "kernels, through mxval's aiter adapter) with mxval's Triton pooling, scorer and top-k (aiter's "
-        "scorer is a gfx950 Gluon kernel, its top-k a HIP kernel; the pooling is vLLM's)")
+HEAD = DECLARED["aiter-triton"].summary
 # Compiled with enable_fp_fusion (both wrappers launch with it), LLVM contracts the rotation
 # `e*cos - o*sin`, `o*cos + e*sin` into fma(e, cos, -(o*sin)), fma(o, cos, e*sin): the
 # reference's `fma-oc` (reference/rope.py); the interpreter contracts nothing.

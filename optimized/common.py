@@ -10,6 +10,8 @@ import torch
 from reference import checks
 from reference.topk import check_topk_args
 
+from .probe import rocm_gfx950_reason  # noqa: F401  (the ROCm adapters' platform check)
+
 # scale rules the kernels implement from the fp32 bits; torchao's "rceil" goes through a
 # float log2 and is only offered by the reference (for studies).
 KERNEL_SCALE_RULES = ("ceil", "ocp-floor", "even")
@@ -82,18 +84,6 @@ def import_targets(keys: dict[str, str]) -> tuple[dict, dict, list[str]]:
             whole = next((p for p in problems if p.startswith(f"{pkg} is not importable")), None)
             missing.append(whole or f"{key}: " + "; ".join(dict.fromkeys(problems)))
     return found, which, list(dict.fromkeys(missing))
-
-
-def rocm_gfx950_reason() -> str | None:
-    """None on a ROCm GPU of the gfx950 family (MI350/MI355), else what is missing."""
-    if getattr(torch.version, "hip", None) is None:
-        return f"no ROCm GPU: torch {torch.__version__} is not a ROCm build"
-    if not torch.cuda.is_available():
-        return "no ROCm GPU visible to torch"
-    arch = getattr(torch.cuda.get_device_properties(0), "gcnArchName", "unknown")
-    if not arch.startswith("gfx950"):
-        return f"the GPU is {arch}, not gfx950 (aiter's MXFP4 kernels are gfx950-only)"
-    return None
 
 
 def require_production(*, rounding: str = "rocm", scale_rule: str = "ceil", hadamard: bool = False,

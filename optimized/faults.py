@@ -14,9 +14,7 @@ its broken ops are built here (_MAKE_OPS, by the same name).
 """
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -31,36 +29,30 @@ from reference.q_quant import check_scale_pair, fold_weights
 from reference.rope import cos_sin_at, rope_gptj_tail
 
 from . import Backend, register
+from .fault_table import (  # noqa: F401  (the constants the faults are built with)
+    INT32_BITS,
+    LOGITS_ROW_SIM_BITS,
+    PREFILL_TOPK_ROWS,
+    RADIX_FLAGGEMS,
+    RADIX_SGLANG,
+    SCHEDULE_TILE,
+    SCHEDULE_TILES_PER_ROW,
+    SIM_WRAP_BITS,
+    FaultText,
+    read_catalogue,
+)
 
-# Signed width of the emulated offset arithmetic. The production bug wraps at 32 bits
-# (pools past 2 GiB); CI cannot hold such a pool, so a second fault wraps at 20 bits
-# (pools past 512 KiB) to exercise the same mechanism on a small case.
-INT32_BITS = 32
-SIM_WRAP_BITS = 20
 
-
-@dataclass(frozen=True)
-class Fault:
-    name: str
-    bug_class: str                 # the §10 wording
-    ops: tuple[str, ...]           # ops whose output it changes
-    cases: tuple[str, ...]         # cases (cases/selftest.toml) that expose it
-    description: str               # exactly what is broken
+@dataclass(frozen=True, kw_only=True)
+class Fault(FaultText):
+    """A fault's words (faults.toml, optimized/fault_table.py) and its broken ops."""
     make_ops: Callable[[], dict]   # op name -> the faulty op
-    large: bool = False            # needs more than a CPU affords (a pool or logits past 2 GiB):
-                                   # full selftest on a GPU (or --large) only, not --quick
-    source: str = ""               # the shipped bug it models ("ROCm/aiter#4244"); "" = invented here
-
-    @property
-    def backend_name(self) -> str:
-        return f"fault:{self.name}"
 
     def backend(self) -> Backend:
         ops = dict(reference.FUNCTIONS)
         ops.update(self.make_ops())
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return Backend(self.backend_name, f"FAULT ({self.bug_class}): {self.description}", ops,
-                       device=dev)
+        return Backend(self.backend_name, self.describe(), ops, device=dev)
 
 
 # --- the correct path, as composable stages ----------------------------------------
@@ -385,21 +377,6 @@ def _q_one_multiply() -> Callable:
 
 # --- the field's bugs: what shipped, modelled at the size where it appeared ------------------
 
-# Byte offsets of a logits row past this width wrap (aiter's buffer_store voffset is a
-# 32-bit byte offset). The simulated twin wraps at 22 bits (rows past 4 MiB) so that a CPU
-# case can hold the buffer.
-LOGITS_ROW_SIM_BITS = 22
-# aiter's FP4 MQA-logits scheduler: 256-entry tiles, at most 64 of them per row (16384
-# entries); work past the schedule's capacity was dropped without a word.
-SCHEDULE_TILE = 256
-SCHEDULE_TILES_PER_ROW = 64
-# aiter's prefill top-k takes its long-row path once a call has more than this many rows.
-PREFILL_TOPK_ROWS = 4096
-# Radix top-k candidate buffers: sglang fast_topk_v2 keeps 4096 candidates of the threshold
-# bin (coarse key: the top 8 bits of the fp16 value); FlagGems' sampled prefill path keeps
-# 2048 (key: sign, 5 exponent and 5 mantissa bits of the fp16 value).
-RADIX_SGLANG = (8, 4096)
-RADIX_FLAGGEMS = (11, 2048)
 POOL_RATIO = 4                  # r of every preset (the scorer is not told r)
 
 
@@ -616,15 +593,6 @@ SCORE = "paged_mxfp4_mqa_logits"
 TOPK = "topk"
 FUSED = "compress_norm_rope_mxfp4_cache"
 
-# Values the catalogue's texts name ({NAME} in faults.toml).
-_TEXT_VALUES = dict(
-    SIM_WRAP_BITS=SIM_WRAP_BITS, SIM_WRAP_KIB=(1 << (SIM_WRAP_BITS - 1)) // 1024,
-    LOGITS_ROW_SIM_BITS=LOGITS_ROW_SIM_BITS, LOGITS_ROW_SIM_MIB=(1 << (LOGITS_ROW_SIM_BITS - 1)) >> 20,
-    SCHEDULE_TILE=SCHEDULE_TILE, SCHEDULE_TILES_PER_ROW=SCHEDULE_TILES_PER_ROW,
-    SCHEDULE_REACH=SCHEDULE_TILE * SCHEDULE_TILES_PER_ROW, PREFILL_TOPK_ROWS=PREFILL_TOPK_ROWS,
-    RADIX_SGLANG=RADIX_SGLANG, RADIX_FLAGGEMS=RADIX_FLAGGEMS,
-)
-
 # fault name -> its broken ops (op name -> the faulty op); its words are in faults.toml.
 _MAKE_OPS: dict[str, Callable[[], dict]] = {
     "window-shift": lambda: {POOL: pool_op(_shifted_windows)},
@@ -670,17 +638,15 @@ _MAKE_OPS: dict[str, Callable[[], dict]] = {
 }
 
 
-def _catalogue(path: Path) -> tuple[Fault, ...]:
-    rows = tomllib.loads(path.read_text())
-    if list(rows) != list(_MAKE_OPS):
-        raise RuntimeError(f"{path}: its faults {list(rows)} are not those of optimized/faults.py {list(_MAKE_OPS)}")
-    return tuple(Fault(name, row["bug_class"].format(**_TEXT_VALUES), tuple(row["ops"]), tuple(row["cases"]),
-                       row["description"].format(**_TEXT_VALUES), _MAKE_OPS[name],
-                       large=row.get("large", False), source=row.get("source", ""))
-                 for name, row in rows.items())
+def _catalogue() -> tuple[Fault, ...]:
+    words = read_catalogue()
+    if list(words) != list(_MAKE_OPS):
+        raise RuntimeError(f"optimized/faults.toml: its faults {list(words)} are not those of optimized/faults.py "
+                           f"{list(_MAKE_OPS)}")
+    return tuple(Fault(**vars(w), make_ops=_MAKE_OPS[name]) for name, w in words.items())
 
 
-_CATALOGUE = _catalogue(Path(__file__).with_name("faults.toml"))
+_CATALOGUE = _catalogue()
 
 FAULTS: dict[str, Fault] = {f.name: f for f in _CATALOGUE}
 

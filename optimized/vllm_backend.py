@@ -25,7 +25,7 @@ from reference.k_writer import check_mxfp4_k_writer
 from reference.pooling import check_pool_args
 from reference.q_quant import check_q_args
 
-from . import Backend, aiter_backend
+from . import DECLARED, Backend, aiter_backend
 from .common import import_targets, on_device, paged_view, require_production, rocm_gfx950_reason, topk_on_device
 
 NAME = "vllm"
@@ -138,7 +138,7 @@ def make_ops(fn: dict, device: str = "cuda", *, pool_kind: str = "function") -> 
 
 
 def make_backend() -> Backend:
-    desc = "vLLM's DeepSeek-V4 ROCm indexer (pooling, K store, Q quant, top-k) + aiter's scorer"
+    desc = DECLARED[NAME].summary
     fn, which, missing = import_targets({**FUNCTIONS, **AITER_FUNCTIONS})
     if "vllm is not importable" not in " ".join(missing):
         missing = [m for m in missing if not any(m.startswith(FUNCTIONS[o] + ":") for o in OPTIONAL)]

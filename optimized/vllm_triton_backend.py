@@ -25,8 +25,9 @@ from reference.fused import CUDA_Q_ROPE, CUDA_ROPE
 from reference.pooling import check_pool_args
 from reference.q_quant import check_q_args, check_scale_pair
 
-from . import Backend
+from . import DECLARED, Backend
 from .common import on_device
+from .probe import no_gpu
 
 FUSED_OPS = ("compress_norm_rope_mxfp4_cache", "compress_norm_rope_fp8_cache")
 CUDA_FP8 = "e4m3fn"          # vLLM's CUDA kernels: tl.float8e4nv, FP8_MAX 448
@@ -268,8 +269,7 @@ def load_upstream(name: str, head: str, interpret: bool, load) -> tuple:
     the upstream source (KernelSetError otherwise)."""
     from .vllm_kernels.kernelset import KernelSetError
     if not interpret and not torch.cuda.is_available():
-        return None, None, Backend(name, head, reason=f"no CUDA or ROCm GPU visible to torch: use {name}-interpret "
-                                                      f"(the same kernels through the Triton interpreter on the CPU)")
+        return None, None, Backend(name, head, reason=no_gpu(name))
     why = _triton_mode(interpret)
     if why:
         return None, None, Backend(name, head, reason=why)
@@ -281,9 +281,7 @@ def load_upstream(name: str, head: str, interpret: bool, load) -> tuple:
 
 def _make(name: str, path: str, interpret: bool) -> Backend:
     from .vllm_kernels.kernelset import kernel_set
-    head = {"cuda": "vLLM's CUDA indexer path (fused K writers MXFP4/FP8 + fused Q quant) with "
-                    "mxval's Triton scorer and top-k (vLLM's are DeepGEMM/CUDA ops)",
-            "rocm": "vLLM's ROCm pooling kernel _compress_pool_kernel"}[path]
+    head = DECLARED[name].summary
     ks, device, unavailable = load_upstream(name, head, interpret, kernel_set)
     if unavailable:
         return unavailable

@@ -18,13 +18,10 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .values import _show, choice, integer, is_int, number, scalar  # noqa: F401  (this module's API too)
+
 INT_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def is_int(v) -> bool:
-    """A Python integer that is not a bool."""
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def plain(name: str, t) -> torch.Tensor:
@@ -38,36 +35,6 @@ def plain(name: str, t) -> torch.Tensor:
     if t.is_meta:
         raise ValueError(f"{name}: a meta tensor (no data), expected a tensor with values")
     return t
-
-
-def integer(name: str, v, lo: int, hi: int) -> int:
-    """A Python int (not a bool) in [lo, hi)."""
-    if not is_int(v):
-        raise ValueError(f"{name}: expected an integer in [{lo}, {hi}), got {_show(v)}")
-    if not lo <= v < hi:
-        raise ValueError(f"{name}: {v if abs(v) < 10 ** 30 else '(a ' + str(v.bit_length()) + '-bit integer)'} "
-                         f"is out of range [{lo}, {hi})")
-    return v
-
-
-def number(name: str, v, lo: float, hi: float) -> float:
-    """A finite int or float (not a bool) in [lo, hi)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{name}: expected a number in [{lo:g}, {hi:g}), got {_show(v)}")
-    try:
-        ok = lo <= v < hi
-    except OverflowError:
-        ok = False
-    if v != v or not ok:
-        raise ValueError(f"{name}: {_show(v)} is out of range [{lo:g}, {hi:g})")
-    return float(v)
-
-
-def _show(v) -> str:
-    if is_int(v) and abs(v) >= 10 ** 30:
-        return f"a {v.bit_length()}-bit integer"
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
@@ -189,14 +156,6 @@ def _flat(v):
             yield x
 
 
-def scalar(name: str, value, kind=(int,), *, positive: bool = False):
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"{name}: expected {' or '.join(k.__name__ for k in kind)}, got {value!r}")
-    if positive and not value > 0:
-        raise ValueError(f"{name}: expected a positive value, got {value!r}")
-    return value
-
-
 def head_and_rope_dims(name: str, t: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[int, int]:
     """(D, R) of a head tensor `t` (D its last dim) and its RoPE cache: D in whole 32-blocks,
     R even and at most D."""
@@ -219,10 +178,4 @@ def positive_finite(name: str, value) -> float:
     f32 = float(torch.tensor(float(value), dtype=torch.float32))       # the ops use it in fp32
     if not math.isfinite(f32) or f32 <= 0:
         raise ValueError(f"{name}: {value!r} is {f32!r} in fp32, expected a finite number > 0 there")
-    return value
-
-
-def choice(name: str, value, options: Sequence):
-    if isinstance(value, bool) or value not in options:
-        raise ValueError(f"{name}: expected one of {', '.join(map(repr, options))}, got {value!r}")
     return value

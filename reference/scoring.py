@@ -8,6 +8,7 @@ fp32 accumulation lands within ~1e-14 of them in the scale-invariant metric.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -595,22 +596,9 @@ def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_star
     out = torch.full((rw, width), float("-inf"), dtype=torch.float64, device=dev)
     if rw == 0:
         return out
-    nseq = len(qsl) - 1
-    ends = row_ends.long()
-    # the keys a sequence reads: its rows' largest end
-    n_of = torch.zeros(nseq, dtype=torch.long, device=dev).scatter_reduce(
-        0, seq_of_rows(query_start_loc, rw), ends, "amax").tolist()
-    groups: dict[int, list[int]] = {}
-    for b in range(nseq):
-        if qsl[b + 1] > qsl[b] and n_of[b]:
-            groups.setdefault(qsl[b + 1] - qsl[b], []).append(b)
-    budget = _GROUP_PAGE_BYTES.get(dev.type, 1 << 24)
-    for rows, seqs in groups.items():
-        per_seq = max(n_of[b] for b in seqs) * layout.entry_bytes(d)
-        step = max(1, budget // per_seq)
-        for c0 in range(0, len(seqs), step):
-            _score_group(out, seqs[c0:c0 + step], rows, [n_of[b] for b in seqs[c0:c0 + step]], qsl,
-                         q_fp4, q_scale, weights, kv_cache, block_table, ends, page_size, d, shuffle)
+    geo = dict(page_size=page_size, head_dim=d, shuffle=shuffle)
+    for plan in group_plans(qsl, query_start_loc, row_ends, block_table, page_size, d):
+        _score_group(out, plan, q_fp4, q_scale, weights, kv_cache, row_ends.long(), geo)
     return out
 
 
@@ -638,46 +626,99 @@ def _paged_i8_logits(q_packed, q_scale, pg, k_scale, w, n, j, geo):
     return out[:, :, :j], ok
 
 
-def _score_group(out, seqs, rows, n, qsl, q_fp4, q_scale, weights, kv_cache, block_table, ends,
-                 page_size, d, shuffle) -> None:
-    """Score sequences `seqs` (each with `rows` rows, reading n[i] keys) into `out`."""
-    dev = q_fp4.device
-    j = max(n)
-    pages = -(-j // page_size)
-    sel = torch.tensor(seqs, device=dev)
-    bt = block_table[sel, :pages].long()
-    # pages past a sequence's own hold no keys of it: read its first page there instead
-    own = torch.arange(pages, device=dev)[None, :] < torch.tensor([-(-m // page_size) for m in n], device=dev)[:, None]
-    bt = torch.where(own, bt, bt[:, :1])
-    geo = dict(page_size=page_size, head_dim=d, shuffle=shuffle)
-    pg = layout.gather_pages(kv_cache, bt.flatten(), **geo)
+@dataclass(frozen=True)
+class GroupPlan:
+    """Sequences scored together: `seqs` (host ints), each with `rows` rows and reading
+    n[i] keys (j the most); on the device: `pages_read` [G * pages] (pages past a
+    sequence's own read its first page), `n` [G] and the rows `ridx` [G * rows]."""
+    seqs: list
+    rows: int
+    n: list
+    j: int
+    pages: int
+    pages_read: torch.Tensor
+    n_dev: torch.Tensor
+    ridx: torch.Tensor
+
+
+def group_plans(qsl: list, query_start_loc, row_ends, block_table: torch.Tensor, page_size: int, d: int):
+    """The groups the scorer scores at once (after its argument checks; `qsl` is
+    query_start_loc as a list): sequences with the same number of rows, as many as fit
+    `_GROUP_PAGE_BYTES` of pages. One host sync reads the keys each sequence reads (its
+    rows' largest end); each plan's index tensors reach the device in one asynchronous
+    copy."""
+    dev = block_table.device
+    n_of = torch.zeros(len(qsl) - 1, dtype=torch.long, device=dev).scatter_reduce(
+        0, seq_of_rows(query_start_loc, row_ends.shape[0]), row_ends.long(), "amax").tolist()
+    groups: dict[int, list[int]] = {}
+    for b in range(len(qsl) - 1):
+        if qsl[b + 1] > qsl[b] and n_of[b]:
+            groups.setdefault(qsl[b + 1] - qsl[b], []).append(b)
+    budget = _GROUP_PAGE_BYTES.get(dev.type, 1 << 24)
+    for rows, seqs in groups.items():
+        step = max(1, budget // (max(n_of[b] for b in seqs) * layout.entry_bytes(d)))
+        for c0 in range(0, len(seqs), step):
+            part = seqs[c0:c0 + step]
+            n = [n_of[b] for b in part]
+            host = torch.tensor([*part, *(-(-m // page_size) for m in n), *n, *(qsl[b] for b in part)])
+            if dev.type == "cuda":
+                host = host.pin_memory()
+            sel, own, n_dev, start = host.to(dev, non_blocking=True).split(len(part))
+            j = max(n)
+            pages = -(-j // page_size)
+            bt = block_table[sel, :pages].long()
+            bt = torch.where(torch.arange(pages, device=dev)[None, :] < own[:, None], bt, bt[:, :1])
+            ridx = (start[:, None] + torch.arange(rows, device=dev)).flatten()
+            yield GroupPlan(part, rows, n, j, pages, bt.flatten(), n_dev, ridx)
+
+
+def group_inputs(plan: GroupPlan, q_fp4, q_scale, weights, kv_cache, ends, geo) -> dict:
+    """A group's operands on the device, with no host sync: its pages, their scale bytes
+    (all, and the j columns read), the NaN-scale flag, its queries and weights, and the
+    mask of columns past each row's end."""
+    g, j = len(plan.seqs), plan.j
+    pg = layout.gather_pages(kv_cache, plan.pages_read, **geo)
     all_scales = layout.page_scales(pg, **geo)                                # [G * pages * ps, NB]
-    scales = all_scales.view(len(seqs), pages * page_size, -1)[:, :j]
-    nt = torch.tensor(n, device=dev)
-    cols = torch.arange(j, device=dev)
-    nan = ((scales == E8M0_NAN).any(-1) & (cols[None, :] < nt[:, None])).any()
-    ridx = (torch.tensor([qsl[b] for b in seqs], device=dev)[:, None] + torch.arange(rows, device=dev)).flatten()
-    q = q_fp4[ridx].view(len(seqs), rows, *q_fp4.shape[1:])
-    qs = q_scale[ridx].view(len(seqs), rows, *q_scale.shape[1:])
-    w = weights[ridx].view(len(seqs), rows, -1)
-    past = cols[None, :] >= ends[ridx][:, None]
-    fast = _paged_i8_logits(q, qs, pg, all_scales, w, nt, j, geo) if dev.type in INT8_DEVICES else None
-    if fast is not None:
-        # everything is queued; one host sync reads the NaN and spread flags
-        out[ridx, :j] = fast[0].reshape(-1, j).masked_fill_(past, float("-inf"))
-        is_nan, fast_ok = torch.stack((nan, fast[1])).tolist()
-        if fast_ok and not is_nan:
-            global last_path
-            last_path = "int8"
-            return
-    else:
-        is_nan = bool(nan)
-    if is_nan:
-        for i, b in enumerate(seqs):
-            nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", scales[i, :n[i]])
-    packed = layout.page_values(pg, **geo).view(len(seqs), pages * page_size, -1)[:, :j]
-    s = grouped_relu_logits(q, qs, packed, scales, w, nt)
-    out[ridx, :j] = s.reshape(-1, j).masked_fill_(past, float("-inf"))
+    scales = all_scales.view(g, -1, all_scales.shape[-1])[:, :j]
+    cols = torch.arange(j, device=pg.device)
+    return dict(pg=pg, all_scales=all_scales, scales=scales,
+                nan=((scales == E8M0_NAN).any(-1) & (cols[None, :] < plan.n_dev[:, None])).any(),
+                q=q_fp4[plan.ridx].view(g, plan.rows, *q_fp4.shape[1:]),
+                qs=q_scale[plan.ridx].view(g, plan.rows, *q_scale.shape[1:]),
+                w=weights[plan.ridx].view(g, plan.rows, -1),
+                past=cols[None, :] >= ends[plan.ridx][:, None])
+
+
+def group_core_i8(plan: GroupPlan, q_fp4, q_scale, weights, kv_cache, ends, geo):
+    """The GPU scorer's work for one group, with no host sync (a CUDA graph can replay it):
+    (fp64 logits [G * rows, j], -inf past the row ends; flags [2]: a NaN scale byte read,
+    CORE_I8 exact), or None where the layout rules the paged int8 read out."""
+    x = group_inputs(plan, q_fp4, q_scale, weights, kv_cache, ends, geo)
+    fast = _paged_i8_logits(x["q"], x["qs"], x["pg"], x["all_scales"], x["w"], plan.n_dev, plan.j, geo)
+    if fast is None:
+        return None
+    return fast[0].reshape(-1, plan.j).masked_fill_(x["past"], float("-inf")), torch.stack((x["nan"], fast[1]))
+
+
+def _score_group(out, plan: GroupPlan, q_fp4, q_scale, weights, kv_cache, ends, geo) -> None:
+    """Score one group into `out`: the paged CORE_I8 on a GPU (its flags read in one host
+    sync after everything is queued), else (or where a flag says so) the grouped cores."""
+    ridx, j = plan.ridx, plan.j
+    if q_fp4.device.type in INT8_DEVICES:
+        core = group_core_i8(plan, q_fp4, q_scale, weights, kv_cache, ends, geo)
+        if core is not None:
+            out[ridx, :j] = core[0]
+            if core[1].tolist() == [False, True]:
+                global last_path
+                last_path = "int8"
+                return
+    x = group_inputs(plan, q_fp4, q_scale, weights, kv_cache, ends, geo)
+    if bool(x["nan"]):
+        for i, b in enumerate(plan.seqs):
+            nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", x["scales"][i, :plan.n[i]])
+    packed = layout.page_values(x["pg"], **geo).view(len(plan.seqs), -1, geo["head_dim"] // 2)
+    s = grouped_relu_logits(x["q"], x["qs"], packed[:, :j], x["scales"], x["w"], plan.n_dev)
+    out[ridx, :j] = s.reshape(-1, j).masked_fill_(x["past"], float("-inf"))
 
 
 def paged_mxfp4_mqa_logits(*, clean_logits: bool = False, **kwargs) -> dict:

@@ -124,3 +124,15 @@ def test_the_first_failing_stage_is_the_earliest_in_chain_order():
         == "compress_pool"
     assert B.first_failing_stage(v("chain.topk_recall_min")) == "chain"
     assert B.first_failing_stage([]) == ""
+
+
+def test_a_limit_text_parses_back_to_its_limit():
+    """`Limit.from_text` is `Limit.text`'s inverse (the recheck parses a report's recorded
+    budgets with it), and refuses anything else."""
+    from harness.diff.metrics import OFF, Limit
+    for lim in (Limit(max=0.0), Limit(min=0.99), Limit(max=1.0, min=0.0), OFF, Limit(max=0.1 + 0.2),
+                Limit(min=-5e-324)):
+        assert Limit.from_text(lim.text()) == lim, lim.text()
+    for bad in ("<= nan", "<= inf", ">= -inf", "< 1", "<=1", "<= 1 and <= 2", "<=  1", "", "on", None, 5):
+        with pytest.raises(ValueError, match="limit text"):
+            Limit.from_text(bad)

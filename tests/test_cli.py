@@ -340,3 +340,16 @@ def test_help_and_usage_errors_load_no_torch(argv, want_rc):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     rc, loaded = out.strip().splitlines()[-1].split(" ", 1)
     assert int(rc) == want_rc and loaded == "[]", (argv, out)
+
+
+@pytest.mark.parametrize("argv, start", [
+    (["validate", "--case-timeout", "0"], "mxval: --case-timeout: expected a number of seconds in (0, "),
+    (["selftest", "--case-timeout", "nan"], "mxval: --case-timeout: expected a number of seconds"),
+    (["validate", "--case-timeout"], "mxval: --case-timeout: expected one argument"),
+    (["validate", "-j", "x"], "mxval: --jobs: invalid int value"),
+    (["validate", "--repeat", "0"], "mxval: --repeat: expected a whole number"),
+])
+def test_an_option_error_names_the_option_in_one_line(capsys, argv, start):
+    """argparse's own errors ("argument -j/--jobs: ...") read like every other usage error."""
+    rc, out, err = mxval(capsys, *argv)
+    assert rc == 2 and one_line_error(err).startswith(start) and "argument -" not in err, err

@@ -374,6 +374,19 @@ def test_topk_exact_and_padding():
     assert rep.findings[0]["row"] == 2 and "padding" in rep.findings[0]["classes"]
 
 
+def test_topk_report_carries_its_rows_and_others_none():
+    """`DiffReport.rows` is a declared field: the top-k diff fills it (the recall plot reads
+    it), every other report has None."""
+    import dataclasses
+
+    from harness.diff.report import DiffReport
+    assert "rows" in {f.name for f in dataclasses.fields(DiffReport)} and DiffReport("x").rows is None
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(3))
+    lengths = torch.tensor([2, 4, 9])
+    rep = diff_topk(_topk_ref(logits, lengths, 4), logits.double(), lengths, 4)
+    assert set(rep.rows) == {"recall", "exact", "mass", "lengths"} and rep.rows["recall"].shape[0] == 3
+
+
 def test_topk_duplicates_and_range():
     k = 4
     logits = torch.arange(12, dtype=torch.float64).repeat(2, 1)

@@ -177,3 +177,21 @@ def test_writer_refuses_invalid_records(tmp_path, layer):
         write_dump(tmp_path / "x.safetensors", {"topk": bad}, source="t")
     assert not list(tmp_path.iterdir())             # nothing half-written
     assert record_problem(rec) is None
+
+
+def test_the_header_structure_is_scanned_once(monkeypatch):
+    """The reader bounds the header's nesting in one pass (and the mxval metadata's in its own),
+    and still names a header nested too deep."""
+    from harness.io import safe_input
+    scanned = []
+    real = safe_input._structure
+    monkeypatch.setattr(safe_input, "_structure", lambda text, strings: scanned.append(text) or real(text, strings))
+    read_dump(sample_path("k_natural"))
+    assert len(scanned) == 2 and len(set(scanned)) == 2          # the header, then the mxval metadata key
+
+
+def test_a_header_nested_too_deep_is_named(tmp_path):
+    p = tmp_path / "deep.safetensors"
+    head = ("[" * 100 + "]" * 100).encode()
+    p.write_bytes(struct.pack("<Q", len(head)) + head)
+    _expect_error(p, "safetensors header: nested 100 deep")

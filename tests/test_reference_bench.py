@@ -101,5 +101,22 @@ def test_startup_rows_judge_the_ratio_and_the_exit_status(monkeypatch):
     rows = startup.rows(startup.measure(repeats=1))
     assert rows[0].endswith("| yes |") and "0.20x" in rows[0]                       # help 0.2x <= 0.3x
     assert rows[1].endswith("| no |") and "0.40x" in rows[1]                        # usage error 0.4x > 0.3x
-    assert rows[2].endswith("| - |") and "exited" not in rows[2]
+    assert rows[2].endswith("| no |") and "exited" not in rows[2]                   # cases 0.9x > 0.3x
     assert rows[3].endswith("| no |") and "exited 1" in rows[3]                     # backends failed
+
+
+def test_the_machine_is_named_in_one_place(tmp_path):
+    """Reports, studies and benchmarks name the CPU through harness.run.record.cpu_name, the one
+    reader of /proc/cpuinfo."""
+    from pathlib import Path
+
+    from harness.run.record import cpu_name
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Fake CPU @ 2.0GHz\nflags\t\t: fpu avx2 sse amx_tile\n\n"
+                    "processor\t: 1\nmodel name\t: Fake CPU @ 2.0GHz\nflags\t\t: fpu avx2 sse amx_tile\n")
+    assert cpu_name(cpuinfo=str(info)) == "Fake CPU @ 2.0GHz"
+    assert cpu_name(isa=True, cpuinfo=str(info)) == "Fake CPU @ 2.0GHz (avx2, amx_tile)"
+    assert cpu_name(cpuinfo=str(tmp_path / "none"))                 # no cpuinfo: the platform's word
+    root = Path(__file__).resolve().parents[1] / "harness"
+    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "cpuinfo" in p.read_text())
+    assert readers == ["run/record.py"], readers

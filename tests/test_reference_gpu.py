@@ -134,3 +134,33 @@ def test_cores_replay_from_a_cuda_graph_with_the_eager_bits():
         graph.replay()
         torch.cuda.synchronize()
         assert same_bits(out, eager), name
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["logits-32-True", "logits-decode", "logits-None-False"])
+def test_scorer_core_replays_from_a_cuda_graph_with_the_op_bits(name):
+    """The GPU scorer's per-group core (pages, int8 keys, GEMMs, head sums, masks; its
+    flags read after it) has no host sync: captured once and replayed, every group gives
+    the op's fp64 logits bit for bit."""
+    kw = on([c for c in CASES if c[0] == name][0][2], "cuda")
+    kw.pop("clean_logits", None)
+    want = scoring.paged_mxfp4_mqa_logits_fp64(**kw)
+    d = kw["q_fp4"].shape[2] * 2
+    geo = dict(page_size=kw["page_size"], head_dim=d, shuffle=layout.as_shuffle(kw["shuffle"]))
+    plans = list(scoring.group_plans(kw["query_start_loc"].tolist(), kw["query_start_loc"], kw["row_ends"],
+                                     kw["block_table"], kw["page_size"], d))
+    ends = kw["row_ends"].long()
+    fn = lambda: [scoring.group_core_i8(p, kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"], ends, geo)
+                  for p in plans]
+    eager = fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert plans and all(o is not None for o in out)
+    for p, (logits, flags), (e_logits, e_flags) in zip(plans, out, eager):
+        assert flags.tolist() == [False, True] and same_bits(flags, e_flags)
+        assert same_bits(logits, e_logits) and same_bits(logits, want[p.ridx, :p.j])
+

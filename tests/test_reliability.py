@@ -587,8 +587,8 @@ def test_one_argument_check_vocabulary():
     from reference.ops import OPS
     assert A.INT_DTYPES is checks.INT_DTYPES == (torch.int32, torch.int64)
     int_fields = {f.dtypes for op in OPS.values() for f in (*op.fields.inputs.values(), *op.fields.outputs.values())
-                  if not f.dtypes[0].is_floating_point and torch.int32 in f.dtypes}
-    assert int_fields <= {checks.INT_DTYPES, (torch.int32,)}
+                  if "int32" in f.dtypes}                  # the op table names dtypes as torch does
+    assert int_fields <= {tuple(str(d).removeprefix("torch.") for d in checks.INT_DTYPES), ("int32",)}
     # bool is never an integer, anywhere
     for call in (lambda: checks.integer("x", True, 0, 2), lambda: A.pos_int("x", True),
                  lambda: A.index("x", [True, False]), lambda: checks.choice("x", True, (1, 2))):
@@ -850,7 +850,45 @@ def test_report_budgets_judges_against_a_trusted_file(tmp_path, capsys, a_report
     c.update(status="pass", ok=True, violations=[], reason="")
     data["run"]["budgets"]["default"]["page_bytes_mismatched"] = "<= 1000"
     d = _report_dir(tmp_path, data)
-    assert run(capsys, "report", d, "-q")[0] == 0
     rc, out, err = run(capsys, "report", d, "-q", "--budgets", ROOT / "cases" / "budgets.toml")
     assert rc == 2, (out, err)
     one_line(err, "smoke-rowend-k", "page_bytes_mismatched")
+
+
+def test_limits_loosened_in_an_unsharded_report_are_refused(tmp_path, capsys, a_report):
+    """The recorded limits are those of the budgets file the report names, or it is refused:
+    a limit loosened inside report.json (its rows rewritten to pass by it) never judges."""
+    data = _failing(a_report)
+    data["cases"][0].update(status="pass", ok=True, violations=[], reason="")
+    data["summary"]["ok"] = True
+    data["run"]["budgets"]["default"]["page_bytes_mismatched"] = "<= 1000"
+    rc, out, err = run(capsys, "report", _report_dir(tmp_path, data), "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "run.budgets", "page_bytes_mismatched", "'<= 1000'", "budgets.toml")
+    data["run"]["budgets"]["path"] = str(tmp_path / "gone.toml")            # a file that is not here
+    rc, out, err = run(capsys, "report", _report_dir(tmp_path, data, "r2"), "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "gone.toml", "--budgets FILE")
+    honest = json.loads(json.dumps(a_report))                                # untouched: re-renders
+    honest["run"]["budgets"]["path"] = "/elsewhere/checkout/cases/budgets.toml"   # another checkout's default
+    assert run(capsys, "report", _report_dir(tmp_path, honest, "r3"), "-q")[0] == 0
+
+
+def test_a_failing_row_rewritten_as_expected_nonfinite_input_is_refused(tmp_path, capsys, a_report):
+    """Whether non-finite inputs are expected is the case definition's word, not the row's:
+    a failing row stored as nonfinite_input with expect_nonfinite and a plant claimed is refused;
+    a case that does declare them re-renders as it ran."""
+    data = _failing(a_report)
+    data["cases"][0].update(status="nonfinite_input", ok=True, expect_nonfinite=True, violations=[],
+                            planted=["q[token 0, flat [1]] = inf"], reason="non-finite input")
+    data["summary"]["ok"] = True
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, d / "report.json", "smoke-rowend-k", "expect_nonfinite")
+    honest = tmp_path / "honest"
+    assert main(["validate", "--case", "smoke-inf-q", "--backend", "reference", "--report-dir", str(honest),
+                 "-q"]) == 0
+    row = json.loads((honest / "report.json").read_text())["cases"][0]
+    assert row["status"] == "nonfinite_input" and row["ok"] is True
+    assert run(capsys, "report", honest, "-q")[0] == 0

@@ -74,6 +74,21 @@ def test_a_correct_run_that_breaks_a_budget_is_a_false_alarm(tmp_path):
     assert rc == 1
 
 
+def test_one_fault_runs_what_it_needs(tmp_path, capsys):
+    """`--fault F`: the fault on its cases, and the correct backends' seeds on those cases only,
+    said in the summary (not every case of the suite on every seed)."""
+    fault = FAULTS["window-shift"]
+    rc, v = selftest(tmp_path, "--fault", fault.name, "--backend", "reference", "--seeds", "2")
+    out = capsys.readouterr().out
+    assert rc == 0 and v["faults"][0]["caught"] is True
+    assert v["correct_cases"] == list(fault.cases) == ["chain"]
+    assert v["correct_runs"] == {"reference": 2 * len(fault.cases)} and v["correct_rows"] == 2
+    assert "2 correct runs (reference; 2 seeds; on the faults' cases only: chain)" in out
+    rows = json.loads((tmp_path / "rep" / "report.json").read_text())["cases"]
+    assert sorted(r["case"] for r in rows if r["backend"] == "reference") == ["chain [seed 0] on reference",
+                                                                             "chain [seed 1000] on reference"]
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--seeds", "0"], "--seeds"),
     (["--fault", "no-such-fault"], "no-such-fault"),

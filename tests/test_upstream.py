@@ -416,11 +416,11 @@ def test_backends_runs_nothing_from_a_named_vllm_tree(tmp_path, monkeypatch, cap
     f.write_text(f.read_text().replace("@triton.jit\n", f"@triton.jit(repr=open({str(marker)!r}, 'w').close())\n", 1))
     monkeypatch.setenv("MXVAL_VLLM_SRC", str(tree))
     kernelset._CACHE.clear()
-    assert main(["backends"]) == 0
+    assert main(["backends", "--check"]) == 0
     assert "refused" in capsys.readouterr().out and not marker.exists()
     monkeypatch.setenv("MXVAL_TRUST_UPSTREAM", "1")
     kernelset._CACHE.clear()
-    assert main(["backends"]) == 0
+    assert main(["backends", "--check"]) == 0
     capsys.readouterr()
     assert not marker.exists()
     ks = kernelset.kernel_set(interpreted=True)

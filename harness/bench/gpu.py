@@ -464,6 +464,14 @@ def _scorers(b: Bench):
         got = call(default)
         tor = _bench(lambda: torch_dequant_matmul(kw))
         ref_op = _bench(lambda: reference.paged_mxfp4_mqa_logits(**kw))
+        # the core: the scoring after the checks and the grouping (one plan per group of
+        # sequences), as the other stages' cores; the op reads its flags after it
+        geo = dict(page_size=64, head_dim=128, shuffle=layout.as_shuffle([32, 16, 2]))
+        plans = list(ref_scoring.group_plans(kw["query_start_loc"].tolist(), kw["query_start_loc"], kw["row_ends"],
+                                             kw["block_table"], 64, 128))
+        ends = kw["row_ends"].long()
+        ref_core = _core(b, name, lambda: [ref_scoring.group_core_i8(p, kw["q_fp4"], kw["q_scale"], kw["weights"],
+                                                                     kw["kv_cache"], ends, geo) for p in plans])
         ref64 = ref_scoring.paged_mxfp4_mqa_logits_fp64(**kw)
         valid = torch.arange(width, device="cuda")[None] < kw["row_ends"].long()[:, None]
         x, y = got[valid].double(), ref64[valid]
@@ -473,7 +481,8 @@ def _scorers(b: Bench):
         nbytes = kw["kv_cache"].numel() + kw["q_fp4"].numel() * 1.0625 + rows * seqs * width * 4
         flops = 2 * 64 * 128 * float(kw["row_ends"].double().sum())
         floor = max(nbytes / b.bw, flops / BF16_TFLOPS) * 1e3
-        b.row(name, f"{seqs * rows} rows x {ctx // 4 // 1024}k entries, H=64", t, tg, floor, ref_op, None, tor)
+        b.row(name, f"{seqs * rows} rows x {ctx // 4 // 1024}k entries, H=64", t, tg, floor, ref_op, ref_core, tor)
+        plans = None
         if name == "scorer decode":
             cpu = ref_scoring.paged_mxfp4_mqa_logits_fp64(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
                                                              for k, v in kw.items()})

@@ -302,17 +302,9 @@ def worker(name: str, device: str, repeats: int) -> dict:
 
 def machine() -> dict:
     import torch
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in line.split()]
-                cpu += f" ({', '.join(isa)})" if isa else ""
-                break
-    except OSError:
-        pass
+
+    from harness.run.record import cpu_name
+    cpu = cpu_name(isa=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     info = {"cpu": cpu, "cores": cores, "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}

@@ -7,6 +7,7 @@ Imports nothing heavy: `mxval --help` and usage errors must not wait for torch.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from harness.errors import UsageError
@@ -14,6 +15,11 @@ from harness.errors import UsageError
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):
+        """One line `<option>: <problem>` (argparse says "argument -j/--jobs: ..."; the option's
+        long name is what the user typed more often and what every other usage error names)."""
+        m = re.match(r"argument (\S+): (.*)", message, re.S)
+        if m:
+            message = f"{m.group(1).split('/')[-1]}: {m.group(2)}"
         raise UsageError(message)
 
 

@@ -175,10 +175,10 @@ def cmd_dump(args) -> int:
 def cmd_cases(args) -> int:
     from rich.table import Table
 
-    from harness.io.report import wide_console
+    from harness.io.escape import wide_console
     from harness.run.cases import Catalog
-    from harness.run.inputs import geometry
-    from reference.ops import OPS, chain
+    from harness.run.geometry import geometry
+    from reference.op_table import DECLARED, chain
     catalog = Catalog(args.cases_dir)
     if args.suite and args.suite not in catalog.suites:
         raise UsageError(f"--suite: unknown suite {args.suite!r} (known: {', '.join(catalog.suites)})")
@@ -195,7 +195,7 @@ def cmd_cases(args) -> int:
         for col in ("case", "from", "ops", "shape", "needs", "description"):
             t.add_column(col, overflow="fold")
         for c in cases:
-            ops = "chain" if c.ops == chain(c.fmt, c.path) else ",".join(OPS[o].stage for o in c.ops)
+            ops = "chain" if c.ops == chain(c.fmt, c.path) else ",".join(DECLARED[o].stage for o in c.ops)
             if c.path == "cuda":
                 ops += " (cuda)"
             t.add_row(*map(escape.rich, (c.name, c.suite, f"{c.fmt}:{ops}", c.summary(), c.requires or "",
@@ -205,29 +205,58 @@ def cmd_cases(args) -> int:
 
 
 def cmd_backends(args) -> int:
+    """What runs here. Without --check nothing heavy is imported: each backend's needs are
+    checked as optimized/probe.py can without torch (what only an import tells is said to be
+    unchecked); --check builds every backend (torch, triton, the upstream trees)."""
     from rich.table import Table
 
-    import optimized
-    from harness.io.report import wide_console
-    if args.faults:
-        optimized._load_extra()
-    t = Table(title="backends")
+    from harness.io.escape import wide_console
+    t = Table(title="backends" + (" (built)" if args.check else ""))
     for col in ("name", "status", "device", "description / why not"):
         t.add_column(col, overflow="fold")
-    for name in optimized.backend_names(include_extra=args.faults):
+    for row in (_backends_built(args.faults) if args.check else _backends_probed(args.faults)):
+        t.add_row(*row)
+    wide_console().print(t)
+    return EXIT_OK
+
+
+_STATUS = {"available": "[green]available[/]", "unavailable": "[red]unavailable[/]",
+           "not checked": "[yellow]not checked[/]"}
+
+
+def _backends_probed(faults: bool) -> list[tuple]:
+    import optimized
+    from optimized import probe
+    status, which = probe.auto()
+    rows = [("auto", ("[green]->[/] " if status == "available" else _STATUS[status] + ": ") + which, "",
+             "the best available here")]
+    for name in optimized.DECLARED:
+        p = probe.probe(name)
+        rows.append((name, _STATUS[p.status], p.device, p.text))
+    if faults:                     # each fault is the reference with one stage broken: it runs where the reference does
+        from optimized.fault_table import read_catalogue
+        ref = probe.probe("reference")
+        rows += [(f.backend_name, _STATUS[ref.status], ref.device, f.describe()) for f in read_catalogue().values()]
+    return rows
+
+
+def _backends_built(faults: bool) -> list[tuple]:
+    import optimized
+    if faults:
+        optimized._load_extra()
+    rows = []
+    for name in optimized.backend_names(include_extra=faults):
         if name == "auto":
-            t.add_row("auto", "[green]->[/] " + optimized.auto_backend_name(), "", "the best available here")
+            rows.append(("auto", "[green]->[/] " + optimized.auto_backend_name(), "", "the best available here"))
             continue
         try:
             be = optimized.get_backend(name, require=False)
         except optimized.BackendUnavailable as e:
-            t.add_row(name, "[red]unavailable[/]", "", str(e))
+            rows.append((name, _STATUS["unavailable"], "", str(e)))
             continue
         why = be.available()
-        t.add_row(name, "[red]unavailable[/]" if why else "[green]available[/]", str(be.device),
-                  why or be.description)
-    wide_console().print(t)
-    return EXIT_OK
+        rows.append((name, _STATUS["unavailable" if why else "available"], str(be.device), why or be.description))
+    return rows
 
 
 def cmd_report(args) -> int:
@@ -297,6 +326,9 @@ def _other_parsers(sub) -> None:
 
     p = sub.add_parser("backends", help="which backends run here, and why not")
     p.add_argument("--faults", action="store_true", help="also list the fault catalogue's broken backends")
+    p.add_argument("--check", action="store_true",
+                   help="build every backend (imports torch, triton and the upstream trees) instead of checking "
+                        "what is known without them")
 
     p = sub.add_parser("report", help="re-render the reports of a run directory (or merge shard reports)")
     p.add_argument("dir", nargs="?", default=None)
@@ -304,7 +336,8 @@ def _other_parsers(sub) -> None:
                    help="combine the reports of `--shard K/N` runs into one (every format)")
     p.add_argument("--report-dir", default=None, help="write there instead of DIR")
     p.add_argument("--budgets", default=None,
-                   help="judge every row again against this budgets file (default: the limits the report recorded)")
+                   help="judge every row again against this budgets file (default: the file the report names, "
+                        "whose limits must be those it recorded)")
     add_force(p)
     p.add_argument("-q", "--quiet", action="store_true")
 

@@ -272,6 +272,27 @@ class Limit:
         return " and ".join(parts) or "off"
 
     @classmethod
+    def from_text(cls, text) -> "Limit":
+        """The Limit `text()` wrote ("<= 1", ">= 0.99", "<= 1 and >= 0", "off"); ValueError
+        when it is no such text (or names a bound that is not a finite number)."""
+        if text == "off":
+            return OFF
+        bad = ValueError(f"expected a limit text such as \"<= 0\", got {text!r:.60}")
+        if not isinstance(text, str):
+            raise bad
+        bounds: dict = {}
+        for part in text.split(" and "):
+            op, _, num = part.strip().partition(" ")
+            try:
+                v = float(num) if op in ("<=", ">=") and num.strip() == num and num else math.nan
+            except ValueError:
+                v = math.nan
+            if not math.isfinite(v) or op in bounds:
+                raise bad
+            bounds[op] = v
+        return cls(max=bounds.get("<="), min=bounds.get(">="))
+
+    @classmethod
     def parse(cls, name: str, v) -> "Limit":
         """A budget value for metric `name`: a number (bounds the bad side), {max, min}, "off"
         or a Limit. ValueError (without file context) when malformed or impossible to meet."""

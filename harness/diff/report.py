@@ -35,6 +35,9 @@ class DiffReport:
     metrics: dict[str, float] = field(default_factory=dict)
     findings: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # top-k diffs only (harness/diff/scores.py): the per-row selection the recall plot reads
+    # (`recall_points`): {recall, exact, mass, lengths} tensors over the rows; None elsewhere
+    rows: Optional[dict] = None
 
     def failures(self, budgets: Optional[dict] = None) -> list[dict]:
         """Every metric that breaks its budget, judged by `metrics.judge` (the judge mxval's

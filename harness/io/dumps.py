@@ -196,9 +196,8 @@ def record_problem(rec: OpRecord) -> Optional[str]:
             t = given[name]
             if not isinstance(t, torch.Tensor):
                 return f"{where}: expected a tensor, got {type(t).__name__}"
-            if t.dtype not in f.dtypes:
-                return (f"{where}: dtype {_dtype_name(t.dtype)}, expected "
-                        f"{' or '.join(_dtype_name(d) for d in f.dtypes)}")
+            if _dtype_name(t.dtype) not in f.dtypes:
+                return f"{where}: dtype {_dtype_name(t.dtype)}, expected {' or '.join(f.dtypes)}"
             if t.dim() != len(f.shape):
                 return f"{where}: shape {list(t.shape)}, expected {_shape_str(f.shape)}"
             for expr, n in zip(f.shape, t.shape):
@@ -241,9 +240,9 @@ def _check_container(path: str) -> dict:
     except UnicodeDecodeError:
         _fail(path, "not a safetensors file (its header is not UTF-8 JSON)")
     safe_input.check_structure(text, f"{path}: safetensors header", toml=False, error=DumpError)
-    try:
-        header = safe_input.loads_json(text, "", error=DumpError)
-    except DumpError:
+    try:                                    # its structure is checked (once): parse it
+        header = safe_input.parse_checked_json(text)
+    except (ValueError, RecursionError):
         header = None
     if not isinstance(header, dict):
         _fail(path, "not a safetensors file (its header is not a JSON object)")

@@ -78,3 +78,10 @@ def rich(text, *, lines: bool = False) -> str:
 def mathtext(text) -> str:
     """`text` for a matplotlib title, label or tick: drawn literally, never parsed as mathtext."""
     return str(text).replace("$", r"\$")
+
+
+def wide_console():
+    """A terminal's own width; logs and CI get 170 columns instead of 80 folded ones."""
+    from rich.console import Console
+    c = Console()
+    return c if c.is_terminal else Console(width=170)

@@ -23,6 +23,7 @@ import pandas as pd
 
 from harness.errors import ReportError
 from harness.io import escape, report_shape, safe_input
+from harness.io.escape import wide_console  # noqa: F401  (re-exported)
 
 SCHEMA = "mxval-report"
 SCHEMA_VERSION = 1
@@ -325,13 +326,6 @@ def load(report_dir) -> tuple[pd.DataFrame, dict]:
 
 
 # --- console ---------------------------------------------------------------------------------
-
-def wide_console():
-    """A terminal's own width; logs and CI get 170 columns instead of 80 folded ones."""
-    from rich.console import Console
-    c = Console()
-    return c if c.is_terminal else Console(width=170)
-
 
 def console_table(df: pd.DataFrame, meta: dict, console=None) -> None:
     from rich.table import Table

@@ -128,11 +128,18 @@ def _bounded_int(s: str) -> int:
     return int(s)
 
 
+def parse_checked_json(text: str):
+    """JSON text whose structure `check_structure` has passed, parsed with its integer sizes
+    bounded; ValueError (json.JSONDecodeError among them) or RecursionError when it is not
+    usable JSON."""
+    return json.loads(text, parse_int=_bounded_int)
+
+
 def loads_json(text: str, where: str, *, error: Type[InputError] = InputError, max_depth: int = MAX_DEPTH):
     """JSON text parsed with its depth and integer sizes bounded first (`where` names it)."""
     check_structure(text, where, toml=False, error=error, max_depth=max_depth)
     try:
-        return json.loads(text, parse_int=_bounded_int)
+        return parse_checked_json(text)
     except json.JSONDecodeError as e:
         raise error(f"{where}: not valid JSON ({e})") from None
     except (ValueError, RecursionError) as e:

@@ -28,8 +28,9 @@ from typing import Optional
 
 from harness.errors import InputError
 from harness.io import safe_input
-from reference import checks
-from reference.ops import OP_NAMES, OPS, PATHS, chain, format_of
+from reference import values as checks
+from reference.op_table import DECLARED as OPS
+from reference.op_table import OP_NAMES, PATHS, chain, format_of
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 BUDGETS_FILE = "budgets.toml"

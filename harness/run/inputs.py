@@ -15,9 +15,8 @@ from typing import Optional
 import torch
 
 from harness.run.cases import PLANT_VALUES, Case, CaseError
-from reference import layout
-from reference.formats import E2M1_VALUES, ModelPreset
-from reference.formats import preset as get_preset
+from harness.run.geometry import Geometry, geometry, page_needs, pool_pages  # noqa: F401  (geometry: re-exported)
+from reference.formats import E2M1_VALUES
 from reference.ops import OPS
 from reference.pooling import state_rows, write_state
 from reference.rope import cos_sin_cache
@@ -30,91 +29,6 @@ E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 E2M1_GRID = E2M1_VALUES
 # 6 * 2**k in bf16 and its bf16 neighbours: the amax values where the e8m0 scale steps.
 POW2_EDGES = (6.0, 6.03125, 5.96875)
-
-
-@dataclass(frozen=True)
-class Geometry:
-    preset: ModelPreset
-    heads: int
-    head_dim: int
-    rope_dim: int
-    ratio: int
-    page_size: int
-    shuffle: Optional[list]
-    page_stride: int
-    topk: int
-    fmt: str
-
-    @property
-    def weights_scale(self) -> float:
-        return self.head_dim ** -0.5 * self.heads ** -0.5
-
-
-def geometry(case: Case) -> Geometry:
-    """Shapes of a case, checked before anything runs (errors are case errors)."""
-    p = get_preset(case.preset)
-    heads = case.heads or p.index_heads
-    ps = case.page_size or p.page_size
-    d = p.head_dim
-    shuffle = None
-    if case.fmt == "mxfp4":
-        if case.layout == "shuffled":
-            shuffle = layout.choose_shuffle(d, heads).as_list()
-        elif case.layout != "natural":
-            shuffle = list(case.layout)
-        try:
-            layout.check_layout(ps, d, layout.as_shuffle(shuffle))
-        except ValueError as e:
-            raise CaseError(f"{case.file}: case {case.name!r}: {e}") from None
-        need = layout.page_bytes(ps, d)
-    else:
-        need = ps * (d + 4)
-    stride = need + case.page_stride_pad
-    _check_sizes(case, p.compress_ratio, ps, stride, heads, d)
-    return Geometry(p, heads, d, p.rope_dim, p.compress_ratio, ps, shuffle,
-                    stride, case.topk or p.topk, case.fmt)
-
-
-# What one case may allocate, checked before anything runs (a typo must not become an
-# allocation that the machine cannot survive).
-MAX_POOL_BYTES = 2 ** 32          # the K pool (4 GiB; the largest suite pool is 2.2 GiB)
-MAX_Q_ELEMENTS = 2 ** 30          # step tokens x heads x head dim
-MAX_LOGITS = 2 ** 31              # one step's tokens x the widest row (fp64 reference logits: 16 GiB;
-                                  # the GPU suite's 65537-row top-k call needs just over 2^30)
-
-
-def _page_needs(case: Case, r: int, ps: int) -> list[int]:
-    """The K pool pages each sequence needs (at least one)."""
-    return [max(1, -(-(s.len // r) // ps)) for s in case.seqs]
-
-
-def _pool_pages(case: Case, needs: list[int]) -> int:
-    """The K pool's pages: `pool_pages`, else what the sequences need plus the spare pages."""
-    return case.pool_pages or sum(needs) + case.spare_pages
-
-
-def _check_sizes(case: Case, r: int, ps: int, stride: int, heads: int, d: int) -> None:
-    where = f"{case.file}: case {case.name!r}"
-    needs = _page_needs(case, r, ps)
-    pool = _pool_pages(case, needs)
-    if pool < sum(needs):
-        raise CaseError(f"{where}: pool_pages: {pool} < the {sum(needs)} pages the sequences need")
-    if pool * stride > MAX_POOL_BYTES:
-        raise CaseError(f"{where}: pool_pages: {pool} pages of {stride} bytes exceed the "
-                        f"{MAX_POOL_BYTES} bytes a case's pool may take")
-    steps = sum(sum(s.chunks) + s.decode for s in case.seqs)
-    if steps * heads * d > MAX_Q_ELEMENTS:
-        raise CaseError(f"{where}: seqs: {steps} step tokens x {heads} heads x {d} dims exceed the "
-                        f"{MAX_Q_ELEMENTS} query elements a case may take")
-    width = max(max(s.len for s in case.seqs) // r + 1, (case.table_pages or 0) * ps)
-    if case.table_pages is not None and case.table_pages < max(needs):
-        raise CaseError(f"{where}: table_pages: {case.table_pages} < the {max(needs)} pages the longest "
-                        f"sequence needs")
-    n_steps = max(len(s.steps()) for s in case.seqs)
-    step_rows = max(sum(e - b for s in case.seqs for b, e in s.steps()[i:i + 1]) for i in range(n_steps))
-    if step_rows * width > MAX_LOGITS:
-        raise CaseError(f"{where}: seqs: {step_rows} tokens in one step x {width} logits columns exceed "
-                        f"the {MAX_LOGITS} logits a step may take")
 
 
 @dataclass
@@ -313,7 +227,7 @@ def _tokens(case: Case, geo: Geometry, ranges: dict[int, tuple[int, int]],
 
 def _pages(case: Case, needs: list[int], gen: torch.Generator) -> tuple[int, torch.Tensor]:
     total = sum(needs)
-    pool = _pool_pages(case, needs)
+    pool = pool_pages(case, needs)
     if pool < total:
         raise CaseError(f"{case.file}: case {case.name!r}: pool_pages {pool} < the {total} pages needed")
     if case.page_order == "permuted":
@@ -387,7 +301,7 @@ def _state(case: Case, geo, gen: torch.Generator):
 
 def _k_pool(case: Case, geo, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The K cache pool (random bytes; filled on `device` when over _CPU_POOL_LIMIT) and its block table."""
-    pool_pages, k_bt = _pages(case, _page_needs(case, geo.ratio, geo.page_size), gen)
+    pool_pages, k_bt = _pages(case, page_needs(case, geo.ratio, geo.page_size), gen)
     pool_bytes = pool_pages * geo.page_stride
     if pool_bytes > _CPU_POOL_LIMIT:
         dgen = torch.Generator(device=device).manual_seed(case.seed)
@@ -454,4 +368,4 @@ def filled_on_device(case: Case) -> bool:
     """Whether `build` fills the case's K pool on the device (a pool over _CPU_POOL_LIMIT):
     its bytes then depend on the device, and only `build(case, device)` gives them."""
     geo = geometry(case)
-    return _pool_pages(case, _page_needs(case, geo.ratio, geo.page_size)) * geo.page_stride > _CPU_POOL_LIMIT
+    return pool_pages(case, page_needs(case, geo.ratio, geo.page_size)) * geo.page_stride > _CPU_POOL_LIMIT

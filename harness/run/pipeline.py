@@ -31,7 +31,7 @@ from harness.run import budgets as B
 from harness.run import memory, runner
 from harness.run import shard as S
 from harness.run.cases import Catalog, on_path
-from harness.run.inputs import geometry
+from harness.run.geometry import geometry
 from harness.run.record import run_meta
 from harness.run.signals import deferred, hold, release, stopped_by
 from optimized import BackendUnavailable, get_backend

@@ -12,47 +12,37 @@ A selftest report's rows judge the judge: a fault run passes when a budget break
 stored pass needs violations its metrics give), a correct run passes when none does; a
 row stored as failing is never more favourable than the truth and stands as written.
 
-What the metrics cannot say is checked for consistency instead:
+The limits are not taken from the report either: the recorded `run.budgets` must be those
+of the budgets file the run names (`run.budgets.path`; a checkout's default file is this
+checkout's), else the report is refused (`mxval report --budgets FILE` judges against a file
+the user names instead).
+
+What the metrics cannot say is checked against the case definitions instead:
   error            never ok;
   skipped          ok, and no metrics (a skipped case ran nothing);
-  nonfinite_input  ok exactly when the case declares `expect_nonfinite` (and planted
-                   something).
+  nonfinite_input  ok exactly when the case, as its suite file defines it (the run's
+                   --cases-dir, else cases/), declares `expect_nonfinite` and plants
+                   something; never for a dump (`mxval diff`).
 """
 from __future__ import annotations
 
 import math
-import re
+from pathlib import Path
 from typing import Optional
 
 from harness.diff.metrics import Limit
-from harness.errors import ReportError
+from harness.errors import InputError, ReportError
 from harness.io import safe_input
 from harness.run import budgets as B
 from harness.run import shard as S
 
-_PART = re.compile(r"^(<=|>=) (\S+)$")
-
 
 def _limit(where: str, key: str, text) -> Limit:
-    """A limit from its recorded text ("<= 1", ">= 0.99", "<= 1 and >= 0", "off")."""
-    if text == "off":
-        return B.OFF
-    if not isinstance(text, str):
-        raise ReportError(f"{where}: {key}: expected a limit text such as \"<= 0\", got {text!r:.60}")
-    mx = mn = None
-    for part in text.split(" and "):
-        m = _PART.match(part.strip())
-        try:
-            v = float(m.group(2)) if m else math.nan
-        except ValueError:
-            v = math.nan
-        if not m or not math.isfinite(v):
-            raise ReportError(f"{where}: {key}: expected a limit text such as \"<= 0\", got {text!r:.60}")
-        if m.group(1) == "<=":
-            mx = v
-        else:
-            mn = v
-    return Limit(max=mx, min=mn)
+    """A limit from its recorded text (`Limit.text()`: "<= 1", ">= 0.99", "<= 1 and >= 0", "off")."""
+    try:
+        return Limit.from_text(text)
+    except ValueError as e:
+        raise ReportError(f"{where}: {key}: {e}") from None
 
 
 def recorded_budgets(meta: dict, where: str) -> B.Budgets:
@@ -75,6 +65,66 @@ def recorded_budgets(meta: dict, where: str) -> B.Budgets:
     return B.Budgets(str(d.get("path", "")), table("default", d["default"]), scopes("suite"), scopes("case"))
 
 
+def declared_budgets(recorded: B.Budgets, where: str) -> B.Budgets:
+    """The budgets file a report names (`run.budgets.path`), loaded: the limits its rows are
+    judged by. A run's default file (`.../cases/budgets.toml`) is this checkout's when the
+    report comes from another checkout."""
+    p = Path(recorded.path) if recorded.path else None
+    if p is not None and not p.is_file() and p.name == B.BUDGETS_FILE and p.parent.name == B.CASES_DIR.name:
+        p = B.default_path()
+    if p is None or not p.is_file():
+        raise ReportError(f"{where}: run.budgets.path {recorded.path!r:.120} is no file here, so the recorded "
+                          "limits cannot be confirmed; judge the rows with `--budgets FILE` (refused)")
+    try:
+        return B.load(p)
+    except InputError as e:
+        raise ReportError(f"{where}: run.budgets.path: {e}") from None
+
+
+def check_declared(recorded: B.Budgets, where: str) -> None:
+    """The recorded limits are exactly those of the budgets file the report names."""
+    declared = declared_budgets(recorded, where)
+    rec, dec = _flat(recorded), _flat(declared)
+    for key in sorted(set(rec) | set(dec)):
+        if rec.get(key) != dec.get(key):
+            scope, metric = key
+            raise ReportError(f"{where}: run.budgets: {scope} {metric} is {rec.get(key, 'absent')!r} in the report "
+                              f"but {dec.get(key, 'absent')!r} in {declared.path}, the budgets file it names; "
+                              "limits are read from the file, never from the report (refused)")
+
+
+def _flat(b: B.Budgets) -> dict:
+    """{(scope, metric): limit text} over every table of `b`."""
+    d = b.as_dict()
+    out = {("[default]", k): v for k, v in d["default"].items()}
+    for kind in ("suite", "case"):
+        out.update({(f"[{kind}.{name}]", k): v for name, t in d[kind].items() for k, v in t.items()})
+    return out
+
+
+def case_expectations(rows: list, meta: dict, where: str) -> dict:
+    """case name -> whether its definition declares non-finite inputs (expect_nonfinite and a
+    plant), for the rows stored as nonfinite_input; None where no definition is found."""
+    names = {str(r.get("case")) for r in rows if r.get("status") == "nonfinite_input"}
+    if not names:
+        return {}
+    if meta.get("command") == "diff":                    # a dump declares nothing
+        return {n: False for n in names}
+    from harness.run.cases import Catalog
+    argv = [str(a) for a in meta.get("argv") or []]
+    cases_dir = None
+    for i, a in enumerate(argv):
+        if a == "--cases-dir" and i + 1 < len(argv):
+            cases_dir = argv[i + 1]
+        elif a.startswith("--cases-dir="):
+            cases_dir = a.split("=", 1)[1]
+    try:
+        by_name = Catalog(cases_dir).by_name
+    except (InputError, OSError):
+        by_name = {}
+    return {n: (bool(by_name[n].expect_nonfinite and by_name[n].plant) if n in by_name else None) for n in names}
+
+
 def _violated(row: dict) -> set:
     return {v.get("metric") for v in row.get("violations") or [] if isinstance(v, dict)}
 
@@ -95,9 +145,11 @@ def _selftest_disagreement(row: dict, budgets: B.Budgets, suite: str) -> Optiona
                                    f"{', '.join(v['metric'] for v in broke[:3])}")
 
 
-def disagreement(row: dict, budgets: B.Budgets, suite: str, *, selftest: bool = False) -> Optional[str]:
+def disagreement(row: dict, budgets: B.Budgets, suite: str, *, selftest: bool = False,
+                 expects: Optional[dict] = None) -> Optional[str]:
     """None when the stored verdict of `row` is the one its metrics and the budgets give,
-    else what disagrees."""
+    else what disagrees. `expects`: case name -> whether its definition declares non-finite
+    inputs (`case_expectations`; None: the row's own word, for a row with no definition)."""
     if selftest:
         return _selftest_disagreement(row, budgets, suite)
     status, ok = row.get("status"), row.get("ok")
@@ -109,7 +161,14 @@ def disagreement(row: dict, budgets: B.Budgets, suite: str, *, selftest: bool = 
             return f"status skipped but it reports {len(metrics)} metric(s) (a skipped case runs nothing)"
         return None if ok is True else f"status skipped with ok = {ok!r}"
     if status == "nonfinite_input":
-        want = bool(row.get("expect_nonfinite")) and bool(row.get("planted"))
+        want = (expects or {}).get(str(row.get("case")))
+        if want is None:
+            if ok is False:                              # never more favourable than the truth: stands
+                return None
+            return ("status nonfinite_input with ok = true, but no case definition says it expects non-finite "
+                    "inputs (not in the run's cases directory)")
+        if row.get("expect_nonfinite") and not want:
+            return "the row says expect_nonfinite, but the case definition does not declare it (with a plant)"
         return None if ok is want else (f"status nonfinite_input with ok = {ok!r}, but the case "
                                         f"{'declares' if want else 'does not declare (with a plant)'} "
                                         f"expect_nonfinite")
@@ -170,10 +229,12 @@ def check_rows(rows: list, meta: dict, where: str, *, budgets: Optional[B.Budget
     if budgets is None:
         budgets = recorded_budgets(meta, where)
         check_budgets(rows, meta, budgets, where)
+        check_declared(budgets, where)
     suite = str(meta.get("suite") or "")
     selftest = meta.get("command") == "selftest"
+    expects = case_expectations(rows, meta, where)
     for r in rows:
-        why = disagreement(r, budgets, suite, selftest=selftest)
+        why = disagreement(r, budgets, suite, selftest=selftest, expects=expects)
         if why:
             raise ReportError(f"{where}: case {str(r.get('case'))!r:.80}: {why}; the verdict is computed, "
                               "never read (refused)")

@@ -78,10 +78,33 @@ def dump_row(path: str, reports, backend: str, seconds: float) -> dict:
                seconds=round(seconds, 3), metrics=metrics, findings=findings, summaries=summaries)
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")      # the CPU extensions the benchmarks name
+
+
+def cpu_name(isa: bool = False, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name (from /proc/cpuinfo; else the platform's word for it); with `isa`,
+    followed by the extensions of ISA_FLAGS it has, "(avx2, avx512f)"."""
+    cpu, flags = platform.processor() or platform.machine(), []
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    cpu = value.strip()
+                elif key.strip() == "flags":
+                    flags = value.split()
+                    break
+    except OSError:
+        pass
+    have = [f for f in ISA_FLAGS if f in flags]
+    return cpu + (f" ({', '.join(have)})" if isa and have else "")
+
+
 def machine(device: str) -> str:
+    """The machine a run used, as every report, dump, study and benchmark names it."""
     if device != "cpu" and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} (torch {torch.__version__})"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (torch {torch.__version__}, CPU)"
+    return f"{cpu_name()}, {os.cpu_count()} cores (torch {torch.__version__}, CPU)"
 
 
 def _triton_version() -> Optional[str]:

@@ -8,7 +8,8 @@
 
 Exit 0 only when both hold. `--quick` (CI) runs every fault that fits in memory, the
 reference on a few seeds and the interpreter on two; the > 2 GiB pool case runs in the
-full selftest on a GPU or with `--large`.
+full selftest on a GPU or with `--large`. `--fault NAME` runs what that fault needs: the
+fault on its cases, and the correct backends on those cases only (the summary names them).
 """
 from __future__ import annotations
 
@@ -141,8 +142,10 @@ def run(args, *, seeds: int, interpret_seeds: int) -> int:
     except Exception as e:
         raise UsageError(str(e).splitlines()[0]) from None
     results = {f.name: FaultResult(f) for f in faults}
+    # --fault: the correct backends' false-alarm seeds on the named faults' cases only
+    correct_cases = [c for c in cases if any(c in f.cases for f in faults)] if args.fault else None
     all_plan = plan(faults, backends, cases, results, seeds=seeds, quick=quick, interpret_seeds=interpret_seeds,
-                    large_ok=not quick and (args.large or torch.cuda.is_available()))
+                    large_ok=not quick and (args.large or torch.cuda.is_available()), correct_cases=correct_cases)
     items = run.pick(all_plan, lambda it: S.case_cost(it[2]), _label)
     jobs = run.cap_jobs(args.jobs, max(1, len(items)), "cuda" if torch.cuda.is_available() else "cpu")
     out = run.claim("selftest" + run.shard_suffix())
@@ -156,7 +159,8 @@ def run(args, *, seeds: int, interpret_seeds: int) -> int:
         row.update(selftest_case=case.name, seed=case.seed, label=_label(item),
                    violations=run.budgets.check(row.get("metrics") or {}, SUITE, case.name))
         (results[who.name].rows if kind == "fault" else correct_rows).append(row)
-    verdict = _verdict(results, correct_rows, backends, notes, seeds=seeds, quick=quick, run=run)
+    verdict = _verdict(results, correct_rows, backends, notes, seeds=seeds, quick=quick, run=run,
+                       correct_cases=correct_cases)
     meta = run.meta(backend="faults + " + ", ".join(backends), backend_requested=None,
                     backend_description="fault catalogue (a run passes when a budget catches it) and the "
                                         "correct backends (a run passes when no budget breaks)",
@@ -206,9 +210,10 @@ def _faults(names: Optional[list[str]], cases: dict) -> list:
 
 
 def plan(faults, backends, cases: dict, results: dict, *, seeds: int, quick: bool, interpret_seeds: int,
-         large_ok: bool) -> list:
+         large_ok: bool, correct_cases: Optional[list] = None) -> list:
     """[(kind, fault or backend name, case)]: every fault on the cases that expose it, then
-    each correct backend on every case and seed. A large fault left out is noted in `results`."""
+    each correct backend on every case (or only on `correct_cases`) and seed. A large fault
+    left out is noted in `results`."""
     large_cases = {c for f in F.FAULTS.values() if f.large for c in f.cases}
     fault_seeds = 1 if quick else FULL_FAULT_SEEDS
     out: list[tuple[str, object, object]] = []
@@ -225,6 +230,8 @@ def plan(faults, backends, cases: dict, results: dict, *, seeds: int, quick: boo
         interp = be == "triton-interpret" and quick
         n = min(seeds, interpret_seeds) if interp else seeds
         for name, c in cases.items():
+            if correct_cases is not None and name not in correct_cases:
+                continue
             if name in large_cases:
                 if large_ok:
                     out.append(("correct", be, c))       # one seed: 2 GiB per run
@@ -242,7 +249,8 @@ def scale_cases() -> set:
     return field - {c for f in F.FAULTS.values() if not f.source for c in f.cases}
 
 
-def _verdict(results: dict, correct_rows: list, backends, notes, *, seeds: int, quick: bool, run: Run) -> dict:
+def _verdict(results: dict, correct_rows: list, backends, notes, *, seeds: int, quick: bool, run: Run,
+             correct_cases: Optional[list] = None) -> dict:
     false_alarms = [r for r in correct_rows if _alarm(r)]
     skipped_correct = [r for r in correct_rows if r["outcome"] == "skipped"]
     uncaught = [res.fault.name for res in results.values() if res.caught is False]
@@ -257,6 +265,7 @@ def _verdict(results: dict, correct_rows: list, backends, notes, *, seeds: int, 
                               "violations": r["violations"]} for r in false_alarms],
         "left_out": notes + [f"{r['backend']} on {r['selftest_case']}: {r['reason']}" for r in skipped_correct],
         "quick": quick,
+        "correct_cases": correct_cases,          # None: every case of the suite
         "correct_rows": len(correct_rows),
         "budgets_off": run.budgets.disabled(run.keys, SUITE),
         # a shard may hold no correct run; the merge asks for one over the whole run
@@ -273,7 +282,9 @@ def _summary_line(results: dict, verdict: dict, correct_rows, backends, n_items:
             + (f", {not_run} not run" if not_run else "")
             + (f" (NOT caught: {', '.join(uncaught)})" if uncaught else "")
             + f"; {verdict['false_alarms']} false alarm(s) in {runs} correct runs "
-            f"({', '.join(backends)}; {verdict['seeds']} seeds)"
+            f"({', '.join(backends)}; {verdict['seeds']} seeds"
+            + (f"; on the faults' cases only: {', '.join(verdict['correct_cases'])}"
+               if verdict.get("correct_cases") is not None else "") + ")"
             + (f"; shard {run.part[0]}/{run.part[1]}: {n_items} of {n_all} runs" if run.part else ""))
 
 
@@ -405,7 +416,9 @@ def markdown(results, budgets, verdict, meta) -> str:
              "",
              f"**{n_caught}/{n_faults} faults caught; {verdict['false_alarms']} false alarms** in "
              + ", ".join(f"{n} runs of `{be}`" for be, n in verdict["correct_runs"].items())
-             + f" ({verdict['seeds']} seeds per case{', --quick' if verdict['quick'] else ''}) "
+             + f" ({verdict['seeds']} seeds per case{', --quick' if verdict['quick'] else ''}"
+             + (f"; on the faults' cases only: {', '.join(verdict['correct_cases'])}"
+                if verdict.get("correct_cases") is not None else "") + ") "
              f"on {meta['machine']}.",
              "",
              ]
@@ -517,6 +530,7 @@ def merge_verdicts(verdicts: list[dict]) -> dict:
            "correct_runs": correct,
            "false_alarm_runs": [r for v in verdicts for r in v.get("false_alarm_runs") or []],
            "left_out": left_out, "quick": first.get("quick"), "budgets_off": first.get("budgets_off", []),
+           "correct_cases": first.get("correct_cases"),
            "correct_rows": sum(int(v.get("correct_rows") or 0) for v in verdicts),
            "machine": "; ".join(sorted({str(v.get("machine")) for v in verdicts})),
            "merged_shards": len(verdicts)}

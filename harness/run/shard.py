@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 from harness.errors import InputError
-from harness.run.inputs import geometry
+from harness.run.geometry import geometry
 
 T = TypeVar("T")
 _SHARD = re.compile(r"^\s*(\d{1,9})\s*/\s*(\d{1,9})\s*$")       # bounded before int()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import resource
 import sys
 import time
@@ -14,25 +13,11 @@ from rich.progress import Progress
 
 from harness.errors import EXIT_INTERRUPTED, EXIT_OK, StudyConfigError
 from harness.io import atomic, escape, safe_input
+from harness.run.record import machine
 from harness.run.signals import hold, release, stopped_by
 from harness.study import report
 from harness.study.core import STUDY_FILE, load_config, run_study, study_dump
 from reference.formats import preset
-
-
-def machine_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores (torch {torch.__version__}, CPU)"
 
 
 def _children_cpu() -> float:
@@ -112,7 +97,7 @@ def execute(*, study: str = "default", study_file: str | Path = STUDY_FILE, dump
         torch.cuda.synchronize()
     stopped = result.pop("interrupted", None)
     p = preset(cfg.model)
-    meta = {"study": cfg.name, "machine": machine_name(device), "device": device,
+    meta = {"study": cfg.name, "machine": machine(device), "device": device,
             "seconds": time.time() - t0,
             "cpu_seconds": time.process_time() - c0 + _children_cpu() - c0_children,
             "threads": torch.get_num_threads(), "jobs": jobs if device == "cpu" and not dumps else 1, "when": datetime.date.today().isoformat(),

@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import sys
 
-from optimized import Backend
+from optimized import DECLARED, Backend
+from optimized.probe import no_gpu
 
-_DESC = "mxval Triton kernels (optimized/triton_kernels)"
+_DESC = DECLARED["triton"].summary
 
 
 def _kernels_mode() -> str | None:
@@ -43,7 +44,7 @@ def _compiled_reason() -> str | None:
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or _kernels_mode() == "interpret":
         return "TRITON_INTERPRET=1 in this process: use the triton-interpret backend"
     if not torch.cuda.is_available():
-        return "no CUDA or ROCm GPU visible to torch (use triton-interpret on the CPU)"
+        return no_gpu("triton")
     return None
 
 
@@ -76,7 +77,7 @@ def _triton_for_interpreter() -> None:
 
 
 def make_interpreter_backend() -> Backend:
-    desc = _DESC + ", Triton interpreter on the CPU"
+    desc = DECLARED["triton-interpret"].summary
     try:
         import triton  # noqa: F401
     except ImportError as e:
