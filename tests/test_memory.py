@@ -276,3 +276,39 @@ def test_jobs_on_a_gpu_fit_the_memory_shares(monkeypatch):
     assert jobs == 3 and "0.3" in info["cap"]                            # three 30 % shares fit
     monkeypatch.setenv(memory.FRACTION_ENV, "0.5")
     assert pipeline.cap_jobs(2, 37, "cuda")[0] == 2
+
+
+def test_repeat_bytes_compared_in_blocks_name_the_same_first_byte(monkeypatch):
+    """A repeat whose bytes changed: counted and located a block at a time, the same count
+    and first byte as over the whole valid region (here computed whole, by hand)."""
+    from types import SimpleNamespace
+
+    from harness.diff import scores
+    from harness.run import runner
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(9, 300, generator=g)
+    ends = torch.tensor([300, 0, 17, 299, 5, 300, 1, 250, 64])
+    b = a.clone()
+    b[3, 298] += 1.0
+    b[7, 200:240] *= 3.0
+    b[1, 5] = 7.0                                   # past row 1's end (0): not compared
+    valid = torch.arange(300)[None] < ends[:, None]
+    x, y = a[valid].view(torch.uint8), b[valid].view(torch.uint8)
+    diff = (x != y).nonzero().flatten()
+    want = (f"{diff.numel()} of {x.numel()} bytes changed, first at byte {int(diff[0])}: "
+            f"0x{int(x[diff[0]]):02x} in run 1, 0x{int(y[diff[0]]):02x} in run 2")
+
+    def where(**scalars):
+        fake = SimpleNamespace(nondeterministic=[])
+        runner.ChainRun._same_bytes(fake, "paged_mxfp4_mqa_logits", 0, 2, {"logits": a}, {"logits": b},
+                                    {"row_ends": ends}, scalars)
+        return [f["where"].split(": ", 1)[1] for f in fake.nondeterministic]
+    assert where() == [want]
+    for chunk in (300 * 4 * 2, 1):
+        monkeypatch.setattr(scores, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(runner, "MAP_CHUNK_BYTES", 7)
+        assert where() == [want]
+        whole = (a.view(torch.uint8) != b.view(torch.uint8)).flatten().nonzero().flatten()
+        assert where(clean_logits=True) == [f"{whole.numel()} of {a.numel() * 4} bytes changed, first at byte "
+                                            f"{int(whole[0])}: 0x{int(a.view(torch.uint8).flatten()[whole[0]]):02x} "
+                                            f"in run 1, 0x{int(b.view(torch.uint8).flatten()[whole[0]]):02x} in run 2"]

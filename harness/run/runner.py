@@ -224,6 +224,23 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _flat_bytes(a: torch.Tensor, b: torch.Tensor):
+    """The bytes of two same-shaped tensors, MAP_CHUNK_BYTES at a time: (a's, b's) pairs."""
+    x, y = _bytes(a), _bytes(b)
+    for i in range(0, x.numel(), MAP_CHUNK_BYTES):
+        yield x[i:i + MAP_CHUNK_BYTES], y[i:i + MAP_CHUNK_BYTES]
+
+
+def _valid_bytes(a: torch.Tensor, b: torch.Tensor, row_ends: torch.Tensor):
+    """The bytes of two logits buffers [R, W] in each row's valid columns (< row_ends), in
+    order, a block of rows at a time: (a's, b's) pairs."""
+    cols = torch.arange(a.shape[1], device=a.device)
+    ends = row_ends.to(a.device).long()
+    for r0, r1 in row_blocks(a.shape[0], a.shape[1], a.element_size()):
+        valid = cols[None, :] < ends[r0:r1, None]
+        yield _bytes(a[r0:r1][valid]), _bytes(b[r0:r1][valid])
+
+
 def _ops(inp: CaseInputs):
     """The K stage (the writer on the rocm path, the fused pool+K op on the cuda path), Q
     quant and scorer of the case's chain, from the op table."""
@@ -336,20 +353,22 @@ class ChainRun:
             elif torch.equal(_bytes(a), _bytes(b.to(a.device))):
                 continue                    # every byte repeated: the valid region too
             else:
-                if name == "logits" and not scalars.get("clean_logits") and a.dim() == 2:
-                    valid = (torch.arange(a.shape[1], device=a.device)[None, :]
-                             < ins["row_ends"].to(a.device).long()[:, None])
-                    a, b = a[valid], b[valid]
-                # compared where the outputs are: only a run that differs is read back
-                x, y = _bytes(a), _bytes(b.to(a.device))
-                if bool(torch.equal(x, y)):
+                b = b.to(a.device)
+                valid_only = name == "logits" and not scalars.get("clean_logits") and a.dim() == 2
+                changed, total, first = 0, 0, None
+                # compared where the outputs are, a block at a time: only counts and the first
+                # changed byte are read back
+                for x, y in (_valid_bytes(a, b, ins["row_ends"]) if valid_only else _flat_bytes(a, b)):
+                    ne = x != y
+                    n = int(ne.sum())
+                    if n and first is None:
+                        i = int(ne.nonzero()[0])
+                        first = (total + i, int(x[i]), int(y[i]))
+                    changed, total = changed + n, total + x.numel()
+                if not changed:
                     continue
-                x, y = x.cpu(), y.cpu()
-                diff = (x != y).nonzero().flatten()
-                i = int(diff[0])
-                changed = int(diff.numel())
-                where = (f"{changed} of {x.numel()} bytes changed, first at byte {i}: "
-                         f"0x{int(x[i]):02x} in run 1, 0x{int(y[i]):02x} in run {run}")
+                where = (f"{changed} of {total} bytes changed, first at byte {first[0]}: "
+                         f"0x{first[1]:02x} in run 1, 0x{first[2]:02x} in run {run}")
             self.nondeterministic.append({"stage": op, "step": step, "class": "nondeterministic", "output": name,
                                           "run": run, "bytes_changed": changed,
                                           "where": f"{op} (step {step}) output {name}: {where}"})
@@ -495,9 +514,10 @@ class ChainRun:
         logits_raw = self._stage(sc, i, sins, fallback=lambda: ref_sins)["logits"]
         with self.clock("diff"):
             logits_b = self._finite_logits(sc, i, logits_raw, sins, ref_sins, st.row_ends)
+        idx_b = self._stage("topk", i, dict(logits=logits_b, lengths=st.row_ends))["indices"]
+        # after the top-k stage: its reference's fp64 copy of the logits and these never coexist
         with self.clock("reference"):
             chain_logits = reference.OPS[sc].fp64(**ref_sins, **self.scalars(sc))
-        idx_b = self._stage("topk", i, dict(logits=logits_b, lengths=st.row_ends))["indices"]
         if sc in ops:
             with self.clock("diff"):
                 self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_raw},
