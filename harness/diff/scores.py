@@ -24,30 +24,14 @@ def row_blocks(rows: int, width: int, itemsize: int = 8):
     return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
 
 
-def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, clean: bool,
-                op: str = "paged_mxfp4_mqa_logits", worst_rows: int = 10,
-                row_threshold: float = 1e-12) -> DiffReport:
-    """Scorer logits [Rw, W] against the reference (fp64 preferred) on the valid region
-    (column < row_ends[r]). logits_diff = 1 - 2*sum(xy)/sum(x^2+y^2) in fp64, computed as
-    sum((x-y)^2)/sum(x^2+y^2), the same quantity without the cancellation (each sum taken
-    per row, then over the rows); 0 when both are all zero. logits_max_rel_err is over
-    entries whose expected value is not 0.
-    logits_nonfinite: NaN/inf in the valid region (never a pass). When `clean`,
-    logits_inf_pattern_mismatch counts columns >= row_end that are not -inf.
-    logits_rows_differing: rows whose own difference exceeds `row_threshold` (fp32 rounding
-    of fp64 scores stays far below the default 1e-12); findings list the worst of them.
-    Computed on `expected_fp64`'s device, a block of rows at a time (`row_blocks`)."""
-    A.tensor("expected_fp64", expected_fp64, A.FLOATS, 2)
-    A.tensor("actual", actual, A.FLOATS, 2)
-    A.same("actual", actual, "expected_fp64", expected_fp64, dtype=False)
-    A.flag("clean", clean)
-    A.pos_int("worst_rows", worst_rows, 0)
-    A.nonneg("row_threshold", row_threshold)
+def _logit_rows(actual: torch.Tensor, expected_fp64: torch.Tensor, ends: torch.Tensor, clean: bool) -> dict:
+    """`diff_logits`' per-row results, a block of rows at a time on `expected_fp64`'s device,
+    read back once: the squared-difference and magnitude sums (num, den), the largest
+    absolute error and its column, the largest relative error, the non-finite entries of the
+    valid region and the first one's column, and (clean) the columns past the row end that
+    are not -inf and the first one's column."""
     dev = expected_fp64.device
     rw, w = expected_fp64.shape
-    ends = A.index("row_ends", row_ends, lo=0, hi=w + 1)
-    if ends.numel() != rw:
-        raise ValueError(f"row_ends: {ends.numel()} entries for {rw} rows")
     ends_d = ends.to(dev)
     cols = torch.arange(w, device=dev)
     per_row = {n: [] for n in ("num", "den", "err_max", "err_col", "rel_max", "nf", "nf_col", "inf", "inf_col")}
@@ -74,8 +58,33 @@ def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, 
             bad_inf = ~valid & ~(torch.isinf(x) & (x < 0))
             per_row["inf"].append(bad_inf.sum(1))
             per_row["inf_col"].append(bad_inf.int().argmax(1) if w else c)
-    # one read-back: the per-row results
-    t = {n: (torch.cat(v).cpu() if v else torch.zeros(0)) for n, v in per_row.items()}
+    return {n: (torch.cat(v).cpu() if v else torch.zeros(0)) for n, v in per_row.items()}
+
+
+def diff_logits(actual: torch.Tensor, expected_fp64: torch.Tensor, row_ends, *, clean: bool,
+                op: str = "paged_mxfp4_mqa_logits", worst_rows: int = 10,
+                row_threshold: float = 1e-12) -> DiffReport:
+    """Scorer logits [Rw, W] against the reference (fp64 preferred) on the valid region
+    (column < row_ends[r]). logits_diff = 1 - 2*sum(xy)/sum(x^2+y^2) in fp64, computed as
+    sum((x-y)^2)/sum(x^2+y^2), the same quantity without the cancellation (each sum taken
+    per row, then over the rows); 0 when both are all zero. logits_max_rel_err is over
+    entries whose expected value is not 0.
+    logits_nonfinite: NaN/inf in the valid region (never a pass). When `clean`,
+    logits_inf_pattern_mismatch counts columns >= row_end that are not -inf.
+    logits_rows_differing: rows whose own difference exceeds `row_threshold` (fp32 rounding
+    of fp64 scores stays far below the default 1e-12); findings list the worst of them.
+    Computed on `expected_fp64`'s device, a block of rows at a time (`row_blocks`)."""
+    A.tensor("expected_fp64", expected_fp64, A.FLOATS, 2)
+    A.tensor("actual", actual, A.FLOATS, 2)
+    A.same("actual", actual, "expected_fp64", expected_fp64, dtype=False)
+    A.flag("clean", clean)
+    A.pos_int("worst_rows", worst_rows, 0)
+    A.nonneg("row_threshold", row_threshold)
+    rw, w = expected_fp64.shape
+    ends = A.index("row_ends", row_ends, lo=0, hi=w + 1)
+    if ends.numel() != rw:
+        raise ValueError(f"row_ends: {ends.numel()} entries for {rw} rows")
+    t = _logit_rows(actual, expected_fp64, ends, clean)
     row_num, row_den = t["num"].double(), t["den"].double()
     num, den = float(row_num.sum()), float(row_den.sum())
     n_nonfinite = t["nf"].long()
