@@ -183,14 +183,16 @@ def test_only_cpu_filled_pools_are_prebuilt():
     assert _prebuild(small, ref) is not None
 
 
-def _scores(rows=37, width=700, k=64, seed=11):
-    """fp64 scores with ties, zeros, NaN/inf, short and empty rows; fp32 logits off by a few
-    ulps in some rows and wrong in one; a top-k with every kind of fault in a few rows."""
+def _scores(rows=37, width=700, k=64, seed=11, ties=True):
+    """fp64 scores with ties (unless not `ties`), zeros, NaN/inf, short and empty rows; fp32
+    logits off by a few ulps in some rows and wrong in one; a top-k with every kind of fault
+    in a few rows."""
     import math
     g = torch.Generator().manual_seed(seed)
     e = torch.randn(rows, width, generator=g, dtype=torch.float64) * 4
     e[0, :200] = 0.0
-    e[5, 1::3] = e[5, 0]
+    if ties:
+        e[5, 1::3] = e[5, 0]
     e[6, 7] = float("-inf")
     ends = torch.randint(0, width + 1, (rows,), generator=g)
     ends[:3] = torch.tensor([width, 0, k // 2])
@@ -312,3 +314,43 @@ def test_repeat_bytes_compared_in_blocks_name_the_same_first_byte(monkeypatch):
         assert where(clean_logits=True) == [f"{whole.numel()} of {a.numel() * 4} bytes changed, first at byte "
                                             f"{int(whole[0])}: 0x{int(a.view(torch.uint8).flatten()[whole[0]]):02x} "
                                             f"in run 1, 0x{int(b.view(torch.uint8).flatten()[whole[0]]):02x} in run 2"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_scores_diffed_on_the_gpu_match_the_cpu():
+    """The same reports where the tensors live: every count, finding and plotted value; the
+    fp64 sums of logits_diff to within their last bits (another device sums in another order).
+    No tied scores: which of them is "the reference's own set" is torch.topk's choice on each
+    device (reference/topk.py leaves ties open)."""
+    from harness.diff import scores
+    from harness.run import runner
+    a, e, clean, ends, idx, k = _scores(ties=False)
+
+    def reports(dev):
+        lg = [scores.diff_logits(x.to(dev), e.to(dev), ends.to(dev), clean=c) for x, c in ((a, False), (clean, True))]
+        tk = scores.diff_topk(idx.to(dev), e.to(dev), ends.to(dev), k)
+        return lg, tk, runner._logit_errors(a.to(dev), e.to(dev), ends.to(dev))
+    (lc, tc, ec), (lg, tg, eg) = reports("cpu"), reports("cuda")
+    for c, g in zip(lc, lg):
+        assert c.findings == g.findings
+        assert {m: v for m, v in c.metrics.items() if m != "logits_diff"} == \
+               {m: v for m, v in g.metrics.items() if m != "logits_diff"}
+        assert g.metrics["logits_diff"] == pytest.approx(c.metrics["logits_diff"], rel=1e-12)
+    assert (tc.metrics, tc.findings) == (tg.metrics, tg.findings)
+    assert scores.recall_points(tc.rows) == scores.recall_points(tg.rows)
+    assert max(abs(x - y) for x, y in zip(ec, eg)) <= 0.001 and len(ec) == len(eg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_the_peak_leaves_out_what_outlives_the_block():
+    keep = []
+    p = memory.Peak("cuda").start()
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")          # the block's own, released
+    keep.append(torch.empty(32 << 20, dtype=torch.uint8, device="cuda"))  # a cache that stays
+    del x
+    p.stop()
+    assert p.bytes >= 96 << 20
+    assert p.own() == p.bytes - (32 << 20) and p.kept == 32 << 20
+    assert memory.tensor_bytes(torch.empty(3, device="cuda")) == memory.BLOCK
