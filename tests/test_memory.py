@@ -21,6 +21,23 @@ def test_tensor_bytes_counts_each_storage_once():
     assert memory.tensor_bytes() == 0 and memory.tensor_bytes(None, 3, "s") == 0
 
 
+def test_a_storage_freed_and_another_at_its_address_count_twice():
+    """Over a span of time, a new storage where a freed one was is another tensor of the
+    span; a live one seen again through a view is not."""
+    s = memory.StorageSet()
+    a = torch.zeros(1000)
+    s.add(a, {"v": a[10:]})
+    assert s.bytes() == 4000
+    refs = s._at.pop(next(iter(s._at)))                    # a's entry, soon dead
+    del a
+    b = torch.zeros(1000)
+    s._at[(str(b.device), b.untyped_storage().data_ptr())] = refs      # as if b took a's address
+    s.add(b)
+    assert s.bytes() == 8000
+    s.add(b.view(10, 100))
+    assert s.bytes() == 8000
+
+
 def test_a_cpu_case_has_tensor_bytes_and_no_peak():
     r = run_case(Catalog().case("smoke-chunks-shuffled"), "reference")
     assert r["outcome"] == "ok", r["reason"]

@@ -4,9 +4,9 @@ A report row carries `gpu_peak_bytes` (the most GPU memory allocated while the c
 above what was allocated when it started, less what the process still holds once the
 case's tensors are released: cuBLAS workspaces and caches made during the case are the
 process's, not the case's, and are listed as `details.gpu_kept_bytes`; None on the CPU)
-and `tensor_bytes` (the case's inputs plus the outputs of each stage it checks, the
-backend's and the reference's, one step's worth, counted once per storage and on a GPU in
-the allocator's 512-byte blocks). Their ratio is the case's memory overhead: the harness's
+and `tensor_bytes` (the case's inputs plus the tensors one step's comparisons read: each
+stage's inputs and both sides' outputs, the whole chain's too; the largest step's, counted
+once per storage and on a GPU in the allocator's 512-byte blocks). Their ratio is the case's memory overhead: the harness's
 copies of the pool, the reference's intermediates, the diffs.
 
 `MXVAL_GPU_MEMORY_FRACTION` (a number in (0, 1]) caps every mxval process that sets it at
@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -56,29 +57,59 @@ def apply_fraction(device) -> None:
 BLOCK = 512                 # the CUDA caching allocator's smallest block and its rounding
 
 
-def tensor_bytes(*objs) -> int:
-    """Bytes of the distinct tensor storages reachable from `objs` (tensors, dataclasses,
-    dicts, lists, tuples); a view counts its storage once; a GPU storage counts the
-    allocator's blocks it takes (rounded up to BLOCK bytes)."""
-    seen: set = set()
-    total = 0
+def _tensors(objs):
+    """The tensors reachable from `objs` (tensors, dataclasses, dicts, lists, tuples)."""
     stack = list(objs)
     while stack:
         x = stack.pop()
         if isinstance(x, torch.Tensor):
-            st = x.untyped_storage()
-            key = (x.device, st.data_ptr())
-            if key not in seen:
-                seen.add(key)
-                n = st.nbytes()
-                total += -(-n // BLOCK) * BLOCK if x.device.type == "cuda" else n
+            yield x
         elif dataclasses.is_dataclass(x) and not isinstance(x, type):
             stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
         elif isinstance(x, dict):
             stack.extend(x.values())
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
-    return total
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    """A tensor's storage bytes; on a GPU, the allocator's blocks it takes (BLOCK multiples)."""
+    n = x.untyped_storage().nbytes()
+    return -(-n // BLOCK) * BLOCK if x.device.type == "cuda" else n
+
+
+class StorageSet:
+    """Distinct tensor storages seen over a span of time, each counted once: a storage still
+    alive is recognized by identity (torch keeps one Python object per live storage), and a
+    new one at a freed one's address is another storage, so the count does not depend on
+    where the allocator put things."""
+
+    def __init__(self, *objs):
+        self._at: dict = {}              # (device, address) -> [(weakref to the storage, bytes)]
+        self.add(*objs)
+
+    def add(self, *objs) -> "StorageSet":
+        for x in _tensors(objs):
+            st = x.untyped_storage()
+            refs = self._at.setdefault((str(x.device), st.data_ptr()), [])
+            if any(r is None or r() is st for r, _ in refs):
+                continue
+            try:
+                ref = weakref.ref(st)
+            except TypeError:            # no weak reference here: the address alone identifies it
+                ref = None
+            refs.append((ref, _nbytes(x)))
+        return self
+
+    def bytes(self) -> int:
+        return sum(n for refs in self._at.values() for _, n in refs)
+
+
+def tensor_bytes(*objs) -> int:
+    """Bytes of the distinct tensor storages reachable from `objs` (tensors, dataclasses,
+    dicts, lists, tuples); a view counts its storage once; a GPU storage counts the
+    allocator's blocks it takes (rounded up to BLOCK bytes)."""
+    return StorageSet(*objs).bytes()
 
 
 class Peak:

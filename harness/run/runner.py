@@ -261,7 +261,7 @@ class ChainRun:
                  recorder: Optional[Callable] = None, clock: Optional[stagetime.StageClock] = None):
         self.case, self.be, self.inp = case, backend, inputs
         self.recorder = recorder
-        self.out_bytes: dict[str, int] = {}    # op -> its largest step's output bytes, both sides
+        self.step_tensors: dict[int, memory.StorageSet] = {}    # step -> the case's inputs and what its comparisons read
         self.col = _Collector()
         self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
                               "recall_rows": []}
@@ -326,11 +326,10 @@ class ChainRun:
             del again
         try:
             with self.clock("diff"):
-                report = self.diff_op(op, ins, scalars, actual, expected)
+                report = self._diff(step, op, ins, scalars, actual, expected)
         except ValueError as e:
             raise StageError(op, step, f"cannot compare the backend's output: {e}") from None
         self.col.add(op, step, report)
-        self.out_bytes[op] = max(self.out_bytes.get(op, 0), memory.tensor_bytes(actual, expected))
         if report.metrics.get("nonfinite_inputs") and self.inp.planted:
             raise NonFiniteStage(op, step, NonFiniteInput(op, int(report.metrics["nonfinite_inputs"]), []))
         if self.recorder:
@@ -338,6 +337,19 @@ class ChainRun:
         with self.clock("plots"):
             self._details(op, ins, actual, expected)
         return actual
+
+    def _diff(self, step: int, op: str, ins: dict, scalars: dict, actual: dict, expected: dict):
+        """`diff_op` of a stage (or of the chain); the tensors it reads are the step's."""
+        if step not in self.step_tensors:
+            self.step_tensors[step] = memory.StorageSet(self.inp)
+        self.step_tensors[step].add(ins, actual, expected)
+        return self.diff_op(op, ins, scalars, actual, expected)
+
+    def tensor_bytes(self) -> int:
+        """The case's tensors: its inputs and the tensors one step's comparisons read (each
+        stage's inputs and both sides' outputs, the chain's too), the largest step's,
+        counted once per storage."""
+        return max((s.bytes() for s in self.step_tensors.values()), default=memory.tensor_bytes(self.inp))
 
     def _same_bytes(self, op: str, step: int, run: int, first: dict, again, ins: dict, scalars: dict) -> None:
         """Run `run` of a backend op on the same inputs must repeat the first run's bytes;
@@ -520,14 +532,14 @@ class ChainRun:
             chain_logits = reference.OPS[sc].fp64(**ref_sins, **self.scalars(sc))
         if sc in ops:
             with self.clock("diff"):
-                self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_raw},
+                self.col.add(CHAIN, i, self._diff(i, sc, sins, self.scalars(sc), {"logits": logits_raw},
                                                     {"logits": chain_logits}))
         if "topk" in ops:
             with self.clock("reference"):
                 chain_idx = reference.topk(logits=chain_logits, lengths=st.row_ends, k=inp.geo.topk)["indices"]
             topk_scalars = self.scalars("topk")
             with self.clock("diff"):
-                rep = self.diff_op("topk", dict(logits=chain_logits, lengths=st.row_ends),
+                rep = self._diff(i, "topk", dict(logits=chain_logits, lengths=st.row_ends),
                                    topk_scalars, {"indices": idx_b}, {"indices": chain_idx})
             self.col.add(CHAIN, i, rep)
             # the recall plot's rows come with that diff (the same comparison: not run twice)
@@ -550,7 +562,8 @@ class ChainRun:
             ins = dict(k=_cat(self.chain_k), positions=_cat(self.chain_pos), cos_sin_cache=inp.cos_sin_cache,
                        norm_weight=inp.norm_weight, slot_mapping=_cat(self.chain_slot), kv_cache=self.pool_start)
         with self.clock("diff"):
-            rep = self.diff_op(kw, ins, self.scalars(kw), {"kv_cache": self.pool_b}, {"kv_cache": self.chain_pool})
+            rep = self._diff(len(inp.steps) - 1, kw, ins, self.scalars(kw), {"kv_cache": self.pool_b},
+                             {"kv_cache": self.chain_pool})
         self.col.add(CHAIN, len(inp.steps) - 1, rep)
         slots = ins["kv_slot_mapping" if self.fused else "slot_mapping"]
         written = slots[((ins["positions"] + 1) % inp.geo.ratio == 0) & (slots >= 0)]
@@ -616,7 +629,7 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
             row["details"] = run.details
     peak.stop()
     if inp is not None:
-        row["tensor_bytes"] = memory.tensor_bytes(inp) + (sum(run.out_bytes.values()) if run else 0)
+        row["tensor_bytes"] = run.tensor_bytes() if run else memory.tensor_bytes(inp)
         run = inp = None                 # the case's tensors released: what stays allocated is the process's
         row["gpu_peak_bytes"] = peak.own()
         if peak.kept:
