@@ -13,14 +13,17 @@ from .report import Collector, DiffReport
 
 # Full-size work runs where the tensors live, a block of rows at a time: each block's
 # temporaries stay near CHUNK_BYTES per full-size term, whatever the width (a logits buffer
-# of 2^20 columns costs no buffer-sized mask), and only per-row results leave the device.
+# of 2^20 columns costs no buffer-sized mask), and at most about 1/BLOCKS of the whole (the
+# few full-size terms of a block then cost less than the compared tensors themselves); only
+# per-row results leave the device.
 CHUNK_BYTES = 1 << 26
+BLOCKS = 8
 
 
 def row_blocks(rows: int, width: int, itemsize: int = 8):
     """(start, end) of blocks of rows whose [rows, width] terms of `itemsize` bytes each stay
-    near CHUNK_BYTES (at least one row per block)."""
-    step = max(1, CHUNK_BYTES // max(1, width * itemsize))
+    near CHUNK_BYTES and near 1/BLOCKS of all the rows (at least one row per block)."""
+    step = max(1, min(CHUNK_BYTES // max(1, width * itemsize), -(-rows // BLOCKS)))
     return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
 
 
@@ -42,11 +45,19 @@ def _logit_rows(actual: torch.Tensor, expected_fp64: torch.Tensor, ends: torch.T
         fin = torch.isfinite(x) & torch.isfinite(y)
         nonfinite = valid & ~fin
         good = valid & fin
-        d = torch.where(good, x, 0.0) - torch.where(good, y, 0.0)
+        if clean:
+            bad_inf = ~valid & ~(torch.isinf(x) & (x < 0))
+            per_row["inf"].append(bad_inf.sum(1))
+            per_row["inf_col"].append(bad_inf.int().argmax(1) if w else bad_inf.sum(1))
+            del bad_inf
+        xv = torch.where(good, x, 0.0)
+        del x                                          # few full-size terms alive at once
         yv = torch.where(good, y, 0.0)
+        d = xv - yv
         per_row["num"].append((d * d).sum(1))
-        per_row["den"].append((torch.where(good, x, 0.0).square() + yv * yv).sum(1))
-        err = d.abs()
+        per_row["den"].append((xv.square_() + yv * yv).sum(1))
+        del xv
+        err = d.abs_()
         m, c = err.max(1) if w else (err.new_zeros(r1 - r0), torch.zeros(r1 - r0, dtype=torch.long, device=dev))
         per_row["err_max"].append(m)
         per_row["err_col"].append(c)
@@ -54,10 +65,6 @@ def _logit_rows(actual: torch.Tensor, expected_fp64: torch.Tensor, ends: torch.T
         per_row["rel_max"].append(rel.amax(1) if w else rel.new_zeros(r1 - r0))
         per_row["nf"].append(nonfinite.sum(1))
         per_row["nf_col"].append(nonfinite.int().argmax(1) if w else c)
-        if clean:
-            bad_inf = ~valid & ~(torch.isinf(x) & (x < 0))
-            per_row["inf"].append(bad_inf.sum(1))
-            per_row["inf_col"].append(bad_inf.int().argmax(1) if w else c)
     return {n: (torch.cat(v).cpu() if v else torch.zeros(0)) for n, v in per_row.items()}
 
 
