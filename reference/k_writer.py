@@ -6,12 +6,15 @@ op does not own keeps its previous value.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import checks, layout, mxfp4
 from . import hadamard as _hadamard
 from .formats import ROUNDING_PATHS
-from .rope import ROPE_MODES, bf16_round, cos_sin_at, rope_gptj_tail
+from .operands import fp32_operand
+from .rope import ROPE_MODES, rope_rows
 
 
 def writer_mask(positions: torch.Tensor, slot_mapping: torch.Tensor, compress_ratio: int) -> torch.Tensor:
@@ -19,19 +22,33 @@ def writer_mask(positions: torch.Tensor, slot_mapping: torch.Tensor, compress_ra
     return (slot_mapping >= 0) & ((positions.long() + 1) % compress_ratio == 0)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x * rsqrt(sum(x*x)/D + eps)) * fp32(w), in this order, fp32 (not rounded).
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, dtype=torch.float32) -> torch.Tensor:
+    """(x * rsqrt(sum(x*x)/D + eps)) * fp32(w), in this order, fp32, the last product rounded
+    to `dtype` (fp32: not rounded; bf16: bf16_round of the fp32 result).
 
     The spec leaves the summation order and the rsqrt's accuracy to the kernel; the
     reference pins both so that it gives the same bits on every device: the sum of squares
     is exact (fp64) then rounded to fp32, and rsqrt is correctly rounded (via fp64). A
     kernel's fp32 tree sum and approximate rsqrt differ from this by an ulp or two in
-    fp32, which the bf16 round after the norm hides almost always."""
+    fp32, which the bf16 round after the norm hides almost always.
+    Each op computes in its inputs' dtype and rounds on the store, so there are no separate
+    casts: `eps + sum / D` is one fp32 op (addcdiv: an IEEE divide, then an add; with a
+    tensor divisor, so a GPU divides rather than multiplying by 1/D) stored as fp64 (exact)
+    for the rsqrt, whose fp64 result is stored as fp32 (rounded to nearest, as `.float()`)."""
+    x = fp32_operand(x)
     x64 = x.double()
-    ms = (x64 * x64).sum(dim=-1, keepdim=True).float() / x.shape[-1]
-    v = ms + torch.tensor(eps, dtype=torch.float32)
-    rstd = torch.rsqrt(v.double()).float()
-    return (x * rstd) * weight.float()
+    s = (x64 * x64).sum(dim=-1, keepdim=True).float()
+    eps32, d32 = _norm_consts(float(eps), x.shape[-1], x.device)
+    v = torch.addcdiv(eps32, s, d32, out=torch.empty_like(s, dtype=torch.float64))
+    rstd = torch.rsqrt(v, out=torch.empty_like(s))
+    return torch.mul(x * rstd, fp32_operand(weight), out=torch.empty(x.shape, dtype=dtype, device=x.device))
+
+
+@functools.lru_cache(maxsize=16)
+def _norm_consts(eps: float, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32(eps) and D as 1-element fp32 tensors, made once per device."""
+    return (torch.full((1,), eps, dtype=torch.float32, device=device),
+            torch.full((1,), float(d), dtype=torch.float32, device=device))
 
 
 def group_start(positions: torch.Tensor, compress_ratio: int) -> torch.Tensor:
@@ -52,18 +69,22 @@ def k_values(k: torch.Tensor, rope_pos: torch.Tensor, cos_sin_cache: torch.Tenso
     deepseek: bf16 before and after the norm, RoPE rounded, NoPE untouched.
     `rope`: how the rotation rounds (reference.rope.ROPE_MODES).
     """
+    return _k_values(k, cos_sin_cache, rope_pos, norm_weight, norm_eps, rounding=rounding,
+                     hadamard=hadamard, rope=rope).float()
+
+
+def _k_values(k, cache, rows, norm_weight, norm_eps, *, rounding, hadamard, rope) -> torch.Tensor:
+    """k_values with the cos/sin of cache row `rows`, as a bf16 tensor (fp32 after the
+    Hadamard rotation)."""
     checks.choice("rope", rope, ROPE_MODES)
-    cos, sin = cos_sin_at(cos_sin_cache, rope_pos)
-    x = k.float()
+    x = fp32_operand(k)
     if rounding == "cuda":
-        y = bf16_round(rope_gptj_tail(rms_norm(x, norm_weight, norm_eps), cos, sin,
-                                      round_bf16=False, nope_through_formula=True, rope=rope))
+        y = rope_rows(rms_norm(x, norm_weight, norm_eps), cache, rows, nope_through_formula=True, rope=rope)
     else:
         if rounding == "deepseek":
-            x = bf16_round(x)
-        n = bf16_round(rms_norm(x, norm_weight, norm_eps))
-        y = rope_gptj_tail(n, cos, sin, round_bf16=True, nope_through_formula=(rounding == "rocm"),
-                           rope=rope)
+            x = x.to(torch.bfloat16)                  # bf16_round; a no-op for bf16 rows
+        n = rms_norm(x, norm_weight, norm_eps, dtype=torch.bfloat16)
+        y = rope_rows(n, cache, rows, nope_through_formula=(rounding == "rocm"), rope=rope)
     return _hadamard.rotate(y) if hadamard else y
 
 
@@ -128,7 +149,11 @@ def write_rows(k, positions, slots, cos_sin_cache, norm_weight, kv_cache, *, nor
     """The writer's work on the tokens that write (rows already selected, arguments already
     checked): norm, RoPE, MXFP4, store -> the pool after the call. No host sync: on a GPU
     a CUDA graph can replay it."""
-    y = k_values(k, group_start(positions, compress_ratio), cos_sin_cache, norm_weight, norm_eps,
-                 rounding=rounding, hadamard=hadamard, rope=rope)
-    packed, scales = mxfp4.quantize_mxfp4(y, scale_rule)
-    return layout.write_entries(kv_cache, slots, packed, scales, page_size=page_size, shuffle=shuffle)
+    # cos_sin_cache[::r][p // r] is the cache row of group_start(p) = (p // r) * r (a strided
+    # view: one integer op fewer)
+    y = _k_values(k, cos_sin_cache[::compress_ratio], positions.long() // compress_ratio, norm_weight,
+                  norm_eps, rounding=rounding, hadamard=hadamard, rope=rope)
+    d = y.shape[-1]
+    entries = torch.empty(*y.shape[:-1], layout.entry_bytes(d), dtype=torch.uint8, device=y.device)
+    mxfp4.quantize_mxfp4(y, scale_rule, out=entries)
+    return layout.write_entry_bytes(kv_cache, slots, entries, page_size=page_size, head_dim=d, shuffle=shuffle)

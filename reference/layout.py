@@ -70,17 +70,30 @@ def _in_page_offsets(page_size: int, head_dim: int, shuffle: Optional[Shuffle], 
     return (value_offsets(t, page_size, head_dim, shuffle), scale_offsets(t, page_size, head_dim, shuffle))
 
 
+@functools.lru_cache(maxsize=32)
+def _entry_offsets(page_size: int, head_dim: int, shuffle: Optional[Shuffle], device: torch.device):
+    """In-page offsets of every entry's bytes, values then scales: [page_size, D/2 + D/32]."""
+    return torch.cat(_in_page_offsets(page_size, head_dim, shuffle, device), -1)
+
+
 def write_entries(kv_cache: torch.Tensor, slots: torch.Tensor, packed: torch.Tensor,
                   scales: torch.Tensor, *, page_size: int, shuffle) -> torch.Tensor:
     """Return a copy of the pool [P, stride] u8 with entries stored at `slots`; every
     byte not owned by those entries keeps its value."""
+    return write_entry_bytes(kv_cache, slots, torch.cat((packed, scales), -1), page_size=page_size,
+                             head_dim=packed.shape[-1] * 2, shuffle=shuffle)
+
+
+def write_entry_bytes(kv_cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor, *,
+                      page_size: int, head_dim: int, shuffle) -> torch.Tensor:
+    """write_entries with each entry's bytes given whole ([..., D/2 + D/32]: the packed
+    values, then the scales): one store at (page, in-page offset), the offsets of
+    `slot_byte_offsets`."""
     out = kv_cache.clone()
     if slots.numel():
-        head_dim = packed.shape[-1] * 2
-        vo, so = slot_byte_offsets(slots, page_size, head_dim, shuffle, kv_cache.shape[1])
-        flat = out.view(-1)
-        flat[vo.flatten()] = packed.reshape(-1)
-        flat[so.flatten()] = scales.reshape(-1)
+        offs = _entry_offsets(page_size, head_dim, as_shuffle(shuffle), slots.device)
+        s = slots.long()
+        out[(s // page_size).unsqueeze(-1), offs[s % page_size]] = entries
     return out
 
 

@@ -24,14 +24,42 @@ from .formats import (
     F32_MANT_BITS,
     MX_BLOCK,
 )
+from .operands import converts_in_kernel, fp32_operand
 
 _ONE_SIXTH = torch.tensor(E2M1_INV_MAX, dtype=torch.float32)  # fp32(1/6), as the kernels hold it
 
 
 @functools.lru_cache(maxsize=8)
-def _thresholds(device: torch.device) -> torch.Tensor:
-    """E2M1_THRESHOLDS in fp32 on `device`, made once (no host copy per call: CUDA graphs)."""
-    return torch.tensor(E2M1_THRESHOLDS, dtype=torch.float32, device=device)
+def _code_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The e2m1 code of an fp32 y as a lookup on the int32 bits of y, made once per device
+    (no host copy per call: CUDA graphs):
+
+    (bounds int32 [17], code uint8 [18], pair uint8 [18, 18]): `bucketize(bits(y), bounds,
+    right=True)` = the number of bounds <= bits(y) is a bucket b, `code[b]` the code of y,
+    `pair[b_even, b_odd]` the packed byte of two elements. Non-negative fp32 (+0.0 .. +inf,
+    then the NaNs) order as their bits; negative ones (-0.0 .. -inf, then the NaNs) as
+    INT32_MIN + bits(|y|). So with Tb_c = bits(E2M1_THRESHOLDS[c]) the bounds are
+    INT32_MIN + Tb_0..6 (buckets 0..7: negative, magnitude code b), INT32_MIN + 0x7F800001
+    (bucket 8: negative NaN), 0 (buckets 9..16: +0.0 and up, magnitude b - 9), Tb_0..6 and
+    0x7F800001 (bucket 17: NaN). `Tb_c <= bits(|y|)` iff `E2M1_THRESHOLDS[c] <= |y|` (fp32
+    order), so this is the count of thresholds <= |y|, sign in bit 3, NaN magnitude 0, as
+    the spec's sum of comparisons (NUMERICS.md §4) says; one search replaces abs, nan_to_num,
+    the fp32 search, signbit and the sign merge, and the pair table the packing."""
+    tb = torch.tensor(E2M1_THRESHOLDS, dtype=torch.float32).view(torch.int32).tolist()
+    lo, nan = -(1 << 31), 0x7F800001
+    bounds = [lo + t for t in tb] + [lo + nan, 0] + tb + [nan]
+    code = list(range(E2M1_SIGN, 2 * E2M1_SIGN)) + [E2M1_SIGN] + list(range(E2M1_SIGN)) + [0]
+    code_t = torch.tensor(code, dtype=torch.uint8)
+    n = len(code)
+    pair = pack_nibbles(torch.stack((code_t[:, None].expand(n, n), code_t[None, :].expand(n, n)), -1))
+    return (torch.tensor(bounds, dtype=torch.int32, device=device), code_t.to(device),
+            pair.reshape(n, n).to(device))
+
+
+def _code_buckets(y: torch.Tensor) -> torch.Tensor:
+    """The bucket of `_code_tables` of every element of y (fp32 or narrower), int64."""
+    y = y.float().contiguous()
+    return torch.bucketize(y.view(torch.int32), _code_tables(y.device)[0], right=True)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -90,11 +118,9 @@ _rule = scale_rule   # quantize_mxfp4's keyword shadows the name
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even onto {0,.5,1,1.5,2,3,4,6} (saturating), sign in bit 3: the
     magnitude code is the number of `E2M1_THRESHOLDS` at or below |y| (y fp32 or narrower;
-    NaN: code 0).
+    NaN: magnitude 0, the sign bit kept). Through `_code_tables`.
     Ties go to the even code: .25 -> 0, .75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4."""
-    a = y.abs().float().nan_to_num_(0.0)
-    code = torch.bucketize(a, _thresholds(y.device), out_int32=True, right=True)
-    return torch.where(torch.signbit(y), code | E2M1_SIGN, code).to(torch.uint8)
+    return _code_tables(y.device)[1][_code_buckets(y)]
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -123,18 +149,39 @@ def e2m1_to_float(codes: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 # --- whole blocks ----------------------------------------------------------------
 
 def _blocks(x: torch.Tensor, name: str) -> torch.Tensor:
+    """x [..., D] -> [..., D/32, 32] as an fp32 operand (`fp32_operand`: bf16 may stay bf16)."""
     if x.shape[-1] % MX_BLOCK:
         raise ValueError(f"{name}: last dimension {x.shape[-1]} is not a multiple of {MX_BLOCK}")
-    return x.float().reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
+    x = fp32_operand(x)
+    return x.reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
 
 
-def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x"):
-    """x [..., D] (any float dtype, taken as fp32) -> (packed u8 [..., D/2], e8m0 u8 [..., D/32])."""
+def _block_amax(xb: torch.Tensor) -> torch.Tensor:
+    """max |x| of each block, fp32 (exact): on a GPU one inf-norm reduction, which also takes
+    bf16 to fp32 in the kernel; on the CPU, where that reduction is several times slower, abs
+    then amax."""
+    if converts_in_kernel(xb):
+        return torch.linalg.vector_norm(xb, float("inf"), dim=-1, dtype=torch.float32)
+    return xb.abs().amax(dim=-1).float()
+
+
+def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x", out=None):
+    """x [..., D] (any float dtype, taken as fp32) -> (packed u8 [..., D/2], e8m0 u8 [..., D/32]).
+
+    y = x * inv in fp32; the packed bytes come from the code buckets of y through the pair
+    table (`_code_tables`): the same bytes as pack_nibbles(e2m1_codes(y)). `out`: a u8
+    [..., D/2 + D/32] that receives the packed bytes then the scales (an entry's bytes; the
+    two returned tensors are its parts), so no copy joins them."""
     xb = _blocks(x, name)
-    e8m0 = _rule(scale_rule)(xb.abs().amax(dim=-1))
+    e8m0 = _rule(scale_rule)(_block_amax(xb))
     inv = _from_bits((254 - e8m0) << F32_MANT_BITS)       # 2**(127 - e8m0), exact
-    codes = e2m1_codes(xb * inv.unsqueeze(-1)).flatten(-2)
-    return pack_nibbles(codes), e8m0.to(torch.uint8)
+    b = _code_buckets(xb * inv.unsqueeze(-1)).flatten(-2)
+    pair = _code_tables(x.device)[2]
+    if out is None:
+        return pair[b[..., 0::2], b[..., 1::2]], e8m0.to(torch.uint8)
+    packed, scales = out[..., :x.shape[-1] // 2], out[..., x.shape[-1] // 2:]
+    torch.ops.aten.index.Tensor_out(pair, [b[..., 0::2], b[..., 1::2]], out=packed)
+    return packed, scales.copy_(e8m0)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

@@ -7,10 +7,13 @@ table, so chunked prefill and decode pool exactly like one full pass.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import checks
 from .formats import ROUNDING_PATHS
+from .operands import converts_in_kernel, widened
 
 # --- building the state cache (what the model's compressor writes per position) ------
 
@@ -41,23 +44,57 @@ def boundary_mask(positions: torch.Tensor, compress_ratio: int) -> torch.Tensor:
 
 def gather_windows(state_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
                    req_index: torch.Tensor, compress_ratio: int):
-    """For tokens at `positions` -> (kv [N, 2r, D], score [N, 2r, D]); window slots before
-    position 0 hold kv 0 and score -inf. Window i < r reads the `_a` halves, i >= r `_b`."""
+    """For tokens at `positions` -> (kv f32 [N, 2r, D], score f64 [N, 2r, D], valid [N, 2r]);
+    window slots before position 0 hold kv +0.0 and score -inf. Window i < r reads the `_a`
+    halves, i >= r `_b`. The score is the fp32 state value held in fp64 (exact), as the
+    softmax takes it.
+
+    One gather reads only the halves the windows use (kv, then score: [2, N, 2r, D]) in
+    16-byte lanes (four fp32 as one complex128: a copy of the bits, no arithmetic); the
+    slots before position 0 are then set, the score's select widening it to fp64 on a GPU
+    (`converts_in_kernel`)."""
     r = compress_ratio
-    d = state_cache.shape[-1] // 4
     bs = state_cache.shape[1]
-    i = torch.arange(2 * r, device=positions.device)
-    q = positions.long()[:, None] - (2 * r - 1) + i                     # [N, 2r]
+    offsets, halves = _window_slots(r, positions.device)
+    q = positions.long()[:, None] + offsets                                       # [N, 2r]
     valid = q >= 0
     qc = q.clamp_min(0)
     blk = block_table[req_index.long()[:, None], qc // bs].long()
-    rows = state_cache[blk, qc % bs]                                    # [N, 2r, 4D]
-    own = (i >= r)[None, :, None]
-    kv = torch.where(own, rows[..., d:2 * d], rows[..., :d])
-    score = torch.where(own, rows[..., 3 * d:], rows[..., 2 * d:3 * d])
-    kv = torch.where(valid[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
-    score = torch.where(valid[..., None], score, torch.full((), float("-inf"), device=kv.device))
+    dev = state_cache.device
+    g = _lanes(state_cache).view(*state_cache.shape[:2], 4, -1)[blk, qc % bs, halves]
+    kv = torch.where(valid[..., None], g[0], _const(0, g.dtype, dev)).view(state_cache.dtype)
+    ninf = _const(float("-inf"), torch.float64 if converts_in_kernel(g) else state_cache.dtype, dev)
+    score = torch.where(valid[..., None], g[1].view(state_cache.dtype), ninf).double()
     return kv, score, valid
+
+
+@functools.lru_cache(maxsize=16)
+def _window_slots(r: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each window slot's position relative to the boundary token ([2r]: 1 - 2r .. 0) and
+    the state-row quarter it reads ([2, 1, 2r]: kv_a/kv_b = 0/1, then score_a/score_b =
+    2/3). Made once per device, on the device (no host copy: CUDA graphs)."""
+    i = torch.arange(4 * r, device=device)
+    return i[:2 * r] + (1 - 2 * r), (i // r).view(2, 1, 2 * r)
+
+
+@functools.lru_cache(maxsize=16)
+def _const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-element tensor, made once per device: a select with it takes its dtype into the
+    result's (a Python scalar would not, and would make a scalar tensor per call)."""
+    return torch.full((1,), value, dtype=dtype, device=device)
+
+
+def _lanes(state_cache: torch.Tensor) -> torch.Tensor:
+    """An fp32 state as the widest lanes that tile a quarter row: complex128 (4 floats,
+    16 bytes), int64 (2) or the floats themselves (any other dtype: as it is)."""
+    sc = state_cache
+    d = sc.shape[-1] // 4
+    for dtype, n in ((torch.complex128, 4), (torch.int64, 2)):
+        if sc.dtype == torch.float32 and d % n == 0:
+            if not sc.is_contiguous() or sc.storage_offset() % n or sc.data_ptr() % (4 * n):
+                sc = sc.clone(memory_format=torch.contiguous_format)
+            return sc.view(dtype)
+    return sc
 
 
 def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
@@ -65,12 +102,14 @@ def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
 
     A sum whose terms are all -0.0 is -0.0 under IEEE addition, and that is what a GPU
     reduction over the window gives; torch's (and numpy's) sums start from +0.0 and would
-    say +0.0, which later shows up as K bytes 0x88 vs 0x00. So the sign is set here."""
+    say +0.0, which later shows up as K bytes 0x88 vs 0x00. So the sign is set here: every
+    term is -0.0 (bits INT64_MIN, the smallest int64) iff the largest term's bits are.
+    The product is w * kv.double() (`widened`)."""
     w = torch.softmax(score.double(), dim=1)
-    terms = w * kv.double()
+    terms = w * widened(kv, torch.float64)
     c = terms.sum(dim=1)
-    all_neg_zero = (terms.view(torch.int64) == _NEG_ZERO_BITS).all(dim=1)     # every term is -0.0
-    return torch.where(all_neg_zero, -0.0, c).float()
+    all_neg_zero = terms.view(torch.int64).amax(dim=1) == _NEG_ZERO_BITS     # every term is -0.0
+    return torch.where(all_neg_zero, _const(-0.0, torch.float64, c.device), c).float()
 
 
 _NEG_ZERO_BITS = -(1 << 63)          # the fp64 bits of -0.0 as an int64

@@ -5,7 +5,7 @@ import torch
 
 from . import checks, mxfp4
 from . import hadamard as _hadamard
-from .rope import ROPE_MODES, cos_sin_at, rope_gptj_tail
+from .rope import ROPE_MODES, rope_rows
 
 SCALE_PAIR_RTOL = 1e-6
 
@@ -14,9 +14,12 @@ def q_values(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tens
              hadamard: bool = False, rope: str = "separate") -> torch.Tensor:
     """q [T, H, D] bf16 -> RoPE at each token's own position, rotated values through bf16,
     NoPE dims untouched (signed zeros kept). fp32 holding bf16 values."""
-    cos, sin = cos_sin_at(cos_sin_cache, positions)
-    y = rope_gptj_tail(q.float(), cos[:, None], sin[:, None], round_bf16=True,
-                       nope_through_formula=False, rope=rope)
+    return _q_values(q, positions, cos_sin_cache, hadamard=hadamard, rope=rope).float()
+
+
+def _q_values(q, positions, cos_sin_cache, *, hadamard, rope) -> torch.Tensor:
+    """q_values as a bf16 tensor (fp32 after the Hadamard rotation)."""
+    y = rope_rows(q, cos_sin_cache, positions, nope_through_formula=False, rope=rope)
     return _hadamard.rotate(y) if hadamard else y
 
 
@@ -74,6 +77,6 @@ def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: f
 def quantize_q(q, positions, cos_sin_cache, weights, weights_scale, pair=None, *, hadamard=False,
                scale_rule="ceil", rope="separate") -> dict:
     """The Q quant's work after its argument checks; no host sync (a CUDA graph can replay it)."""
-    packed, scales = mxfp4.quantize_mxfp4(q_values(q, positions, cos_sin_cache, hadamard=hadamard,
-                                                   rope=rope), scale_rule)
+    packed, scales = mxfp4.quantize_mxfp4(_q_values(q, positions, cos_sin_cache, hadamard=hadamard,
+                                                    rope=rope), scale_rule)
     return {"q_fp4": packed, "q_scale": scales, "weights": fold_weights(weights, weights_scale, pair)}

@@ -2,9 +2,12 @@
 LAST `rope_dim` dims, cos/sin from a `[max_pos, R]` cache laid out `[cos R/2 | sin R/2]`."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+
+from .operands import fp32_operand
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:
@@ -116,3 +119,69 @@ def rope_gptj_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     if round_bf16:
         rot = bf16_round(rot)
     return torch.cat((x[..., :nope], rot), -1)
+
+
+# --- the rotation as the writers run it: tables per pair, each output rounded once ----------
+
+@functools.lru_cache(maxsize=32)
+def _pair_columns(pairs: int, half: int, device: torch.device):
+    """For a row of `pairs` GPT-J pairs whose last `half` are rotated: the cache columns of
+    each pair's cos and sin ([2, pairs]; a NoPE pair reads column 0 / half, replaced after),
+    the NoPE pairs (bool [pairs]) and their (cos, sin) = (1, 0) ([2, 1]). Made once per
+    device, on the device (no host copy: CUDA graphs)."""
+    j = torch.arange(pairs, device=device) - (pairs - half)
+    jc = j.clamp_min(0)
+    fill = torch.ones(2, 1, device=device)
+    fill[1] = 0.0
+    return torch.stack((jc, jc + half)), j < 0, fill
+
+
+def cos_sin_pairs(cache: torch.Tensor, rows: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., pairs] for every pair of a row of 2 * pairs dims at cache rows `rows`
+    ([...]): the cache's for the last R/2 pairs, cos = 1 and sin = 0 for the NoPE pairs before
+    them (cos_sin_at padded as rope_gptj_tail pads it): one gather and one select."""
+    cols, nope, fill = _pair_columns(pairs, cache.shape[-1] // 2, rows.device)
+    t = cache[rows.long()[..., None, None], cols]                      # [..., 2, pairs]
+    if pairs > cache.shape[-1] // 2:
+        t = torch.where(nope, fill, t)
+    return t[..., 0, :], t[..., 1, :]
+
+
+def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rope: str = "separate") -> torch.Tensor:
+    """out[..., 0::2], out[..., 1::2] = rotate_pairs(x[..., 0::2], x[..., 1::2], cos, sin, rope),
+    each fp32 result rounded once to out's dtype (bf16: bf16_round).
+
+    x fp32 or an fp32 operand (`fp32_operand`). `separate`: each
+    line is two fp32 products and one fp32 sum or difference computed into out, so the
+    rounding to out's dtype is the store's (round to nearest even, as `.to()`), no copy."""
+    e, o = x[..., 0::2], x[..., 1::2]
+    if rope == "separate":
+        torch.sub(e * cos, o * sin, out=out[..., 0::2])
+        torch.add(o * cos, e * sin, out=out[..., 1::2])
+    else:
+        a, b = rotate_pairs(e.float(), o.float(), cos, sin, rope)
+        out[..., 0::2], out[..., 1::2] = a, b
+    return out
+
+
+def rope_rows(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, *, nope_through_formula: bool,
+              rope: str = "separate", dtype=torch.bfloat16) -> torch.Tensor:
+    """rope_gptj_tail(x.float(), *cos_sin_at(cache, rows)) (cos/sin broadcast over the dims
+    of x between rows' and the last), each value rounded once to `dtype`: the same values as
+    bf16_round(rope_gptj_tail(..., round_bf16=False)) or rope_gptj_tail(..., round_bf16=True),
+    as a `dtype` tensor. x fp32 or narrower; NoPE dims not through the formula are copied
+    (x must then hold `dtype` values there)."""
+    d, half = x.shape[-1], cache.shape[-1] // 2
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    x = fp32_operand(x)
+    bcast = (1,) * (x.dim() - rows.dim() - 1)
+    if nope_through_formula:
+        c, s = cos_sin_pairs(cache, rows, d // 2)
+        shape = (*rows.shape, *bcast, d // 2)
+        return rotate_into(out, x, c.reshape(shape), s.reshape(shape), rope)
+    nope = d - 2 * half
+    cs = cache[rows.long()].reshape(*rows.shape, *bcast, 2 * half)
+    out[..., :nope] = x[..., :nope]
+    rotate_into(out[..., nope:], x[..., nope:], cs[..., :half], cs[..., half:], rope)
+    return out

@@ -1,0 +1,58 @@
+"""The reference's two formulations give the same bytes (reference/operands.py): on a GPU
+its ops take narrower operands into the wider dtype inside the kernel, on the CPU it converts
+them first. The CPU can run either; every writer, the Q quant and the pooling must agree."""
+import pytest
+import torch
+from helpers import cases
+
+import reference
+from reference import mxfp4, operands, pooling
+
+OPS = ("k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "compress_pool", "k_norm_rope_fp8_cache")
+CASES = [c for c in cases() if c[1] in OPS]
+
+
+def in_kernel(monkeypatch, on: bool):
+    for m in (operands, mxfp4, pooling):
+        monkeypatch.setattr(m, "converts_in_kernel", lambda t: on)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        w = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.view(w), b.view(w)
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op,kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_the_gpu_formulation_gives_the_cpu_bytes(monkeypatch, op, kw):
+    extra = [{}, {"hadamard": True}] if op != "compress_pool" else [{}, {"softmax": "fp32"}]
+    for more in extra if "hadamard" not in kw and op != "k_norm_rope_fp8_cache" else [{}]:
+        in_kernel(monkeypatch, False)
+        cpu = reference.FUNCTIONS[op](**kw, **more)
+        in_kernel(monkeypatch, True)
+        gpu = reference.FUNCTIONS[op](**kw, **more)
+        for name in cpu:
+            assert same_bits(cpu[name], gpu[name]), f"{op} {more}: {name}"
+
+
+def test_the_comparison_sees_a_formulation_that_rounds_differently(monkeypatch):
+    """Teeth: an in-kernel path that kept the state in bf16 would change the pooled rows."""
+    kw = [c for c in CASES if c[0] == "pool"][0][2]
+    in_kernel(monkeypatch, False)
+    want = reference.compress_pool(**kw)["pooled"]
+    in_kernel(monkeypatch, True)
+    monkeypatch.setattr(pooling, "widened", lambda t, dtype: t.bfloat16())
+    assert not same_bits(reference.compress_pool(**kw)["pooled"], want)
+
+
+def test_codes_of_the_non_finite_and_signed_zeros():
+    """The code search on the fp32 bits keeps the comparison rule's answers where abs, NaN
+    and the sign bit meet: -0.0 -> 8, NaN -> magnitude 0 with its sign, inf -> 7."""
+    nan = torch.tensor(float("nan"))
+    x = torch.stack((torch.tensor(0.0), torch.tensor(-0.0), nan.abs(), -nan.abs(),
+                     torch.tensor(float("inf")), torch.tensor(float("-inf")),
+                     torch.tensor(-1e-45), torch.tensor(0.25), torch.tensor(-0.25).nextafter(torch.tensor(-1.0))))
+    assert mxfp4.e2m1_codes(x).tolist() == [0, 8, 0, 8, 7, 15, 8, 0, 9]
