@@ -94,10 +94,12 @@ class StorageSet:
             refs = self._at.setdefault((str(x.device), st.data_ptr()), [])
             if any(r is None or r() is st for r, _ in refs):
                 continue
-            try:
-                ref = weakref.ref(st)
-            except TypeError:            # no weak reference here: the address alone identifies it
-                ref = None
+            ref = None                   # no lasting storage object here: the address alone identifies it
+            if st is x.untyped_storage():
+                try:
+                    ref = weakref.ref(st)
+                except TypeError:
+                    pass
             refs.append((ref, _nbytes(x)))
         return self
 
