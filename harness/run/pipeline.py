@@ -192,6 +192,7 @@ class Run:
                                                                 lines(r)))
                     done = list(items)
                 except runner.RunInterrupted as e:
+                    hold()                       # at once: a second signal must not lose these rows
                     rows, done = e.rows, [items[i] for i in e.done]
                     self.stopped = interrupted_meta(e)
                 results += zip(done, rows)
@@ -200,7 +201,8 @@ class Run:
                     self.stopped["cases_done"] = len(results)
                     self.stopped["cancelled"] = [label(x) for _, its in groups for x in its if id(x) not in finished]
                     break
-        hold()                                   # released by `record`, once the report is whole
+        if not self.stopped:
+            hold()                               # released by `record`, once the report is whole
         return results
 
     # judge and record
