@@ -1,5 +1,6 @@
-"""Where a case's time goes: seconds per part of the case (inputs, reference, backend, diff,
-plots, row), summed over its steps, recorded in the row's `details.stage_seconds` when
+"""Where a case's time goes: seconds per part of the case (inputs: its inputs and the history
+written into its pool; reference, backend, backend_repeats, repeat_compare, diff, plots,
+row), summed over its steps, recorded in the row's `details.stage_seconds` when
 `MXVAL_STAGE_TIMES=1`. Each part starts and ends with a device synchronize then, so a GPU's
 queued work is charged to the part that queued it (and the run is a little slower); unset,
 nothing is timed or recorded."""
