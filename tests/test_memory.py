@@ -245,10 +245,11 @@ def test_scores_compared_in_row_blocks_give_the_same_reports(monkeypatch):
         tk = [scores.diff_topk(idx, e, ends, k, tol=t) for t in (None, 0.25)]
         return ([(r.metrics, r.findings, r.notes) for r in lg],
                 [(r.metrics, r.findings, r.notes, scores.recall_points(r.rows)) for r in tk],
-                runner._logit_errors(a, e, ends))
+                runner._logit_errors(a, e, ends), runner._logit_errors(a[:, :90], e[:, :90], ends.clamp(max=90)))
     whole = reports()
-    lg, tk, errs = whole
+    lg, tk, errs, few = whole
     assert lg[0][0]["logits_nonfinite"] > 0 and lg[0][0]["logits_rows_differing"] > 0
+    assert 0 < len(few) < 4000                                      # every finite error, not a subsample
     assert lg[1][0]["logits_inf_pattern_mismatch"] > 0
     assert {"duplicates", "out_of_range", "below_threshold", "padding"} <= {f["class"] for f in tk[0][1]}
     assert len(errs) == 4000

@@ -182,12 +182,11 @@ def _logit_errors(actual: torch.Tensor, expected: torch.Tensor, row_ends: torch.
         n_fin.append(ok.sum())
     # max |expected| over the finite valid entries (1 where there is none)
     scale = torch.stack(tops).amax().clamp_min(1e-300) if int(torch.stack(n_fin).sum()) else 1.0
+    picks, counts = None, [0] * len(blocks)          # at most 4000 valid entries: every finite error
     if n_valid > 4000:
         counts = [int(errs(r0, r1, scale)[1].sum()) for r0, r1 in blocks]
-    else:
-        counts = [n_valid] * len(blocks)             # a bound: every finite error is kept below
-    total = sum(counts)
-    picks = torch.linspace(0, total - 1, 4000).long() if total > 4000 else None
+        total = sum(counts)
+        picks = torch.linspace(0, total - 1, 4000).long() if total > 4000 else None
     out, start = [], 0
     for (r0, r1), n in zip(blocks, counts):
         if picks is None or bool(((picks >= start) & (picks < start + n)).any()):
