@@ -162,9 +162,14 @@ def page_values(pg: torch.Tensor, *, page_size: int, head_dim: int, shuffle) -> 
     n, dt = shuffle.n, shuffle.dt
     g = page_size // n
     # val = g*N*TB + (b//Dt)*N*Dt + lane*Dt + b%Dt  ->  dims [page, g, b//Dt, lane, b%Dt];
-    # tiles move whole, so permute 8-byte words when Dt allows (8x fewer elements)
-    w = 8 if dt % 8 == 0 else 1
-    vals = vals.contiguous().view(torch.int64) if w == 8 else vals
+    # tiles move whole, so permute 16- or 8-byte units when Dt allows (16x or 8x fewer
+    # elements; complex128 only as 16 opaque bytes: a copy moves them bit for bit), read in
+    # place when the page stride and offset are multiples of the unit
+    w = 16 if dt % 16 == 0 else 8 if dt % 8 == 0 else 1
+    if w > 1:
+        if vals.stride(0) % w or vals.storage_offset() % w:
+            vals = vals.contiguous()
+        vals = vals.view(torch.complex128 if w == 16 else torch.int64)
     vals = vals.reshape(-1, g, tb // dt, n, dt // w).permute(0, 1, 3, 2, 4).contiguous()
     return vals.view(torch.uint8).reshape(-1, tb)
 

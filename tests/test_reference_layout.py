@@ -63,7 +63,7 @@ def test_choose_shuffle_rule():
     assert layout.choose_shuffle(96, 31).as_list() == [16, 16, 4]
 
 
-@pytest.mark.parametrize("pad", [40, 13])                              # 13: rows not 8-byte aligned
+@pytest.mark.parametrize("pad", [40, 13, 16])                  # 13: rows not 8-byte aligned; 16: read in place
 @pytest.mark.parametrize("page_size,d,shuffle", CASES)
 def test_write_read_roundtrip_with_padding(gen, page_size, d, shuffle, pad):
     pages, stride = 3, layout.page_bytes(page_size, d) + pad           # padded pages
