@@ -188,6 +188,37 @@ def blockwise_f32_columns(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
     return column_cores(q_packed, q_scale, k_packed, k_scale) <= CORE_BLOCKS
 
 
+def _cpu_cores(q_packed, q_scale, k_scale):
+    """The CPU's choice per key column: (q8, mq, lo: the keys' least scale bytes, i8, f64),
+    i8 where the int8 table core serves the column (the queries' and the key's scale bytes
+    within `_I8_SPREAD` binades, the CPU's int8 GEMM proven exact), f64 where the fp64
+    table core does; the other columns go to their `column_cores` core."""
+    nb = k_scale.shape[-1]
+    q8, mq, qspread = int8_operand(q_packed, q_scale)
+    qs = int(qspread.max())
+    lo, hi = torch.aminmax(k_scale, dim=-1)
+    ks = hi - lo                                                   # uint8: hi >= lo
+    ok = hi != E8M0_NAN
+    i8 = ok & (ks <= _I8_SPREAD) if qs <= _I8_SPREAD and _cpu_int_mm_exact() else torch.zeros_like(ok)
+    f64 = ok & ~i8 & (ks <= _F64_SHIFTS) & (ks.int() + qs <= 53 - (nb * 4608 - 1).bit_length())
+    return q8, mq, lo, i8, f64
+
+
+def cpu_core_shares(q_packed, q_scale, k_packed, k_scale) -> dict:
+    """The share of key columns each CPU core scores (for benchmarks): int8 and fp64 table
+    cores, then the `column_cores` cores of the rest."""
+    if bool((q_scale == E8M0_NAN).any()):
+        i8 = f64 = torch.zeros(k_scale.shape[0], dtype=torch.bool)
+    else:
+        *_, i8, f64 = _cpu_cores(q_packed, q_scale, k_scale)
+    rest = column_cores(q_packed, q_scale, k_packed, k_scale)[~(i8 | f64)]
+    j = max(1, k_scale.shape[0])
+    return {"int8 table": int(i8.sum()) / j, "fp64 table": int(f64.sum()) / j,
+            **{name: int((rest == c).sum()) / j for name, c in (("fp32", CORE_F32), ("fp64", CORE_F64),
+                                                                ("blocks", CORE_BLOCKS),
+                                                                ("generic", CORE_FP64_GENERIC))}}
+
+
 def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
     """Same values as `weighted_relu_logits` on the dequantized operands (fp64 [Rw, J]):
     exact dots, relu and the weighted head sum in fp64, summed over the heads in order
@@ -205,18 +236,10 @@ def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
         return out
     if q_packed.device.type != "cpu" or bool((q_scale == E8M0_NAN).any()):
         return _column_core_logits(q_packed, q_scale, k_packed, k_scale, w)
-    q8, mq, qspread = int8_operand(q_packed, q_scale)
-    qs = int(qspread.max())
-    lo, hi = torch.aminmax(k_scale, dim=-1)
-    ks = hi - lo                                                   # uint8: hi >= lo
-    ok = hi != E8M0_NAN
-    i8 = torch.zeros_like(ok)
-    if qs <= _I8_SPREAD and _cpu_int_mm_exact():
-        i8 = ok & (ks <= _I8_SPREAD)
-        if bool(i8.all()):
-            _table_core(q8, w.double() * _pow2(mq), k_packed, k_scale, lo, out)
-            return out
-    f64 = ok & ~i8 & (ks <= _F64_SHIFTS) & (ks.int() + qs <= 53 - (nb * 4608 - 1).bit_length())
+    q8, mq, lo, i8, f64 = _cpu_cores(q_packed, q_scale, k_scale)
+    if bool(i8.all()):
+        _table_core(q8, w.double() * _pow2(mq), k_packed, k_scale, lo, out)
+        return out
     cores = [(i8, lambda kp, ksc, klo, o: _table_core(q8, w.double() * _pow2(mq), kp, ksc, klo, o)),
              (f64, lambda kp, ksc, klo, o: _table_core(dequantize_mxfp4_f32(q_packed, q_scale, torch.float64),
                                                       w.double(), kp, ksc, klo, o))]

@@ -622,3 +622,21 @@ def test_topk_picks_torch_topk_choice_over_each_row_masked(gen, dtype):
                 row[n:] = float("-inf")
                 assert got[r].tolist() == torch.topk(row[None], 16, dim=1).indices[0].tolist()
     assert logits.dtype == dtype and logits.max() < 40                      # the input is untouched
+
+
+def test_cpu_core_shares_name_the_core_that_scores(gen):
+    """The bench's 'columns by core' line: realistic scales go to the int8 table core, a key
+    spanning 8 binades to the fp64 table core, 12 to a column core, a NaN query scale to the
+    column cores; shares sum to 1."""
+    qp, qs = rand_entries(gen, 1, h=H)
+    kp, ks = rand_entries(gen, 40)
+    shares = scoring.cpu_core_shares(qp[0:1], qs[0:1], kp, ks)
+    assert abs(sum(shares.values()) - 1) < 1e-12
+    assert shares["int8 table"] == (1.0 if scoring._cpu_int_mm_exact() else 0.0)
+    ks[3] = torch.tensor([110, 118, 110, 110], dtype=torch.uint8)
+    ks[4] = torch.tensor([110, 122, 110, 110], dtype=torch.uint8)
+    shares = scoring.cpu_core_shares(qp[0:1], qs[0:1], kp, ks)
+    assert shares["fp64 table"] == 1 / 40 and shares["fp64"] == 1 / 40 and abs(sum(shares.values()) - 1) < 1e-12
+    qs[0, 0, 0] = 255
+    shares = scoring.cpu_core_shares(qp[0:1], qs[0:1], kp, ks)
+    assert shares["int8 table"] == shares["fp64 table"] == 0 and shares["generic"] == 1.0
