@@ -168,7 +168,7 @@ def page_values(pg: torch.Tensor, *, page_size: int, head_dim: int, shuffle) -> 
     w = 16 if dt % 16 == 0 else 8 if dt % 8 == 0 else 1
     if w > 1:
         if vals.stride(0) % w or vals.storage_offset() % w:
-            vals = vals.contiguous()
+            vals = vals.clone(memory_format=torch.contiguous_format)   # (contiguous() keeps a lone row's stride)
         vals = vals.view(torch.complex128 if w == 16 else torch.int64)
     vals = vals.reshape(-1, g, tb // dt, n, dt // w).permute(0, 1, 3, 2, 4).contiguous()
     return vals.view(torch.uint8).reshape(-1, tb)
@@ -197,7 +197,8 @@ def page_block_words(pg: torch.Tensor, *, page_size: int, head_dim: int, shuffle
     tb, nb = head_dim // 2, head_dim // MX_BLOCK
     vals = pg[:, :page_size * tb]
     if vals.stride(0) % 2 or vals.storage_offset() % 2:
-        vals = vals.contiguous()               # an odd page stride: int16 words need even offsets
+        # an odd page stride: int16 words need even offsets (contiguous() keeps a lone row's stride)
+        vals = vals.clone(memory_format=torch.contiguous_format)
     words = vals.view(torch.int16)
     p = pg.shape[0]
     if shuffle is None:
