@@ -162,9 +162,14 @@ def page_values(pg: torch.Tensor, *, page_size: int, head_dim: int, shuffle) -> 
     n, dt = shuffle.n, shuffle.dt
     g = page_size // n
     # val = g*N*TB + (b//Dt)*N*Dt + lane*Dt + b%Dt  ->  dims [page, g, b//Dt, lane, b%Dt];
-    # tiles move whole, so permute 8-byte words when Dt allows (8x fewer elements)
-    w = 8 if dt % 8 == 0 else 1
-    vals = vals.contiguous().view(torch.int64) if w == 8 else vals
+    # tiles move whole, so permute 16- or 8-byte units when Dt allows (16x or 8x fewer
+    # elements; complex128 only as 16 opaque bytes: a copy moves them bit for bit), read in
+    # place when the page stride and offset are multiples of the unit
+    w = 16 if dt % 16 == 0 else 8 if dt % 8 == 0 else 1
+    if w > 1:
+        if vals.stride(0) % w or vals.storage_offset() % w:
+            vals = vals.clone(memory_format=torch.contiguous_format)   # (contiguous() keeps a lone row's stride)
+        vals = vals.view(torch.complex128 if w == 16 else torch.int64)
     vals = vals.reshape(-1, g, tb // dt, n, dt // w).permute(0, 1, 3, 2, 4).contiguous()
     return vals.view(torch.uint8).reshape(-1, tb)
 
@@ -192,7 +197,8 @@ def page_block_words(pg: torch.Tensor, *, page_size: int, head_dim: int, shuffle
     tb, nb = head_dim // 2, head_dim // MX_BLOCK
     vals = pg[:, :page_size * tb]
     if vals.stride(0) % 2 or vals.storage_offset() % 2:
-        vals = vals.contiguous()               # an odd page stride: int16 words need even offsets
+        # an odd page stride: int16 words need even offsets (contiguous() keeps a lone row's stride)
+        vals = vals.clone(memory_format=torch.contiguous_format)
     words = vals.view(torch.int16)
     p = pg.shape[0]
     if shuffle is None:

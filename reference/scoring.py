@@ -66,16 +66,34 @@ def _pair_lut(device: torch.device, dtype: torch.dtype = torch.float32, factor: 
     return lut.to(device)
 
 
+@functools.lru_cache(maxsize=8)
+def _scaled_byte_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Entry (e << 8) | byte: the two values e2m1(byte & 15) * 2**(e - 127) and
+    e2m1(byte >> 4) * 2**(e - 127), computed in fp64 (exact) and stored as one element of
+    twice the width (fp32 pair: int64, fp64 pair: complex128); e = 255 (NaN scale): NaN."""
+    e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64)
+    b = torch.arange(256)
+    pair = torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)                       # [256, 2]
+    e = torch.arange(256)
+    pow2 = ((e.clamp(max=254) - 127 + 1023) << 52).view(torch.float64)        # 2**(e - 127)
+    pow2 = torch.where(e == E8M0_NAN, float("nan"), pow2)
+    lut = (pow2[:, None, None] * pair).to(dtype).contiguous()                 # [256, 256, 2]
+    if dtype == torch.float64:
+        return torch.view_as_complex(lut).view(-1).to(device)
+    return lut.view(torch.int64).view(-1).to(device)
+
+
 def dequantize_mxfp4_f32(packed: torch.Tensor, scales: torch.Tensor,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Exact dequantization for scale bytes in [2, 252] (others give subnormals, inf or
-    NaN; the exact core sends those entries to the generic fp64 one). `dtype` fp64: the
-    same values, read from an fp64 table (no fp32 pass)."""
+    """MXFP4 values in fp32 (exact for scale bytes in [0, 252]; 253 and 254 overflow, 255
+    is NaN; the exact cores send those entries to the generic fp64 one) or fp64 (exact for
+    every scale byte). One table read per byte, scale folded in: (e << 8) | byte -> the
+    byte's two values."""
     nb = scales.shape[-1]
-    words = packed.contiguous().view(torch.int16).reshape(-1).int() & 0xFFFF
-    vals = _pair_lut(packed.device, dtype).index_select(0, words).view(*scales.shape, MX_BLOCK)
-    pow2 = (scales.int().clamp(1, 254) << 23).view(torch.float32)        # 2**(e - 127)
-    return vals.mul_(pow2.to(dtype).unsqueeze(-1)).view(*scales.shape[:-1], nb * MX_BLOCK)
+    idx = packed.reshape(*scales.shape, -1) + (scales.int() << 8).unsqueeze(-1)   # int32
+    vals = _scaled_byte_lut(packed.device, dtype).index_select(0, idx.view(-1))
+    vals = torch.view_as_real(vals) if dtype == torch.float64 else vals.view(dtype)
+    return vals.reshape(*scales.shape[:-1], nb * MX_BLOCK)
 
 
 def _block_exponents(packed: torch.Tensor, scales: torch.Tensor):
@@ -170,19 +188,83 @@ def blockwise_f32_columns(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
     return column_cores(q_packed, q_scale, k_packed, k_scale) <= CORE_BLOCKS
 
 
+def _cpu_cores(q_packed, q_scale, k_scale):
+    """The CPU's choice per key column: (q8, mq, lo: the keys' least scale bytes, i8, f64),
+    i8 where the int8 table core serves the column (the queries' and the key's scale bytes
+    within `_I8_SPREAD` binades, the CPU's int8 GEMM proven exact), f64 where the fp64
+    table core does; the other columns go to their `column_cores` core."""
+    nb = k_scale.shape[-1]
+    q8, mq, qspread = int8_operand(q_packed, q_scale)
+    qs = int(qspread.max())
+    lo, hi = torch.aminmax(k_scale, dim=-1)
+    ks = hi - lo                                                   # uint8: hi >= lo
+    ok = hi != E8M0_NAN
+    i8 = ok & (ks <= _I8_SPREAD) if qs <= _I8_SPREAD and _cpu_int_mm_exact() else torch.zeros_like(ok)
+    f64 = ok & ~i8 & (ks <= _F64_SHIFTS) & (ks.int() + qs <= 53 - (nb * 4608 - 1).bit_length())
+    return q8, mq, lo, i8, f64
+
+
+def cpu_core_shares(q_packed, q_scale, k_packed, k_scale) -> dict:
+    """The share of key columns each CPU core scores (for benchmarks): int8 and fp64 table
+    cores, then the `column_cores` cores of the rest."""
+    if bool((q_scale == E8M0_NAN).any()):
+        i8 = f64 = torch.zeros(k_scale.shape[0], dtype=torch.bool)
+    else:
+        *_, i8, f64 = _cpu_cores(q_packed, q_scale, k_scale)
+    rest = column_cores(q_packed, q_scale, k_packed, k_scale)[~(i8 | f64)]
+    j = max(1, k_scale.shape[0])
+    return {"int8 table": int(i8.sum()) / j, "fp64 table": int(f64.sum()) / j,
+            **{name: int((rest == c).sum()) / j for name, c in (("fp32", CORE_F32), ("fp64", CORE_F64),
+                                                                ("blocks", CORE_BLOCKS),
+                                                                ("generic", CORE_FP64_GENERIC))}}
+
+
 def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
-    """Same values as `weighted_relu_logits` on the dequantized operands (fp64 [Rw, J]),
-    each column from its `column_cores` core: exact dots wherever the core's proof holds
-    (fp32 or fp64 matmul, or per-block fp32 dots summed in fp64: those are exact up to 40
-    binades between a pair's blocks, beyond that only the 3 block additions round);
-    relu and the weighted head sum in fp64. The fp64 matmul is about as fast as the fp32
-    one on a CPU (the scorer streams keys), so wide scale spreads cost little."""
+    """Same values as `weighted_relu_logits` on the dequantized operands (fp64 [Rw, J]):
+    exact dots, relu and the weighted head sum in fp64, summed over the heads in order
+    (the order of the fp64 matmul there; `_head_sum`). On a CPU, by the spread of each
+    key's scale bytes (all blocks counted) and the queries' (live blocks): int8 dots where
+    both are within `_I8_SPREAD` binades, else one fp64 matmul where the key's are within
+    `_F64_SHIFTS` and the pair's within the fp64 proof (`_table_core`); the other columns
+    (and all on other devices) from their `column_cores` core: an fp32 or fp64 matmul, or
+    per-block fp32 dots summed in fp64 (exact up to 40 binades between a pair's blocks,
+    beyond that only the 3 block additions round)."""
+    rw = q_scale.shape[0]
+    j, nb = k_scale.shape
+    out = torch.empty(rw, j, dtype=torch.float64, device=q_packed.device)
+    if rw == 0 or j == 0:
+        return out
+    if q_packed.device.type != "cpu" or bool((q_scale == E8M0_NAN).any()):
+        return _column_core_logits(q_packed, q_scale, k_packed, k_scale, w)
+    q8, mq, lo, i8, f64 = _cpu_cores(q_packed, q_scale, k_scale)
+    if bool(i8.all()):
+        _table_core(q8, w.double() * _pow2(mq), k_packed, k_scale, lo, out)
+        return out
+    cores = [(i8, lambda kp, ksc, klo, o: _table_core(q8, w.double() * _pow2(mq), kp, ksc, klo, o)),
+             (f64, lambda kp, ksc, klo, o: _table_core(dequantize_mxfp4_f32(q_packed, q_scale, torch.float64),
+                                                      w.double(), kp, ksc, klo, o))]
+    rest = ~(i8 | f64)
+    for sel, core in cores:
+        if bool(sel.all()):
+            core(k_packed, k_scale, lo, out)
+            return out
+        if bool(sel.any()):
+            cols = sel.nonzero().flatten()
+            part = torch.empty(rw, cols.numel(), dtype=torch.float64)
+            core(k_packed[cols], k_scale[cols], lo[cols], part)
+            out[:, cols] = part
+    if bool(rest.any()):
+        cols = rest.nonzero().flatten()
+        out[:, cols] = _column_core_logits(q_packed, q_scale, k_packed[cols], k_scale[cols], w)
+    return out
+
+
+def _column_core_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
+    """fp64 [Rw, J], each column from its `column_cores` core."""
     rw, h = q_scale.shape[:2]
     nb = q_scale.shape[-1]
     j = k_scale.shape[0]
     out = torch.empty(rw, j, dtype=torch.float64, device=q_packed.device)
-    if rw == 0 or j == 0:
-        return out
     cores = column_cores(q_packed, q_scale, k_packed, k_scale)
     q32 = w64 = None
     for core in (CORE_F32, CORE_F64, CORE_BLOCKS, CORE_FP64_GENERIC):
@@ -195,44 +277,170 @@ def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
         if core == CORE_FP64_GENERIC:
             res = weighted_relu_logits(mxfp4.dequantize_mxfp4(q_packed, q_scale, torch.float64),
                                        mxfp4.dequantize_mxfp4(kp, ks, torch.float64), w)
-        else:
+        elif core == CORE_BLOCKS:
             if q32 is None:
                 q32, w64 = dequantize_mxfp4_f32(q_packed, q_scale), w.double()
-            if core == CORE_BLOCKS:
-                res = _blockwise_f32(q32, dequantize_mxfp4_f32(kp, ks), w64, nb)
-            else:
-                # keys dequantized a chunk at a time, so the matmul reads them from cache
-                qx = q32 if core == CORE_F32 else q32.double()
-                dt = torch.float32 if core == CORE_F32 else torch.float64
-                res = torch.empty(rw, kp.shape[0], dtype=torch.float64, device=q_packed.device)
-                for c0 in range(0, kp.shape[0], _KEY_CHUNK):
-                    kc = dequantize_mxfp4_f32(kp[c0:c0 + _KEY_CHUNK], ks[c0:c0 + _KEY_CHUNK], dt)
-                    res[:, c0:c0 + _KEY_CHUNK] = _dense(qx, kc, w64)
+            res = _blockwise_f32(q32, dequantize_mxfp4_f32(kp, ks), w64, nb)
+        else:
+            dt = torch.float32 if core == CORE_F32 else torch.float64
+            res = _dense(dequantize_mxfp4_f32(q_packed, q_scale, dt), kp, ks, w.double())
         if whole:
             return res
         out[:, cols] = res
     return out
 
 
-def _dense(q32, k32, w64) -> torch.Tensor:
-    """fp64 [Rw, J] from fp32 or fp64 dots that are exact (the caller proved it), relu
-    and the weighted head sum in fp64; tiled so that per-head scores never fill memory."""
-    rw, h = q32.shape[:2]
-    j = k32.shape[0]
-    out = torch.empty(rw, j, dtype=torch.float64, device=q32.device)
-    jc = max(1, min(j, _TILE_ELEMS // h))
-    rc = max(1, _TILE_ELEMS // (h * jc))
-    for r0 in range(0, rw, rc):
-        qr = q32[r0:r0 + rc]
-        wr = w64[r0:r0 + rc].unsqueeze(1)
-        for j0 in range(0, j, jc):
-            s = torch.matmul(qr, k32[j0:j0 + jc].T).clamp_min_(0).to(torch.float64)
-            out[r0:r0 + rc, j0:j0 + jc] = torch.bmm(wr, s).squeeze(1)
+def _head_sum(w64: torch.Tensor, s64: torch.Tensor) -> torch.Tensor:
+    """sum_h w[r, h] * s[r, h, j] in fp64: [Rw, H] x [Rw, H, J] -> [Rw, J]. The products are
+    exact (the callers' dots are exact, w has 24 bits), the sum is the bmm's: over h in
+    order, the same for any J, chunk or row count (the reference's tests pin it bitwise)."""
+    return torch.bmm(w64.unsqueeze(1), s64).squeeze(1)
+
+
+def _dense(q, k_packed, k_scale, w64) -> torch.Tensor:
+    """fp64 [Rw, J] from fp32 or fp64 (q's dtype) dots that are exact (the caller proved it),
+    relu and the weighted head sum in fp64. Keys are dequantized `_CPU_KEYS` at a time, so
+    the matmul reads them from cache, and rows go `_CPU_TILE` scores at a time."""
+    rw, h, d = q.shape
+    j = k_scale.shape[0]
+    out = torch.empty(rw, j, dtype=torch.float64, device=q.device)
+    rc = max(1, _CPU_TILE // (h * _CPU_KEYS))
+    for c0 in range(0, j, _CPU_KEYS):
+        k = dequantize_mxfp4_f32(k_packed[c0:c0 + _CPU_KEYS], k_scale[c0:c0 + _CPU_KEYS], q.dtype)
+        for r0 in range(0, rw, rc):
+            s = _relu64(torch.matmul(q[r0:r0 + rc], k.T))                  # [rc, H, c]
+            out[r0:r0 + rc, c0:c0 + _CPU_KEYS] = _head_sum(w64[r0:r0 + rc], s)
     return out
 
 
-# keys per chunk of the matmul cores (4096 x 128 fp64 = 4 MB)
-_KEY_CHUNK = 4096
+# --- the CPU's table-decoded cores ----------------------------------------------------
+#
+# A key whose scale bytes e_b lie in [lo, lo + S] is k = c * 2**(lo - 128) with c the
+# vector of 2 * e2m1 * 2**(e_b - lo): small integers, read from a table (the shift and the
+# decode in one gather; dead blocks decode to zeros whatever their scale byte). For q . c
+# exact, scaling by the power of two 2**(lo - 128) > 0 commutes with relu, and every fp64
+# product and sum of
+#     logits[r, j] = 2**(lo[j]-128) * sum_h w[r,h] * relu(q[r,h] . c[j])
+# is the one of `_head_sum` on the true dots scaled by the same power of two (no value
+# nears fp64's subnormal or overflow range): the same bits, whatever rounds. Two cores:
+# * int8 (S = `_I8_SPREAD`, |c| <= 12 * 2**3 = 96; a word per table read, index
+#   s * 65536 + word + 32768): the queries as `int8_operand`s too (q = q8 * 2**(mq - 128),
+#   that factor moved onto w: exact), int32 dots exact;
+# * fp64 (S = `_F64_SHIFTS`, |c| <= 12 * 2**11 fits int16; a byte per table read, index
+#   s << 8 | byte): the queries' fp64 values, c converted to fp64 (exact) just before one
+#   fp64 matmul, exact where the pair's spread is within the fp64 proof (`column_cores`).
+
+# keys per matmul (and per-head scores per tile, fp64 2 MB: in cache between the matmul
+# and the head sum), decoded keys per gather (4 MB)
+_CPU_KEYS = 4096
+_CPU_TILE = 1 << 18
+_CPU_DECODE_BYTES = 1 << 22
+_F64_SHIFTS = 11
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2**(e - 128) in fp64 (exact, e an e8m0 byte in [0, 254])."""
+    return ((e.long() - 128 + 1023) << 52).view(torch.float64)
+
+
+@functools.lru_cache(maxsize=4)
+def _shift_byte_lut_i16(device: torch.device) -> torch.Tensor:
+    """int32 [(_F64_SHIFTS + 1) * 256]: entry (s << 8) | byte holds, in memory order, the int16
+    values 2 * e2m1(byte & 15) * 2**s and 2 * e2m1(byte >> 4) * 2**s (|.| <= 12 * 2**11)."""
+    e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64) * 2
+    b = torch.arange(256)
+    pair = torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)                       # [256, 2]
+    lut = torch.cat([pair * 2 ** s for s in range(_F64_SHIFTS + 1)]).to(torch.int16).contiguous()
+    return lut.view(torch.int32).view(-1).to(device)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_int_mm_exact() -> bool:
+    """Whether torch's CPU int8 GEMM returns exact int32 dots at the operands' extremes
+    (|.| <= 96, K = 128: a u8 x s8 pair sum in int16, as some int8 GEMMs without VNNI form,
+    saturates here). Checked once."""
+    pattern = torch.tensor([[96] * 8, [-96] * 8, [96, -96] * 4, [96, 96, -96, 96, -96, -96, 96, -96]])
+    a = pattern.repeat(5, 16).to(torch.int8)                                    # [20, 128]
+    b = torch.cat((pattern, -pattern)).repeat(3, 16).to(torch.int8)             # [24, 128]
+    try:
+        got = torch._int_mm(a, b.T)
+    except RuntimeError:
+        return False
+    return bool(torch.equal(got.long(), a.long() @ b.long().T))
+
+
+def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
+    """out fp64 [Rw, J] from queries q [Rw, H, D] (int8: the int8 core, w64 carrying their
+    factor; fp64: the fp64 core) and keys whose scale bytes lie in [lo, lo + S] (lo [J],
+    NaN excluded); the caller proved the dots exact. Few, large operations: keys decoded
+    (to int8 or int16) `_CPU_DECODE_BYTES` at a time, scored `_CPU_KEYS` at a time (fp64:
+    converted just before the matmul), the power of two last."""
+    rw, h, d = q.shape
+    j, nb = k_scale.shape
+    int8 = q.dtype == torch.int8
+    shift = (k_scale - lo.unsqueeze(-1)).int().unsqueeze(-1)                       # [J, nb, 1]
+    if int8:    # a word (2 bytes) per index: entry s * 65536 + (word + 32768) -> 4 int8 values
+        kp = k_packed.reshape(j, nb, -1).view(torch.int16)
+        sh = (shift << 16) + 32768
+        lut = _shifted_word_lut(q.device)
+    else:       # a byte per index: entry (s << 8) | byte -> 2 int16 values
+        kp = k_packed.reshape(j, nb, -1)
+        sh = shift << 8
+        lut = _shift_byte_lut_i16(q.device)
+    per_key = kp.shape[1] * kp.shape[2]                                            # table reads
+    step = _CPU_KEYS
+    dk = max(step, _CPU_DECODE_BYTES // (d * (1 if int8 else 2)) // step * step)
+    # buffers reused chunk after chunk: they stay in cache, no page faults
+    idx = torch.empty(min(j, dk) * per_key, dtype=torch.int32)
+    kbuf = torch.empty(min(j, dk) * per_key, dtype=lut.dtype)
+    bufs: dict = {}
+    for d0 in range(0, j, dk):
+        dn = min(dk, j - d0)
+        ic = idx[:dn * per_key]
+        ic.view(dn, nb, -1).copy_(kp[d0:d0 + dn]).add_(sh[d0:d0 + dn])             # no temporary
+        kd = torch.index_select(lut, 0, ic, out=kbuf[:dn * per_key])
+        score_decoded(q, w64, kd.view(torch.int8 if int8 else torch.int16).view(dn, d), out[:, d0:d0 + dn], bufs)
+    out.mul_(_pow2(lo))
+
+
+def score_decoded(q, w64, kd, out, bufs=None) -> None:
+    """out fp64 [Rw, J] = sum_h w64[r, h] * relu(q[r, h] . kd[j]) for decoded keys kd
+    (int8 [J, D] with int8 q: exact int32 dots; int16 [J, D] with fp64 q: exact fp64 dots
+    where the caller proved it), relu and the head sum in fp64 (`_head_sum`'s order),
+    `_CPU_KEYS` keys at a time (fp64: converted just before the matmul); the keys' powers
+    of two are the caller's. `bufs`: scratch kept across calls."""
+    rw, h, d = q.shape
+    j = kd.shape[0]
+    int8 = q.dtype == torch.int8
+    step = _CPU_KEYS
+    rc = max(1, min(rw, _CPU_TILE // (h * step)))
+    cc = min(j, step)
+    bufs = {} if bufs is None else bufs
+    if bufs.get("shape") != (rc, h, cc, d, int8):
+        bufs.update(shape=(rc, h, cc, d, int8),
+                    k64=None if int8 else torch.empty(cc, d, dtype=torch.float64),
+                    dots=torch.empty(rc * h * cc, dtype=torch.int32 if int8 else torch.float64))
+        bufs["s64"] = torch.empty(rc * h * cc, dtype=torch.float64) if int8 else bufs["dots"]
+    k64, dots, s64 = bufs["k64"], bufs["dots"], bufs["s64"]
+    for c0 in range(0, j, step):
+        c = min(step, j - c0)
+        kc = kd[c0:c0 + c] if int8 else k64[:c].copy_(kd[c0:c0 + c])               # int16 -> fp64, exact
+        for r0 in range(0, rw, rc):
+            rn = min(rc, rw - r0)
+            dc, sc = dots[:rn * h * c].view(rn * h, c), s64[:rn * h * c].view(rn, h, c)
+            qm = q[r0:r0 + rn].reshape(rn * h, d)
+            if int8:
+                torch._int_mm(qm, kc.T, out=dc)                                    # exact int32 dots
+                sc.copy_(dc.clamp_min_(0).view(rn, h, c))                          # relu, to fp64
+            else:
+                torch.mm(qm, kc.T, out=dc).clamp_min_(0)                           # exact fp64 dots, relu
+            dst = out[r0:r0 + rn, c0:c0 + c]
+            if rn == 1:
+                torch.mm(w64[r0:r0 + 1], sc[0], out=dst)                           # = `_head_sum`
+            else:
+                dst.copy_(_head_sum(w64[r0:r0 + rn], sc))
+
+
 # columns per chunk of the blockwise core: its fp32 and fp64 block scores stay in cache
 _BLOCK_COLS = 1024
 
@@ -386,7 +594,7 @@ def _i8_logits(q8, mq, k8, mk, w, out) -> None:
                 _int_dots(q8[g0 + i, r0:r0 + rn].reshape(rn * h, -1), k8[g0 + i], n[i])
             s = _relu64(n).view(gn * rn, h, jp)
             dots = torch.bmm(wq[g0:g0 + gn, r0:r0 + rn].reshape(gn * rn, 1, h), s).view(gn, rn, jp)
-            out[g0:g0 + gn, r0:r0 + rn] = dots[:, :, :j] * colscale[g0:g0 + gn]
+            torch.mul(dots[:, :, :j], colscale[g0:g0 + gn], out=out[g0:g0 + gn, r0:r0 + rn])
 
 
 def _dense_logits(q_packed, q_scale, k_packed, k_scale, w, out, dt) -> None:
@@ -613,8 +821,13 @@ def _paged_i8_logits(q_packed, q_scale, pg, k_scale, w, n, j, geo):
     e_all = k_scale.shape[0] // g                                         # entries per sequence read
     if q_packed.shape[-1] * 2 % 8:
         return None
-    mk = k_scale.amin(-1)
-    kspread = (k_scale.amax(-1) - mk).view(g, e_all)                       # uint8: hi - lo >= 0
+    # an entry's least and greatest scale byte as elementwise ops on its NB byte columns (a
+    # reduction over 4 bytes per row runs far below the device's bandwidth)
+    cols = k_scale.unbind(-1)
+    mk, hi = cols[0], cols[0]
+    for c in cols[1:]:
+        mk, hi = torch.minimum(mk, c), torch.maximum(hi, c)
+    kspread = (hi - mk).view(g, e_all)                                     # uint8: hi - lo >= 0
     k8 = paged_int8_keys(pg, k_scale, mk, **geo)
     if k8 is None:
         return None

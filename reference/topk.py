@@ -14,11 +14,19 @@ def topk_indices(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.T
     lengths = lengths.long()
     cols = torch.arange(k, device=logits.device)
     out = torch.where(cols[None, :] < lengths[:, None], cols[None, :], -1)       # right for short rows
-    long_rows = (lengths > k).nonzero().flatten()
-    if long_rows.numel():
-        masked = logits[long_rows].double().masked_fill_(         # a copy (advanced indexing)
-            torch.arange(width, device=logits.device)[None, :] >= lengths[long_rows, None], float("-inf"))
-        out[long_rows] = torch.topk(masked, k, dim=1).indices
+    is_long = lengths > k
+    if not bool(is_long.any()):
+        return out.to(torch.int32)
+    every = bool(is_long.all())
+    rows = logits.double() if every else logits[is_long.nonzero().flatten()].double()
+    ends = lengths if every else lengths[is_long]
+    if bool((ends < width).any()):              # one pass: -inf past each row's end (a new tensor)
+        past = torch.arange(width, device=logits.device)[None, :] >= ends[:, None]
+        rows = torch.where(past, float("-inf"), rows)
+    best = torch.topk(rows, k, dim=1).indices
+    if every:
+        return best.to(torch.int32)
+    out[is_long] = best
     return out.to(torch.int32)
 
 
@@ -30,6 +38,8 @@ def check_topk_args(logits, lengths, k: int) -> None:
     dims.check("lengths", lengths, checks.INT_DTYPES, ("Rw",))
     checks.scalar("k", k, positive=True)
     checks.int_range("lengths", lengths, 0, logits.shape[1] + 1)
+    if bool(torch.isfinite(logits).all()):
+        return
     valid = torch.arange(logits.shape[1], device=logits.device)[None, :] < lengths.long()[:, None]
     bad = valid & ~torch.isfinite(logits)
     if bool(bad.any()):

@@ -106,3 +106,42 @@ def test_sigint_stops_the_run_with_a_partial_report(tmp_path, jobs, workers, sig
     r = subprocess.run([sys.executable, "-m", "harness", "report", str(d), "-q"], cwd=ROOT, capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode == 130, r.stderr
+
+
+DRIVER = """
+import hashlib, sys
+from harness.run import runner
+real = runner.run_case
+def run_case(case, *a, **kw):
+    if case.name == "slow-0":              # one native call of minutes: the GIL released, no signal checked
+        print("native", flush=True)
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", 2 ** 31 - 1)
+    return real(case, *a, **kw)
+runner.run_case = run_case
+from harness.commands.cli import main
+sys.exit(main())
+"""
+
+
+def test_sigterm_inside_a_long_native_call_still_writes_the_partial_report(tmp_path):
+    """The running case is inside one native call that never returns to Python (a kernel, a
+    host op over GiBs): SIGTERM still stops the run within seconds with the finished cases'
+    report, naming the signal."""
+    d = tmp_path / "r"
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "slow.toml").write_text(SUITE)
+    p = subprocess.Popen([sys.executable, "-c", DRIVER, "validate", "--suite", "slow", "--backend", "reference",
+                          "--cases-dir", str(tmp_path / "cases"), "--report-dir", str(d), "-q"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.stdout.readline().strip() == "native", p.communicate()
+    time.sleep(0.5)
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    took = time.time() - t0
+    assert p.returncode == 130 and took < STOP_WITHIN_S, (took, out, err)
+    data = json.loads((d / "report.json").read_text())
+    assert [c["case"] for c in data["cases"]] == ["quick-1", "quick-2"]
+    assert data["run"]["interrupted"]["signal"] == "SIGTERM"
+    assert data["run"]["interrupted"]["cancelled"] == [f"slow-{i}" for i in range(6)]

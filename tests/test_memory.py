@@ -21,6 +21,23 @@ def test_tensor_bytes_counts_each_storage_once():
     assert memory.tensor_bytes() == 0 and memory.tensor_bytes(None, 3, "s") == 0
 
 
+def test_a_storage_freed_and_another_at_its_address_count_twice():
+    """Over a span of time, a new storage where a freed one was is another tensor of the
+    span; a live one seen again through a view is not."""
+    s = memory.StorageSet()
+    a = torch.zeros(1000)
+    s.add(a, {"v": a[10:]})
+    assert s.bytes() == 4000
+    refs = s._at.pop(next(iter(s._at)))                    # a's entry, soon dead
+    del a
+    b = torch.zeros(1000)
+    s._at[(str(b.device), b.untyped_storage().data_ptr())] = refs      # as if b took a's address
+    s.add(b)
+    assert s.bytes() == 8000
+    s.add(b.view(10, 100))
+    assert s.bytes() == 8000
+
+
 def test_a_cpu_case_has_tensor_bytes_and_no_peak():
     r = run_case(Catalog().case("smoke-chunks-shuffled"), "reference")
     assert r["outcome"] == "ok", r["reason"]
@@ -181,3 +198,185 @@ def test_only_cpu_filled_pools_are_prebuilt():
     ref = get_backend("reference")
     assert _prebuild(big, ref) is None                     # its pool's bytes come from the device
     assert _prebuild(small, ref) is not None
+
+
+def _scores(rows=37, width=700, k=64, seed=11, ties=True):
+    """fp64 scores with ties (unless not `ties`), zeros, NaN/inf, short and empty rows; fp32
+    logits off by a few ulps in some rows and wrong in one; a top-k with every kind of fault
+    in a few rows."""
+    import math
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(rows, width, generator=g, dtype=torch.float64) * 4
+    e[0, :200] = 0.0
+    if ties:
+        e[5, 1::3] = e[5, 0]
+    e[6, 7] = float("-inf")
+    ends = torch.randint(0, width + 1, (rows,), generator=g)
+    ends[:3] = torch.tensor([width, 0, k // 2])
+    ends[11:14] = width
+    a = e.float()
+    a[9, :50] += 0.5
+    a[10, 3] = float("nan")
+    clean = a.clone()
+    for r in range(rows):
+        clean[r, int(ends[r]):] = -math.inf
+    clean[4, -1] = 1.0
+    masked = torch.where(torch.arange(width)[None] < ends[:, None], e, -math.inf)
+    idx = torch.topk(masked, k, 1).indices
+    idx = torch.where(torch.arange(k)[None] < torch.minimum(ends, torch.tensor(k))[:, None], idx, -1)
+    idx[ends <= k] = torch.where(torch.arange(k)[None] < ends[ends <= k, None], torch.arange(k)[None], -1)
+    idx[11, 0] = idx[11, 1]                       # duplicate
+    idx[12, -1] = int(ends[12]) + 1 if ends[12] < width - 1 else -2      # out of range
+    idx[13, 5] = int(e[13].argmin())         # below the tie rule
+    idx[2, 0], idx[2, 1] = idx[2, 1], idx[2, 0]   # a short row out of order
+    return a, e, clean, ends, idx.int(), k
+
+
+def test_scores_compared_in_row_blocks_give_the_same_reports(monkeypatch):
+    """diff_logits, diff_topk and the logit-error plot walk the rows a block at a time (no
+    buffer-sized mask, no host copy of a 2^20-wide buffer): block edges must change no count,
+    no finding and no plotted value, down to a block of one row."""
+    from harness.diff import scores
+    from harness.run import runner
+    a, e, clean, ends, idx, k = _scores()
+
+    def reports():
+        lg = [scores.diff_logits(x, e, ends, clean=c) for x, c in ((a, False), (clean, True))]
+        tk = [scores.diff_topk(idx, e, ends, k, tol=t) for t in (None, 0.25)]
+        return ([(r.metrics, r.findings, r.notes) for r in lg],
+                [(r.metrics, r.findings, r.notes, scores.recall_points(r.rows)) for r in tk],
+                runner._logit_errors(a, e, ends), runner._logit_errors(a[:, :90], e[:, :90], ends.clamp(max=90)))
+    whole = reports()
+    lg, tk, errs, few = whole
+    assert lg[0][0]["logits_nonfinite"] > 0 and lg[0][0]["logits_rows_differing"] > 0
+    assert 0 < len(few) < 4000                                      # every finite error, not a subsample
+    assert lg[1][0]["logits_inf_pattern_mismatch"] > 0
+    assert {"duplicates", "out_of_range", "below_threshold", "padding"} <= {f["class"] for f in tk[0][1]}
+    assert len(errs) == 4000
+    for chunk in (8 * 700 * 3, 8 * 700, 1):                        # three rows, one row, one row (floor)
+        monkeypatch.setattr(scores, "CHUNK_BYTES", chunk)
+        assert len(scores.row_blocks(37, 700)) == (13 if chunk > 8 * 700 else 37)
+        got = reports()
+        assert repr(got) == repr(whole)
+
+
+def test_stage_seconds_are_recorded_only_when_asked(monkeypatch):
+    from harness.run import stagetime
+    case = Catalog().case("smoke-rowend-k")
+    monkeypatch.delenv(stagetime.ENV, raising=False)
+    assert "stage_seconds" not in run_case(case, "reference")["details"]
+    monkeypatch.setenv(stagetime.ENV, "1")
+    r = run_case(case, "reference")
+    st = r["details"]["stage_seconds"]
+    assert {"inputs", "reference", "backend", "diff", "row"} <= set(st)
+    assert sum(st.values()) <= r["seconds"] + 0.01 and all(v >= 0 for v in st.values())
+
+
+def test_a_nested_part_is_charged_to_itself_only():
+    import time
+
+    from harness.run.stagetime import StageClock
+    clock = StageClock("cpu", on=True)
+    with clock("outer"):
+        time.sleep(0.05)
+        with clock("inner"):
+            time.sleep(0.1)
+    s = clock.seconds
+    assert 0.09 < s["inner"] < 0.5 and 0.04 < s["outer"] < 0.09 + 0.05
+
+
+def test_jobs_on_a_gpu_fit_the_memory_shares(monkeypatch):
+    from harness.run import pipeline
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv(memory.FRACTION_ENV, raising=False)
+    assert pipeline.cap_jobs(4, 37, "cuda")[0] == 1                       # one worker per GPU
+    monkeypatch.setenv(memory.FRACTION_ENV, "0.3")
+    jobs, info = pipeline.cap_jobs(4, 37, "cuda")
+    assert jobs == 3 and "0.3" in info["cap"]                            # three 30 % shares fit
+    monkeypatch.setenv(memory.FRACTION_ENV, "0.5")
+    assert pipeline.cap_jobs(2, 37, "cuda")[0] == 2
+
+
+def test_repeat_bytes_compared_in_blocks_name_the_same_first_byte(monkeypatch):
+    """A repeat whose bytes changed: counted and located a block at a time, the same count
+    and first byte as over the whole valid region (here computed whole, by hand)."""
+    from types import SimpleNamespace
+
+    from harness.diff import scores
+    from harness.run import runner
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(9, 300, generator=g)
+    ends = torch.tensor([300, 0, 17, 299, 5, 300, 1, 250, 64])
+    b = a.clone()
+    b[3, 298] += 1.0
+    b[7, 200:240] *= 3.0
+    b[1, 5] = 7.0                                   # past row 1's end (0): not compared
+    valid = torch.arange(300)[None] < ends[:, None]
+    x, y = a[valid].view(torch.uint8), b[valid].view(torch.uint8)
+    diff = (x != y).nonzero().flatten()
+    want = (f"{diff.numel()} of {x.numel()} bytes changed, first at byte {int(diff[0])}: "
+            f"0x{int(x[diff[0]]):02x} in run 1, 0x{int(y[diff[0]]):02x} in run 2")
+
+    def where(**scalars):
+        fake = SimpleNamespace(nondeterministic=[])
+        runner.ChainRun._same_bytes(fake, "paged_mxfp4_mqa_logits", 0, 2, {"logits": a}, {"logits": b},
+                                    {"row_ends": ends}, scalars)
+        return [f["where"].split(": ", 1)[1] for f in fake.nondeterministic]
+    assert where() == [want]
+    for chunk in (300 * 4 * 2, 1):
+        monkeypatch.setattr(scores, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(runner, "MAP_CHUNK_BYTES", 7)
+        assert where() == [want]
+        whole = (a.view(torch.uint8) != b.view(torch.uint8)).flatten().nonzero().flatten()
+        assert where(clean_logits=True) == [f"{whole.numel()} of {a.numel() * 4} bytes changed, first at byte "
+                                            f"{int(whole[0])}: 0x{int(a.view(torch.uint8).flatten()[whole[0]]):02x} "
+                                            f"in run 1, 0x{int(b.view(torch.uint8).flatten()[whole[0]]):02x} in run 2"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_scores_diffed_on_the_gpu_match_the_cpu():
+    """The same reports where the tensors live: every count, finding and plotted value; the
+    fp64 sums of logits_diff to within their last bits (another device sums in another order).
+    No tied scores: which of them is "the reference's own set" is torch.topk's choice on each
+    device (reference/topk.py leaves ties open)."""
+    from harness.diff import scores
+    from harness.run import runner
+    a, e, clean, ends, idx, k = _scores(ties=False)
+
+    def reports(dev):
+        lg = [scores.diff_logits(x.to(dev), e.to(dev), ends.to(dev), clean=c) for x, c in ((a, False), (clean, True))]
+        tk = scores.diff_topk(idx.to(dev), e.to(dev), ends.to(dev), k)
+        return lg, tk, runner._logit_errors(a.to(dev), e.to(dev), ends.to(dev))
+    (lc, tc, ec), (lg, tg, eg) = reports("cpu"), reports("cuda")
+    sums = ("logits_diff", "topk_mass_kept_min")              # fp64 sums (and exp) in the device's order
+
+    def exact(m):
+        return {k: v for k, v in m.items() if k not in sums}
+
+    def no_sums(fs):
+        return [{k: v for k, v in f.items() if k != "row_diff"} for f in fs]
+    for c, g in [*zip(lc, lg), (tc, tg)]:
+        assert exact(c.metrics) == exact(g.metrics) and repr(no_sums(c.findings)) == repr(no_sums(g.findings))
+        for k in sums:
+            assert g.metrics.get(k, 0.0) == pytest.approx(c.metrics.get(k, 0.0), rel=1e-12)
+        assert [f.get("row_diff", 0.0) for f in g.findings] == pytest.approx([f.get("row_diff", 0.0) for f in c.findings],
+                                                                        rel=1e-9)
+    pc, pg = scores.recall_points(tc.rows), scores.recall_points(tg.rows)
+    assert [p[:3] for p in pc] == [p[:3] for p in pg] and [p[3] for p in pg] == pytest.approx([p[3] for p in pc])
+    assert max(abs(x - y) for x, y in zip(ec, eg)) <= 0.001 and len(ec) == len(eg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_the_peak_leaves_out_what_outlives_the_block():
+    keep = []
+    p = memory.Peak("cuda").start()
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")          # the block's own, released
+    keep.append(torch.empty(32 << 20, dtype=torch.uint8, device="cuda"))  # a cache that stays
+    del x
+    p.stop()
+    assert p.bytes >= 96 << 20
+    assert p.own() == p.bytes - (32 << 20) and p.kept == 32 << 20
+    assert memory.tensor_bytes(torch.empty(3, device="cuda")) == memory.BLOCK

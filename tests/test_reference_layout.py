@@ -63,7 +63,7 @@ def test_choose_shuffle_rule():
     assert layout.choose_shuffle(96, 31).as_list() == [16, 16, 4]
 
 
-@pytest.mark.parametrize("pad", [40, 13])                              # 13: rows not 8-byte aligned
+@pytest.mark.parametrize("pad", [40, 13, 16])                  # 13: rows not 8-byte aligned; 16: read in place
 @pytest.mark.parametrize("page_size,d,shuffle", CASES)
 def test_write_read_roundtrip_with_padding(gen, page_size, d, shuffle, pad):
     pages, stride = 3, layout.page_bytes(page_size, d) + pad           # padded pages
@@ -126,3 +126,19 @@ def test_page_block_words_copy_to_the_unshuffled_values(gen, page_size, d, shuff
     assert words.shape[1] * words.shape[2] == page_size and words.shape[3] * words.shape[4] == d // 32
     vals = layout.page_values(pg, page_size=page_size, head_dim=d, shuffle=shuffle)
     assert torch.equal(words.contiguous().view(torch.uint8).view(pages * page_size, d // 2), vals)
+
+
+@pytest.mark.parametrize("stride_pad", [8, 13])
+def test_one_page_with_an_unaligned_stride_is_read(gen, stride_pad):
+    """One gathered page whose stride is not a multiple of the read unit (a lone row keeps
+    its stride through contiguous()): values and block words still read."""
+    page_size, d, shuffle = 64, 128, (32, 16, 2)
+    pool = torch.randint(0, 256, (2, layout.page_bytes(page_size, d) + stride_pad), dtype=torch.uint8, generator=gen)
+    pg = layout.gather_pages(pool, torch.tensor([1]), page_size=page_size, head_dim=d, shuffle=shuffle)
+    vals = layout.page_values(pg, page_size=page_size, head_dim=d, shuffle=shuffle)
+    slots = torch.arange(page_size) + page_size
+    want, _ = layout.read_entries(pool, slots, page_size=page_size, head_dim=d, shuffle=shuffle)
+    assert torch.equal(vals, want)
+    words = layout.page_block_words(pg, page_size=page_size, head_dim=d, shuffle=shuffle)
+    assert torch.equal(words.contiguous().view(torch.uint8).view(page_size, d // 2), want)
+

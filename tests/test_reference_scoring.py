@@ -446,3 +446,197 @@ def test_paged_int8_keys_step_aside_past_a_spread_of_3(gen, monkeypatch):
     flat[vo[0, 16:32]] = 0x77
     assert not torch.allclose(scoring.paged_mxfp4_mqa_logits_fp64(**kw)[~want.isinf()], dense_loop(kw)[~want.isinf()],
                               rtol=1e-15, atol=0)
+
+
+# --- the CPU's table-decoded cores (one sequence at a time) ----------------------------
+
+def bits(a):
+    return a.contiguous().view(torch.int64)
+
+
+def cpu_case(gen, r, h, j, q_lo_hi, k_mode):
+    """Queries with scale bytes q_lo_hi[0] + [0, q_lo_hi[1]); keys by k_mode; dead blocks,
+    all-zero and all -0.0 vectors, zero and -0.0 weights planted."""
+    qp, qs = rand_entries(gen, r, h=h)
+    qs = (torch.randint(q_lo_hi[0], q_lo_hi[0] + q_lo_hi[1], qs.shape, generator=gen)).to(torch.uint8)
+    kp, ks = rand_entries(gen, j)
+    if k_mode == "spread-3":          # e8m0's extremes included
+        ks = (torch.randint(0, 252, (j, 1), generator=gen) + torch.randint(0, 4, (j, D // 32), generator=gen))
+        ks[::5] = torch.tensor([0, 3, 1, 2])
+        ks[1::5] = torch.tensor([254, 251, 252, 253])
+    elif k_mode == "spread-11":
+        ks = torch.randint(100, 140, (j, 1), generator=gen) + torch.randint(0, 12, (j, D // 32), generator=gen)
+        ks[::4] = torch.tensor([0, 11, 7, 1])
+        ks[1::4] = torch.tensor([243, 254, 244, 250])
+    elif k_mode == "mixed":           # every core: int8, fp64 table, column cores, NaN
+        ks = torch.randint(115, 119, (j, D // 32), generator=gen)
+        ks[::3] = torch.randint(110, 126, (ks[::3].shape[0], D // 32), generator=gen)
+        ks[::7, 1] = 165
+        ks[::11, 2] = 255
+    ks = ks.clamp(0, 255).to(torch.uint8)
+    kp[::9] = 0
+    kp[4::9] = 0x88
+    kp[2::5, 16:32] = 0x80            # a dead block whose scale byte is off by far
+    ks[2::5, 1] = ks[2::5, 1] // 2
+    w = torch.randn(r, h, generator=gen)
+    w.view(-1)[::11] = 0.0
+    w.view(-1)[1::13] = -0.0
+    return qp, qs, kp, ks, w
+
+
+def generic(qp, qs, kp, ks, w):
+    return scoring.weighted_relu_logits(mxfp4.dequantize_mxfp4(qp, qs, torch.float64),
+                                        mxfp4.dequantize_mxfp4(kp, ks, torch.float64), w)
+
+
+@pytest.mark.parametrize("case", [
+    ((2, 64, 333), (118, 4), "spread-3", "int8"),
+    ((3, 8, 300), (0, 4), "spread-3", "int8"),
+    ((2, 16, 300), (118, 4), "spread-11", "fp64"),
+    ((2, 16, 300), (100, 20), "spread-3", "fp64"),                   # q spans 19: no int8
+    ((2, 16, 400), (118, 3), "mixed", None),
+])
+def test_cpu_table_cores_give_the_generic_fp64_bits(gen, monkeypatch, case):
+    """Every column of `mxfp4_relu_logits` on a CPU has the bits of the generic fp64 core
+    (exactly dequantized operands, one fp64 matmul, relu, the fp64 head sum), whichever
+    core scores it; key chunks and row tiles split the work several ways. Keys with a
+    dead block of a far-off scale byte (every 5th) may go to a slower core, never wrong."""
+    (r, h, j), qsc, k_mode, main = case
+    qp, qs, kp, ks, w = cpu_case(gen, r, h, j, qsc, k_mode)
+    monkeypatch.setattr(scoring, "_CPU_KEYS", 128)                    # 3 chunks, a short tail
+    monkeypatch.setattr(scoring, "_CPU_TILE", h * 128)               # one row per tile
+    used = {}
+    real = scoring._table_core
+    monkeypatch.setattr(scoring, "_table_core", lambda q, *a: used.update(
+        {("int8" if q.dtype == torch.int8 else "fp64"): a[1].shape[0]}) or real(q, *a))
+    got = scoring.mxfp4_relu_logits(qp, qs, kp, ks, w)
+    want = generic(qp, qs, kp, ks, w)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    exact = scoring.column_cores(qp, qs, kp, ks) != scoring.CORE_BLOCKS   # past 40 binades: 3 sums round
+    assert torch.equal(bits(got[~nan & exact]), bits(want[~nan & exact]))
+    if main is None:
+        assert set(used) == {"int8", "fp64"} and sum(used.values()) < j and (~exact).any() and nan.any()
+        blk = ~exact & ~nan
+        assert bool(((got - want).abs()[blk] <= 1e-13 * want.abs().nan_to_num(0).amax(1, keepdim=True).expand_as(want)[blk]).all())
+    else:
+        assert used[main] >= j - len(range(2, j, 5)) and sum(used.values()) <= j
+
+
+def test_cpu_table_cores_bounds_have_teeth(gen, monkeypatch):
+    """The bounds that send a column to a core are needed: a key spread of 4 overflows the
+    int8 operand (12 * 2**4 > 127), one of 12 the fp64 core's int16 decode, and an fp32
+    matmul rounds the spreads the fp64 core takes."""
+    qp, qs, kp, ks, w = cpu_case(gen, 2, 16, 200, (118, 4), "spread-11")
+    ks = ks.clamp(100, 150)
+    ks[:, 0] = ks[:, 1] + 4
+    ks[:, 2:] = ks[:, 1:2]
+    want = generic(qp, qs, kp, ks, w)
+    assert torch.equal(bits(scoring.mxfp4_relu_logits(qp, qs, kp, ks, w)), bits(want))
+    monkeypatch.setattr(scoring, "_I8_SPREAD", 4)
+    scoring._shifted_word_lut.cache_clear()
+    try:
+        assert not torch.allclose(scoring.mxfp4_relu_logits(qp, qs, kp, ks, w), want, rtol=1e-3)
+    finally:
+        monkeypatch.undo()
+        scoring._shifted_word_lut.cache_clear()
+    # a key spread of 12 overflows the fp64 core's int16 decode (12 * 2**12 > 32767)
+    ks12 = ks.clone()
+    ks12[:, 0] = ks12[:, 1] + 12
+    want = generic(qp, qs, kp, ks12, w)
+    assert torch.equal(bits(scoring.mxfp4_relu_logits(qp, qs, kp, ks12, w)), bits(want))
+    monkeypatch.setattr(scoring, "_F64_SHIFTS", 12)
+    scoring._shift_byte_lut_i16.cache_clear()
+    try:
+        assert not torch.allclose(scoring.mxfp4_relu_logits(qp, qs, kp, ks12, w), want, rtol=1e-3)
+    finally:
+        monkeypatch.undo()
+        scoring._shift_byte_lut_i16.cache_clear()
+    qp, qs, kp, ks, w = cpu_case(gen, 2, 16, 200, (110, 12), "spread-11")
+    q32 = scoring.dequantize_mxfp4_f32(qp, qs)
+    f32 = torch.matmul(q32, scoring.dequantize_mxfp4_f32(kp, ks).T).double()
+    exact = torch.matmul(q32.double(), scoring.dequantize_mxfp4_f32(kp, ks, torch.float64).T)
+    assert not torch.equal(f32, exact)
+    assert torch.equal(bits(scoring.mxfp4_relu_logits(qp, qs, kp, ks, w)), bits(generic(qp, qs, kp, ks, w)))
+
+
+def test_cpu_int8_core_needs_an_exact_int8_gemm(gen, monkeypatch):
+    """An int8 GEMM that saturates (u8 x s8 pair sums in int16, the way some int8 GEMMs
+    without VNNI compute s8 x s8) is caught by the probe; the int8 core is then never used,
+    and the values hold."""
+    qp, qs, kp, ks, w = cpu_case(gen, 2, 16, 100, (118, 4), "spread-3")
+    real = torch._int_mm
+
+    def saturating(a, b, out=None):
+        u = a.long() + 128                                               # u8 = s8 + 128
+        pairs = (u[:, None, :] * b.T.long()[None]).view(a.shape[0], b.shape[1], -1, 2).sum(-1)
+        res = (pairs.clamp(-32768, 32767).sum(-1) - 128 * b.long().sum(0)[None]).int()
+        return out.copy_(res) if out is not None else res
+    small = torch.randint(-12, 13, (3, 32), dtype=torch.int8, generator=gen)
+    assert torch.equal(saturating(small, small.T), real(small, small.T))        # the model is right
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    scoring._cpu_int_mm_exact.cache_clear()
+    try:
+        assert not scoring._cpu_int_mm_exact()
+        used = []
+        core = scoring._table_core
+        monkeypatch.setattr(scoring, "_table_core", lambda q, *a: used.append(q.dtype) or core(q, *a))
+        got = scoring.mxfp4_relu_logits(qp, qs, kp, ks, w)
+        assert torch.int8 not in used
+        assert torch.equal(bits(got), bits(generic(qp, qs, kp, ks, w)))
+        monkeypatch.setattr(scoring, "_cpu_int_mm_exact", lambda: True)     # teeth: it would be wrong
+        assert not torch.equal(scoring.mxfp4_relu_logits(qp, qs, kp, ks, w), got)
+    finally:
+        monkeypatch.undo()
+        scoring._cpu_int_mm_exact.cache_clear()
+    assert scoring._cpu_int_mm_exact()
+
+
+def test_dequantize_mxfp4_f32_is_exact_for_every_scale_byte(gen):
+    kp = torch.randint(0, 256, (256, D // 2), dtype=torch.uint8, generator=gen)
+    ks = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, D // 32).contiguous()
+    want = mxfp4.dequantize_mxfp4(kp, ks, torch.float64)
+    got = scoring.dequantize_mxfp4_f32(kp, ks, torch.float64)
+    assert torch.equal(got.isnan(), want.isnan()) and want[255].isnan().all()
+    assert torch.equal(bits(got[:255]), bits(want[:255]))
+    got32 = scoring.dequantize_mxfp4_f32(kp, ks)
+    assert got32.dtype == torch.float32 and torch.equal(got32[:253].double(), want[:253])
+    assert got32[253:255].abs().amax() == float("inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_topk_picks_torch_topk_choice_over_each_row_masked(gen, dtype):
+    """The indices are torch.topk's over the fp64 row with -inf past its length, whichever
+    shortcut serves it (no copy when every row is long and full; one masking pass when
+    some end early; short rows in order), ties included."""
+    logits = torch.randint(0, 40, (6, 300), generator=gen).to(dtype)       # many ties
+    for lengths in ([300] * 6, [300, 250, 300, 299, 260, 300], [300, 5, 250, 0, 16, 17]):
+        lengths = torch.tensor(lengths)
+        got = reference.topk(logits=logits, lengths=lengths, k=16)["indices"]
+        for r in range(6):
+            n = int(lengths[r])
+            if n <= 16:
+                assert got[r].tolist() == list(range(n)) + [-1] * (16 - n)
+            else:
+                row = logits[r].double().clone()
+                row[n:] = float("-inf")
+                assert got[r].tolist() == torch.topk(row[None], 16, dim=1).indices[0].tolist()
+    assert logits.dtype == dtype and logits.max() < 40                      # the input is untouched
+
+
+def test_cpu_core_shares_name_the_core_that_scores(gen):
+    """The bench's 'columns by core' line: realistic scales go to the int8 table core, a key
+    spanning 8 binades to the fp64 table core, 12 to a column core, a NaN query scale to the
+    column cores; shares sum to 1."""
+    qp, qs = rand_entries(gen, 1, h=H)
+    kp, ks = rand_entries(gen, 40)
+    shares = scoring.cpu_core_shares(qp[0:1], qs[0:1], kp, ks)
+    assert abs(sum(shares.values()) - 1) < 1e-12
+    assert shares["int8 table"] == (1.0 if scoring._cpu_int_mm_exact() else 0.0)
+    ks[3] = torch.tensor([110, 118, 110, 110], dtype=torch.uint8)
+    ks[4] = torch.tensor([110, 122, 110, 110], dtype=torch.uint8)
+    shares = scoring.cpu_core_shares(qp[0:1], qs[0:1], kp, ks)
+    assert shares["fp64 table"] == 1 / 40 and shares["fp64"] == 1 / 40 and abs(sum(shares.values()) - 1) < 1e-12
+    qs[0, 0, 0] = 255
+    shares = scoring.cpu_core_shares(qp[0:1], qs[0:1], kp, ks)
+    assert shares["int8 table"] == shares["fp64 table"] == 0 and shares["generic"] == 1.0

@@ -402,6 +402,19 @@ def _run(args, run: dict) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The command line's exit status. As the program (`argv` None: `mxval`, `python -m
+    harness`), a run stopped by Ctrl-C/SIGTERM that left a case on a worker thread (its
+    report written without it: harness.run.runner.abandoned) ends the process here."""
+    code = _main(argv)
+    runner = sys.modules.get("harness.run.runner")
+    if argv is None and runner is not None and runner.abandoned():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: Optional[list[str]]) -> int:
     args = None
     try:
         argv = sys.argv[1:] if argv is None else list(argv)

@@ -59,12 +59,19 @@ def _cpus() -> int:
 
 
 def cap_jobs(requested: int, items: int, device: str) -> tuple[int, dict]:
-    """-j N capped at the number of items to run and of CPUs (GPUs for a GPU backend):
-    (jobs, {requested, used, cap})."""
+    """-j N capped at the number of items to run and of CPUs (for a GPU backend: one worker
+    per GPU, or as many per GPU as MXVAL_GPU_MEMORY_FRACTION shares fit in it, each worker
+    capped at its share): (jobs, {requested, used, cap})."""
     if requested < 1:
         raise UsageError(f"-j: expected a positive number of jobs, got {requested}")
     gpu = device != "cpu" and torch.cuda.is_available()
-    units, what = (torch.cuda.device_count(), "GPU(s)") if gpu else (_cpus(), "CPU(s)")
+    if gpu:
+        share = memory.fraction()
+        per_gpu = max(1, int(1.0 / share + 1e-9)) if share else 1
+        units = torch.cuda.device_count() * per_gpu
+        what = "GPU(s)" if per_gpu == 1 else f"GPU share(s) of {memory.FRACTION_ENV}={share:g}"
+    else:
+        units, what = _cpus(), "CPU(s)"
     jobs = max(1, min(requested, items, units))
     cap = ""
     if jobs < requested:
@@ -185,6 +192,7 @@ class Run:
                                                                 lines(r)))
                     done = list(items)
                 except runner.RunInterrupted as e:
+                    hold()                       # at once: a second signal must not lose these rows
                     rows, done = e.rows, [items[i] for i in e.done]
                     self.stopped = interrupted_meta(e)
                 results += zip(done, rows)
@@ -193,7 +201,8 @@ class Run:
                     self.stopped["cases_done"] = len(results)
                     self.stopped["cancelled"] = [label(x) for _, its in groups for x in its if id(x) not in finished]
                     break
-        hold()                                   # released by `record`, once the report is whole
+        if not self.stopped:
+            hold()                               # released by `record`, once the report is whole
         return results
 
     # judge and record

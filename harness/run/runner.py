@@ -14,10 +14,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 from typing import Callable, Optional
 
@@ -26,8 +26,8 @@ import torch
 import reference
 from harness.diff import aggregate, diff_op
 from harness.diff.metrics import CHAIN, chain_key
-from harness.diff.scores import recall_points, recall_rows
-from harness.run import memory
+from harness.diff.scores import recall_points, recall_rows, row_blocks
+from harness.run import memory, stagetime
 from harness.run.cases import Case
 from harness.run.inputs import CaseInputs, build, filled_on_device
 from harness.run.record import ROW_FINDINGS_PER_STAGE, case_row, jsonable
@@ -152,22 +152,51 @@ def _ulp_hist(actual: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor) 
 
 def _logit_errors(actual: torch.Tensor, expected: torch.Tensor, row_ends: torch.Tensor) -> list[float]:
     """log10 of |actual - expected| / max|expected| over each row's valid region (a
-    histogram's worth, subsampled)."""
+    histogram's worth, subsampled). On `expected`'s device, a block of rows at a time: a pass
+    for the scale, one for the count (past a subsample's worth), one for the picked entries."""
     if actual.dim() != 2 or actual.shape[0] != expected.shape[0]:
         return []
+    dev = expected.device
     w = min(actual.shape[1], expected.shape[1])
-    a, e = actual[:, :w].double().cpu(), expected[:, :w].double().cpu()
-    valid = torch.arange(w)[None, :] < row_ends.long().cpu()[:, None]
-    if not bool(valid.any()):
+    ends = row_ends.to(dev).long()
+    cols = torch.arange(w, device=dev)
+    blocks = row_blocks(actual.shape[0], w)
+    n_valid = int(ends.clamp(0, w).sum()) if ends.numel() else 0
+    if not n_valid:
         return []
-    ev = e[valid]
-    scale = ev[torch.isfinite(ev)].abs().max().clamp_min(1e-300) if bool(torch.isfinite(ev).any()) else 1.0
-    err = ((a[valid] - ev).abs() / scale)
-    err = err[torch.isfinite(err)]
+
+    def valid(r0, r1):
+        return cols[None, :] < ends[r0:r1, None]
+
+    def errs(r0, r1, scale):
+        """|a - e| / scale of the block's valid entries, and where it is finite (full-size)."""
+        e = expected[r0:r1, :w].double()
+        err = (actual[r0:r1, :w].to(dev, torch.float64) - e).abs() / scale
+        return err, valid(r0, r1) & torch.isfinite(err)
+
+    tops, n_fin = [], []
+    for r0, r1 in blocks:
+        e = expected[r0:r1, :w].double()
+        ok = valid(r0, r1) & torch.isfinite(e)
+        tops.append(torch.where(ok, e.abs(), 0.0).amax() if e.numel() else e.new_zeros(()))
+        n_fin.append(ok.sum())
+    # max |expected| over the finite valid entries (1 where there is none)
+    scale = torch.stack(tops).amax().clamp_min(1e-300) if int(torch.stack(n_fin).sum()) else 1.0
+    picks, counts = None, [0] * len(blocks)          # at most 4000 valid entries: every finite error
+    if n_valid > 4000:
+        counts = [int(errs(r0, r1, scale)[1].sum()) for r0, r1 in blocks]
+        total = sum(counts)
+        picks = torch.linspace(0, total - 1, 4000).long() if total > 4000 else None
+    out, start = [], 0
+    for (r0, r1), n in zip(blocks, counts):
+        if picks is None or bool(((picks >= start) & (picks < start + n)).any()):
+            err, m = errs(r0, r1, scale)
+            got = err[m]
+            out.append(got if picks is None else got[(picks[(picks >= start) & (picks < start + n)] - start).to(dev)])
+        start += n
+    err = torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
     err = torch.log10(err.clamp_min(1e-20))
-    if err.numel() > 4000:
-        err = err[torch.linspace(0, err.numel() - 1, 4000).long()]
-    return [round(float(x), 3) for x in err]
+    return [round(float(x), 3) for x in err.cpu()]
 
 
 def _recall_rows(actual: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> list[list]:
@@ -194,6 +223,23 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _flat_bytes(a: torch.Tensor, b: torch.Tensor):
+    """The bytes of two same-shaped tensors, MAP_CHUNK_BYTES at a time: (a's, b's) pairs."""
+    x, y = _bytes(a), _bytes(b)
+    for i in range(0, x.numel(), MAP_CHUNK_BYTES):
+        yield x[i:i + MAP_CHUNK_BYTES], y[i:i + MAP_CHUNK_BYTES]
+
+
+def _valid_bytes(a: torch.Tensor, b: torch.Tensor, row_ends: torch.Tensor):
+    """The bytes of two logits buffers [R, W] in each row's valid columns (< row_ends), in
+    order, a block of rows at a time: (a's, b's) pairs."""
+    cols = torch.arange(a.shape[1], device=a.device)
+    ends = row_ends.to(a.device).long()
+    for r0, r1 in row_blocks(a.shape[0], a.shape[1], a.element_size()):
+        valid = cols[None, :] < ends[r0:r1, None]
+        yield _bytes(a[r0:r1][valid]), _bytes(b[r0:r1][valid])
+
+
 def _ops(inp: CaseInputs):
     """The K stage (the writer on the rocm path, the fused pool+K op on the cuda path), Q
     quant and scorer of the case's chain, from the op table."""
@@ -211,14 +257,15 @@ class ChainRun:
     stage the backend ran (for `mxval dump`)."""
 
     def __init__(self, case: Case, backend: Backend, inputs: CaseInputs,
-                 recorder: Optional[Callable] = None):
+                 recorder: Optional[Callable] = None, clock: Optional[stagetime.StageClock] = None):
         self.case, self.be, self.inp = case, backend, inputs
         self.recorder = recorder
-        self.out_bytes: dict[str, int] = {}    # op -> its largest step's output bytes
+        self.step_tensors: dict[int, memory.StorageSet] = {}    # step -> the case's inputs and what its comparisons read
         self.col = _Collector()
         self.details: dict = {"mismatch_map": [], "pooled_ulp": {}, "logit_log10_err": [],
                               "recall_rows": []}
         self.diff_op = diff_op                 # tests replace it to prove a check's teeth
+        self.clock = clock or stagetime.StageClock(backend.device)
         self.nondeterministic: list[dict] = []     # runs of an op that did not repeat its bytes
 
     def scalars(self, op: str) -> dict:
@@ -239,10 +286,11 @@ class ChainRun:
         verdict is a failure (budgets.verdict)."""
         scalars = self.scalars(op)
         try:
-            if reference.OPS[op].fp64 and op in self.case.ops:
-                expected = {"logits": reference.OPS[op].fp64(**ins, **scalars)}
-            else:
-                expected = reference.OPS[op].fn(**ins, **scalars)
+            with self.clock("reference"):
+                if reference.OPS[op].fp64 and op in self.case.ops:
+                    expected = {"logits": reference.OPS[op].fp64(**ins, **scalars)}
+                else:
+                    expected = reference.OPS[op].fn(**ins, **scalars)
         except NonFiniteInput as e:
             if self.inp.planted:
                 raise NonFiniteStage(op, step, e) from None
@@ -259,7 +307,8 @@ class ChainRun:
             return expected
         try:
             # clones: a kernel that writes its pool in place must not change `before`
-            actual = getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars)
+            with self.clock("backend"):
+                actual = getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars)
         except BackendUnavailable:
             raise
         except Exception as e:
@@ -269,21 +318,37 @@ class ChainRun:
             raise StageError(op, step, f"backend {self.be.name} returned {type(actual).__name__} "
                                        f"without {sorted(set(expected) - set(actual or {}))}")
         for run in range(2, self.case.repeat + 1):
-            self._same_bytes(op, step, run, actual,
-                             getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars),
-                             ins, scalars)
+            with self.clock("backend_repeats"):
+                again = getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars)
+            with self.clock("repeat_compare"):
+                self._same_bytes(op, step, run, actual, again, ins, scalars)
+            del again
         try:
-            report = self.diff_op(op, ins, scalars, actual, expected)
+            with self.clock("diff"):
+                report = self._diff(step, op, ins, scalars, actual, expected)
         except ValueError as e:
             raise StageError(op, step, f"cannot compare the backend's output: {e}") from None
         self.col.add(op, step, report)
-        self.out_bytes[op] = max(self.out_bytes.get(op, 0), memory.tensor_bytes(actual))
         if report.metrics.get("nonfinite_inputs") and self.inp.planted:
             raise NonFiniteStage(op, step, NonFiniteInput(op, int(report.metrics["nonfinite_inputs"]), []))
         if self.recorder:
             self.recorder(step, op, ins, scalars, actual)
-        self._details(op, ins, actual, expected)
+        with self.clock("plots"):
+            self._details(op, ins, actual, expected)
         return actual
+
+    def _diff(self, step: int, op: str, ins: dict, scalars: dict, actual: dict, expected: dict):
+        """`diff_op` of a stage (or of the chain); the tensors it reads are the step's."""
+        if step not in self.step_tensors:
+            self.step_tensors[step] = memory.StorageSet(self.inp)
+        self.step_tensors[step].add(ins, actual, expected)
+        return self.diff_op(op, ins, scalars, actual, expected)
+
+    def tensor_bytes(self) -> int:
+        """The case's tensors: its inputs and the tensors one step's comparisons read (each
+        stage's inputs and both sides' outputs, the chain's too), the largest step's,
+        counted once per storage."""
+        return max((s.bytes() for s in self.step_tensors.values()), default=memory.tensor_bytes(self.inp))
 
     def _same_bytes(self, op: str, step: int, run: int, first: dict, again, ins: dict, scalars: dict) -> None:
         """Run `run` of a backend op on the same inputs must repeat the first run's bytes;
@@ -299,20 +364,22 @@ class ChainRun:
             elif torch.equal(_bytes(a), _bytes(b.to(a.device))):
                 continue                    # every byte repeated: the valid region too
             else:
-                if name == "logits" and not scalars.get("clean_logits") and a.dim() == 2:
-                    valid = (torch.arange(a.shape[1], device=a.device)[None, :]
-                             < ins["row_ends"].to(a.device).long()[:, None])
-                    a, b = a[valid], b[valid]
-                # compared where the outputs are: only a run that differs is read back
-                x, y = _bytes(a), _bytes(b.to(a.device))
-                if bool(torch.equal(x, y)):
+                b = b.to(a.device)
+                valid_only = name == "logits" and not scalars.get("clean_logits") and a.dim() == 2
+                changed, total, first = 0, 0, None
+                # compared where the outputs are, a block at a time: only counts and the first
+                # changed byte are read back
+                for x, y in (_valid_bytes(a, b, ins["row_ends"]) if valid_only else _flat_bytes(a, b)):
+                    ne = x != y
+                    n = int(ne.sum())
+                    if n and first is None:
+                        i = int(ne.nonzero()[0])
+                        first = (total + i, int(x[i]), int(y[i]))
+                    changed, total = changed + n, total + x.numel()
+                if not changed:
                     continue
-                x, y = x.cpu(), y.cpu()
-                diff = (x != y).nonzero().flatten()
-                i = int(diff[0])
-                changed = int(diff.numel())
-                where = (f"{changed} of {x.numel()} bytes changed, first at byte {i}: "
-                         f"0x{int(x[i]):02x} in run 1, 0x{int(y[i]):02x} in run {run}")
+                where = (f"{changed} of {total} bytes changed, first at byte {first[0]}: "
+                         f"0x{first[1]:02x} in run 1, 0x{first[2]:02x} in run {run}")
             self.nondeterministic.append({"stage": op, "step": step, "class": "nondeterministic", "output": name,
                                           "run": run, "bytes_changed": changed,
                                           "where": f"{op} (step {step}) output {name}: {where}"})
@@ -323,10 +390,16 @@ class ChainRun:
         same inputs, so that top-k is still judged."""
         if self.inp.planted or sc not in self.case.ops:
             return logits_b
-        valid = torch.arange(logits_b.shape[1], device=logits_b.device)[None, :] < row_ends.long()[:, None]
-        bad = valid & ~torch.isfinite(logits_b)
-        if not bool(bad.any()):
+        cols = torch.arange(logits_b.shape[1], device=logits_b.device)
+        ends = row_ends.to(logits_b.device).long()
+
+        def bad_of(r0, r1):
+            return (cols[None, :] < ends[r0:r1, None]) & ~torch.isfinite(logits_b[r0:r1])
+        # looked for a block of rows at a time (one read-back); the full-size mask only when found
+        blocks = row_blocks(logits_b.shape[0], logits_b.shape[1], 1)
+        if not blocks or not bool(torch.stack([bad_of(r0, r1).any() for r0, r1 in blocks]).any()):
             return logits_b
+        bad = bad_of(0, logits_b.shape[0])
         try:
             ref = reference.OPS[sc].fn(**sins, **self.scalars(sc))["logits"]
         except (NonFiniteInput, ValueError):
@@ -384,6 +457,10 @@ class ChainRun:
 
     def _history(self, kw: str):
         """The pool with each sequence's history written by the reference."""
+        with self.clock("inputs"):
+            return self._written_history(kw)
+
+    def _written_history(self, kw: str):
         inp, h = self.inp, self.inp.history
         if h is None:
             return inp.kv_cache
@@ -407,23 +484,26 @@ class ChainRun:
             if need_k:
                 ins = self._fused_ins(st, self.pool_b)
                 self.pool_b = self._stage(kw, i, ins)["kv_cache"]
-                self.chain_pool = reference.OPS[kw].fn(**{**ins, "kv_cache": self.chain_pool},
-                                                       **self.scalars(kw))["kv_cache"]
+                with self.clock("reference"):
+                    self.chain_pool = reference.OPS[kw].fn(**{**ins, "kv_cache": self.chain_pool},
+                                                           **self.scalars(kw))["kv_cache"]
                 self._chain_entries(st.req_index, st)
             return
         if "compress_pool" in self.case.ops:          # its inputs do not depend on the backend
             ins = dict(state_cache=inp.state_cache, block_table=inp.state_block_table,
                        positions=st.positions, req_index=st.req_index, kv_slot_mapping=st.slot_mapping)
             pooled_b = self._stage("compress_pool", i, ins)["pooled"]
-            pooled_ref = reference.compress_pool(**ins, **self.scalars("compress_pool"))["pooled"]
+            with self.clock("reference"):
+                pooled_ref = reference.compress_pool(**ins, **self.scalars("compress_pool"))["pooled"]
         else:
             pooled_b = pooled_ref = st.k
         if need_k:
             ins = dict(k=pooled_b, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
                        norm_weight=inp.norm_weight, slot_mapping=st.slot_mapping, kv_cache=self.pool_b)
             self.pool_b = self._stage(kw, i, ins, fallback=lambda: dict(ins, k=pooled_ref))["kv_cache"]
-            self.chain_pool = reference.OPS[kw].fn(**{**ins, "k": pooled_ref, "kv_cache": self.chain_pool},
-                                                   **self.scalars(kw))["kv_cache"]
+            with self.clock("reference"):
+                self.chain_pool = reference.OPS[kw].fn(**{**ins, "k": pooled_ref, "kv_cache": self.chain_pool},
+                                                       **self.scalars(kw))["kv_cache"]
             self._chain_entries(pooled_ref, st)
 
     def _chain_entries(self, k, st) -> None:
@@ -439,20 +519,27 @@ class ChainRun:
                        block_table=st.block_table, row_ends=st.row_ends)
         qk = ("q_fp8",) if inp.geo.fmt == "fp8" else ("q_fp4", "q_scale")
         sins = dict({n: q_b[n] for n in qk}, weights=q_b["weights"], kv_cache=self.pool_b, **geo_ins)
-        q_ref = reference.OPS[qq].fn(**qins, **self.scalars(qq))
+        with self.clock("reference"):
+            q_ref = reference.OPS[qq].fn(**qins, **self.scalars(qq))
         ref_sins = dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"], kv_cache=self.chain_pool, **geo_ins)
         logits_raw = self._stage(sc, i, sins, fallback=lambda: ref_sins)["logits"]
-        logits_b = self._finite_logits(sc, i, logits_raw, sins, ref_sins, st.row_ends)
-        chain_logits = reference.OPS[sc].fp64(**ref_sins, **self.scalars(sc))
+        with self.clock("diff"):
+            logits_b = self._finite_logits(sc, i, logits_raw, sins, ref_sins, st.row_ends)
         idx_b = self._stage("topk", i, dict(logits=logits_b, lengths=st.row_ends))["indices"]
+        # after the top-k stage: its reference's fp64 copy of the logits and these never coexist
+        with self.clock("reference"):
+            chain_logits = reference.OPS[sc].fp64(**ref_sins, **self.scalars(sc))
         if sc in ops:
-            self.col.add(CHAIN, i, self.diff_op(sc, sins, self.scalars(sc), {"logits": logits_raw},
-                                                {"logits": chain_logits}))
+            with self.clock("diff"):
+                self.col.add(CHAIN, i, self._diff(i, sc, sins, self.scalars(sc), {"logits": logits_raw},
+                                                    {"logits": chain_logits}))
         if "topk" in ops:
-            chain_idx = reference.topk(logits=chain_logits, lengths=st.row_ends, k=inp.geo.topk)["indices"]
+            with self.clock("reference"):
+                chain_idx = reference.topk(logits=chain_logits, lengths=st.row_ends, k=inp.geo.topk)["indices"]
             topk_scalars = self.scalars("topk")
-            rep = self.diff_op("topk", dict(logits=chain_logits, lengths=st.row_ends),
-                               topk_scalars, {"indices": idx_b}, {"indices": chain_idx})
+            with self.clock("diff"):
+                rep = self._diff(i, "topk", dict(logits=chain_logits, lengths=st.row_ends),
+                                   topk_scalars, {"indices": idx_b}, {"indices": chain_idx})
             self.col.add(CHAIN, i, rep)
             # the recall plot's rows come with that diff (the same comparison: not run twice)
             rows = getattr(rep, "rows", None)
@@ -473,7 +560,9 @@ class ChainRun:
         else:
             ins = dict(k=_cat(self.chain_k), positions=_cat(self.chain_pos), cos_sin_cache=inp.cos_sin_cache,
                        norm_weight=inp.norm_weight, slot_mapping=_cat(self.chain_slot), kv_cache=self.pool_start)
-        rep = self.diff_op(kw, ins, self.scalars(kw), {"kv_cache": self.pool_b}, {"kv_cache": self.chain_pool})
+        with self.clock("diff"):
+            rep = self._diff(len(inp.steps) - 1, kw, ins, self.scalars(kw), {"kv_cache": self.pool_b},
+                             {"kv_cache": self.chain_pool})
         self.col.add(CHAIN, len(inp.steps) - 1, rep)
         slots = ins["kv_slot_mapping" if self.fused else "slot_mapping"]
         written = slots[((ins["positions"] + 1) % inp.geo.ratio == 0) & (slots >= 0)]
@@ -504,16 +593,18 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
         row.update(outcome="skipped", reason=f"backend {be.name} does not implement {', '.join(missing)}")
         return row
     run = inp = None
+    clock = stagetime.StageClock(be.device)
     peak = memory.Peak(be.device).start()
     try:
-        inp = inputs.to(be.device) if inputs is not None else build(case, be.device)
+        with clock("inputs"):
+            inp = inputs.to(be.device) if inputs is not None else build(case, be.device)
         row["planted"] = list(inp.planted)
         why = next((w for w in (be.cannot(op, inp.scalars(op)) for op in case.ops) if w), None)
         if why:
             row.update(outcome="skipped", reason=f"backend {be.name}: {why}")
             row["seconds"] = round(time.time() - t0, 3)
             return row
-        run = ChainRun(case, be, inp, recorder)
+        run = ChainRun(case, be, inp, recorder, clock)
         run.run()
     except NonFiniteStage as e:
         row.update(outcome="nonfinite_input", reason=str(e))
@@ -527,17 +618,23 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
         tb = traceback.extract_tb(e.__traceback__)[-1]
         row.update(outcome="error", reason=f"internal error {type(e).__name__}: {e} "
                                            f"({os.path.basename(tb.filename)}:{tb.lineno})")
-    if run is not None:
-        row["metrics"] = run.col.case_metrics()
-        row["findings"] = run.nondeterministic[:ROW_FINDINGS_PER_STAGE] + run.col.findings
-        if run.nondeterministic:
-            row["nondeterministic"] = [f["where"] for f in run.nondeterministic]
-        row["summaries"] = {k: v for k, v in run.col.summaries.items()}
-        row["details"] = run.details
+    with clock("row"):
+        if run is not None:
+            row["metrics"] = run.col.case_metrics()
+            row["findings"] = run.nondeterministic[:ROW_FINDINGS_PER_STAGE] + run.col.findings
+            if run.nondeterministic:
+                row["nondeterministic"] = [f["where"] for f in run.nondeterministic]
+            row["summaries"] = {k: v for k, v in run.col.summaries.items()}
+            row["details"] = run.details
     peak.stop()
     if inp is not None:
-        row["gpu_peak_bytes"] = peak.bytes
-        row["tensor_bytes"] = memory.tensor_bytes(inp) + (sum(run.out_bytes.values()) if run else 0)
+        row["tensor_bytes"] = run.tensor_bytes() if run else memory.tensor_bytes(inp)
+        run = inp = None                 # the case's tensors released: what stays allocated is the process's
+        row["gpu_peak_bytes"] = peak.own()
+        if peak.kept:
+            row["details"]["gpu_kept_bytes"] = peak.kept
+    if clock.on:
+        row["details"]["stage_seconds"] = clock.record()
     row["seconds"] = round(time.time() - t0, 3)
     return row
 
@@ -718,24 +815,70 @@ def _prebuild(case: Case, be: Backend) -> Optional[CaseInputs]:
         return None
 
 
+class _Background:
+    """`fn(*args)` on a daemon thread; `result()` waits for it (re-raising its exception).
+
+    The wait is a `join` with a timeout, which a signal interrupts: Ctrl-C or SIGTERM reach
+    the main thread at once even while the case is inside one long native call (a kernel, a
+    host op over GiBs), where a call on the main thread would hold the signal's handler
+    until it returns. A thread left running when the run stops is `abandoned()`."""
+
+    def __init__(self, fn: Callable, *args, **kw):
+        self._box: dict = {}
+
+        def target():
+            try:
+                self._box["value"] = fn(*args, **kw)
+            except BaseException as e:       # handed to the waiting thread
+                self._box["error"] = e
+        self.thread = threading.Thread(target=target, daemon=True, name="mxval-case")
+        self.thread.start()
+
+    def result(self):
+        try:
+            while self.thread.is_alive():
+                self.thread.join(0.5)
+        except BaseException:
+            _LEFT.append(self.thread)
+            raise
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box["value"]
+
+    def leave(self) -> None:
+        """Not waited for: the run stopped before its result was needed."""
+        _LEFT.append(self.thread)
+
+
+_LEFT: list[threading.Thread] = []
+
+
+def abandoned() -> bool:
+    """Whether a stopped run left a case (or a case's inputs) on a thread it did not wait
+    for: the process should then end with os._exit once its report is written, neither
+    waiting for that case nor tearing torch down under it (a normal exit after a thread
+    left mid-case aborts in torch's C++ teardown, even once the thread has ended)."""
+    return bool(_LEFT)
+
+
 def _run_in_turn(cases: list[Case], be: Backend, backend_name: str, progress, prefetch: bool) -> list[dict]:
-    """Each case in this process, in order; with `prefetch`, the next case's inputs are built
-    in a thread meanwhile (input generation is CPU work; the case's is mostly the GPU's)."""
+    """Each case in this process, in order, on a worker thread the main thread waits for (a
+    signal is handled at once: `_Background`); with `prefetch`, the next case's inputs are
+    built on another thread meanwhile (input generation is CPU work; the case's is mostly
+    the GPU's)."""
     rows: list[dict] = []
-    pool = ThreadPoolExecutor(1, thread_name_prefix="mxval-prebuild") if prefetch else None
-    nxt = pool.submit(_prebuild, cases[0], be) if pool and cases else None
+    nxt = _Background(_prebuild, cases[0], be) if prefetch and cases else None
     try:
         for i, c in enumerate(cases):
             inputs = nxt.result() if nxt else None
-            nxt = pool.submit(_prebuild, cases[i + 1], be) if pool and i + 1 < len(cases) else None
-            rows.append(run_case(c, backend_name, inputs=inputs))
+            nxt = _Background(_prebuild, cases[i + 1], be) if prefetch and i + 1 < len(cases) else None
+            rows.append(_Background(run_case, c, backend_name, inputs=inputs).result())
             if progress:
                 progress(rows[-1])
     except KeyboardInterrupt:
+        if nxt is not None:
+            nxt.leave()
         raise RunInterrupted(rows, [c.name for c in cases[len(rows):]]) from None
-    finally:
-        if pool:
-            pool.shutdown(wait=False, cancel_futures=True)
     return rows
 
 
