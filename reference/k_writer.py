@@ -13,7 +13,7 @@ import torch
 from . import checks, layout, mxfp4
 from . import hadamard as _hadamard
 from .formats import ROUNDING_PATHS
-from .operands import fp32_operand
+from .operands import fp32_operand, widened
 from .rope import ROPE_MODES, rope_rows
 
 
@@ -27,28 +27,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, dtype=torch.f
     to `dtype` (fp32: not rounded; bf16: bf16_round of the fp32 result).
 
     The spec leaves the summation order and the rsqrt's accuracy to the kernel; the
-    reference pins both so that it gives the same bits on every device: the sum of squares
-    is exact (fp64) then rounded to fp32, and rsqrt is correctly rounded (via fp64). A
-    kernel's fp32 tree sum and approximate rsqrt differ from this by an ulp or two in
-    fp32, which the bf16 round after the norm hides almost always.
+    reference pins both so that it gives the same bits on every device: the squares are
+    exact in fp64 and summed there, the sum rounded to fp32, and rsqrt is correctly rounded
+    (via fp64). A kernel's fp32 tree sum and approximate rsqrt differ from this by an ulp or
+    two in fp32, which the bf16 round after the norm hides almost always.
     Each op computes in its inputs' dtype and rounds on the store, so there are no separate
-    casts: `eps + sum / D` is one fp32 op (addcdiv: an IEEE divide, then an add; with a
-    tensor divisor, so a GPU divides rather than multiplying by 1/D) stored as fp64 (exact)
-    for the rsqrt, whose fp64 result is stored as fp32 (rounded to nearest, as `.float()`)."""
+    casts: the squares are 0 + x*x in fp64 (one addcmul with an fp64 zero, which on a GPU
+    takes bf16 x to fp64 in the kernel; exact, so whether a kernel fuses it changes nothing);
+    `eps + sum / D` is one fp32 op (addcdiv: an IEEE divide, then an add; with a tensor
+    divisor, so a GPU divides rather than multiplying by 1/D) stored as fp64 (exact) for the
+    rsqrt, whose fp64 result is stored as fp32 (rounded to nearest, as `.float()`)."""
     x = fp32_operand(x)
-    x64 = x.double()
-    s = (x64 * x64).sum(dim=-1, keepdim=True).float()
-    eps32, d32 = _norm_consts(float(eps), x.shape[-1], x.device)
+    eps32, d32, zero64 = _norm_consts(float(eps), x.shape[-1], x.device)
+    x64 = widened(x, torch.float64)
+    s = torch.addcmul(zero64, x64, x64).sum(dim=-1, keepdim=True).float()
     v = torch.addcdiv(eps32, s, d32, out=torch.empty_like(s, dtype=torch.float64))
     rstd = torch.rsqrt(v, out=torch.empty_like(s))
     return torch.mul(x * rstd, fp32_operand(weight), out=torch.empty(x.shape, dtype=dtype, device=x.device))
 
 
 @functools.lru_cache(maxsize=16)
-def _norm_consts(eps: float, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32(eps) and D as 1-element fp32 tensors, made once per device."""
+def _norm_consts(eps: float, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32(eps), D as fp32 and an fp64 zero as 1-element tensors, made once per device."""
     return (torch.full((1,), eps, dtype=torch.float32, device=device),
-            torch.full((1,), float(d), dtype=torch.float32, device=device))
+            torch.full((1,), float(d), dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.float64, device=device))
 
 
 def group_start(positions: torch.Tensor, compress_ratio: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ The other rules are offered for studies and named for where they come from.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -156,32 +157,159 @@ def _blocks(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
 
 
-def _block_amax(xb: torch.Tensor) -> torch.Tensor:
-    """max |x| of each block, fp32 (exact): on a GPU one inf-norm reduction, which also takes
-    bf16 to fp32 in the kernel; on the CPU, where that reduction is several times slower, abs
-    then amax."""
+def _block_amax(xb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """max |x| of each block into `out` (fp32, exact): on a GPU one inf-norm reduction, which
+    also takes bf16 to fp32 in the kernel; on the CPU, where that reduction is several times
+    slower, abs then amax (xb is fp32 there: `fp32_operand`)."""
     if converts_in_kernel(xb):
-        return torch.linalg.vector_norm(xb, float("inf"), dim=-1, dtype=torch.float32)
-    return xb.abs().amax(dim=-1).float()
+        return torch.linalg.vector_norm(xb, float("inf"), dim=-1, dtype=torch.float32, out=out)
+    return torch.amax(xb.abs(), dim=-1, out=out)
+
+
+# The entry bytes come from one lookup in a table whose rows are indexed by the code bucket of
+# an odd element (rows 0..17) or by a block's scale row (rows 18..), and whose columns by the
+# code bucket of the even element: row r < 18 holds pair[:, r], a scale row its scale byte in
+# every column.
+_SCALE_ROW0 = 18
+
+
+def _entry_table(device: torch.device, row_bytes: tuple[int, ...]) -> torch.Tensor:
+    """u8 [18 + len(row_bytes), 18]: the pair table transposed, then one row per scale row."""
+    pair = _code_tables(torch.device("cpu"))[2]
+    n = pair.shape[0]
+    rows = torch.tensor(row_bytes, dtype=torch.uint8)[:, None].expand(len(row_bytes), n)
+    return torch.cat((pair.t(), rows)).to(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_rows(device: torch.device) -> torch.Tensor:
+    """The entry table whose scale row 18 + v holds the byte v (v = e8m0 & 0xFF)."""
+    return _entry_table(device, tuple(range(256)))
+
+
+@functools.lru_cache(maxsize=1)
+def _ceil_steps() -> tuple[list[int], list[int]]:
+    """The ceil rule as a step function of the int32 bits of amax: (bounds, e) with e8m0_ceil
+    = e[j] on the bits from bounds[j - 1] (inclusive) to bounds[j], e[0] below bounds[0].
+    Over +0.0 .. +inf the rule is non-decreasing in the bits (the clamp, the fp32 product and
+    the exponent are), so each step's first bits are found by a binary search against
+    e8m0_ceil itself; then -0.0 .. -inf (e of the tiny clamp), the negative NaNs, and the
+    positive NaNs (bits above +inf) are steps of their own. Each step's e is e8m0_ceil at its
+    first bits, checked at its last."""
+    def e_of(bits):
+        return e8m0_ceil(torch.as_tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32))
+
+    inf, neg_nan = 0x7F800000, 0x7F800001 - (1 << 31)   # bits(+inf); bits(-inf) + 1 as int32
+    ks = torch.arange(int(e_of([0])) + 1, int(e_of([inf])) + 1)
+    lo, hi = torch.zeros_like(ks), torch.full_like(ks, inf)
+    while bool((lo < hi).any()):
+        mid = (lo + hi) // 2
+        up = e_of(mid) >= ks
+        lo, hi = torch.where(up, lo, mid + 1), torch.where(up, mid, hi)
+    bounds = [neg_nan, 0] + sorted(set(lo.tolist())) + [inf + 1]   # no empty steps (254: none)
+    firsts = [-(1 << 31)] + bounds
+    lasts = [b - 1 for b in bounds] + [(1 << 31) - 1]
+    e, e_last = e_of(firsts).tolist(), e_of(lasts).tolist()
+    if e != e_last or sorted(set(bounds)) != bounds:
+        raise AssertionError("e8m0_ceil is not a step function of the amax bits")
+    return bounds, e
+
+
+@functools.lru_cache(maxsize=8)
+def _ceil_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ceil rule by lookup, made once per device: (bounds int32, inv fp32, entry table u8).
+    `bucketize(bits(amax), bounds, right=True)` is the block's scale row (18 + its step: the
+    bounds start with 18 INT32_MINs), `inv[row]` is 2**(127 - e8m0) as the arithmetic
+    `_from_bits((254 - e8m0) << 23)` gives it, and the table's scale row the byte e8m0 & 0xFF
+    (e8m0.to(uint8)); the same values as e8m0_ceil on every amax."""
+    bounds, e = _ceil_steps()
+    e_t = torch.tensor(e, dtype=torch.int32)
+    inv = torch.cat((torch.zeros(_SCALE_ROW0), _from_bits((254 - e_t) << F32_MANT_BITS)))
+    bounds_t = torch.tensor([-(1 << 31)] * _SCALE_ROW0 + bounds, dtype=torch.int32)
+    return bounds_t.to(device), inv.to(device), _entry_table(device, tuple(e_t.to(torch.uint8).tolist()))
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D view t, or its transpose: whichever is contiguous (an elementwise op or a search
+    gives the same values either way, and with a non-contiguous result or input bucketize
+    copies)."""
+    return t if t.is_contiguous() else t.t()
 
 
 def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x", out=None):
     """x [..., D] (any float dtype, taken as fp32) -> (packed u8 [..., D/2], e8m0 u8 [..., D/32]).
 
-    y = x * inv in fp32; the packed bytes come from the code buckets of y through the pair
-    table (`_code_tables`): the same bytes as pack_nibbles(e2m1_codes(y)). `out`: a u8
-    [..., D/2 + D/32] that receives the packed bytes then the scales (an entry's bytes; the
-    two returned tensors are its parts), so no copy joins them."""
+    y = x * inv in fp32 (inv = 2**(127 - e8m0), exact); the packed bytes are pair[b_even, b_odd]
+    over the code buckets b of y (`_code_tables`): the same bytes as
+    pack_nibbles(e2m1_codes(y)). `out`: a u8 [..., D/2 + D/32] that receives the packed bytes
+    then the scales (an entry's bytes; the two returned tensors are its parts).
+
+    y holds a row's even elements, then its odd ones (one strided store), so that the
+    buckets of each are a block of columns. On a GPU the steps are laid out for one op each
+    (`_quantize_element_major`); on the CPU, where element-major stores and small lookups
+    cost more than the ops they save, the rows stay row-major, the scale is the rule's
+    arithmetic and the scale bytes a copy."""
     xb = _blocks(x, name)
-    e8m0 = _rule(scale_rule)(_block_amax(xb))
+    lead, nb = xb.shape[:-2], xb.shape[-2]
+    half, m, dev = nb * MX_BLOCK // 2, math.prod(lead), x.device
+    xb = xb.reshape(m, nb, MX_BLOCK)
+    if converts_in_kernel(xb):
+        return _quantize_element_major(xb, lead, scale_rule, out)
+    amax = _block_amax(xb, out=torch.empty(m, nb, dtype=torch.float32, device=dev))
+    e8m0 = _rule(scale_rule)(amax)
     inv = _from_bits((254 - e8m0) << F32_MANT_BITS)       # 2**(127 - e8m0), exact
-    b = _code_buckets(xb * inv.unsqueeze(-1)).flatten(-2)
-    pair = _code_tables(x.device)[2]
+    y = _evens_then_odds(xb, inv, torch.empty(m, 2 * half, dtype=torch.float32, device=dev))
+    b = torch.bucketize(y.view(torch.int32), _code_tables(dev)[0], right=True)
     if out is None:
-        return pair[b[..., 0::2], b[..., 1::2]], e8m0.to(torch.uint8)
-    packed, scales = out[..., :x.shape[-1] // 2], out[..., x.shape[-1] // 2:]
-    torch.ops.aten.index.Tensor_out(pair, [b[..., 0::2], b[..., 1::2]], out=packed)
-    return packed, scales.copy_(e8m0)
+        packed = torch.empty(*lead, half, dtype=torch.uint8, device=dev)
+        scales = e8m0.to(torch.uint8).view(*lead, nb)
+    else:
+        packed, scales = out[..., :half], out[..., half:]
+        scales.view(m, nb).copy_(e8m0)
+    torch.ops.aten.index.Tensor_out(_code_tables(dev)[2], [b[:, :half], b[:, half:]], out=packed.view(m, half))
+    return packed, scales
+
+
+def _evens_then_odds(xb: torch.Tensor, inv: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y [M, D] (any 2-D layout) = xb [M, D/32, 32] * inv [M, D/32] in fp32, row n holding
+    element 2j + p of xb's row n at column p * D/2 + j."""
+    m, nb = xb.shape[:2]
+    torch.mul(xb.view(m, nb, MX_BLOCK // 2, 2), inv[..., None, None],
+              out=y.view(m, 2, nb, MX_BLOCK // 2).permute(0, 2, 3, 1))
+    return y
+
+
+def _quantize_element_major(xb: torch.Tensor, lead, scale_rule: str, out):
+    """quantize_mxfp4 on a GPU, one op a step: amax, y and the buckets are stored element-major
+    ([rows, M] for the M rows of x: `_stored`), the code buckets (evens, then odds) and each
+    block's scale row in one int64 buffer, and one lookup in `_entry_table` with (the odd
+    buckets, then the scale rows) against (the even buckets, then any code buckets) gives
+    whole entries. With the ceil rule the scale row and inv are lookups on the amax bits
+    (`_ceil_tables`); with the others, the rule's arithmetic."""
+    m, nb = xb.shape[:2]
+    half, dev = nb * MX_BLOCK // 2, xb.device
+    amax = _block_amax(xb, out=torch.empty(nb, m, dtype=torch.float32, device=dev).t())
+    rows = torch.empty(2 * half + nb, m, dtype=torch.int64, device=dev).t()
+    srow = rows[:, 2 * half:]
+    if _rule(scale_rule) is e8m0_ceil:
+        bounds, inv, table = _ceil_tables(dev)
+        torch.bucketize(_stored(amax).view(torch.int32), bounds, right=True, out=_stored(srow))
+        inv = inv[srow]
+    else:
+        e8m0 = _rule(scale_rule)(amax)
+        torch.add(e8m0 & 0xFF, _SCALE_ROW0, out=srow)
+        inv, table = _from_bits((254 - e8m0) << F32_MANT_BITS), _byte_rows(dev)
+    y = _evens_then_odds(xb, inv, torch.empty(2 * half, m, dtype=torch.float32, device=dev).t())
+    torch.bucketize(_stored(y).view(torch.int32), _code_tables(dev)[0], right=True, out=_stored(rows[:, :2 * half]))
+    odd, even = rows[:, half:], rows[:, :half + nb]      # odds, scale rows | evens, any codes
+    if out is not None:
+        torch.ops.aten.index.Tensor_out(table, [odd, even], out=out.view(m, half + nb))
+        return out[..., :half], out[..., half:]
+    parts = (torch.empty(*lead, half, dtype=torch.uint8, device=dev),   # tensors of their own: a
+             torch.empty(*lead, nb, dtype=torch.uint8, device=dev))     # lookup's result would take
+    for part, c in zip(parts, (slice(None, half), slice(half, None))):  # the buckets' layout
+        torch.ops.aten.index.Tensor_out(table, [odd[:, c], even[:, c]], out=part.view(m, part.shape[-1]))
+    return parts
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """How a narrower float enters wider arithmetic: exactly, by the device's faster way."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _NARROW = (torch.bfloat16, torch.float16)
@@ -25,3 +27,16 @@ def fp32_operand(t: torch.Tensor) -> torch.Tensor:
     """t as an operand of fp32 arithmetic: bf16 and fp16 widened (exact, `widened`), wider
     floats rounded to fp32 (`.float()`)."""
     return widened(t, torch.float32) if t.dtype in _NARROW else t.float()
+
+
+def fp32_factor(f: float, t: torch.Tensor) -> torch.Tensor:
+    """fp32(f) as the other factor of a product with t (an fp32 operand) that is fp32: on a GPU
+    a 1-element tensor made once per device, so that bf16 t is converted in the kernel (a 0-dim
+    factor would leave the product bf16); on the CPU, where t is fp32, a 0-dim host tensor
+    (no copy)."""
+    return _device_fp32(float(f), t.device) if converts_in_kernel(t) else torch.tensor(f, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_fp32(f: float, device: torch.device) -> torch.Tensor:
+    return torch.full((1,), f, dtype=torch.float32, device=device)

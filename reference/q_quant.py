@@ -5,6 +5,7 @@ import torch
 
 from . import checks, mxfp4
 from . import hadamard as _hadamard
+from .operands import fp32_factor, fp32_operand
 from .rope import ROPE_MODES, rope_rows
 
 SCALE_PAIR_RTOL = 1e-6
@@ -42,10 +43,11 @@ def check_scale_pair(weights_scale, softmax_scale, head_scale):
 def fold_weights(weights: torch.Tensor, weights_scale: float, pair=None) -> torch.Tensor:
     """fp32(weights) * fp32(weights_scale): one multiply; no q scale in the MXFP4 path.
     With `pair` = (softmax_scale, head_scale): (fp32(w) * fp32(softmax_scale)) * fp32(head_scale),
-    the order of vLLM's CUDA Q kernel."""
-    w = weights.float()
+    the order of vLLM's CUDA Q kernel. The first product takes bf16 weights to fp32
+    (`fp32_operand`, `fp32_factor`)."""
+    w = fp32_operand(weights)
     for f in (pair or (weights_scale,)):
-        w = w * torch.tensor(f, dtype=torch.float32)       # an fp32 host scalar: no copy to the device
+        w = w * fp32_factor(f, w)
     return w
 
 

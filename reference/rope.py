@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from . import operands
 from .operands import fp32_operand
 
 
@@ -165,17 +166,67 @@ def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torc
     return out
 
 
+@functools.lru_cache(maxsize=32)
+def _rotation_tables(d: int, half: int, through: bool, device: torch.device):
+    """For rows of d dims whose rotated part is the last L = 2 * half dims, or all d with
+    `through` (the NoPE pairs before the last `half` through the formula with cos 1, sin 0),
+    made once per device: the columns of x to gather ([d + L]: all of x, then the rotated dims
+    pair-swapped: o, e per pair), the cache columns of (cos, cos per pair | sin, sin per pair)
+    ([2L]), where the NoPE pairs' values go (bool [2L]) and those values (1 | 0), and the sign
+    of the second products ([L]: -1 on even dims, +1 on odd)."""
+    start = 0 if through else d - 2 * half
+    length = d - start
+    j = (torch.arange(length // 2) - (length // 2 - half)).repeat_interleave(2)   # < 0: NoPE
+    jc = j.clamp_min(0)
+    swapped = start + (torch.arange(length) ^ 1)
+    tabs = (torch.cat((torch.arange(d), swapped)), torch.cat((jc, jc + half)), (j < 0).repeat(2),
+            torch.cat((torch.ones(length), torch.zeros(length))),
+            torch.tensor([-1.0, 1.0]).repeat(length // 2))
+    return tuple(t.to(device) for t in tabs)
+
+
 def rope_rows(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, *, nope_through_formula: bool,
               rope: str = "separate", dtype=torch.bfloat16) -> torch.Tensor:
     """rope_gptj_tail(x.float(), *cos_sin_at(cache, rows)) (cos/sin broadcast over the dims
     of x between rows' and the last), each value rounded once to `dtype`: the same values as
     bf16_round(rope_gptj_tail(..., round_bf16=False)) or rope_gptj_tail(..., round_bf16=True),
-    as a `dtype` tensor. x fp32 or narrower; NoPE dims not through the formula are copied
-    (x must then hold `dtype` values there)."""
+    as a `dtype` tensor (on a GPU possibly a view into longer rows). x fp32 or narrower;
+    NoPE dims not through the formula are copied (x must then hold `dtype` values there).
+
+    `separate` on a GPU: with x's rotated dims gathered next to themselves pair-swapped (g)
+    and a table t of (cos, cos | sin, sin) per pair, one product pq = g * t gives (e*cos,
+    o*cos | o*sin, e*sin), and e' = e*cos - o*sin, o' = o*cos + e*sin are one addcmul
+    pq[:L] + pq[L:] * (-1, +1) stored in `dtype`: the product by -1 or +1 is exact, so each
+    output is the fp32 sum of the two rounded products, rounded once on the store, whether or
+    not a kernel fuses the multiply-add; the rounding of `rotate_pairs`. On the CPU, where
+    the gather costs more than the ops it saves, and for the FMA modes: `rotate_into`."""
+    d, half = x.shape[-1], cache.shape[-1] // 2
+    bcast = (1,) * (x.dim() - rows.dim() - 1)
+    if rope != "separate" or not operands.converts_in_kernel(x):
+        return _rope_rows_pairs(x, cache, rows, nope_through_formula=nope_through_formula, rope=rope,
+                                dtype=dtype, bcast=bcast)
+    start = 0 if nope_through_formula else d - 2 * half
+    gather, cols, nope, fill, sign = _rotation_tables(d, half, nope_through_formula, rows.device)
+    g = x[..., gather]
+    t = cache[rows.long()[..., None], cols]
+    if nope_through_formula and d > 2 * half:
+        t = torch.where(nope, fill, t)
+    pq = fp32_operand(g[..., start:]) * t.reshape(*rows.shape, *bcast, t.shape[-1])
+    if g.dtype == dtype:
+        out = g[..., :d]                       # x's NoPE dims already in place
+    else:
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+        if start:
+            out[..., :start] = x[..., :start]
+    torch.addcmul(pq[..., :d - start], pq[..., d - start:], sign, out=out[..., start:])
+    return out
+
+
+def _rope_rows_pairs(x, cache, rows, *, nope_through_formula, rope, dtype, bcast) -> torch.Tensor:
+    """rope_rows through `rotate_into` (the even and odd dims as strided views)."""
     d, half = x.shape[-1], cache.shape[-1] // 2
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     x = fp32_operand(x)
-    bcast = (1,) * (x.dim() - rows.dim() - 1)
     if nope_through_formula:
         c, s = cos_sin_pairs(cache, rows, d // 2)
         shape = (*rows.shape, *bcast, d // 2)

@@ -188,3 +188,20 @@ def test_scale_rules_match_torchao(to_mx, gen, ours, theirs):
     assert torch.equal(mxfp4.unpack_nibbles(packed), codes_t)
     if ours == "ocp-floor":   # teeth: the production ceil rule is a different one
         assert not torch.equal(mxfp4.quantize_mxfp4(x, "ceil")[1].reshape(-1), scale_t)
+
+
+def test_the_ceil_lookup_is_the_ceil_rule():
+    """On a GPU quantize_mxfp4 takes the ceil scale from a lookup on the amax bits
+    (_ceil_tables): the byte and inv of e8m0_ceil at one ulp either side of every step
+    (6 * 2**k), at the ends, at NaNs, and at random amaxes; a scale row's byte in every column."""
+    bounds, inv, table = mxfp4._ceil_tables(torch.device("cpu"))
+    edges = (6 * 2.0 ** torch.arange(-149, 128, dtype=torch.float64)).float().view(torch.int32)
+    g = torch.Generator().manual_seed(5)
+    bits = torch.cat([edges + d for d in (-1, 0, 1)] + [
+        torch.tensor([0, 1, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF], dtype=torch.int32),
+        torch.randint(0, 0x7F800000, (1 << 16,), generator=g, dtype=torch.int32)])
+    row = torch.bucketize(bits, bounds, right=True)
+    e = mxfp4.e8m0_ceil(bits.view(torch.float32))
+    assert torch.equal(table[row, 0], e.to(torch.uint8))
+    assert torch.equal(inv[row].view(torch.int32), (254 - e) << 23)
+    assert bool((table[18:] == table[18:, :1]).all())
