@@ -107,6 +107,18 @@ def test_decode_batched_cores_on_gpu_match_the_cpu(mode):
     assert bool(((cpu - gpu).abs()[fin] <= sum_bound(kw, "cpu")[fin]).all())
 
 
+def eager_and_replayed(fn):
+    """fn's output run eagerly, and its output captured once in a CUDA graph then replayed."""
+    eager = fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return eager, out
+
+
 @needs_gpu
 def test_cores_replay_from_a_cuda_graph_with_the_eager_bits():
     """The K writer's, the Q quant's and the pooling's cores have no host sync: captured
@@ -126,13 +138,7 @@ def test_cores_replay_from_a_cuda_graph_with_the_eager_bits():
              "q": lambda: q_quant.quantize_q(*q_args)["q_fp4"],
              "pool": lambda: pooling.softmax_pool(*pooling.gather_windows(*p_args)[:2])}
     for name, fn in cores.items():
-        eager = fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        graph.replay()
-        torch.cuda.synchronize()
+        eager, out = eager_and_replayed(fn)
         assert same_bits(out, eager), name
 
 
@@ -152,13 +158,7 @@ def test_scorer_core_replays_from_a_cuda_graph_with_the_op_bits(name):
     ends = kw["row_ends"].long()
     fn = lambda: [scoring.group_core_i8(p, kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"], ends, geo)
                   for p in plans]
-    eager = fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    eager, out = eager_and_replayed(fn)
     assert plans and all(o is not None for o in out)
     for p, (logits, flags), (e_logits, e_flags) in zip(plans, out, eager):
         assert flags.tolist() == [False, True] and same_bits(flags, e_flags)

@@ -523,6 +523,18 @@ def test_cpu_table_cores_give_the_generic_fp64_bits(gen, monkeypatch, case):
         assert used[main] >= j - len(range(2, j, 5)) and sum(used.values()) <= j
 
 
+def wrong_with_bound(monkeypatch, name, value, lut, score, want) -> bool:
+    """Whether `score()` goes wrong (off `want` by more than 1e-3) with scoring.`name` raised
+    to `value` (its cached table `lut` rebuilt for it, and again after)."""
+    monkeypatch.setattr(scoring, name, value)
+    lut.cache_clear()
+    try:
+        return not torch.allclose(score(), want, rtol=1e-3)
+    finally:
+        monkeypatch.undo()
+        lut.cache_clear()
+
+
 def test_cpu_table_cores_bounds_have_teeth(gen, monkeypatch):
     """The bounds that send a column to a core are needed: a key spread of 4 overflows the
     int8 operand (12 * 2**4 > 127), one of 12 the fp64 core's int16 decode, and an fp32
@@ -533,25 +545,15 @@ def test_cpu_table_cores_bounds_have_teeth(gen, monkeypatch):
     ks[:, 2:] = ks[:, 1:2]
     want = generic(qp, qs, kp, ks, w)
     assert torch.equal(bits(scoring.mxfp4_relu_logits(qp, qs, kp, ks, w)), bits(want))
-    monkeypatch.setattr(scoring, "_I8_SPREAD", 4)
-    scoring._shifted_word_lut.cache_clear()
-    try:
-        assert not torch.allclose(scoring.mxfp4_relu_logits(qp, qs, kp, ks, w), want, rtol=1e-3)
-    finally:
-        monkeypatch.undo()
-        scoring._shifted_word_lut.cache_clear()
+    assert wrong_with_bound(monkeypatch, "_I8_SPREAD", 4, scoring._shifted_word_lut,
+                            lambda: scoring.mxfp4_relu_logits(qp, qs, kp, ks, w), want)
     # a key spread of 12 overflows the fp64 core's int16 decode (12 * 2**12 > 32767)
     ks12 = ks.clone()
     ks12[:, 0] = ks12[:, 1] + 12
     want = generic(qp, qs, kp, ks12, w)
     assert torch.equal(bits(scoring.mxfp4_relu_logits(qp, qs, kp, ks12, w)), bits(want))
-    monkeypatch.setattr(scoring, "_F64_SHIFTS", 12)
-    scoring._shift_byte_lut_i16.cache_clear()
-    try:
-        assert not torch.allclose(scoring.mxfp4_relu_logits(qp, qs, kp, ks12, w), want, rtol=1e-3)
-    finally:
-        monkeypatch.undo()
-        scoring._shift_byte_lut_i16.cache_clear()
+    assert wrong_with_bound(monkeypatch, "_F64_SHIFTS", 12, scoring._shift_byte_lut_i16,
+                            lambda: scoring.mxfp4_relu_logits(qp, qs, kp, ks12, w), want)
     qp, qs, kp, ks, w = cpu_case(gen, 2, 16, 200, (110, 12), "spread-11")
     q32 = scoring.dequantize_mxfp4_f32(qp, qs)
     f32 = torch.matmul(q32, scoring.dequantize_mxfp4_f32(kp, ks).T).double()
