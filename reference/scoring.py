@@ -848,7 +848,6 @@ class GroupPlan:
     rows: int
     n: list
     j: int
-    pages: int
     pages_read: torch.Tensor
     n_dev: torch.Tensor
     ridx: torch.Tensor
@@ -882,7 +881,7 @@ def group_plans(qsl: list, query_start_loc, row_ends, block_table: torch.Tensor,
             bt = block_table[sel, :pages].long()
             bt = torch.where(torch.arange(pages, device=dev)[None, :] < own[:, None], bt, bt[:, :1])
             ridx = (start[:, None] + torch.arange(rows, device=dev)).flatten()
-            yield GroupPlan(part, rows, n, j, pages, bt.flatten(), n_dev, ridx)
+            yield GroupPlan(part, rows, n, j, bt.flatten(), n_dev, ridx)
 
 
 def group_inputs(plan: GroupPlan, q_fp4, q_scale, weights, kv_cache, ends, geo) -> dict:
@@ -906,7 +905,11 @@ def group_core_i8(plan: GroupPlan, q_fp4, q_scale, weights, kv_cache, ends, geo)
     """The GPU scorer's work for one group, with no host sync (a CUDA graph can replay it):
     (fp64 logits [G * rows, j], -inf past the row ends; flags [2]: a NaN scale byte read,
     CORE_I8 exact), or None where the layout rules the paged int8 read out."""
-    x = group_inputs(plan, q_fp4, q_scale, weights, kv_cache, ends, geo)
+    return _core_i8(plan, group_inputs(plan, q_fp4, q_scale, weights, kv_cache, ends, geo), geo)
+
+
+def _core_i8(plan: GroupPlan, x: dict, geo):
+    """`group_core_i8` on the group's `group_inputs` x."""
     fast = _paged_i8_logits(x["q"], x["qs"], x["pg"], x["all_scales"], x["w"], plan.n_dev, plan.j, geo)
     if fast is None:
         return None
@@ -917,15 +920,15 @@ def _score_group(out, plan: GroupPlan, q_fp4, q_scale, weights, kv_cache, ends, 
     """Score one group into `out`: the paged CORE_I8 on a GPU (its flags read in one host
     sync after everything is queued), else (or where a flag says so) the grouped cores."""
     ridx, j = plan.ridx, plan.j
+    x = group_inputs(plan, q_fp4, q_scale, weights, kv_cache, ends, geo)
     if q_fp4.device.type in INT8_DEVICES:
-        core = group_core_i8(plan, q_fp4, q_scale, weights, kv_cache, ends, geo)
+        core = _core_i8(plan, x, geo)
         if core is not None:
             out[ridx, :j] = core[0]
             if core[1].tolist() == [False, True]:
                 global last_path
                 last_path = "int8"
                 return
-    x = group_inputs(plan, q_fp4, q_scale, weights, kv_cache, ends, geo)
     if bool(x["nan"]):
         for i, b in enumerate(plan.seqs):
             nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", x["scales"][i, :plan.n[i]])
