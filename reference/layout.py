@@ -138,8 +138,7 @@ def read_pages(kv_cache: torch.Tensor, pages: torch.Tensor, *, page_size: int, h
                shuffle) -> tuple[torch.Tensor, torch.Tensor]:
     """Entries of whole pages in entry order: (packed [len(pages)*page_size, D/2], scales
     [len(pages)*page_size, D/32]). Same bytes as `read_entries` on those pages' slots, but
-    un-shuffled with one view/permute per page instead of a gather per byte (the scorer's
-    hot path)."""
+    un-shuffled with one view/permute per page instead of a gather per byte."""
     pg = gather_pages(kv_cache, pages, page_size=page_size, head_dim=head_dim, shuffle=shuffle)
     return (page_values(pg, page_size=page_size, head_dim=head_dim, shuffle=shuffle),
             page_scales(pg, page_size=page_size, head_dim=head_dim, shuffle=shuffle))

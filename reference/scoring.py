@@ -237,10 +237,8 @@ def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
     if q_packed.device.type != "cpu" or bool((q_scale == E8M0_NAN).any()):
         return _column_core_logits(q_packed, q_scale, k_packed, k_scale, w)
     q8, mq, lo, i8, f64 = _cpu_cores(q_packed, q_scale, k_scale)
-    if bool(i8.all()):
-        _table_core(q8, w.double() * _pow2(mq), k_packed, k_scale, lo, out)
-        return out
-    cores = [(i8, lambda kp, ksc, klo, o: _table_core(q8, w.double() * _pow2(mq), kp, ksc, klo, o)),
+    w_i8 = w.double() * _pow2(mq)
+    cores = [(i8, lambda kp, ksc, klo, o: _table_core(q8, w_i8, kp, ksc, klo, o)),
              (f64, lambda kp, ksc, klo, o: _table_core(dequantize_mxfp4_f32(q_packed, q_scale, torch.float64),
                                                       w.double(), kp, ksc, klo, o))]
     rest = ~(i8 | f64)
@@ -805,8 +803,9 @@ def paged_mxfp4_mqa_logits_fp64(*, q_fp4, q_scale, weights, kv_cache, query_star
     if rw == 0:
         return out
     geo = dict(page_size=page_size, head_dim=d, shuffle=shuffle)
+    ends = row_ends.long()
     for plan in group_plans(qsl, query_start_loc, row_ends, block_table, page_size, d):
-        _score_group(out, plan, q_fp4, q_scale, weights, kv_cache, row_ends.long(), geo)
+        _score_group(out, plan, q_fp4, q_scale, weights, kv_cache, ends, geo)
     return out
 
 
@@ -921,15 +920,17 @@ def _score_group(out, plan: GroupPlan, q_fp4, q_scale, weights, kv_cache, ends, 
     sync after everything is queued), else (or where a flag says so) the grouped cores."""
     ridx, j = plan.ridx, plan.j
     x = group_inputs(plan, q_fp4, q_scale, weights, kv_cache, ends, geo)
-    if q_fp4.device.type in INT8_DEVICES:
-        core = _core_i8(plan, x, geo)
-        if core is not None:
+    core = _core_i8(plan, x, geo) if q_fp4.device.type in INT8_DEVICES else None
+    if core is not None:
+        is_nan, exact = core[1].tolist()
+        if exact and not is_nan:
             out[ridx, :j] = core[0]
-            if core[1].tolist() == [False, True]:
-                global last_path
-                last_path = "int8"
-                return
-    if bool(x["nan"]):
+            global last_path
+            last_path = "int8"
+            return
+    else:
+        is_nan = bool(x["nan"])
+    if is_nan:
         for i, b in enumerate(plan.seqs):
             nan_scale(f"kv_cache (scale bytes of sequence {b}'s entries)", x["scales"][i, :plan.n[i]])
     packed = layout.page_values(x["pg"], **geo).view(len(plan.seqs), -1, geo["head_dim"] // 2)
