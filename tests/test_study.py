@@ -440,7 +440,7 @@ def test_locality_scores_recent_keys_up():
                        ("local", study.Distribution(name="local", locality=1.0, locality_query=1.0))):
         res = study.run_study(study.StudyConfig(distributions=[dist], **base))
         share[name] = res["rows"][0]["recent_share"]
-    assert share["plain"] < 0.3 < 0.35 < share["local"]
+    assert share["plain"] < 0.3 and share["local"] > 0.35
 
 
 def test_weight_coupling_ties_the_weights_to_the_scores():
@@ -534,13 +534,17 @@ def test_study_of_a_dump_made_by_mxval_dump(tmp_path):
 
 def test_workers_give_the_same_study_as_one_process():
     cfg = _cfg(study.Distribution(), ["exact", "mxfp4"], seeds=2, rows=2)
-    one = study.run_study(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                  # as each worker runs: the same fp32 sums
+    try:
+        one = study.run_study(cfg)
+    finally:
+        torch.set_num_threads(threads)
     two = study.run_study(cfg, jobs=2)
     assert [r["seed"] for r in one["rows"]] == [r["seed"] for r in two["rows"]]
     assert [r["variant"] for r in one["rows"]] == [r["variant"] for r in two["rows"]]
-    a = [r["recall"] for r in one["rows"]]
-    b = [r["recall"] for r in two["rows"]]
-    assert max(abs(x - y) for x, y in zip(a, b)) < 0.01     # one thread per worker: fp32 sums may round apart
+    for key in ("recall", "mass_kept", "noise_rel"):
+        assert [r[key] for r in one["rows"]] == [r[key] for r in two["rows"]], key
 
 
 def test_bad_jobs_is_bad_input(capsys):
