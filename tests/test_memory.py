@@ -1,6 +1,7 @@
 """GPU memory per case: the tensors' bytes of a case, the peak (None on the CPU), the
 ratio in every report format, and the per-process cap from the environment."""
 import json
+import os
 
 import pytest
 import torch
@@ -380,3 +381,15 @@ def test_the_peak_leaves_out_what_outlives_the_block():
     assert p.bytes >= 96 << 20
     assert p.own() == p.bytes - (32 << 20) and p.kept == 32 << 20
     assert memory.tensor_bytes(torch.empty(3, device="cuda")) == memory.BLOCK
+
+
+@pytest.mark.parametrize("value", ["abc", "yes", "2"])
+def test_a_bad_stage_times_switch_is_one_line(value, tmp_path):
+    import subprocess
+    import sys
+    env = dict(os.environ, MXVAL_STAGE_TIMES=value)
+    r = subprocess.run([sys.executable, "-m", "harness", "validate", "--case", "smoke-edge-values", "--backend",
+                        "reference", "--report-dir", str(tmp_path / "r"), "--force"], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 2 and r.stderr.strip() == f"mxval: MXVAL_STAGE_TIMES={value!r}: expected 1 or 0"
+    assert not (tmp_path / "r").exists()

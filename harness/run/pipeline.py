@@ -28,7 +28,7 @@ from harness.diff.metrics import run_keys
 from harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, InputError, ReportError, UsageError
 from harness.io import escape, report
 from harness.run import budgets as B
-from harness.run import memory, runner
+from harness.run import memory, runner, stagetime
 from harness.run import shard as S
 from harness.run.cases import Catalog, on_path
 from harness.run.geometry import geometry
@@ -100,7 +100,8 @@ class Run:
                  report_dir=None, force: bool = False, quiet: bool = False, owner=None):
         self.command, self.suite, self.quiet = command, suite, quiet
         try:
-            memory.fraction()                  # a bad cap is a usage error before any work
+            memory.fraction()                  # a bad cap or switch is a usage error before any work
+            stagetime.enabled()
         except ValueError as e:
             raise UsageError(str(e)) from None
         self.started = time.time()

@@ -16,7 +16,11 @@ ENV = "MXVAL_STAGE_TIMES"
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "").strip() not in ("", "0")
+    """Whether MXVAL_STAGE_TIMES asks for stage times: 1 on, 0 or unset off; ValueError else."""
+    raw = os.environ.get(ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{ENV}={raw!r}: expected 1 or 0")
+    return raw == "1"
 
 
 class StageClock:
