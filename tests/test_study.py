@@ -565,3 +565,12 @@ def test_mass_kept_is_the_reports_formula_on_the_heads_attention():
     p = torch.softmax(scores * 0.1, -1)
     assert torch.allclose(att.cost(sel)["mass_kept"], mass_kept(p, sel, exact))
     assert (att.cost(sel)["mass_kept"] <= 1).all() and (att.cost(exact)["mass_kept"] == 1).all()
+
+
+def test_study_csvs_escape_formula_cells(tmp_path):
+    """A distribution named like a spreadsheet formula is written as text in both CSVs."""
+    res = study.run_study(_compat([study.Distribution(name="=HYPERLINK(1)")], ["exact", "mxfp4"], seeds=1))
+    study.render(res, tmp_path, title="t", meta=_meta(distributions=["=HYPERLINK(1)"]))
+    for name in ("study.csv", "study-needles.csv"):
+        text = (tmp_path / name).read_text()
+        assert "'=HYPERLINK(1)" in text and ",=HYPERLINK" not in text and not text.startswith("="), name

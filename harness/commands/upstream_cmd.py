@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.errors import InputError
-from harness.io import atomic
+from harness.io import atomic, safe_input
 from optimized import upstream
 from optimized.vllm_kernels.reader import (
     MAX_SOURCE_CHARS,
@@ -591,8 +591,8 @@ def fetch(version: str, console, *, pip=None, table=upstream.TABLE) -> Path:
     manifest = root / ".mxval-manifest.json"
     modules = {m for t in table if t.package == "vllm" for m in t.modules}
     try:
-        have = json.loads(manifest.read_text()) if manifest.is_file() and not manifest.is_symlink() else None
-    except (OSError, ValueError):
+        have = safe_input.load_json(manifest) if manifest.is_file() and not manifest.is_symlink() else None
+    except InputError:
         have = None
     if (isinstance(have, dict) and modules <= set(have.get("modules", {})) and "sha256" in have
             and all((root / f).is_file() for f in have.get("files", []))):

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from . import args as A
+from .pages import CHUNK_BYTES
 from .report import Collector, DiffReport
 
 # Full-size work runs where the tensors live, a block of rows at a time: each block's
@@ -16,7 +17,6 @@ from .report import Collector, DiffReport
 # of 2^20 columns costs no buffer-sized mask), and at most about 1/BLOCKS of the whole (the
 # few full-size terms of a block then cost less than the compared tensors themselves); only
 # per-row results leave the device.
-CHUNK_BYTES = 1 << 26
 BLOCKS = 8
 
 

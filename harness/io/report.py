@@ -871,7 +871,7 @@ def write_all(df: pd.DataFrame, meta: dict, out_dir, *, json_source: Optional[Pa
     if json_source is None:
         atomic.write_text(paths["json"], json.dumps(to_json(df, meta), indent=1, default=str))
     elif not _same_file(json_source, paths["json"]):
-        atomic.write_bytes(paths["json"], Path(json_source).read_bytes())
+        atomic.write_bytes(paths["json"], safe_input.read_bytes(json_source, safe_input.MAX_JSON_BYTES, error=ReportError))
     return {k: str(v) for k, v in paths.items()}
 
 

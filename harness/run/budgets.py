@@ -260,4 +260,4 @@ def first_failing_stage(violations: list[dict]) -> str:
     staged = [o for o in ops if o in OPS]
     if staged:
         return min(staged, key=lambda o: STAGES.index(OPS[o].stage))
-    return "chain" if any(o == "chain" for o in ops) else ""
+    return CHAIN if CHAIN in ops else ""

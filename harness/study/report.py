@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 from matplotlib.figure import Figure
 
-from harness.io import atomic
+from harness.io import atomic, escape
 from harness.study.metrics import TOP_M, bootstrap, over_select
 from harness.study.variants import VARIANTS
 
@@ -921,8 +921,9 @@ def render(result: dict, out_dir: Path, *, title: str, meta: dict) -> dict:
     """Write study.json, study.md, study.html, study.csv, study-needles.csv; return their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(out_dir / "study.csv", pd.DataFrame(result["rows"]).to_csv(index=False))
-    atomic.write_text(out_dir / "study-needles.csv", pd.DataFrame(result["needles"]).to_csv(index=False))
+    atomic.write_text(out_dir / "study.csv", escape.csv_frame(pd.DataFrame(result["rows"])).to_csv(index=False))
+    atomic.write_text(out_dir / "study-needles.csv",
+                      escape.csv_frame(pd.DataFrame(result["needles"])).to_csv(index=False))
     md = full_markdown(result, meta)
     atomic.write_text(out_dir / "study.md", f"# {title}\n\n{md}\n")
     atomic.write_text(out_dir / "study.html", _html(result, meta, title, md))
