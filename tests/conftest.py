@@ -16,7 +16,7 @@ from harness.run import memory
 # mark -> why `make test` leaves it out, and where it runs (pyproject's markers say the same)
 DESELECT_REASONS = {
     "gpu": "needs a CUDA/ROCm GPU; `make test-gpu`",
-    "upstream": "runs vLLM's fetched kernels; `make test-upstream`",
+    "upstream": "runs vLLM's fetched kernels or an aiter tree; `make test-upstream`, `make test-aiter AITER=DIR`",
     "slow": "over the CI time or memory budget; `make test-slow`",
 }
 _KEY = "mxval_deselected"

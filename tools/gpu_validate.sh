@@ -49,7 +49,7 @@ run_a() {  # one phase-A step by name
 n=${#steps_a[@]}
 gpu_gib=$($py -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30 if torch.cuda.is_available() else 0)')
 share=${GPU_SHARE_GIB:-24}
-if [ "${PARALLEL:-1}" = 1 ] && [ "$gpu_gib" -ge $((share * n)) ]; then
+if [ "${PARALLEL:-1}" = 1 ] && [ $((gpu_gib * 9 / 10)) -ge $((share * n)) ]; then   # each gets its share of the 90 %
     # 90% of the GPU split evenly: the rest is the CUDA contexts' and the driver's
     export MXVAL_GPU_MEMORY_FRACTION=$($py -c "print(round(0.9 / $n, 3))")
     echo "phase A: $n steps side by side, each capped at $MXVAL_GPU_MEMORY_FRACTION of ${gpu_gib} GiB" >> "$out/machine.txt"
