@@ -56,3 +56,15 @@ def test_codes_of_the_non_finite_and_signed_zeros():
                      torch.tensor(float("inf")), torch.tensor(float("-inf")),
                      torch.tensor(-1e-45), torch.tensor(0.25), torch.tensor(-0.25).nextafter(torch.tensor(-1.0))))
     assert mxfp4.e2m1_codes(x).tolist() == [0, 8, 0, 8, 7, 15, 8, 0, 9]
+
+
+def test_device_constants_are_made_once_and_keep_the_sign_of_zero():
+    """The pooling's -0.0 and the norm's fp64 zero are equal as cache keys: two tensors."""
+    cpu = torch.device("cpu")
+    zero = operands.device_const(0.0, torch.float64, cpu)
+    neg = operands.device_const(-0.0, torch.float64, cpu)
+    assert zero.shape == neg.shape == (1,) and zero.dtype == torch.float64
+    assert not bool(torch.signbit(zero)) and bool(torch.signbit(neg))
+    assert operands.device_const(-0.0, torch.float64, cpu) is neg
+    assert operands.device_const(0, torch.float64, cpu) is not neg
+    assert operands.device_const(0.5, torch.float32, cpu).dtype == torch.float32
