@@ -6,7 +6,7 @@ import torch
 from helpers import cases
 
 import reference
-from reference import mxfp4, operands, pooling
+from reference import mxfp4, operands, pooling, rope
 
 OPS = ("k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "compress_pool", "k_norm_rope_fp8_cache")
 CASES = [c for c in cases() if c[1] in OPS]
@@ -68,3 +68,19 @@ def test_device_constants_are_made_once_and_keep_the_sign_of_zero():
     assert operands.device_const(-0.0, torch.float64, cpu) is neg
     assert operands.device_const(0, torch.float64, cpu) is not neg
     assert operands.device_const(0.5, torch.float32, cpu).dtype == torch.float32
+
+
+@pytest.mark.parametrize("through", [True, False])
+def test_rope_rows_on_either_formulation_is_the_pairwise_rotation(monkeypatch, through):
+    """The gathered-table formulation and the strided pairs give rope_gptj_tail's bits, NoPE
+    pairs (-0.0 among them) through the formula with cos 1, sin 0 or copied."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 2, 128, generator=g).bfloat16()
+    x[:2, :, :64:3] = -0.0
+    cache = rope.cos_sin_cache(40, 64, yarn_factor=4.0, yarn_original_max_pos=16)
+    rows = torch.randint(0, 40, (6,), generator=g)
+    cos, sin = rope.cos_sin_at(cache, rows)
+    want = rope.rope_gptj_tail(x.float(), cos[:, None], sin[:, None], nope_through_formula=through).bfloat16()
+    for on in (False, True):
+        in_kernel(monkeypatch, on)
+        assert same_bits(rope.rope_rows(x, cache, rows, nope_through_formula=through), want), on
