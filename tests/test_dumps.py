@@ -195,3 +195,16 @@ def test_a_header_nested_too_deep_is_named(tmp_path):
     head = ("[" * 100 + "]" * 100).encode()
     p.write_bytes(struct.pack("<Q", len(head)) + head)
     _expect_error(p, "safetensors header: nested 100 deep")
+
+
+def test_a_dump_write_checks_its_target_once_then_again_before_the_rename(tmp_path, layer, monkeypatch):
+    from harness.io import atomic
+    calls = []
+    real = atomic.check_target
+    monkeypatch.setattr(atomic, "check_target", lambda p, **kw: calls.append(str(p)) or real(p, **kw))
+    p = tmp_path / "new" / "d.safetensors"
+    write_dump(p, layer, source="t")
+    assert calls == [str(p)] * 2 and read_dump(p).meta["source"] == "t"
+    with pytest.raises(atomic.OutputError, match="outside"):       # refused before any directory is made
+        write_dump(tmp_path / "a" / "b" / "d.safetensors", layer, source="t", within=tmp_path / "reports")
+    assert not (tmp_path / "a").exists()

@@ -362,8 +362,7 @@ def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "dee
     for key in ("layer", "step"):
         if meta[key] is not None and not (_is_int(meta[key]) and 0 <= meta[key] < MAX_INDEX):
             _fail(path, f"{key}: expected an integer in [0, {MAX_INDEX}) or None, got {meta[key]!r}")
-    atomic.check_target(path, within=within)          # before any directory is made
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     text = json.dumps(meta)
-    atomic.write_via(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: text}), within=within)
+    atomic.write_via(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: text}), within=within,
+                     make_parent=True)
     return path
