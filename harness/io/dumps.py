@@ -239,13 +239,10 @@ def _check_container(path: str) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         _fail(path, "not a safetensors file (its header is not UTF-8 JSON)")
-    safe_input.check_structure(text, f"{path}: safetensors header", toml=False, error=DumpError)
-    try:                                    # its structure is checked (once): parse it
-        header = safe_input.parse_checked_json(text)
-    except (ValueError, RecursionError):
-        header = None
+    not_object = "not a safetensors file (its header is not a JSON object)"
+    header = safe_input.loads_json(text, f"{path}: safetensors header", error=DumpError, unusable=f"{path}: {not_object}")
     if not isinstance(header, dict):
-        _fail(path, "not a safetensors file (its header is not a JSON object)")
+        _fail(path, not_object)
     end = 0
     for name, info in header.items():
         if name == "__metadata__":
