@@ -85,19 +85,18 @@ def test_the_memory_cap_is_read_from_the_environment(monkeypatch):
 
 
 def test_peak_is_none_on_the_cpu():
-    with memory.Peak("cpu") as p:
-        torch.zeros(1000)
-    assert p.bytes is None
-    assert memory.ratio(None, 10) is None and memory.ratio(30, 10) == 3.0 and memory.ratio(5, 0) is None
+    p = memory.Peak("cpu").start()
+    torch.zeros(1000)
+    assert p.stop() is None and p.bytes is None and p.own() is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 def test_peak_on_the_gpu_counts_what_the_block_allocated():
-    with memory.Peak("cuda") as p:
-        x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-        del x
-    assert p.bytes >= 64 << 20
+    p = memory.Peak("cuda").start()
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del x
+    assert p.stop() >= 64 << 20 and p.bytes >= 64 << 20
 
 
 def test_pages_compared_in_chunks_give_the_same_report(monkeypatch):
@@ -156,9 +155,8 @@ def test_peak_is_what_the_block_allocated_above_its_start(monkeypatch):
     monkeypatch.setenv(memory.FRACTION_ENV, "0.2")
     memory.apply_fraction("cpu")                         # the CPU: nothing to cap
     assert fake.fractions == []
-    with memory.Peak("cuda:0") as p:
-        pass
-    assert p.bytes == 1000
+    p = memory.Peak("cuda:0").start()
+    assert p.stop() == 1000 and p.bytes == 1000
     assert memory.Peak("cuda").start().stop() == 1000
     assert fake.fractions == [(0.2, 0)]                  # the cap is set once per device
 
