@@ -495,12 +495,21 @@ INT8_DEVICES = ("cuda",)
 # how the last batched call scored its groups ("int8", "fp32", "fp64", "per sequence"): for
 # benchmarks and reports
 last_path = ""
-# Work tile of the batched cores: scores materialized at once (fp32 or int32, then fp64)
+# Work tile of the batched cores: scores materialized at once (fp32 or int32, then fp64),
+# at most this many; on a GPU also at most as many bytes as the call's operands and output
+# (so a call's peak stays within a few times its tensors), but never fewer than _MIN_TILE_ELEMS
 _GROUP_TILE_ELEMS = {"cpu": 1 << 23, "cuda": 1 << 27}
+_MIN_TILE_ELEMS = 1 << 22
 
 
-def _group_tile(device: torch.device) -> int:
-    return _GROUP_TILE_ELEMS.get(device.type, 1 << 23)
+def _group_tile(device: torch.device, *tensors: torch.Tensor, elem_bytes: int = 1) -> int:
+    """Scores per work tile on `device`; with `tensors` (the call's operands and output) and
+    `elem_bytes` (what one score takes across its intermediates), bounded by their bytes."""
+    most = _GROUP_TILE_ELEMS.get(device.type, 1 << 23)
+    if not tensors or device.type != "cuda":
+        return most
+    own = sum(t.numel() * t.element_size() for t in tensors)
+    return min(most, max(_MIN_TILE_ELEMS, own // elem_bytes))
 
 
 def int8_operand(packed: torch.Tensor, scales: torch.Tensor):
@@ -580,7 +589,7 @@ def _i8_logits(q8, mq, k8, mk, w, out) -> None:
     if jp != j:
         k8 = torch.nn.functional.pad(k8, (0, 0, 0, jp - j))
     colscale = torch.ldexp(torch.ones_like(wq[:, :1, :1]), (mk - 128).double().unsqueeze(1))  # [G, 1, J]
-    tile = _group_tile(out.device)
+    tile = _group_tile(out.device, q8, k8, out, elem_bytes=12)                 # int32 dots, fp64 relu
     gc = max(1, min(g, tile // max(1, r * h * jp)))
     rc = max(1, min(r, tile // (h * jp)))
     for g0 in range(0, g, gc):
@@ -601,7 +610,7 @@ def _dense_logits(q_packed, q_scale, k_packed, k_scale, w, out, dt) -> None:
     j = k_scale.shape[1]
     q = dequantize_mxfp4_f32(q_packed, q_scale, dt)                       # [G, R, H, D]
     w64 = w.double()
-    tile = _group_tile(q_packed.device)
+    tile = _group_tile(q_packed.device, q, k_packed, k_scale, out, elem_bytes=2 * q.element_size() + 8)
     gc = max(1, min(g, tile // max(1, r * h * j)))
     rc = max(1, min(r, tile // (h * j)))
     for g0 in range(0, g, gc):
