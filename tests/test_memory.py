@@ -275,6 +275,7 @@ def test_stage_seconds_are_recorded_only_when_asked(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 def test_the_part_holding_the_peak_is_named():
     from harness.run.stagetime import StageClock
+    torch.cuda.reset_peak_memory_stats()     # as a case's Peak.start does: earlier highs are not this clock's
     clock = StageClock("cuda", on=True)
     with clock("big"):
         x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")

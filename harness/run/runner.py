@@ -11,6 +11,7 @@ A case yields one row (a dict) of raw metrics; `budgets` turn rows into pass/fai
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -43,6 +44,11 @@ from reference.ops import OPS, op_of
 MAX_MAP_POINTS = 4000
 MAP_CHUNK_BYTES = 1 << 24
 MAX_RECALL_POINTS = 1500
+# The history written before a case's first step goes through the reference in blocks of
+# tokens (`_written_history`): its intermediates take about HISTORY_TOKEN_BYTES a pooled
+# token (measured on an H200: the window gather, the fp64 softmax, the K writer).
+HISTORY_TOKEN_BYTES = 8 << 10
+HISTORY_MIN_TOKENS = 256
 
 
 class StageError(Exception):
@@ -462,11 +468,25 @@ class ChainRun:
             return self._written_history(kw)
 
     def _written_history(self, kw: str):
+        """The history in blocks of tokens: the reference's intermediates (about 8 KiB a
+        pooled token) stay within half the case's inputs, never under HISTORY_MIN_TOKENS a
+        block. Each token's entry depends on its own window only: the same bytes as one call."""
         inp, h = self.inp, self.inp.history
         if h is None:
             return inp.kv_cache
+        pool = inp.kv_cache
+        step = max(HISTORY_MIN_TOKENS, memory.tensor_bytes(inp) // (2 * HISTORY_TOKEN_BYTES))
+        for a in range(0, h.n, step):
+            s = slice(a, a + step)
+            part = dataclasses.replace(h, positions=h.positions[s], req_index=h.req_index[s],
+                                       slot_mapping=h.slot_mapping[s], k=None if h.k is None else h.k[s])
+            pool = self._history_block(kw, part, pool)        # (only the per-token fields are sliced)
+        return pool
+
+    def _history_block(self, kw: str, h, pool):
+        inp = self.inp
         if self.fused and h.k is None:
-            return reference.OPS[kw].fn(**self._fused_ins(h, inp.kv_cache), **self.scalars(kw))["kv_cache"]
+            return reference.OPS[kw].fn(**self._fused_ins(h, pool), **self.scalars(kw))["kv_cache"]
         # direct history (h.k given): entries from K rows, no pooling; written by the rocm
         # path's writer on the cuda path too (history is only the pool the steps find)
         wk = op_of(inp.geo.fmt, "k_writer", "rocm") if self.fused else kw
@@ -475,7 +495,7 @@ class ChainRun:
             req_index=h.req_index, kv_slot_mapping=h.slot_mapping, **self.scalars("compress_pool"))["pooled"]
         return reference.OPS[wk].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
                                     norm_weight=inp.norm_weight, slot_mapping=h.slot_mapping,
-                                    kv_cache=inp.kv_cache, **self.scalars(wk))["kv_cache"]
+                                    kv_cache=pool, **self.scalars(wk))["kv_cache"]
 
     def _k_step(self, kw: str, i: int, st, need_k: bool) -> None:
         """Pooling and the K writer of step i (or the fused pool+K op) on the backend's pool;
