@@ -258,12 +258,37 @@ def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
 
 
 def _column_core_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
-    """fp64 [Rw, J], each column from its `column_cores` core."""
-    rw, h = q_scale.shape[:2]
+    """fp64 [Rw, J], each column from its `column_cores` core (chosen over all the rows). On
+    a GPU in blocks of rows whose dequantized queries (fp64: 8 bytes an element) take no more
+    than the call's operands and output, at least `_MIN_COLUMN_ROWS_BYTES`: every row's
+    logits are its own."""
+    rw, h, d = q_scale.shape[0], q_scale.shape[1], q_packed.shape[-1] * 2
+    j = k_scale.shape[0]
+    cores = column_cores(q_packed, q_scale, k_packed, k_scale)
+    if not _ROWS_IN_BLOCKS.get(q_packed.device.type) or rw <= 1:
+        return _column_core_rows(q_packed, q_scale, k_packed, k_scale, w, cores)
+    own = sum(t.numel() * t.element_size() for t in (q_packed, q_scale, k_packed, k_scale)) + rw * j * 8
+    step = max(1, (_COLUMN_ROWS_BYTES or max(own, _MIN_COLUMN_ROWS_BYTES)) // (h * d * 8))
+    if step >= rw:
+        return _column_core_rows(q_packed, q_scale, k_packed, k_scale, w, cores)
+    out = torch.empty(rw, j, dtype=torch.float64, device=q_packed.device)
+    for r0 in range(0, rw, step):
+        r1 = min(rw, r0 + step)
+        out[r0:r1] = _column_core_rows(q_packed[r0:r1], q_scale[r0:r1], k_packed, k_scale, w[r0:r1], cores)
+    return out
+
+
+_MIN_COLUMN_ROWS_BYTES = 1 << 20
+_COLUMN_ROWS_BYTES = None                  # a fixed budget instead (tests)
+_ROWS_IN_BLOCKS = {"cuda": True}          # the CPU's memory is not what bounds it
+
+
+def _column_core_rows(q_packed, q_scale, k_packed, k_scale, w, cores) -> torch.Tensor:
+    """`_column_core_logits` of these rows, with the columns' cores given."""
+    rw = q_scale.shape[0]
     nb = q_scale.shape[-1]
     j = k_scale.shape[0]
     out = torch.empty(rw, j, dtype=torch.float64, device=q_packed.device)
-    cores = column_cores(q_packed, q_scale, k_packed, k_scale)
     q32 = w64 = None
     for core in (CORE_F32, CORE_F64, CORE_BLOCKS, CORE_FP64_GENERIC):
         sel = cores == core

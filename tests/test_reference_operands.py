@@ -84,3 +84,29 @@ def test_rope_rows_on_either_formulation_is_the_pairwise_rotation(monkeypatch, t
     for on in (False, True):
         in_kernel(monkeypatch, on)
         assert same_bits(rope.rope_rows(x, cache, rows, nope_through_formula=through), want), on
+
+
+@pytest.mark.parametrize("rule", ["ceil", "ocp-floor"])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_the_gpu_quantize_in_blocks_of_rows_gives_the_same_bytes(monkeypatch, rule, with_out):
+    """On a GPU the quantize runs a block of rows at a time (bounded memory): the same
+    packed bytes and scales as one pass, with or without an `out` entry buffer, the last
+    block partial."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 5, 128, generator=g) * torch.exp2(torch.randint(-20, 20, (7, 5, 1), generator=g))
+         ).bfloat16()
+    in_kernel(monkeypatch, True)
+
+    def run(min_rows):
+        monkeypatch.setattr(mxfp4, "QUANT_MIN_ROWS", min_rows)
+        out = torch.full((7, 5, 64 + 4), 0xAA, dtype=torch.uint8) if with_out else None
+        p, s = mxfp4.quantize_mxfp4(x, rule, out=out)
+        assert p.shape == (7, 5, 64) and s.shape == (7, 5, 4)
+        return p.clone(), s.clone(), out
+    whole, blocks = run(10 ** 6), run(4)                   # one pass; blocks of 6 rows (35 = 5 * 6 + 5)
+    assert torch.equal(whole[0], blocks[0]) and torch.equal(whole[1], blocks[1])
+    if with_out:
+        assert torch.equal(whole[2], blocks[2])
+    in_kernel(monkeypatch, False)
+    cpu = mxfp4.quantize_mxfp4(x, rule)
+    assert torch.equal(cpu[0], blocks[0]) and torch.equal(cpu[1], blocks[1])
