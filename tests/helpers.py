@@ -18,6 +18,8 @@ from reference.formats import preset
 from reference.rope import cos_sin_cache
 
 DATA = Path(__file__).resolve().parent / "data"
+# a GPU test also carries @pytest.mark.gpu (deselected by `make test`)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 
 
 def sample_path(name: str) -> Path:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import helpers as H
 import pytest
 import torch
+from helpers import needs_gpu
 
 import reference
 from reference import layout
 
 pytestmark = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def amax_values() -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from helpers import mxval
+from helpers import mxval, needs_gpu
 
 from harness.bench.capture import DecodeLoop, capture_env, make_wrappers, upstream_modules
 from harness.capture import written
@@ -16,7 +16,6 @@ from harness.run.replay import replay_dump
 from reference.k_writer import writer_mask
 
 pytestmark = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 
 LAYERS, STEPS, RING = 3, 10, 4
 OPS = {"compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"}

@@ -6,14 +6,13 @@ entries through the fused writer, outputs on the inputs' device, pools past 2 Gi
 (32-bit offset overflow), and the decode-shape scorer and top-k."""
 import pytest
 import torch
-from helpers import RATIO, D, R, cases, compare, logits_case, pool_case
+from helpers import RATIO, D, R, cases, compare, logits_case, needs_gpu, pool_case
 
 import reference
 from reference import layout, mxfp4, rope
 from reference.formats import preset
 
 pytestmark = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 
 
 @pytest.fixture(scope="module")

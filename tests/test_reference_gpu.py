@@ -9,13 +9,12 @@ sequence-at-a-time path at the decode shape on adversarial scale bytes, and the
 graph-capturable cores replay from a CUDA graph with the eager bits."""
 import pytest
 import torch
-from helpers import cases
+from helpers import cases, needs_gpu
 
 import reference
 from reference import k_writer, layout, pooling, q_quant, scoring
 
 pytestmark = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 
 
 def on(kw, dev):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import helpers as H
 import pytest
 import torch
+from helpers import needs_gpu
 
 import reference
 from reference import rope
@@ -16,7 +17,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.upstream]
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or getattr(torch.version, "hip", None) is not None,
                                 reason="needs an NVIDIA GPU (vLLM's CUDA path)")
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def _backend(name):
