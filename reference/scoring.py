@@ -192,16 +192,34 @@ def _cpu_cores(q_packed, q_scale, k_scale):
     """The CPU's choice per key column: (q8, mq, lo: the keys' least scale bytes, i8, f64),
     i8 where the int8 table core serves the column (the queries' and the key's scale bytes
     within `_I8_SPREAD` binades, the CPU's int8 GEMM proven exact), f64 where the fp64
-    table core does; the other columns go to their `column_cores` core."""
+    table core does; the other columns go to their `column_cores` core. q8 (the queries'
+    `int8_operand` values) is None where no column takes the int8 core."""
+    mq, qspread = _live_min_spread(q_packed, q_scale)
+    lo, i8, f64 = _cpu_columns(int(qspread.max()), k_scale)
+    q8 = _int8_decode(q_packed, q_scale, mq) if bool(i8.any()) else None
+    return q8, mq, lo, i8, f64
+
+
+def _key_range(k_scale: torch.Tensor):
+    """(lo, hi) uint8 [...]: the least and greatest of each key's scale bytes [..., NB], as
+    elementwise ops on the NB byte columns (a reduction over a few bytes per row is slow)."""
+    cols = k_scale.unbind(-1)
+    lo = hi = cols[0]
+    for c in cols[1:]:
+        lo, hi = torch.minimum(lo, c), torch.maximum(hi, c)
+    return lo, hi
+
+
+def _cpu_columns(qs, k_scale):
+    """(lo, i8, f64) of `_cpu_cores` for keys [..., J, NB] and the queries' greatest live
+    spread qs (an int, or a tensor broadcasting against [..., J])."""
     nb = k_scale.shape[-1]
-    q8, mq, qspread = int8_operand(q_packed, q_scale)
-    qs = int(qspread.max())
-    lo, hi = torch.aminmax(k_scale, dim=-1)
+    lo, hi = _key_range(k_scale)
     ks = hi - lo                                                   # uint8: hi >= lo
     ok = hi != E8M0_NAN
-    i8 = ok & (ks <= _I8_SPREAD) if qs <= _I8_SPREAD and _cpu_int_mm_exact() else torch.zeros_like(ok)
+    i8 = ok & (ks <= _I8_SPREAD) & (qs <= _I8_SPREAD) if _cpu_int_mm_exact() else torch.zeros_like(ok)
     f64 = ok & ~i8 & (ks <= _F64_SHIFTS) & (ks.int() + qs <= 53 - (nb * 4608 - 1).bit_length())
-    return q8, mq, lo, i8, f64
+    return lo, i8, f64
 
 
 def cpu_core_shares(q_packed, q_scale, k_packed, k_scale) -> dict:
@@ -237,8 +255,7 @@ def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
     if q_packed.device.type != "cpu" or bool((q_scale == E8M0_NAN).any()):
         return _column_core_logits(q_packed, q_scale, k_packed, k_scale, w)
     q8, mq, lo, i8, f64 = _cpu_cores(q_packed, q_scale, k_scale)
-    w_i8 = w.double() * _pow2(mq)
-    cores = [(i8, lambda kp, ksc, klo, o: _table_core(q8, w_i8, kp, ksc, klo, o)),
+    cores = [(i8, lambda kp, ksc, klo, o: _table_core(q8, w.double() * _pow2(mq), kp, ksc, klo, o)),
              (f64, lambda kp, ksc, klo, o: _table_core(dequantize_mxfp4_f32(q_packed, q_scale, torch.float64),
                                                       w.double(), kp, ksc, klo, o))]
     rest = ~(i8 | f64)
@@ -507,18 +524,29 @@ def int8_operand(packed: torch.Tensor, scales: torch.Tensor):
     """MXFP4 vectors [..., D/2] as (int8 [..., D], m int32 [...], spread int32 [...]): the
     value is int8 * 2**(m - 128) wherever spread (of the live blocks' scale bytes) <=
     `_I8_SPREAD`; all-zero vectors have spread 0."""
+    m, spread = _live_min_spread(packed, scales)
+    return _int8_decode(packed, scales, m), m, spread
+
+
+def _live_min_spread(packed: torch.Tensor, scales: torch.Tensor):
+    """(m, spread) int32 [...] of MXFP4 vectors: the least scale byte of the live blocks and
+    the binades the live blocks' scale bytes span (all-zero vectors: 128 and 0)."""
     live = _live_blocks(packed, scales)
     e = scales.int()
     lo = torch.where(live, e, 1 << 20).amin(-1)
     hi = torch.where(live, e, -(1 << 20)).amax(-1)
     any_live = live.any(-1)
-    m = torch.where(any_live, lo, 128)
-    spread = torch.where(any_live, hi - lo, 0)
-    shift = (e - m.unsqueeze(-1)).clamp(0, _I8_SPREAD)               # dead blocks hold zeros
+    return torch.where(any_live, lo, 128), torch.where(any_live, hi - lo, 0)
+
+
+def _int8_decode(packed: torch.Tensor, scales: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """int8 [..., D]: twice the e2m1 values times 2**(scale byte - m), shifts clamped to
+    [0, `_I8_SPREAD`] (exact where the vector's live spread allows; dead blocks hold zeros)."""
+    shift = (scales.int() - m.unsqueeze(-1)).clamp(0, _I8_SPREAD)
     words = packed.contiguous().view(torch.int16).reshape(-1).int() & 0xFFFF
     vals = _pair_lut(packed.device, torch.int8, 2.0).index_select(0, words).view(*scales.shape, MX_BLOCK)
     vals = vals * torch.bitwise_left_shift(torch.ones_like(shift), shift).to(torch.int8).unsqueeze(-1)
-    return vals.view(*scales.shape[:-1], scales.shape[-1] * MX_BLOCK), m, spread
+    return vals.view(*scales.shape[:-1], scales.shape[-1] * MX_BLOCK)
 
 
 @functools.lru_cache(maxsize=8)
@@ -656,10 +684,37 @@ def grouped_relu_logits(q_packed, q_scale, k_packed, k_scale, w, n, *, batched: 
             last_path = "fp32" if worst == CORE_F32 else "fp64"
             return out
         last_path = "per sequence"
+    if dev.type == "cpu" and not bool((q_scale == E8M0_NAN).any()):
+        _cpu_sequences(q_packed, q_scale, k_packed, k_scale, w, n, out)
+        return out
     for g0, ng in enumerate(n.tolist()):
         if ng:
             out[g0, :, :ng] = mxfp4_relu_logits(q_packed[g0], q_scale[g0], k_packed[g0, :ng], k_scale[g0, :ng], w[g0])
     return out
+
+
+def _cpu_sequences(q_packed, q_scale, k_packed, k_scale, w, n, out) -> None:
+    """`mxfp4_relu_logits` of each sequence of a group into out [G, R, J] (no NaN query
+    scale byte), the choice of `_cpu_cores` made for the whole group at once: a sequence
+    whose keys all take one table core is scored by it directly (the same call with the
+    same operands), the others column by column."""
+    g, j = k_scale.shape[:2]
+    mq, qspread = _live_min_spread(q_packed, q_scale)                       # [G, R, H]
+    lo, i8, f64 = _cpu_columns(qspread.flatten(1).amax(1, keepdim=True), k_scale)
+    past = torch.arange(j)[None, :] >= n[:, None]
+    whole = torch.stack(((i8 | past).all(1), (f64 | past).all(1))).tolist()
+    q8 = _int8_decode(q_packed, q_scale, mq) if any(whole[0]) else None
+    q64 = dequantize_mxfp4_f32(q_packed, q_scale, torch.float64) if any(whole[1]) else None
+    for g0, ng in enumerate(n.tolist()):
+        if not ng:
+            continue
+        keys = (k_packed[g0, :ng], k_scale[g0, :ng], lo[g0, :ng], out[g0, :, :ng])
+        if whole[0][g0]:
+            _table_core(q8[g0], w[g0].double() * _pow2(mq[g0]), *keys)
+        elif whole[1][g0]:
+            _table_core(q64[g0], w[g0].double(), *keys)
+        else:
+            out[g0, :, :ng] = mxfp4_relu_logits(q_packed[g0], q_scale[g0], k_packed[g0, :ng], k_scale[g0, :ng], w[g0])
 
 
 def check_paged_args(dims: checks.Dims, weights, kv_cache, query_start_loc, context_lens,
