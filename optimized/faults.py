@@ -507,8 +507,9 @@ def packed_row_starts(lengths: torch.Tensor) -> torch.Tensor:
     step = n[1:] - n[:-1]
     new[1:] = (step < 0) | (step > 1)
     seg = torch.cumsum(new.long(), 0) - 1
-    last = torch.zeros(int(seg[-1]) + 1, dtype=torch.long, device=n.device)
-    last[seg] = n                                        # each segment's last row wins
+    ends = torch.ones_like(new)                          # a segment's last row: the final row,
+    ends[:-1] = new[1:]                                  # or one whose next row starts a segment
+    last = n[ends]                                       # one per segment, in segment order
     starts = torch.cumsum(last, 0) - last
     return starts[seg]
 

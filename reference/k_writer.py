@@ -6,14 +6,12 @@ op does not own keeps its previous value.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import checks, layout, mxfp4
 from . import hadamard as _hadamard
 from .formats import ROUNDING_PATHS
-from .operands import fp32_operand, widened
+from .operands import device_const, fp32_operand, widened
 from .rope import ROPE_MODES, rope_rows
 
 
@@ -38,20 +36,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, dtype=torch.f
     divisor, so a GPU divides rather than multiplying by 1/D) stored as fp64 (exact) for the
     rsqrt, whose fp64 result is stored as fp32 (rounded to nearest, as `.float()`)."""
     x = fp32_operand(x)
-    eps32, d32, zero64 = _norm_consts(float(eps), x.shape[-1], x.device)
+    eps32 = device_const(float(eps), torch.float32, x.device)
+    d32 = device_const(float(x.shape[-1]), torch.float32, x.device)
+    zero64 = device_const(0.0, torch.float64, x.device)
     x64 = widened(x, torch.float64)
     s = torch.addcmul(zero64, x64, x64).sum(dim=-1, keepdim=True).float()
     v = torch.addcdiv(eps32, s, d32, out=torch.empty_like(s, dtype=torch.float64))
     rstd = torch.rsqrt(v, out=torch.empty_like(s))
     return torch.mul(x * rstd, fp32_operand(weight), out=torch.empty(x.shape, dtype=dtype, device=x.device))
-
-
-@functools.lru_cache(maxsize=16)
-def _norm_consts(eps: float, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32(eps), D as fp32 and an fp64 zero as 1-element tensors, made once per device."""
-    return (torch.full((1,), eps, dtype=torch.float32, device=device),
-            torch.full((1,), float(d), dtype=torch.float32, device=device),
-            torch.zeros(1, dtype=torch.float64, device=device))
 
 
 def group_start(positions: torch.Tensor, compress_ratio: int) -> torch.Tensor:

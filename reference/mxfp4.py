@@ -236,6 +236,9 @@ def _stored(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.t()
 
 
+QUANT_MIN_ROWS = 1 << 16       # a GPU quantize's rows per block, at least (fewer ops cost more than they save)
+
+
 def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x", out=None):
     """x [..., D] (any float dtype, taken as fp32) -> (packed u8 [..., D/2], e8m0 u8 [..., D/32]).
 
@@ -254,7 +257,18 @@ def quantize_mxfp4(x: torch.Tensor, scale_rule: str = "ceil", *, name: str = "x"
     half, m, dev = nb * MX_BLOCK // 2, math.prod(lead), x.device
     xb = xb.reshape(m, nb, MX_BLOCK)
     if converts_in_kernel(xb):
-        return _quantize_element_major(xb, lead, scale_rule, out)
+        step = max(QUANT_MIN_ROWS, -(-m * x.element_size() // 12))
+        if m <= step:
+            return _quantize_element_major(xb, lead, scale_rule, out)
+        # in blocks of rows (each row is quantized on its own: the same bytes), so that the
+        # int64 buckets and fp32 values (~12 bytes an element) take no more than x does
+        buf = out if out is not None else torch.empty(*lead, half + nb, dtype=torch.uint8, device=dev)
+        rows = buf.view(m, half + nb)
+        for r0 in range(0, m, step):
+            _quantize_element_major(xb[r0:r0 + step], (min(step, m - r0),), scale_rule, rows[r0:r0 + step])
+        if out is not None:
+            return out[..., :half], out[..., half:]
+        return buf[..., :half].contiguous(), buf[..., half:].contiguous()
     amax = _block_amax(xb, out=torch.empty(m, nb, dtype=torch.float32, device=dev))
     e8m0 = _rule(scale_rule)(amax)
     inv = _from_bits((254 - e8m0) << F32_MANT_BITS)       # 2**(127 - e8m0), exact

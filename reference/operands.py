@@ -34,9 +34,17 @@ def fp32_factor(f: float, t: torch.Tensor) -> torch.Tensor:
     a 1-element tensor made once per device, so that bf16 t is converted in the kernel (a 0-dim
     factor would leave the product bf16); on the CPU, where t is fp32, a 0-dim host tensor
     (no copy)."""
-    return _device_fp32(float(f), t.device) if converts_in_kernel(t) else torch.tensor(f, dtype=torch.float32)
+    return device_const(float(f), torch.float32, t.device) if converts_in_kernel(t) else torch.tensor(f, dtype=torch.float32)
 
 
-@functools.lru_cache(maxsize=16)
-def _device_fp32(f: float, device: torch.device) -> torch.Tensor:
-    return torch.full((1,), f, dtype=torch.float32, device=device)
+def device_const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`value` as a 1-element tensor of `dtype`, made once per device, on the device (no host
+    copy: CUDA graphs). As an operand it takes its dtype into the result's (a Python scalar
+    or 0-dim tensor would not, and a Python scalar would make a scalar tensor per call).
+    Keyed by the value's text too: -0.0 and 0.0 are equal keys, and must stay two tensors."""
+    return _device_const(repr(value), value, dtype, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_const(text: str, value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full((1,), value, dtype=dtype, device=device)

@@ -13,7 +13,7 @@ import torch
 
 from . import checks
 from .formats import ROUNDING_PATHS
-from .operands import converts_in_kernel, widened
+from .operands import converts_in_kernel, device_const, widened
 
 # --- building the state cache (what the model's compressor writes per position) ------
 
@@ -62,8 +62,8 @@ def gather_windows(state_cache: torch.Tensor, block_table: torch.Tensor, positio
     blk = block_table[req_index.long()[:, None], qc // bs].long()
     dev = state_cache.device
     g = _lanes(state_cache).view(*state_cache.shape[:2], 4, -1)[blk, qc % bs, halves]
-    kv = torch.where(valid[..., None], g[0], _const(0, g.dtype, dev)).view(state_cache.dtype)
-    ninf = _const(float("-inf"), torch.float64 if converts_in_kernel(g) else state_cache.dtype, dev)
+    kv = torch.where(valid[..., None], g[0], device_const(0, g.dtype, dev)).view(state_cache.dtype)
+    ninf = device_const(float("-inf"), torch.float64 if converts_in_kernel(g) else state_cache.dtype, dev)
     score = torch.where(valid[..., None], g[1].view(state_cache.dtype), ninf).double()
     return kv, score, valid
 
@@ -75,13 +75,6 @@ def _window_slots(r: int, device: torch.device) -> tuple[torch.Tensor, torch.Ten
     2/3). Made once per device, on the device (no host copy: CUDA graphs)."""
     i = torch.arange(4 * r, device=device)
     return i[:2 * r] + (1 - 2 * r), (i // r).view(2, 1, 2 * r)
-
-
-@functools.lru_cache(maxsize=16)
-def _const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 1-element tensor, made once per device: a select with it takes its dtype into the
-    result's (a Python scalar would not, and would make a scalar tensor per call)."""
-    return torch.full((1,), value, dtype=dtype, device=device)
 
 
 def _lanes(state_cache: torch.Tensor) -> torch.Tensor:
@@ -109,7 +102,7 @@ def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     terms = w * widened(kv, torch.float64)
     c = terms.sum(dim=1)
     all_neg_zero = terms.view(torch.int64).amax(dim=1) == _NEG_ZERO_BITS     # every term is -0.0
-    return torch.where(all_neg_zero, _const(-0.0, torch.float64, c.device), c).float()
+    return torch.where(all_neg_zero, device_const(-0.0, torch.float64, c.device), c).float()
 
 
 _NEG_ZERO_BITS = -(1 << 63)          # the fp64 bits of -0.0 as an int64

@@ -170,19 +170,18 @@ def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torc
 def _rotation_tables(d: int, half: int, through: bool, device: torch.device):
     """For rows of d dims whose rotated part is the last L = 2 * half dims, or all d with
     `through` (the NoPE pairs before the last `half` through the formula with cos 1, sin 0),
-    made once per device: the columns of x to gather ([d + L]: all of x, then the rotated dims
+    made once per device, on the device: the columns of x to gather ([d + L]: all of x, then the rotated dims
     pair-swapped: o, e per pair), the cache columns of (cos, cos per pair | sin, sin per pair)
     ([2L]), where the NoPE pairs' values go (bool [2L]) and those values (1 | 0), and the sign
-    of the second products ([L]: -1 on even dims, +1 on odd)."""
+    of the second products ([L]: -1 on even dims, +1 on odd). Each pair's entries are
+    `_pair_columns`' for the pairs from `start`, given to both of its dims."""
     start = 0 if through else d - 2 * half
     length = d - start
-    j = (torch.arange(length // 2) - (length // 2 - half)).repeat_interleave(2)   # < 0: NoPE
-    jc = j.clamp_min(0)
-    swapped = start + (torch.arange(length) ^ 1)
-    tabs = (torch.cat((torch.arange(d), swapped)), torch.cat((jc, jc + half)), (j < 0).repeat(2),
-            torch.cat((torch.ones(length), torch.zeros(length))),
-            torch.tensor([-1.0, 1.0]).repeat(length // 2))
-    return tuple(t.to(device) for t in tabs)
+    cols, nope, fill = _pair_columns(length // 2, half, device)
+    swapped = start + (torch.arange(length, device=device) ^ 1)
+    sign = (torch.arange(length, device=device) % 2) * 2.0 - 1.0
+    return (torch.cat((torch.arange(d, device=device), swapped)), cols.repeat_interleave(2, dim=1).flatten(),
+            nope.repeat_interleave(2).repeat(2), fill.expand(2, length).flatten(), sign)
 
 
 def rope_rows(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, *, nope_through_formula: bool,

@@ -275,12 +275,37 @@ def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
 
 
 def _column_core_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
-    """fp64 [Rw, J], each column from its `column_cores` core."""
-    rw, h = q_scale.shape[:2]
+    """fp64 [Rw, J], each column from its `column_cores` core (chosen over all the rows). On
+    a GPU in blocks of rows whose dequantized queries (fp64: 8 bytes an element) take no more
+    than the call's operands and output, at least `_MIN_COLUMN_ROWS_BYTES`: every row's
+    logits are its own."""
+    rw, h, d = q_scale.shape[0], q_scale.shape[1], q_packed.shape[-1] * 2
+    j = k_scale.shape[0]
+    cores = column_cores(q_packed, q_scale, k_packed, k_scale)
+    if not _ROWS_IN_BLOCKS.get(q_packed.device.type) or rw <= 1:
+        return _column_core_rows(q_packed, q_scale, k_packed, k_scale, w, cores)
+    own = sum(t.numel() * t.element_size() for t in (q_packed, q_scale, k_packed, k_scale)) + rw * j * 8
+    step = max(1, (_COLUMN_ROWS_BYTES or max(own, _MIN_COLUMN_ROWS_BYTES)) // (h * d * 8))
+    if step >= rw:
+        return _column_core_rows(q_packed, q_scale, k_packed, k_scale, w, cores)
+    out = torch.empty(rw, j, dtype=torch.float64, device=q_packed.device)
+    for r0 in range(0, rw, step):
+        r1 = min(rw, r0 + step)
+        out[r0:r1] = _column_core_rows(q_packed[r0:r1], q_scale[r0:r1], k_packed, k_scale, w[r0:r1], cores)
+    return out
+
+
+_MIN_COLUMN_ROWS_BYTES = 1 << 20
+_COLUMN_ROWS_BYTES = None                  # a fixed budget instead (tests)
+_ROWS_IN_BLOCKS = {"cuda": True}          # the CPU's memory is not what bounds it
+
+
+def _column_core_rows(q_packed, q_scale, k_packed, k_scale, w, cores) -> torch.Tensor:
+    """`_column_core_logits` of these rows, with the columns' cores given."""
+    rw = q_scale.shape[0]
     nb = q_scale.shape[-1]
     j = k_scale.shape[0]
     out = torch.empty(rw, j, dtype=torch.float64, device=q_packed.device)
-    cores = column_cores(q_packed, q_scale, k_packed, k_scale)
     q32 = w64 = None
     for core in (CORE_F32, CORE_F64, CORE_BLOCKS, CORE_FP64_GENERIC):
         sel = cores == core
@@ -512,12 +537,21 @@ INT8_DEVICES = ("cuda",)
 # how the last batched call scored its groups ("int8", "fp32", "fp64", "per sequence"): for
 # benchmarks and reports
 last_path = ""
-# Work tile of the batched cores: scores materialized at once (fp32 or int32, then fp64)
+# Work tile of the batched cores: scores materialized at once (fp32 or int32, then fp64),
+# at most this many; on a GPU also at most as many bytes as the call's operands and output
+# (so a call's peak stays within a few times its tensors), but never fewer than _MIN_TILE_ELEMS
 _GROUP_TILE_ELEMS = {"cpu": 1 << 23, "cuda": 1 << 27}
+_MIN_TILE_ELEMS = 1 << 22
 
 
-def _group_tile(device: torch.device) -> int:
-    return _GROUP_TILE_ELEMS.get(device.type, 1 << 23)
+def _group_tile(device: torch.device, *tensors: torch.Tensor, elem_bytes: int = 1) -> int:
+    """Scores per work tile on `device`; with `tensors` (the call's operands and output) and
+    `elem_bytes` (what one score takes across its intermediates), bounded by their bytes."""
+    most = _GROUP_TILE_ELEMS.get(device.type, 1 << 23)
+    if not tensors or device.type != "cuda":
+        return most
+    own = sum(t.numel() * t.element_size() for t in tensors)
+    return min(most, max(_MIN_TILE_ELEMS, own // elem_bytes))
 
 
 def int8_operand(packed: torch.Tensor, scales: torch.Tensor):
@@ -608,7 +642,7 @@ def _i8_logits(q8, mq, k8, mk, w, out) -> None:
     if jp != j:
         k8 = torch.nn.functional.pad(k8, (0, 0, 0, jp - j))
     colscale = torch.ldexp(torch.ones_like(wq[:, :1, :1]), (mk - 128).double().unsqueeze(1))  # [G, 1, J]
-    tile = _group_tile(out.device)
+    tile = _group_tile(out.device, q8, k8, out, elem_bytes=12)                 # int32 dots, fp64 relu
     gc = max(1, min(g, tile // max(1, r * h * jp)))
     rc = max(1, min(r, tile // (h * jp)))
     for g0 in range(0, g, gc):
@@ -629,7 +663,7 @@ def _dense_logits(q_packed, q_scale, k_packed, k_scale, w, out, dt) -> None:
     j = k_scale.shape[1]
     q = dequantize_mxfp4_f32(q_packed, q_scale, dt)                       # [G, R, H, D]
     w64 = w.double()
-    tile = _group_tile(q_packed.device)
+    tile = _group_tile(q_packed.device, q, k_packed, k_scale, out, elem_bytes=2 * q.element_size() + 8)
     gc = max(1, min(g, tile // max(1, r * h * j)))
     rc = max(1, min(r, tile // (h * j)))
     for g0 in range(0, g, gc):

@@ -346,7 +346,8 @@ def test_help_and_usage_errors_load_no_torch(argv, want_rc):
     (["validate", "--case-timeout", "0"], "mxval: --case-timeout: expected a number of seconds in (0, "),
     (["selftest", "--case-timeout", "nan"], "mxval: --case-timeout: expected a number of seconds"),
     (["validate", "--case-timeout"], "mxval: --case-timeout: expected one argument"),
-    (["validate", "-j", "x"], "mxval: --jobs: invalid int value"),
+    (["validate", "-j", "x"], "mxval: --jobs: expected 'auto' or a whole number of processes from 1 to 256"),
+    (["selftest", "-j", "0"], "mxval: --jobs: expected 'auto' or a whole number"),
     (["validate", "--repeat", "0"], "mxval: --repeat: expected a whole number"),
 ])
 def test_an_option_error_names_the_option_in_one_line(capsys, argv, start):

@@ -195,3 +195,31 @@ def test_a_header_nested_too_deep_is_named(tmp_path):
     head = ("[" * 100 + "]" * 100).encode()
     p.write_bytes(struct.pack("<Q", len(head)) + head)
     _expect_error(p, "safetensors header: nested 100 deep")
+
+
+def test_a_dump_write_checks_its_target_once_then_again_before_the_rename(tmp_path, layer, monkeypatch):
+    from harness.io import atomic
+    calls = []
+    real = atomic.check_target
+    monkeypatch.setattr(atomic, "check_target", lambda p, **kw: calls.append(str(p)) or real(p, **kw))
+    p = tmp_path / "new" / "d.safetensors"
+    write_dump(p, layer, source="t")
+    assert calls == [str(p)] * 2 and read_dump(p).meta["source"] == "t"
+    with pytest.raises(atomic.OutputError, match="outside"):       # refused before any directory is made
+        write_dump(tmp_path / "a" / "b" / "d.safetensors", layer, source="t", within=tmp_path / "reports")
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("head,problem", [
+    (b"not json", "not a safetensors file (its header is not a JSON object)"),
+    (b"[1, 2]", "not a safetensors file (its header is not a JSON object)"),
+    (b'{"a": [1, 2}', "not a safetensors file (its header is not a JSON object)"),
+    (b'{"a": ' + b"9" * 5000 + b"}", "safetensors header: a number of more than"),
+    (b"[" * 70 + b"]" * 70, "safetensors header: nested 70 deep, more than the"),
+])
+def test_a_header_that_is_no_json_object_is_one_line(tmp_path, head, problem):
+    p = tmp_path / "h.safetensors"
+    p.write_bytes(struct.pack("<Q", len(head)) + head + b"\0" * 8)
+    with pytest.raises(DumpError) as ei:
+        read_dump(p)
+    assert str(ei.value).startswith(f"{p}: {problem}"), str(ei.value)

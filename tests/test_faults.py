@@ -285,6 +285,23 @@ def test_packed_row_starts_recover_the_sequences():
     assert F.packed_row_starts(torch.tensor([5, 9, 3])).tolist() == [0, 5, 14]       # decode rows
 
 
+def _packed_starts_by_rows(lengths):
+    starts, start, prev = [], 0, None
+    for i, n in enumerate(lengths):
+        if prev is not None and not 0 <= n - prev <= 1:
+            start += prev                                  # the previous sequence's last end
+        starts.append(start)
+        prev = n
+    return starts
+
+
+def test_packed_row_starts_take_each_sequences_last_end():
+    for lengths in ([7], [3, 3, 4, 4, 5, 2, 2, 3, 9], [0, 1, 1, 2, 8, 8, 9, 4, 5, 6, 6, 0]):
+        got = F.packed_row_starts(torch.tensor(lengths)).tolist()
+        assert got == _packed_starts_by_rows(lengths), lengths
+    assert F.packed_row_starts(torch.tensor([], dtype=torch.long)).numel() == 0
+
+
 @pytest.mark.parametrize("name", ["aiter-2901-row-start-ignored", "aiter-3087-row-start-twice"])
 def test_prefill_topk_row_start_bugs_need_more_than_4096_rows(name):
     op = _post(name)

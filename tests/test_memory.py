@@ -85,19 +85,18 @@ def test_the_memory_cap_is_read_from_the_environment(monkeypatch):
 
 
 def test_peak_is_none_on_the_cpu():
-    with memory.Peak("cpu") as p:
-        torch.zeros(1000)
-    assert p.bytes is None
-    assert memory.ratio(None, 10) is None and memory.ratio(30, 10) == 3.0 and memory.ratio(5, 0) is None
+    p = memory.Peak("cpu").start()
+    torch.zeros(1000)
+    assert p.stop() is None and p.bytes is None and p.own() is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 def test_peak_on_the_gpu_counts_what_the_block_allocated():
-    with memory.Peak("cuda") as p:
-        x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-        del x
-    assert p.bytes >= 64 << 20
+    p = memory.Peak("cuda").start()
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del x
+    assert p.stop() >= 64 << 20 and p.bytes >= 64 << 20
 
 
 def test_pages_compared_in_chunks_give_the_same_report(monkeypatch):
@@ -156,9 +155,8 @@ def test_peak_is_what_the_block_allocated_above_its_start(monkeypatch):
     monkeypatch.setenv(memory.FRACTION_ENV, "0.2")
     memory.apply_fraction("cpu")                         # the CPU: nothing to cap
     assert fake.fractions == []
-    with memory.Peak("cuda:0") as p:
-        pass
-    assert p.bytes == 1000
+    p = memory.Peak("cuda:0").start()
+    assert p.stop() == 1000 and p.bytes == 1000
     assert memory.Peak("cuda").start().stop() == 1000
     assert fake.fractions == [(0.2, 0)]                  # the cap is set once per device
 
@@ -273,6 +271,21 @@ def test_stage_seconds_are_recorded_only_when_asked(monkeypatch):
     assert sum(st.values()) <= r["seconds"] + 0.01 and all(v >= 0 for v in st.values())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_the_part_holding_the_peak_is_named():
+    from harness.run.stagetime import StageClock
+    torch.cuda.reset_peak_memory_stats()     # as a case's Peak.start does: earlier highs are not this clock's
+    clock = StageClock("cuda", on=True)
+    with clock("big"):
+        x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del x
+    with clock("small"):                     # under the high so far: no new high, no entry
+        y = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        del y
+    assert set(clock.peaks) == {"big"} and clock.peaks["big"] >= 64 << 20
+
+
 def test_a_nested_part_is_charged_to_itself_only():
     import time
 
@@ -287,14 +300,20 @@ def test_a_nested_part_is_charged_to_itself_only():
 
 
 def test_jobs_on_a_gpu_fit_the_memory_shares(monkeypatch):
-    from harness.run import pipeline
+    from harness.run import pipeline, runner
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(runner, "cpus", lambda: 16)
     monkeypatch.delenv(memory.FRACTION_ENV, raising=False)
-    assert pipeline.cap_jobs(4, 37, "cuda")[0] == 1                       # one worker per GPU
+    assert pipeline.cap_jobs(4, 37, "cuda")[0] == 4                       # workers share the GPU (small cases)
+    assert pipeline.cap_jobs(12, 37, "cuda") == (8, {"requested": 12, "used": 8, "cap": "8 worker(s): half the CPUs"})
+    assert pipeline.cap_jobs("auto", 37, "cuda")[0] == pipeline.AUTO_GPU_WORKERS
+    assert pipeline.cap_jobs("auto", 3, "cuda")[0] == 3
+    assert pipeline.cap_jobs("auto", 37, "cpu")[0] == 1                   # a CPU run stays in this process
     monkeypatch.setenv(memory.FRACTION_ENV, "0.3")
     jobs, info = pipeline.cap_jobs(4, 37, "cuda")
     assert jobs == 3 and "0.3" in info["cap"]                            # three 30 % shares fit
+    assert pipeline.cap_jobs("auto", 37, "cuda")[0] == 1                  # a share: processes side by side
     monkeypatch.setenv(memory.FRACTION_ENV, "0.5")
     assert pipeline.cap_jobs(2, 37, "cuda")[0] == 2
 

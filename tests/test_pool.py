@@ -108,6 +108,26 @@ def test_a_forked_worker_runs_after_the_parent_used_threads(cases):
     assert rows[0]["outcome"] == "ok", rows[0]["reason"]
 
 
+def test_large_cases_run_in_this_process_beside_the_workers(cases, ran, monkeypatch):
+    """The pool's local lane (a GPU run's large cases): the cases it names run in this
+    process while spawned workers run the rest; every row comes back once, in case order.
+    `ran` sees only this process's cases (a spawned worker imports the real run_case), and
+    the hook that kills a worker never fires here."""
+    local = [0, 3]
+    monkeypatch.setenv(DIE_ENV, cases[0].name)                 # in a worker this case would die
+    rows = run_cases(cases, "reference", jobs=2, local=local)
+    assert [r["case"] for r in rows] == FAST
+    assert all(r["outcome"] in ("ok", "nonfinite_input") for r in rows), [(r["case"], r["reason"]) for r in rows]
+    assert sorted(ran()) == sorted(cases[i].name for i in local)
+
+
+def test_the_large_cases_are_the_ones_that_cannot_share_a_gpu():
+    cat = Catalog()
+    names = ["smoke-fp8", "full-scorer-rows", "full-logits-2gib", "full-topk-65537", "full-pool-2gib"]
+    big = runner._large_cases([cat.case(n) for n in names])
+    assert [names[i] for i in big] == ["full-logits-2gib", "full-topk-65537", "full-pool-2gib"]
+
+
 def test_a_case_timeout_must_be_positive(cases):
     with pytest.raises(ValueError, match="case_timeout"):
         run_cases(cases[:1], "reference", case_timeout=0)

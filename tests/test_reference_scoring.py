@@ -642,3 +642,20 @@ def test_cpu_core_shares_name_the_core_that_scores(gen):
     qs[0, 0, 0] = 255
     shares = scoring.cpu_core_shares(qp[0:1], qs[0:1], kp, ks)
     assert shares["int8 table"] == shares["fp64 table"] == 0 and shares["generic"] == 1.0
+
+
+def test_column_cores_in_blocks_of_rows_give_the_same_logits(gen, monkeypatch):
+    """On a GPU the column cores run a block of rows at a time (bounded memory), each
+    column's core chosen over all the rows: the same logits, to the bit, as one pass."""
+    kq, sq = rand_entries(gen, 13, lo=100, hi=126, h=H)
+    kk, sk = rand_entries(gen, 300, lo=90, hi=126)
+    sk[::7, 2] = 60                                         # spreads past the fp32 and fp64 cores
+    sq[3, :, 1] = 40
+    w = torch.randn(13, H, generator=gen)
+    cores = scoring.column_cores(kq, sq, kk, sk)
+    assert len(set(cores.tolist())) >= 2                    # several cores in play (fp64 generic too)
+    whole = scoring._column_core_logits(kq, sq, kk, sk, w)
+    monkeypatch.setattr(scoring, "_ROWS_IN_BLOCKS", {"cpu": True})
+    monkeypatch.setattr(scoring, "_COLUMN_ROWS_BYTES", 4 * H * D * 8)          # 4 rows a block, the last 1
+    blocks = scoring._column_core_logits(kq, sq, kk, sk, w)
+    assert torch.equal(whole.view(torch.int64), blocks.view(torch.int64))

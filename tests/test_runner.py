@@ -231,3 +231,33 @@ def test_repeat_compares_the_scorers_valid_region_only(cat, where):
         assert not found
     else:
         assert found and found[0]["stage"] == "paged_mxfp4_mqa_logits" and found[0]["bytes_changed"] > 0
+
+
+@pytest.mark.parametrize("name, direct", [("batch-mixed", False), ("batch-mixed", True),
+                                          ("smoke-cuda-path-fp8", False)])
+def test_history_written_in_blocks_is_the_same_pool(name, direct, monkeypatch):
+    """The history goes through the reference a block of tokens at a time (bounded memory):
+    the same pool, to the byte, as one call over every token (pooled, direct, fused)."""
+    import dataclasses
+
+    from harness.run import runner
+    from harness.run.inputs import build
+    from optimized import get_backend
+    from reference.ops import OPS
+    case = Catalog().case(name)
+    if direct:
+        case = dataclasses.replace(case, history="direct")
+    inp = build(case, "cpu")
+    kw = runner._ops(inp)[0]
+
+    def pool(min_tokens, token_bytes):
+        monkeypatch.setattr(runner, "HISTORY_MIN_TOKENS", min_tokens)
+        monkeypatch.setattr(runner, "HISTORY_TOKEN_BYTES", token_bytes)
+        r = runner.ChainRun(case, get_backend("reference"), inp)
+        r.fused = bool(OPS[kw].fuses)
+        return r._written_history(kw)
+    whole, blocks = pool(10 ** 9, 1), pool(6, 10 ** 12)
+    n = inp.history.n
+    assert n > 3 * 6 and n % 6, n                               # several blocks, the last one partial
+    assert not torch.equal(whole, inp.kv_cache)                 # the history wrote entries
+    assert torch.equal(whole, blocks)

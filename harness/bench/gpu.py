@@ -14,7 +14,8 @@ runs here (the fused pool + K op is the K path's peer), the outputs' bytes (refe
 kernel, GPU reference vs CPU reference), pooling tilings with their bytes, and, for
 docs/triton-notes.md, how often the upstream-style shortcuts (fp32 norm sum + approximate
 rsqrt + FMA; fp32 exp in the pooling) change bytes. Writes a markdown table (default
-reports/bench-gpu.md).
+reports/bench-gpu.md). Last, the full suite as a user runs it, from a fresh Triton cache:
+its wall clock and each case's GPU peak against its tensors.
 
     python -m harness.bench.gpu [--out reports/bench-gpu.md] [--quick] [--shortcuts]
 """
@@ -596,8 +597,55 @@ def _capture(b: Bench):
 
 
 # the parts of a run, in order (a new section is a function of the Bench, added here)
+SUITE_TARGET_S = 60.0        # `mxval validate --suite full --backend triton`, wall clock
+PEAK_RATIO_TARGET = 3.0      # each case's GPU peak against its tensors
+
+
+def _suite(b: Bench):
+    """The full suite through the Triton backend as a user runs it (`mxval validate --suite
+    full --backend triton`, default -j), from a fresh Triton cache (every kernel compiled:
+    a fresh machine, or a changed kernel); without --quick also with -j 1 (one process).
+    Wall clock against SUITE_TARGET_S, and each case's GPU peak against its tensors."""
+    import json
+    import os
+    import resource
+    import subprocess
+    import tempfile
+    import time
+    runs = [("default -j (auto)", [])] + ([] if b.quick else [("-j 1", ["-j", "1"])])
+    for label, extra in runs:
+        with tempfile.TemporaryDirectory(prefix="mxval-bench-suite-") as tmp:
+            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+            env.pop("MXVAL_GPU_MEMORY_FRACTION", None)
+            out = os.path.join(tmp, "report")
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, "-m", "harness", "validate", "--suite", "full", "--backend",
+                                "triton", "--report-dir", out, "-q", *extra], env=env, capture_output=True,
+                               text=True, timeout=900)
+            wall = time.perf_counter() - t0
+            try:
+                data = json.loads(pathlib.Path(out, "report.json").read_text())
+            except (OSError, ValueError):
+                tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
+                raise RuntimeError(f"the full suite ({label}) wrote no report (exit {p.returncode}): {tail[0]}")
+        s, run = data["summary"], data["run"]
+        cases = [c for c in data["cases"] if c.get("gpu_peak_bytes") is not None and c.get("tensor_bytes")]
+        worst = max(cases, key=lambda c: c["gpu_peak_bytes"] / c["tensor_bytes"])
+        over = sum(c["gpu_peak_bytes"] > PEAK_RATIO_TARGET * c["tensor_bytes"] for c in cases)
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20
+        b.note("Full suite (`mxval validate --suite full --backend triton`, fresh Triton cache)",
+               f"{label}: {wall:.1f} s wall (target <= {SUITE_TARGET_S:.0f} s: "
+               f"{'met' if wall <= SUITE_TARGET_S else 'NOT met'}), the run's own clock {run.get('seconds')} s, "
+               f"exit {p.returncode}; {s.get('pass')} pass, {s.get('fail')} fail, {s.get('error')} error, "
+               f"{s.get('nonfinite_input')} planted non-finite, {s.get('skipped')} skipped; largest case GPU peak "
+               f"{max(c['gpu_peak_bytes'] for c in cases) / 2 ** 30:.1f} GiB; peak / tensors at most "
+               f"{worst['gpu_peak_bytes'] / worst['tensor_bytes']:.2f}x ({worst['case']}; target <= "
+               f"{PEAK_RATIO_TARGET:g}x: {'met' if not over else f'NOT met in {over} case(s)'}); largest process "
+               f"so far {rss:.1f} GiB of host memory")
+
+
 PARTS = {"k-path": _k_path, "q-quant": _q_quant, "scorers": _scorers, "top-k": _top_k, "peers": _peers,
-         "shortcuts": _variants, "capture": _capture}
+         "shortcuts": _variants, "capture": _capture, "suite": _suite}
 
 
 if __name__ == "__main__":

@@ -301,8 +301,9 @@ def machine() -> dict:
     import torch
 
     from harness.run.record import cpu_name
+    from harness.run.runner import cpus
     cpu = cpu_name(isa=True)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cpus()
     info = {"cpu": cpu, "cores": cores, "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
     if torch.cuda.is_available():

@@ -49,6 +49,31 @@ def add_case_timeout(p) -> None:
                         "kernel costs one case, not the run)")
 
 
+MAX_JOBS = 256
+
+
+def jobs_count(text: str):
+    """argparse type of -j/--jobs: "auto" (returned as is) or a whole number of worker
+    processes from 1 to MAX_JOBS (`harness.run.pipeline.cap_jobs` says what each means)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if not 1 <= v <= MAX_JOBS:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number of processes from 1 to {MAX_JOBS}, "
+                                         f"got {text!r:.40}")
+    return v
+
+
+def add_jobs(p, what: str) -> None:
+    p.add_argument("-j", "--jobs", type=jobs_count, default="auto", metavar="N",
+                   help=f"{what} in parallel (worker processes), or 'auto' (the default): one process on a "
+                        "CPU; on a GPU, worker processes for the small cases (Triton compiles in parallel) "
+                        "while this process runs the large ones")
+
+
 def repeat_count(text: str) -> int:
     """argparse type of --repeat: runs of each backend op, 1 to 100."""
     try:

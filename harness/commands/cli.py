@@ -28,6 +28,7 @@ from harness.commands.args import (
     add_case_timeout,
     add_common,
     add_force,
+    add_jobs,
     add_shard,
     add_tree_args,
     check_args,
@@ -296,7 +297,7 @@ def _validate_parser(sub) -> None:
     p.add_argument("--path", default=None, metavar="{rocm,cuda}",
                    help="run every case on this path (cuda: vLLM's fused pool+K op, natural pages; "
                         "default: each case's own)")
-    p.add_argument("-j", "--jobs", type=int, default=1, help="cases in parallel (processes)")
+    add_jobs(p, "cases")
     p.add_argument("--repeat", type=repeat_count, default=None, metavar="N",
                    help="run each backend op N times on the same inputs; every run must give the same "
                         "bytes (a case's `repeat` key otherwise; the full suite sets it)")

@@ -3,7 +3,7 @@ flagged (harness/run/selftest.py). This module parses the arguments; it imports 
 heavy, so that help and usage errors stay instant."""
 from __future__ import annotations
 
-from harness.commands.args import add_case_timeout, add_common, add_shard
+from harness.commands.args import add_case_timeout, add_common, add_jobs, add_shard
 from harness.errors import UsageError
 
 DEFAULT_SEEDS = 20
@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
                         "and triton, or triton-interpret, when available)")
     p.add_argument("--large", action="store_true",
                    help="run the > 2 GiB pool case even without a GPU (the harness peaks near 30 GB of RAM on it)")
-    p.add_argument("-j", "--jobs", type=int, default=1, help="runs in parallel (processes)")
+    add_jobs(p, "runs")
     p.add_argument("--json", default=None, metavar="FILE", help="write the verdict as JSON")
     p.add_argument("--markdown", default=None, metavar="FILE",
                    help="write the matrix as Markdown (`make readme-matrix`)")

@@ -108,10 +108,15 @@ def _fsync_dir(directory: PathLike) -> None:
         os.close(fd)
 
 
-def write_via(path: PathLike, fill: Callable[[str], None], *, within: Optional[PathLike] = None) -> str:
+def write_via(path: PathLike, fill: Callable[[str], None], *, within: Optional[PathLike] = None,
+              make_parent: bool = False) -> str:
     """Atomic write of a file another library writes: `fill(tmp)` writes the temporary file
-    (safetensors' `save_file`), which is then fsynced and renamed over `path`."""
+    (safetensors' `save_file`), which is then fsynced and renamed over `path`. `make_parent`:
+    its directory is made (with any missing parents) once `path` has passed `check_target`,
+    so nothing is made for a target that is refused."""
     path = check_target(path, within=within)
+    if make_parent:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = temp_in(path.parent, path.name)
     try:
         fill(tmp)

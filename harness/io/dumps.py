@@ -239,13 +239,10 @@ def _check_container(path: str) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         _fail(path, "not a safetensors file (its header is not UTF-8 JSON)")
-    safe_input.check_structure(text, f"{path}: safetensors header", toml=False, error=DumpError)
-    try:                                    # its structure is checked (once): parse it
-        header = safe_input.parse_checked_json(text)
-    except (ValueError, RecursionError):
-        header = None
+    not_object = "not a safetensors file (its header is not a JSON object)"
+    header = safe_input.loads_json(text, f"{path}: safetensors header", error=DumpError, unusable=f"{path}: {not_object}")
     if not isinstance(header, dict):
-        _fail(path, "not a safetensors file (its header is not a JSON object)")
+        _fail(path, not_object)
     end = 0
     for name, info in header.items():
         if name == "__metadata__":
@@ -362,8 +359,7 @@ def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "dee
     for key in ("layer", "step"):
         if meta[key] is not None and not (_is_int(meta[key]) and 0 <= meta[key] < MAX_INDEX):
             _fail(path, f"{key}: expected an integer in [0, {MAX_INDEX}) or None, got {meta[key]!r}")
-    atomic.check_target(path, within=within)          # before any directory is made
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     text = json.dumps(meta)
-    atomic.write_via(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: text}), within=within)
+    atomic.write_via(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: text}), within=within,
+                     make_parent=True)
     return path

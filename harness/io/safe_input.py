@@ -20,7 +20,7 @@ import os
 import re
 import stat
 import tomllib
-from typing import Type
+from typing import Optional, Type
 
 from harness.errors import InputError
 
@@ -135,14 +135,18 @@ def parse_checked_json(text: str):
     return json.loads(text, parse_int=_bounded_int)
 
 
-def loads_json(text: str, where: str, *, error: Type[InputError] = InputError, max_depth: int = MAX_DEPTH):
-    """JSON text parsed with its depth and integer sizes bounded first (`where` names it)."""
+def loads_json(text: str, where: str, *, error: Type[InputError] = InputError, max_depth: int = MAX_DEPTH,
+               unusable: Optional[str] = None):
+    """JSON text parsed with its depth and integer sizes bounded first (`where` names it).
+    `unusable`: the whole line for text that does not parse (otherwise `where` and why)."""
     check_structure(text, where, toml=False, error=error, max_depth=max_depth)
     try:
         return parse_checked_json(text)
-    except json.JSONDecodeError as e:
-        raise error(f"{where}: not valid JSON ({e})") from None
     except (ValueError, RecursionError) as e:
+        if unusable is not None:
+            raise error(unusable) from None
+        if isinstance(e, json.JSONDecodeError):
+            raise error(f"{where}: not valid JSON ({e})") from None
         raise error(f"{where}: not usable JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 

@@ -95,3 +95,18 @@ def _check_sizes(case: Case, r: int, ps: int, stride: int, heads: int, d: int) -
     if step_rows * width > MAX_LOGITS:
         raise CaseError(f"{where}: seqs: {step_rows} tokens in one step x {width} logits columns exceed "
                         f"the {MAX_LOGITS} logits a step may take")
+
+
+def footprint(case: Case) -> int:
+    """Bytes of a case's largest tensors, estimated from its geometry before anything runs:
+    the K pool, the state cache its tokens fill, one step's queries and its logits (fp32
+    from the backend, fp64 from the reference). For scheduling (which cases may share a
+    GPU with others), not a bound: a case's peak is measured (`memory`)."""
+    g = geometry(case)
+    needs = page_needs(case, g.ratio, g.page_size)
+    pool = pool_pages(case, needs) * g.page_stride
+    tokens = sum(s.len for s in case.seqs)
+    width = max(max(s.len for s in case.seqs) // g.ratio + 1, (case.table_pages or 0) * g.page_size)
+    n_steps = max(len(s.steps()) for s in case.seqs)
+    step_rows = max(sum(e - b for s in case.seqs for b, e in s.steps()[i:i + 1]) for i in range(n_steps))
+    return pool + tokens * g.head_dim * 16 + step_rows * (g.heads * g.head_dim * 2 + width * 12)

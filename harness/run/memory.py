@@ -159,16 +159,3 @@ class Peak:
             return self.bytes
         self.kept = max(0, int(kept))
         return max(0, self.bytes - self.kept)
-
-    def __enter__(self) -> "Peak":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def ratio(peak: Optional[int], tensors: Optional[int]) -> Optional[float]:
-    """peak / tensors, None when either is unknown or there are no tensors."""
-    if peak is None or not tensors:
-        return None
-    return peak / tensors

@@ -14,7 +14,6 @@ Report rows are built in harness/run/record.py.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -51,27 +50,36 @@ def backend(name: str):
         raise UsageError(f"--backend: {e}") from None
 
 
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+AUTO_GPU_WORKERS = 8        # -j auto on a GPU: worker processes beside this one
 
 
-def cap_jobs(requested: int, items: int, device: str) -> tuple[int, dict]:
-    """-j N capped at the number of items to run and of CPUs (for a GPU backend: one worker
-    per GPU, or as many per GPU as MXVAL_GPU_MEMORY_FRACTION shares fit in it, each worker
-    capped at its share): (jobs, {requested, used, cap})."""
-    if requested < 1:
-        raise UsageError(f"-j: expected a positive number of jobs, got {requested}")
+def cap_jobs(requested, items: int, device: str) -> tuple[int, dict]:
+    """-j (a positive int, or "auto") as worker processes: (jobs, {requested, used, cap}).
+
+    * CPU backend: N capped at the items and the CPUs; auto is 1 (this process).
+    * GPU backend with MXVAL_GPU_MEMORY_FRACTION=f: every case in a worker capped at f of
+      its GPU, at most 1/f workers per GPU; auto is 1 (this process: the share says
+      several mxval processes are sharing the GPU).
+    * GPU backend without it: N workers share the GPUs for the small cases (`runner`'s
+      `SMALL_CASE_BYTES`) while this process runs the large ones one at a time; capped at
+      the items and at half the CPUs (Triton compiles on the CPU). auto is that cap, at most
+      `AUTO_GPU_WORKERS`: a fresh machine compiles every kernel specialization the run
+      needs, in parallel."""
     gpu = device != "cpu" and torch.cuda.is_available()
-    if gpu:
-        share = memory.fraction()
-        per_gpu = max(1, int(1.0 / share + 1e-9)) if share else 1
+    share = memory.fraction() if gpu else None
+    if gpu and share:
+        per_gpu = max(1, int(1.0 / share + 1e-9))
         units = torch.cuda.device_count() * per_gpu
-        what = "GPU(s)" if per_gpu == 1 else f"GPU share(s) of {memory.FRACTION_ENV}={share:g}"
+        what = f"GPU share(s) of {memory.FRACTION_ENV}={share:g}"
+    elif gpu:
+        units, what = max(1, runner.cpus() // 2), "worker(s): half the CPUs"
     else:
-        units, what = _cpus(), "CPU(s)"
+        units, what = runner.cpus(), "CPU(s)"
+    if requested == "auto":
+        jobs = min(AUTO_GPU_WORKERS, units, items) if gpu and not share else 1
+        return max(1, jobs), {"requested": "auto", "used": max(1, jobs), "cap": ""}
+    if not isinstance(requested, int) or requested < 1:
+        raise UsageError(f"--jobs: expected 'auto' or a positive whole number, got {requested!r}")
     jobs = max(1, min(requested, items, units))
     cap = ""
     if jobs < requested:

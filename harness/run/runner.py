@@ -11,6 +11,7 @@ A case yields one row (a dict) of raw metrics; `budgets` turn rows into pass/fai
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -29,6 +30,7 @@ from harness.diff.metrics import CHAIN, chain_key
 from harness.diff.scores import recall_points, recall_rows, row_blocks
 from harness.run import memory, stagetime
 from harness.run.cases import Case
+from harness.run.geometry import footprint
 from harness.run.inputs import CaseInputs, build, filled_on_device
 from harness.run.record import ROW_FINDINGS_PER_STAGE, case_row, jsonable
 from optimized import Backend, BackendUnavailable, get_backend
@@ -42,6 +44,11 @@ from reference.ops import OPS, op_of
 MAX_MAP_POINTS = 4000
 MAP_CHUNK_BYTES = 1 << 24
 MAX_RECALL_POINTS = 1500
+# The history written before a case's first step goes through the reference in blocks of
+# tokens (`_written_history`): its intermediates take about HISTORY_TOKEN_BYTES a pooled
+# token (measured on an H200: the window gather, the fp64 softmax, the K writer).
+HISTORY_TOKEN_BYTES = 8 << 10
+HISTORY_MIN_TOKENS = 256
 
 
 class StageError(Exception):
@@ -461,11 +468,25 @@ class ChainRun:
             return self._written_history(kw)
 
     def _written_history(self, kw: str):
+        """The history in blocks of tokens: the reference's intermediates (about 8 KiB a
+        pooled token) stay within half the case's inputs, never under HISTORY_MIN_TOKENS a
+        block. Each token's entry depends on its own window only: the same bytes as one call."""
         inp, h = self.inp, self.inp.history
         if h is None:
             return inp.kv_cache
+        pool = inp.kv_cache
+        step = max(HISTORY_MIN_TOKENS, memory.tensor_bytes(inp) // (2 * HISTORY_TOKEN_BYTES))
+        for a in range(0, h.n, step):
+            s = slice(a, a + step)
+            part = dataclasses.replace(h, positions=h.positions[s], req_index=h.req_index[s],
+                                       slot_mapping=h.slot_mapping[s], k=None if h.k is None else h.k[s])
+            pool = self._history_block(kw, part, pool)        # (only the per-token fields are sliced)
+        return pool
+
+    def _history_block(self, kw: str, h, pool):
+        inp = self.inp
         if self.fused and h.k is None:
-            return reference.OPS[kw].fn(**self._fused_ins(h, inp.kv_cache), **self.scalars(kw))["kv_cache"]
+            return reference.OPS[kw].fn(**self._fused_ins(h, pool), **self.scalars(kw))["kv_cache"]
         # direct history (h.k given): entries from K rows, no pooling; written by the rocm
         # path's writer on the cuda path too (history is only the pool the steps find)
         wk = op_of(inp.geo.fmt, "k_writer", "rocm") if self.fused else kw
@@ -474,7 +495,7 @@ class ChainRun:
             req_index=h.req_index, kv_slot_mapping=h.slot_mapping, **self.scalars("compress_pool"))["pooled"]
         return reference.OPS[wk].fn(k=pooled, positions=h.positions, cos_sin_cache=inp.cos_sin_cache,
                                     norm_weight=inp.norm_weight, slot_mapping=h.slot_mapping,
-                                    kv_cache=inp.kv_cache, **self.scalars(wk))["kv_cache"]
+                                    kv_cache=pool, **self.scalars(wk))["kv_cache"]
 
     def _k_step(self, kw: str, i: int, st, need_k: bool) -> None:
         """Pooling and the K writer of step i (or the fused pool+K op) on the backend's pool;
@@ -635,6 +656,8 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
             row["details"]["gpu_kept_bytes"] = peak.kept
     if clock.on:
         row["details"]["stage_seconds"] = clock.record()
+        if clock.cuda:
+            row["details"]["stage_peak_bytes"] = dict(clock.peaks)
     row["seconds"] = round(time.time() - t0, 3)
     return row
 
@@ -700,9 +723,18 @@ def _maybe_die(case_name: str) -> None:
     os._exit(71)
 
 
+def cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _worker_main(conn, env: dict, threads: int) -> None:
-    """A pool worker: pinned to its GPU before CUDA initializes, then one case per message
-    until it gets None (or the parent goes away)."""
+    """A pool worker: pinned to its GPU before CUDA initializes (and capped at its share of
+    it, `memory.FRACTION_ENV`, before any case allocates), then one case per message until
+    it gets None (or the parent goes away)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)      # the parent's stop (a forked child inherits its handler)
     for k, v in env.items():
@@ -710,6 +742,8 @@ def _worker_main(conn, env: dict, threads: int) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    if env and memory.fraction() and torch.cuda.is_available():     # a GPU worker (env pins its GPU)
+        memory.apply_fraction("cuda")
     torch.set_num_threads(max(1, threads))
     parent = os.getppid()
     while True:
@@ -776,26 +810,53 @@ def _stop(workers: list, *, grace: float = STOP_GRACE_S) -> None:
         w.conn.close()
 
 
+# A case whose `geometry.footprint` is at most this shares a GPU with the other workers'
+# (8 workers of such cases stay under a few GiB even at 15x their tensors); a larger one
+# runs in the parent process, one at a time, with the GPU's memory to itself but for them.
+SMALL_CASE_BYTES = 256 << 20
+
+
 def run_cases(cases: list[Case], backend_name: str, *, jobs: int = 1,
               progress: Optional[Callable[[dict], None]] = None, start_method: Optional[str] = None,
-              case_timeout: Optional[float] = None, prefetch: Optional[bool] = None) -> list[dict]:
+              case_timeout: Optional[float] = None, prefetch: Optional[bool] = None,
+              local: Optional[list[int]] = None) -> list[dict]:
     """Rows of every case, in case order. `jobs > 1` runs cases in mxval's worker pool:
     forked on the CPU (so backends registered at run time are inherited), spawned on GPUs
     with each worker pinned to one visible device, round-robin (`start_method` overrides
-    fork/spawn: the tests run the GPU path's spawn on the CPU). `case_timeout` (seconds):
-    a case still running after it has its worker killed and is an error row (a hung kernel
-    costs one case, not the run); it runs cases in the pool even at `jobs = 1`.
-    `prefetch` (default: on a GPU backend, one case at a time): the next case's inputs are
-    built on the CPU in a thread while the current case runs (`_prebuild`).
+    fork/spawn: the tests run the GPU path's spawn on the CPU). On a GPU without
+    `memory.FRACTION_ENV`, the workers share the GPU and take only the small cases
+    (`SMALL_CASE_BYTES`); this process runs the others meanwhile, one at a time (`local`,
+    indices of `cases`, overrides that choice). `case_timeout` (seconds): a case still
+    running after it has its worker killed and is an error row (a hung kernel costs one
+    case, not the run); it runs every case in the pool, even at `jobs = 1`.
+    `prefetch` (default: on a GPU backend): the next case this process runs has its inputs
+    built on the CPU in a thread while the current one runs (`_prebuild`).
     Ctrl-C: RunInterrupted."""
     be = get_backend(backend_name)
     if case_timeout is not None and not case_timeout > 0:
         raise ValueError(f"case_timeout: expected a positive number of seconds, got {case_timeout}")
+    prefetch = _on_gpu(be) if prefetch is None else prefetch
     if (jobs <= 1 or len(cases) <= 1) and case_timeout is None:
-        return _run_in_turn(cases, be, backend_name, progress,
-                            _on_gpu(be) if prefetch is None else prefetch)
+        return _run_in_turn(cases, be, backend_name, progress, prefetch)
+    if local is None:
+        local = _large_cases(cases) if _on_gpu(be) and memory.fraction() is None and case_timeout is None else []
+    if len(local) == len(cases):
+        return _run_in_turn(cases, be, backend_name, progress, prefetch)
     return _Pool(cases, be, backend_name, jobs=jobs, progress=progress, start_method=start_method,
-                 case_timeout=case_timeout).run()
+                 case_timeout=case_timeout, local=local, prefetch=prefetch).run()
+
+
+def _large_cases(cases: list[Case]) -> list[int]:
+    """Indices of the cases too large to share a GPU with the pool's workers."""
+    out = []
+    for i, c in enumerate(cases):
+        try:
+            big = footprint(c) > SMALL_CASE_BYTES
+        except Exception:          # a case error: run_case reports it, wherever it runs
+            big = False
+        if big:
+            out.append(i)
+    return out
 
 
 def _on_gpu(be: Backend) -> bool:
@@ -882,24 +943,61 @@ def _run_in_turn(cases: list[Case], be: Backend, backend_name: str, progress, pr
     return rows
 
 
+class _Local:
+    """This process as one more lane of the pool: `indices` of `cases` run one at a time on a
+    thread (each case's inputs prebuilt on another while the one before runs, with
+    `prefetch`), each row sent down a pipe the pool waits on like a worker's."""
+
+    def __init__(self, cases: list[Case], indices: list[int], be: Backend, backend_name: str, prefetch: bool):
+        self.cases, self.indices, self.be, self.backend_name, self.prefetch = cases, indices, be, backend_name, prefetch
+        self.conn, self._send = mp.Pipe(duplex=False)
+        self.left = len(indices)
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="mxval-local")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        nxt = _Background(_prebuild, self.cases[self.indices[0]], self.be) if self.prefetch else None
+        for k, i in enumerate(self.indices):
+            inputs = nxt.result() if nxt else None
+            more = self.prefetch and k + 1 < len(self.indices)
+            nxt = _Background(_prebuild, self.cases[self.indices[k + 1]], self.be) if more else None
+            try:
+                row = run_case(self.cases[i], self.backend_name, inputs=inputs)
+            except Exception as e:     # run_case catches its own; this is a last line
+                row = _error_row(self.cases[i], self.backend_name, f"failed: {type(e).__name__}: {e}")
+            self._send.send((i, row))
+
+    def receive(self) -> tuple[int, dict]:
+        self.left -= 1
+        return self.conn.recv()
+
+    def leave(self) -> None:
+        """Not waited for: the run stopped (see `abandoned`)."""
+        if self.thread.is_alive():
+            _LEFT.append(self.thread)
+
+
 class _Pool:
     """mxval's worker pool over one list of cases (see above): `run()` -> the rows in case order."""
 
     def __init__(self, cases: list[Case], be: Backend, backend_name: str, *, jobs: int,
                  progress: Optional[Callable[[dict], None]], start_method: Optional[str],
-                 case_timeout: Optional[float]):
+                 case_timeout: Optional[float], local: list[int], prefetch: bool):
         self.cases, self.be, self.backend_name = cases, be, backend_name
         self.progress, self.case_timeout = progress, case_timeout
         gpu = _on_gpu(be)
-        self.ctx = mp.get_context(start_method or ("spawn" if gpu else "fork"))
+        # spawned beside a local lane too: a fork while its thread runs torch could copy a held lock
+        self.ctx = mp.get_context(start_method or ("spawn" if gpu or local else "fork"))
         self.var, self.devices = _visible_gpus() if gpu else ("", [])
-        self.n = min(jobs, len(cases))
+        self.local_indices, self.prefetch = sorted(local), prefetch
+        self.local: Optional[_Local] = None
+        self.n = min(jobs, len(cases) - len(local))
         # A forked worker stays on one intra-op thread: the parent's OpenMP pool does not survive
         # fork (libgomp), and the child's first parallel region would hang (seen in CI with two
         # threads per worker). Spawned workers start clean.
         forked = self.ctx.get_start_method() == "fork"
-        self.threads = 1 if gpu or forked else max(1, (os.cpu_count() or 1) // self.n)
-        self.queue = deque(range(len(cases)))
+        self.threads = 1 if gpu or forked else max(1, cpus() // self.n)
+        self.queue = deque(i for i in range(len(cases)) if i not in set(local))
         self.out: dict[int, dict] = {}
         self.workers: list = []
 
@@ -926,14 +1024,20 @@ class _Pool:
             for slot in range(self.n):
                 self.workers.append(_Worker(self.ctx, slot, worker_env(slot, self.var, self.devices), self.threads))
                 self.feed(self.workers[-1])
+            if self.local_indices:              # after the workers started: they import while it runs
+                self.local = _Local(self.cases, self.local_indices, self.be, self.backend_name, self.prefetch)
             while len(self.out) < len(self.cases):
                 self._turn()
         except KeyboardInterrupt:
+            if self.local is not None:
+                self.local.leave()
             _stop([w for w in self.workers if not isinstance(w, _Dead)])
             done = sorted(self.out)
             raise RunInterrupted([self.out[i] for i in done],
                                  [c.name for i, c in enumerate(self.cases) if i not in self.out], done) from None
         except BaseException:
+            if self.local is not None:
+                self.local.leave()
             _stop([w for w in self.workers if not isinstance(w, _Dead)])
             raise
         self._close()
@@ -943,7 +1047,10 @@ class _Pool:
         """Wait up to a second; kill the workers past --case-timeout, read finished rows,
         reap dead workers (an error row for the case each held) and replace them."""
         live = [w for w in self.workers if w.proc is not None]
-        ready = set(wait([w.conn for w in live] + [w.proc.sentinel for w in live], timeout=1.0))
+        lane = [self.local.conn] if self.local is not None and self.local.left else []
+        ready = set(wait([w.conn for w in live] + [w.proc.sentinel for w in live] + lane, timeout=1.0))
+        if lane and lane[0] in ready:
+            self.finished(*self.local.receive())
         now = time.time()
         for w in live:
             # a worker whose row is already in its pipe finished in time: read, not killed

@@ -32,7 +32,7 @@ from .numerics import (
 TILE, BT = tile((32, 8), (512, 128))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])     # one compile for every token count
 def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
                      T, page_stride, cs_stride, eps,
                      D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, PAGE: tl.constexpr,

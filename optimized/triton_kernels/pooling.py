@@ -29,7 +29,7 @@ def _exp(x, FAST: tl.constexpr):
         return exp_f64(x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "table_stride"])     # one compile for every token count
 def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr,
                  T, block_size, table_stride, row_stride, block_stride,
                  D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr,

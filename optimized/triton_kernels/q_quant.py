@@ -17,7 +17,7 @@ from .numerics import SCALE_RULE_CODES, fp8_encode, mxfp4_encode_pairs, pow2_sca
 BR = tile(16, 256)   # (token, head) rows per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])     # one compile for every token count
 def _q_quant_kernel(q_ptr, pos_ptr, cs_ptr, out_ptr, scale_ptr, N, H, cs_stride,
                     D: tl.constexpr, R: tl.constexpr, QUANT_FP8: tl.constexpr, FNUZ: tl.constexpr,
                     FMAX: tl.constexpr, RULE: tl.constexpr, BR: tl.constexpr):

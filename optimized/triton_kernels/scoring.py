@@ -123,12 +123,14 @@ def _k_block_mxfp4(cache_ptr, start, t, jm, PAGE: tl.constexpr, TB: tl.constexpr
         return mma_operand(ke), mma_operand(ko)
 
 
-@triton.jit
+# Sizes that vary from call to call are not specialized on (one compile serves them all);
+# the strides that align vector loads and stores are.
+@triton.jit(do_not_specialize=["H", "W", "table_stride", "NSPLIT"])
 def _logits_kernel(qv_ptr, qs_ptr, w_ptr, cache_ptr, table_ptr, tile_ptr, end_ptr, out_ptr,
                    H, W, page_stride, table_stride, out_stride,
                    BM: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                    SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
-                   FP8: tl.constexpr, FNUZ: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr,
+                   FP8: tl.constexpr, FNUZ: tl.constexpr, BN: tl.constexpr, NSPLIT,
                    DECODE: tl.constexpr, WORDS: tl.constexpr):
     TB: tl.constexpr = D // 2
     NB: tl.constexpr = D // 32
