@@ -53,17 +53,20 @@ def weighted_relu_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> t
 # (`column_cores`). The operands have 2 significant bits, so a TF32 or bf16-input GEMM
 # with fp32 accumulation is exact too.
 
-@functools.lru_cache(maxsize=8)
-def _pair_lut(device: torch.device, dtype: torch.dtype = torch.float32, factor: float = 1.0) -> torch.Tensor:
-    """[65536, 4]: the e2m1 values (times `factor`) of the two packed bytes behind each int16
-    value (byte order taken from the machine, so any endianness works)."""
-    e2m1 = (torch.tensor(E2M1_SIGNED, dtype=torch.float64) * factor).to(dtype)
-    byte_lut = torch.stack((e2m1[torch.arange(256) & 15], e2m1[torch.arange(256) >> 4]), -1)
-    words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    mem = words.view(torch.uint8).view(-1, 2).long()
-    lut = torch.empty(65536, 4, dtype=dtype)
-    lut[words.int() & 0xFFFF] = torch.cat((byte_lut[mem[:, 0]], byte_lut[mem[:, 1]]), -1)
-    return lut.to(device)
+def _byte_e2m1() -> torch.Tensor:
+    """fp64 [256, 2]: the e2m1 values of a packed byte's two codes, the even element (low
+    nibble) first. Every decode table below is built from it."""
+    e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64)
+    b = torch.arange(256)
+    return torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)
+
+
+def _word_e2m1() -> torch.Tensor:
+    """fp64 [65536, 4]: row v + 32768 holds the e2m1 values of the two bytes behind the
+    signed int16 word v, in memory order (taken from the machine: any endianness works)."""
+    mem = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.uint8).view(-1, 2).long()
+    pair = _byte_e2m1()
+    return torch.cat((pair[mem[:, 0]], pair[mem[:, 1]]), -1)
 
 
 @functools.lru_cache(maxsize=8)
@@ -71,13 +74,10 @@ def _scaled_byte_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Entry (e << 8) | byte: the two values e2m1(byte & 15) * 2**(e - 127) and
     e2m1(byte >> 4) * 2**(e - 127), computed in fp64 (exact) and stored as one element of
     twice the width (fp32 pair: int64, fp64 pair: complex128); e = 255 (NaN scale): NaN."""
-    e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64)
-    b = torch.arange(256)
-    pair = torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)                       # [256, 2]
     e = torch.arange(256)
     pow2 = ((e.clamp(max=254) - 127 + 1023) << 52).view(torch.float64)        # 2**(e - 127)
     pow2 = torch.where(e == E8M0_NAN, float("nan"), pow2)
-    lut = (pow2[:, None, None] * pair).to(dtype).contiguous()                 # [256, 256, 2]
+    lut = (pow2[:, None, None] * _byte_e2m1()).to(dtype).contiguous()         # [256, 256, 2]
     if dtype == torch.float64:
         return torch.view_as_complex(lut).view(-1).to(device)
     return lut.view(torch.int64).view(-1).to(device)
@@ -387,9 +387,7 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
 def _shift_byte_lut_i16(device: torch.device) -> torch.Tensor:
     """int32 [(_F64_SHIFTS + 1) * 256]: entry (s << 8) | byte holds, in memory order, the int16
     values 2 * e2m1(byte & 15) * 2**s and 2 * e2m1(byte >> 4) * 2**s (|.| <= 12 * 2**11)."""
-    e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64) * 2
-    b = torch.arange(256)
-    pair = torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)                       # [256, 2]
+    pair = _byte_e2m1() * 2                                                    # [256, 2]
     lut = torch.cat([pair * 2 ** s for s in range(_F64_SHIFTS + 1)]).to(torch.int16).contiguous()
     return lut.view(torch.int32).view(-1).to(device)
 
@@ -575,22 +573,23 @@ def _live_min_spread(packed: torch.Tensor, scales: torch.Tensor):
 
 def _int8_decode(packed: torch.Tensor, scales: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """int8 [..., D]: twice the e2m1 values times 2**(scale byte - m), shifts clamped to
-    [0, `_I8_SPREAD`] (exact where the vector's live spread allows; dead blocks hold zeros)."""
+    [0, `_I8_SPREAD`] (exact where the vector's live spread allows; dead blocks hold zeros):
+    one `_shifted_word_lut` read per int16 word."""
     shift = (scales.int() - m.unsqueeze(-1)).clamp(0, _I8_SPREAD)
-    words = packed.contiguous().view(torch.int16).reshape(-1).int() & 0xFFFF
-    vals = _pair_lut(packed.device, torch.int8, 2.0).index_select(0, words).view(*scales.shape, MX_BLOCK)
-    vals = vals * torch.bitwise_left_shift(torch.ones_like(shift), shift).to(torch.int8).unsqueeze(-1)
-    return vals.view(*scales.shape[:-1], scales.shape[-1] * MX_BLOCK)
+    words = packed.contiguous().view(torch.int16).view(*scales.shape, MX_BLOCK // 4)
+    idx = words + (shift * 65536 + 32768).unsqueeze(-1)                     # int32
+    vals = _shifted_word_lut(packed.device, _I8_SPREAD + 1).index_select(0, idx.view(-1))
+    return vals.view(torch.int8).view(*scales.shape[:-1], scales.shape[-1] * MX_BLOCK)
 
 
 @functools.lru_cache(maxsize=8)
-def _shifted_word_lut(device: torch.device) -> torch.Tensor:
-    """int32 [4 * 65536]: entry s * 65536 + (v + 32768), for a signed int16 word v of packed
-    codes and a block shift s in 0..3, holds the word's 4 int8 values (twice an e2m1 value,
-    times 2**s) as one int32 in memory order: one gather decodes and scales 4 values."""
-    pairs = _pair_lut(torch.device("cpu"), torch.int8, 2.0)              # by v & 0xFFFF
-    signed = pairs[torch.arange(65536) ^ 0x8000].int()                  # by v + 32768
-    return torch.cat([(signed << s).to(torch.int8) for s in range(_I8_SPREAD + 1)]).contiguous(
+def _shifted_word_lut(device: torch.device, shifts: int | None = None) -> torch.Tensor:
+    """int32 [shifts * 65536] (shifts: `_I8_SPREAD` + 1 unless given): entry s * 65536 +
+    (v + 32768), for a signed int16 word v of packed codes and a block shift s, holds the
+    word's 4 int8 values (twice an e2m1 value, times 2**s) as one int32 in memory order: one
+    gather decodes and scales 4 values."""
+    signed = (_word_e2m1() * 2).int()                                   # by v + 32768
+    return torch.cat([(signed << s).to(torch.int8) for s in range(shifts or _I8_SPREAD + 1)]).contiguous(
         ).view(torch.int32).reshape(-1).to(device)
 
 
