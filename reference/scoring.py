@@ -53,17 +53,20 @@ def weighted_relu_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> t
 # (`column_cores`). The operands have 2 significant bits, so a TF32 or bf16-input GEMM
 # with fp32 accumulation is exact too.
 
-@functools.lru_cache(maxsize=8)
-def _pair_lut(device: torch.device, dtype: torch.dtype = torch.float32, factor: float = 1.0) -> torch.Tensor:
-    """[65536, 4]: the e2m1 values (times `factor`) of the two packed bytes behind each int16
-    value (byte order taken from the machine, so any endianness works)."""
-    e2m1 = (torch.tensor(E2M1_SIGNED, dtype=torch.float64) * factor).to(dtype)
-    byte_lut = torch.stack((e2m1[torch.arange(256) & 15], e2m1[torch.arange(256) >> 4]), -1)
-    words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    mem = words.view(torch.uint8).view(-1, 2).long()
-    lut = torch.empty(65536, 4, dtype=dtype)
-    lut[words.int() & 0xFFFF] = torch.cat((byte_lut[mem[:, 0]], byte_lut[mem[:, 1]]), -1)
-    return lut.to(device)
+def _byte_e2m1() -> torch.Tensor:
+    """fp64 [256, 2]: the e2m1 values of a packed byte's two codes, the even element (low
+    nibble) first. Every decode table below is built from it."""
+    e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64)
+    b = torch.arange(256)
+    return torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)
+
+
+def _word_e2m1() -> torch.Tensor:
+    """fp64 [65536, 4]: row v + 32768 holds the e2m1 values of the two bytes behind the
+    signed int16 word v, in memory order (taken from the machine: any endianness works)."""
+    mem = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.uint8).view(-1, 2).long()
+    pair = _byte_e2m1()
+    return torch.cat((pair[mem[:, 0]], pair[mem[:, 1]]), -1)
 
 
 @functools.lru_cache(maxsize=8)
@@ -71,13 +74,10 @@ def _scaled_byte_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Entry (e << 8) | byte: the two values e2m1(byte & 15) * 2**(e - 127) and
     e2m1(byte >> 4) * 2**(e - 127), computed in fp64 (exact) and stored as one element of
     twice the width (fp32 pair: int64, fp64 pair: complex128); e = 255 (NaN scale): NaN."""
-    e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64)
-    b = torch.arange(256)
-    pair = torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)                       # [256, 2]
     e = torch.arange(256)
     pow2 = ((e.clamp(max=254) - 127 + 1023) << 52).view(torch.float64)        # 2**(e - 127)
     pow2 = torch.where(e == E8M0_NAN, float("nan"), pow2)
-    lut = (pow2[:, None, None] * pair).to(dtype).contiguous()                 # [256, 256, 2]
+    lut = (pow2[:, None, None] * _byte_e2m1()).to(dtype).contiguous()         # [256, 256, 2]
     if dtype == torch.float64:
         return torch.view_as_complex(lut).view(-1).to(device)
     return lut.view(torch.int64).view(-1).to(device)
@@ -192,16 +192,34 @@ def _cpu_cores(q_packed, q_scale, k_scale):
     """The CPU's choice per key column: (q8, mq, lo: the keys' least scale bytes, i8, f64),
     i8 where the int8 table core serves the column (the queries' and the key's scale bytes
     within `_I8_SPREAD` binades, the CPU's int8 GEMM proven exact), f64 where the fp64
-    table core does; the other columns go to their `column_cores` core."""
+    table core does; the other columns go to their `column_cores` core. q8 (the queries'
+    `int8_operand` values) is None where no column takes the int8 core."""
+    mq, qspread = _live_min_spread(q_packed, q_scale)
+    lo, i8, f64 = _cpu_columns(int(qspread.max()), k_scale)
+    q8 = _int8_decode(q_packed, q_scale, mq) if bool(i8.any()) else None
+    return q8, mq, lo, i8, f64
+
+
+def _key_range(k_scale: torch.Tensor):
+    """(lo, hi) uint8 [...]: the least and greatest of each key's scale bytes [..., NB], as
+    elementwise ops on the NB byte columns (a reduction over a few bytes per row is slow)."""
+    cols = k_scale.unbind(-1)
+    lo = hi = cols[0]
+    for c in cols[1:]:
+        lo, hi = torch.minimum(lo, c), torch.maximum(hi, c)
+    return lo, hi
+
+
+def _cpu_columns(qs, k_scale):
+    """(lo, i8, f64) of `_cpu_cores` for keys [..., J, NB] and the queries' greatest live
+    spread qs (an int, or a tensor broadcasting against [..., J])."""
     nb = k_scale.shape[-1]
-    q8, mq, qspread = int8_operand(q_packed, q_scale)
-    qs = int(qspread.max())
-    lo, hi = torch.aminmax(k_scale, dim=-1)
+    lo, hi = _key_range(k_scale)
     ks = hi - lo                                                   # uint8: hi >= lo
     ok = hi != E8M0_NAN
-    i8 = ok & (ks <= _I8_SPREAD) if qs <= _I8_SPREAD and _cpu_int_mm_exact() else torch.zeros_like(ok)
+    i8 = ok & (ks <= _I8_SPREAD) & (qs <= _I8_SPREAD) if _cpu_int_mm_exact() else torch.zeros_like(ok)
     f64 = ok & ~i8 & (ks <= _F64_SHIFTS) & (ks.int() + qs <= 53 - (nb * 4608 - 1).bit_length())
-    return q8, mq, lo, i8, f64
+    return lo, i8, f64
 
 
 def cpu_core_shares(q_packed, q_scale, k_packed, k_scale) -> dict:
@@ -237,8 +255,7 @@ def mxfp4_relu_logits(q_packed, q_scale, k_packed, k_scale, w) -> torch.Tensor:
     if q_packed.device.type != "cpu" or bool((q_scale == E8M0_NAN).any()):
         return _column_core_logits(q_packed, q_scale, k_packed, k_scale, w)
     q8, mq, lo, i8, f64 = _cpu_cores(q_packed, q_scale, k_scale)
-    w_i8 = w.double() * _pow2(mq)
-    cores = [(i8, lambda kp, ksc, klo, o: _table_core(q8, w_i8, kp, ksc, klo, o)),
+    cores = [(i8, lambda kp, ksc, klo, o: _table_core(q8, w.double() * _pow2(mq), kp, ksc, klo, o)),
              (f64, lambda kp, ksc, klo, o: _table_core(dequantize_mxfp4_f32(q_packed, q_scale, torch.float64),
                                                       w.double(), kp, ksc, klo, o))]
     rest = ~(i8 | f64)
@@ -370,9 +387,7 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
 def _shift_byte_lut_i16(device: torch.device) -> torch.Tensor:
     """int32 [(_F64_SHIFTS + 1) * 256]: entry (s << 8) | byte holds, in memory order, the int16
     values 2 * e2m1(byte & 15) * 2**s and 2 * e2m1(byte >> 4) * 2**s (|.| <= 12 * 2**11)."""
-    e2m1 = torch.tensor(E2M1_SIGNED, dtype=torch.float64) * 2
-    b = torch.arange(256)
-    pair = torch.stack((e2m1[b & 15], e2m1[b >> 4]), -1)                       # [256, 2]
+    pair = _byte_e2m1() * 2                                                    # [256, 2]
     lut = torch.cat([pair * 2 ** s for s in range(_F64_SHIFTS + 1)]).to(torch.int16).contiguous()
     return lut.view(torch.int32).view(-1).to(device)
 
@@ -541,28 +556,40 @@ def int8_operand(packed: torch.Tensor, scales: torch.Tensor):
     """MXFP4 vectors [..., D/2] as (int8 [..., D], m int32 [...], spread int32 [...]): the
     value is int8 * 2**(m - 128) wherever spread (of the live blocks' scale bytes) <=
     `_I8_SPREAD`; all-zero vectors have spread 0."""
+    m, spread = _live_min_spread(packed, scales)
+    return _int8_decode(packed, scales, m), m, spread
+
+
+def _live_min_spread(packed: torch.Tensor, scales: torch.Tensor):
+    """(m, spread) int32 [...] of MXFP4 vectors: the least scale byte of the live blocks and
+    the binades the live blocks' scale bytes span (all-zero vectors: 128 and 0)."""
     live = _live_blocks(packed, scales)
     e = scales.int()
     lo = torch.where(live, e, 1 << 20).amin(-1)
     hi = torch.where(live, e, -(1 << 20)).amax(-1)
     any_live = live.any(-1)
-    m = torch.where(any_live, lo, 128)
-    spread = torch.where(any_live, hi - lo, 0)
-    shift = (e - m.unsqueeze(-1)).clamp(0, _I8_SPREAD)               # dead blocks hold zeros
-    words = packed.contiguous().view(torch.int16).reshape(-1).int() & 0xFFFF
-    vals = _pair_lut(packed.device, torch.int8, 2.0).index_select(0, words).view(*scales.shape, MX_BLOCK)
-    vals = vals * torch.bitwise_left_shift(torch.ones_like(shift), shift).to(torch.int8).unsqueeze(-1)
-    return vals.view(*scales.shape[:-1], scales.shape[-1] * MX_BLOCK), m, spread
+    return torch.where(any_live, lo, 128), torch.where(any_live, hi - lo, 0)
+
+
+def _int8_decode(packed: torch.Tensor, scales: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """int8 [..., D]: twice the e2m1 values times 2**(scale byte - m), shifts clamped to
+    [0, `_I8_SPREAD`] (exact where the vector's live spread allows; dead blocks hold zeros):
+    one `_shifted_word_lut` read per int16 word."""
+    shift = (scales.int() - m.unsqueeze(-1)).clamp(0, _I8_SPREAD)
+    words = packed.contiguous().view(torch.int16).view(*scales.shape, MX_BLOCK // 4)
+    idx = words + (shift * 65536 + 32768).unsqueeze(-1)                     # int32
+    vals = _shifted_word_lut(packed.device, _I8_SPREAD + 1).index_select(0, idx.view(-1))
+    return vals.view(torch.int8).view(*scales.shape[:-1], scales.shape[-1] * MX_BLOCK)
 
 
 @functools.lru_cache(maxsize=8)
-def _shifted_word_lut(device: torch.device) -> torch.Tensor:
-    """int32 [4 * 65536]: entry s * 65536 + (v + 32768), for a signed int16 word v of packed
-    codes and a block shift s in 0..3, holds the word's 4 int8 values (twice an e2m1 value,
-    times 2**s) as one int32 in memory order: one gather decodes and scales 4 values."""
-    pairs = _pair_lut(torch.device("cpu"), torch.int8, 2.0)              # by v & 0xFFFF
-    signed = pairs[torch.arange(65536) ^ 0x8000].int()                  # by v + 32768
-    return torch.cat([(signed << s).to(torch.int8) for s in range(_I8_SPREAD + 1)]).contiguous(
+def _shifted_word_lut(device: torch.device, shifts: int | None = None) -> torch.Tensor:
+    """int32 [shifts * 65536] (shifts: `_I8_SPREAD` + 1 unless given): entry s * 65536 +
+    (v + 32768), for a signed int16 word v of packed codes and a block shift s, holds the
+    word's 4 int8 values (twice an e2m1 value, times 2**s) as one int32 in memory order: one
+    gather decodes and scales 4 values."""
+    signed = (_word_e2m1() * 2).int()                                   # by v + 32768
+    return torch.cat([(signed << s).to(torch.int8) for s in range(shifts or _I8_SPREAD + 1)]).contiguous(
         ).view(torch.int32).reshape(-1).to(device)
 
 
@@ -690,10 +717,37 @@ def grouped_relu_logits(q_packed, q_scale, k_packed, k_scale, w, n, *, batched: 
             last_path = "fp32" if worst == CORE_F32 else "fp64"
             return out
         last_path = "per sequence"
+    if dev.type == "cpu" and not bool((q_scale == E8M0_NAN).any()):
+        _cpu_sequences(q_packed, q_scale, k_packed, k_scale, w, n, out)
+        return out
     for g0, ng in enumerate(n.tolist()):
         if ng:
             out[g0, :, :ng] = mxfp4_relu_logits(q_packed[g0], q_scale[g0], k_packed[g0, :ng], k_scale[g0, :ng], w[g0])
     return out
+
+
+def _cpu_sequences(q_packed, q_scale, k_packed, k_scale, w, n, out) -> None:
+    """`mxfp4_relu_logits` of each sequence of a group into out [G, R, J] (no NaN query
+    scale byte), the choice of `_cpu_cores` made for the whole group at once: a sequence
+    whose keys all take one table core is scored by it directly (the same call with the
+    same operands), the others column by column."""
+    g, j = k_scale.shape[:2]
+    mq, qspread = _live_min_spread(q_packed, q_scale)                       # [G, R, H]
+    lo, i8, f64 = _cpu_columns(qspread.flatten(1).amax(1, keepdim=True), k_scale)
+    past = torch.arange(j)[None, :] >= n[:, None]
+    whole = torch.stack(((i8 | past).all(1), (f64 | past).all(1))).tolist()
+    q8 = _int8_decode(q_packed, q_scale, mq) if any(whole[0]) else None
+    q64 = dequantize_mxfp4_f32(q_packed, q_scale, torch.float64) if any(whole[1]) else None
+    for g0, ng in enumerate(n.tolist()):
+        if not ng:
+            continue
+        keys = (k_packed[g0, :ng], k_scale[g0, :ng], lo[g0, :ng], out[g0, :, :ng])
+        if whole[0][g0]:
+            _table_core(q8[g0], w[g0].double() * _pow2(mq[g0]), *keys)
+        elif whole[1][g0]:
+            _table_core(q64[g0], w[g0].double(), *keys)
+        else:
+            out[g0, :, :ng] = mxfp4_relu_logits(q_packed[g0], q_scale[g0], k_packed[g0, :ng], k_scale[g0, :ng], w[g0])
 
 
 def check_paged_args(dims: checks.Dims, weights, kv_cache, query_start_loc, context_lens,

@@ -659,3 +659,42 @@ def test_column_cores_in_blocks_of_rows_give_the_same_logits(gen, monkeypatch):
     monkeypatch.setattr(scoring, "_COLUMN_ROWS_BYTES", 4 * H * D * 8)          # 4 rows a block, the last 1
     blocks = scoring._column_core_logits(kq, sq, kk, sk, w)
     assert torch.equal(whole.view(torch.int64), blocks.view(torch.int64))
+
+
+@pytest.mark.parametrize("k_mode, q_lo_hi, whole", [("spread-3", (118, 4), "int8"), ("spread-11", (118, 8), "fp64"),
+                                                    ("mixed", (118, 3), None)])
+def test_cpu_group_cores_give_each_sequence_its_own_bits(gen, monkeypatch, k_mode, q_lo_hi, whole):
+    """On a CPU a group of sequences is scored with the table cores chosen for the whole
+    group at once: each sequence gets the bits of `mxfp4_relu_logits` on its own operands
+    (its own keys, rows read up to n), through one table core call where every key it reads
+    takes that core, column by column otherwise."""
+    g, r, h, j = 3, 2, 16, 150
+    cases = [cpu_case(gen, r, h, j, q_lo_hi, k_mode) for _ in range(g)]
+    qp, qs, kp, ks, w = (torch.stack(t) for t in zip(*cases))
+    n = torch.tensor([j, 97, 1])
+    if whole:
+        ks[:, 2::5, 1] = ks[:, 2::5, 0]           # no far-off dead block: every key read takes the core
+    ks[1, 97:] = 255                              # past a sequence's n: never read (NaN there is fine)
+    calls = {"table": [], "per column": 0}
+    table, per_seq = scoring._table_core, scoring.mxfp4_relu_logits
+    got = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=False)
+    want = [per_seq(qp[i], qs[i], kp[i, :n[i]], ks[i, :n[i]], w[i]) for i in range(g)]
+    for i in range(g):
+        assert torch.equal(bits(got[i, :, :n[i]]), bits(want[i])), i
+    monkeypatch.setattr(scoring, "_table_core", lambda q, *a: calls["table"].append((q.dtype, a[1].shape[0])) or table(q, *a))
+    monkeypatch.setattr(scoring, "mxfp4_relu_logits", lambda *a: calls.__setitem__("per column", calls["per column"] + 1)
+                        or per_seq(*a))
+    scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=False)
+    if whole is None:
+        assert calls["per column"] == g
+    else:
+        assert calls["per column"] == 0
+        dt = torch.int8 if whole == "int8" and scoring._cpu_int_mm_exact() else torch.float64
+        assert calls["table"] == [(dt, int(m)) for m in n]
+    # teeth: a choice the operands do not allow (the int8 core for queries spanning 8 binades)
+    # changes the bits
+    if whole == "fp64" and scoring._cpu_int_mm_exact():
+        columns = scoring._cpu_columns
+        monkeypatch.setattr(scoring, "_cpu_columns", lambda qs, k: columns(0 * qs, k))
+        bad = scoring.grouped_relu_logits(qp, qs, kp, ks, w, n, batched=False)
+        assert not torch.equal(bits(bad[0]), bits(want[0]))
