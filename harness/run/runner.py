@@ -811,7 +811,7 @@ def _stop(workers: list, *, grace: float = STOP_GRACE_S) -> None:
 
 
 # A case whose `geometry.footprint` is at most this shares a GPU with the other workers'
-# (8 workers of such cases stay under a few GiB even at 15x their tensors); a larger one
+# (8 workers of such cases peak at about 8 GiB together, at 4x their tensors); a larger one
 # runs in the parent process, one at a time, with the GPU's memory to itself but for them.
 SMALL_CASE_BYTES = 256 << 20
 
