@@ -928,19 +928,31 @@ def _run_in_turn(cases: list[Case], be: Backend, backend_name: str, progress, pr
     built on another thread meanwhile (input generation is CPU work; the case's is mostly
     the GPU's)."""
     rows: list[dict] = []
+    each = _with_inputs(cases, be, prefetch)
+    try:
+        for c, inputs in each:
+            rows.append(_Background(run_case, c, backend_name, inputs=inputs).result())
+            if progress:
+                progress(rows[-1])
+    except KeyboardInterrupt:
+        each.close()
+        raise RunInterrupted(rows, [c.name for c in cases[len(rows):]]) from None
+    return rows
+
+
+def _with_inputs(cases: list[Case], be: Backend, prefetch: bool):
+    """(case, its inputs) in order: with `prefetch` the inputs are built on a thread
+    (`_prebuild`) while the case before runs, else None (run_case builds them). Closed
+    early, it leaves the build in progress (`_Background.leave`)."""
     nxt = _Background(_prebuild, cases[0], be) if prefetch and cases else None
     try:
         for i, c in enumerate(cases):
             inputs = nxt.result() if nxt else None
             nxt = _Background(_prebuild, cases[i + 1], be) if prefetch and i + 1 < len(cases) else None
-            rows.append(_Background(run_case, c, backend_name, inputs=inputs).result())
-            if progress:
-                progress(rows[-1])
-    except KeyboardInterrupt:
+            yield c, inputs
+    finally:
         if nxt is not None:
             nxt.leave()
-        raise RunInterrupted(rows, [c.name for c in cases[len(rows):]]) from None
-    return rows
 
 
 class _Local:
@@ -956,15 +968,12 @@ class _Local:
         self.thread.start()
 
     def _loop(self) -> None:
-        nxt = _Background(_prebuild, self.cases[self.indices[0]], self.be) if self.prefetch else None
-        for k, i in enumerate(self.indices):
-            inputs = nxt.result() if nxt else None
-            more = self.prefetch and k + 1 < len(self.indices)
-            nxt = _Background(_prebuild, self.cases[self.indices[k + 1]], self.be) if more else None
+        each = _with_inputs([self.cases[i] for i in self.indices], self.be, self.prefetch)
+        for i, (case, inputs) in zip(self.indices, each):
             try:
-                row = run_case(self.cases[i], self.backend_name, inputs=inputs)
+                row = run_case(case, self.backend_name, inputs=inputs)
             except Exception as e:     # run_case catches its own; this is a last line
-                row = _error_row(self.cases[i], self.backend_name, f"failed: {type(e).__name__}: {e}")
+                row = _error_row(case, self.backend_name, f"failed: {type(e).__name__}: {e}")
             self._send.send((i, row))
 
     def receive(self) -> tuple[int, dict]:
@@ -997,7 +1006,7 @@ class _Pool:
         # threads per worker). Spawned workers start clean.
         forked = self.ctx.get_start_method() == "fork"
         self.threads = 1 if gpu or forked else max(1, cpus() // self.n)
-        self.queue = deque(i for i in range(len(cases)) if i not in set(local))
+        self.queue = deque(sorted(set(range(len(cases))) - set(local)))
         self.out: dict[int, dict] = {}
         self.workers: list = []
 
