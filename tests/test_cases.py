@@ -5,7 +5,8 @@ import torch
 
 import reference
 from harness.run.cases import CaseError, Catalog, SeqSpec
-from harness.run.inputs import build, geometry
+from harness.run.geometry import geometry
+from harness.run.inputs import build
 from reference import layout
 from reference.checks import NonFiniteInput
 

@@ -539,7 +539,7 @@ def test_search_dump_headers(dump_file, search_dir):
 
 def test_search_case_files(search_dir):
     """Any value for any case key: CaseError, or a case whose geometry is checked or refused."""
-    from harness.run.inputs import geometry
+    from harness.run.geometry import geometry
     keys = sorted(C.CASE_SCHEMA.keys)
 
     @SEARCH

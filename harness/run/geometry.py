@@ -73,6 +73,14 @@ def pool_pages(case: Case, needs: list[int]) -> int:
     return case.pool_pages or sum(needs) + case.spare_pages
 
 
+def step_shape(case: Case, r: int, ps: int) -> tuple[int, int]:
+    """(logits columns: the widest row, or the table's width; the most tokens in one step)."""
+    width = max(max(s.len for s in case.seqs) // r + 1, (case.table_pages or 0) * ps)
+    n_steps = max(len(s.steps()) for s in case.seqs)
+    step_rows = max(sum(e - b for s in case.seqs for b, e in s.steps()[i:i + 1]) for i in range(n_steps))
+    return width, step_rows
+
+
 def _check_sizes(case: Case, r: int, ps: int, stride: int, heads: int, d: int) -> None:
     where = f"{case.file}: case {case.name!r}"
     needs = page_needs(case, r, ps)
@@ -86,12 +94,10 @@ def _check_sizes(case: Case, r: int, ps: int, stride: int, heads: int, d: int) -
     if steps * heads * d > MAX_Q_ELEMENTS:
         raise CaseError(f"{where}: seqs: {steps} step tokens x {heads} heads x {d} dims exceed the "
                         f"{MAX_Q_ELEMENTS} query elements a case may take")
-    width = max(max(s.len for s in case.seqs) // r + 1, (case.table_pages or 0) * ps)
     if case.table_pages is not None and case.table_pages < max(needs):
         raise CaseError(f"{where}: table_pages: {case.table_pages} < the {max(needs)} pages the longest "
                         f"sequence needs")
-    n_steps = max(len(s.steps()) for s in case.seqs)
-    step_rows = max(sum(e - b for s in case.seqs for b, e in s.steps()[i:i + 1]) for i in range(n_steps))
+    width, step_rows = step_shape(case, r, ps)
     if step_rows * width > MAX_LOGITS:
         raise CaseError(f"{where}: seqs: {step_rows} tokens in one step x {width} logits columns exceed "
                         f"the {MAX_LOGITS} logits a step may take")
@@ -103,10 +109,7 @@ def footprint(case: Case) -> int:
     from the backend, fp64 from the reference). For scheduling (which cases may share a
     GPU with others), not a bound: a case's peak is measured (`memory`)."""
     g = geometry(case)
-    needs = page_needs(case, g.ratio, g.page_size)
-    pool = pool_pages(case, needs) * g.page_stride
+    pool = pool_pages(case, page_needs(case, g.ratio, g.page_size)) * g.page_stride
     tokens = sum(s.len for s in case.seqs)
-    width = max(max(s.len for s in case.seqs) // g.ratio + 1, (case.table_pages or 0) * g.page_size)
-    n_steps = max(len(s.steps()) for s in case.seqs)
-    step_rows = max(sum(e - b for s in case.seqs for b, e in s.steps()[i:i + 1]) for i in range(n_steps))
+    width, step_rows = step_shape(case, g.ratio, g.page_size)
     return pool + tokens * g.head_dim * 16 + step_rows * (g.heads * g.head_dim * 2 + width * 12)

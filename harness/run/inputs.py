@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from harness.run.cases import PLANT_VALUES, Case, CaseError
-from harness.run.geometry import Geometry, geometry, page_needs, pool_pages  # noqa: F401  (geometry: re-exported)
+from harness.run.geometry import Geometry, geometry, page_needs, pool_pages
 from reference.formats import E2M1_VALUES
 from reference.ops import OPS
 from reference.pooling import state_rows, write_state
@@ -301,14 +301,14 @@ def _state(case: Case, geo, gen: torch.Generator):
 
 def _k_pool(case: Case, geo, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The K cache pool (random bytes; filled on `device` when over _CPU_POOL_LIMIT) and its block table."""
-    pool_pages, k_bt = _pages(case, page_needs(case, geo.ratio, geo.page_size), gen)
-    pool_bytes = pool_pages * geo.page_stride
+    n_pages, k_bt = _pages(case, page_needs(case, geo.ratio, geo.page_size), gen)
+    pool_bytes = n_pages * geo.page_stride
     if pool_bytes > _CPU_POOL_LIMIT:
         dgen = torch.Generator(device=device).manual_seed(case.seed)
-        kv_cache = torch.randint(0, 256, (pool_pages, geo.page_stride), generator=dgen,
+        kv_cache = torch.randint(0, 256, (n_pages, geo.page_stride), generator=dgen,
                                  dtype=torch.uint8, device=device)
     else:
-        kv_cache = torch.randint(0, 256, (pool_pages, geo.page_stride), generator=gen, dtype=torch.uint8)
+        kv_cache = torch.randint(0, 256, (n_pages, geo.page_stride), generator=gen, dtype=torch.uint8)
     return kv_cache, k_bt
 
 
