@@ -29,7 +29,7 @@ from reference.q_quant import check_scale_pair, fold_weights
 from reference.rope import cos_sin_at, rope_gptj_tail
 
 from . import Backend, register
-from .fault_table import (  # noqa: F401  (the constants the faults are built with)
+from .fault_table import (
     INT32_BITS,
     LOGITS_ROW_SIM_BITS,
     PREFILL_TOPK_ROWS,

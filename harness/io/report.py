@@ -23,7 +23,7 @@ import pandas as pd
 
 from harness.errors import ReportError
 from harness.io import escape, report_shape, safe_input
-from harness.io.escape import wide_console  # noqa: F401  (re-exported)
+from harness.io.escape import wide_console
 
 SCHEMA = "mxval-report"
 SCHEMA_VERSION = 1

@@ -128,20 +128,13 @@ def _bounded_int(s: str) -> int:
     return int(s)
 
 
-def parse_checked_json(text: str):
-    """JSON text whose structure `check_structure` has passed, parsed with its integer sizes
-    bounded; ValueError (json.JSONDecodeError among them) or RecursionError when it is not
-    usable JSON."""
-    return json.loads(text, parse_int=_bounded_int)
-
-
 def loads_json(text: str, where: str, *, error: Type[InputError] = InputError, max_depth: int = MAX_DEPTH,
                unusable: Optional[str] = None):
     """JSON text parsed with its depth and integer sizes bounded first (`where` names it).
     `unusable`: the whole line for text that does not parse (otherwise `where` and why)."""
     check_structure(text, where, toml=False, error=error, max_depth=max_depth)
     try:
-        return parse_checked_json(text)
+        return json.loads(text, parse_int=_bounded_int)
     except (ValueError, RecursionError) as e:
         if unusable is not None:
             raise error(unusable) from None

@@ -6,8 +6,8 @@ case's tensors are released: cuBLAS workspaces and caches made during the case a
 process's, not the case's, and are listed as `details.gpu_kept_bytes`; None on the CPU)
 and `tensor_bytes` (the case's inputs plus the tensors one step's comparisons read: each
 stage's inputs and both sides' outputs, the whole chain's too; the largest step's, counted
-once per storage and on a GPU in the allocator's 512-byte blocks). Their ratio is the case's memory overhead: the harness's
-copies of the pool, the reference's intermediates, the diffs.
+once per storage and on a GPU in the allocator's 512-byte blocks). Their ratio is the case's
+memory overhead: the harness's copies of the pool, the reference's intermediates, the diffs.
 
 `MXVAL_GPU_MEMORY_FRACTION` (a number in (0, 1]) caps every mxval process that sets it at
 that share of the GPU's memory (`torch.cuda.set_per_process_memory_fraction`): several

@@ -2,10 +2,10 @@
 written into its pool; reference, backend, backend_repeats, repeat_compare, diff, plots,
 row), summed over its steps, recorded in the row's `details.stage_seconds` when
 `MXVAL_STAGE_TIMES=1`; on a GPU also `details.stage_peak_bytes`: for each part during which
-the GPU memory allocated reached a new high, that high (above the allocation when the
-clock was made), so the part holding the case's peak is the one whose value is the peak. Each part starts and ends with a device synchronize then, so a GPU's
-queued work is charged to the part that queued it (and the run is a little slower); unset,
-nothing is timed or recorded."""
+the GPU memory allocated reached a new high, that high (above the allocation when the clock
+was made), so the part holding the case's peak is the one whose value is the peak. Each part
+starts and ends with a device synchronize then, so a GPU's queued work is charged to the part
+that queued it (and the run is a little slower); unset, nothing is timed or recorded."""
 from __future__ import annotations
 
 import os
