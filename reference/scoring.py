@@ -134,8 +134,7 @@ def column_cores(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
       scale: an integer below 2**13 times 2**(eq+ek-256), exact while eq + ek is in
       [107, 371]), summed over the blocks in fp64;
     * CORE_FP64_GENERIC: the rest (NaN or extreme scale bytes).
-    Scale bytes must be in [2, 252] for the fp32 dequantization to be exact. The cheap
-    test counts every block as live; only columns it rejects are scanned for dead
+    The cheap test counts every block as live; only columns it rejects are scanned for dead
     (all-zero) blocks, whose scale bytes do not matter."""
     return grouped_column_cores(q_packed[None], q_scale[None], k_packed[None], k_scale[None])[0]
 
@@ -151,8 +150,7 @@ def grouped_column_cores(q_packed, q_scale, k_packed, k_scale) -> torch.Tensor:
     q_spread = torch.where(qlive, qhi - qlo, 0).amax(1)[:, None]
     q_lo = torch.where(qlive, qlo, 1 << 20).amin(1)[:, None]
     q_hi = torch.where(qlive, qhi, -(1 << 20)).amax(1)[:, None]
-    spread32 = 24 - (nb * 4608 - 1).bit_length()
-    spread64 = 53 - (nb * 4608 - 1).bit_length()
+    spread32, spread64 = _exact_spread(nb, 24), _exact_spread(nb, 53)
 
     def assign(lo, hi, ok, dead, qs, ql, qh, qk):
         f32 = ok & (dead | (((hi - lo) + qs <= spread32) & (lo + ql >= 130) & (hi + qh <= 368)))
@@ -200,6 +198,13 @@ def _cpu_cores(q_packed, q_scale, k_scale):
     return q8, mq, lo, i8, f64
 
 
+def _exact_spread(nb: int, mantissa_bits: int) -> int:
+    """The most binades a pair's block scales may spread for its dot of nb blocks to be exact
+    in a float of `mantissa_bits` (24: fp32, 53: fp64): every partial sum is an integer below
+    nb * 4608 in units of the smallest block's scale."""
+    return mantissa_bits - (nb * 4608 - 1).bit_length()
+
+
 def _key_range(k_scale: torch.Tensor):
     """(lo, hi) uint8 [...]: the least and greatest of each key's scale bytes [..., NB], as
     elementwise ops on the NB byte columns (a reduction over a few bytes per row is slow)."""
@@ -218,7 +223,7 @@ def _cpu_columns(qs, k_scale):
     ks = hi - lo                                                   # uint8: hi >= lo
     ok = hi != E8M0_NAN
     i8 = ok & (ks <= _I8_SPREAD) & (qs <= _I8_SPREAD) if _cpu_int_mm_exact() else torch.zeros_like(ok)
-    f64 = ok & ~i8 & (ks <= _F64_SHIFTS) & (ks.int() + qs <= 53 - (nb * 4608 - 1).bit_length())
+    f64 = ok & ~i8 & (ks <= _F64_SHIFTS) & (ks.int() + qs <= _exact_spread(nb, 53))
     return lo, i8, f64
 
 
@@ -420,7 +425,7 @@ def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
     if int8:    # a word (2 bytes) per index: entry s * 65536 + (word + 32768) -> 4 int8 values
         kp = k_packed.reshape(j, nb, -1).view(torch.int16)
         sh = (shift << 16) + 32768
-        lut = _shifted_word_lut(q.device)
+        lut = _shifted_word_lut(q.device, _I8_SPREAD + 1)
     else:       # a byte per index: entry (s << 8) | byte -> 2 int16 values
         kp = k_packed.reshape(j, nb, -1)
         sh = shift << 8
@@ -437,23 +442,22 @@ def _table_core(q, w64, k_packed, k_scale, lo, out) -> None:
         ic = idx[:dn * per_key]
         ic.view(dn, nb, -1).copy_(kp[d0:d0 + dn]).add_(sh[d0:d0 + dn])             # no temporary
         kd = torch.index_select(lut, 0, ic, out=kbuf[:dn * per_key])
-        score_decoded(q, w64, kd.view(torch.int8 if int8 else torch.int16).view(dn, d), out[:, d0:d0 + dn], bufs)
+        _score_decoded(q, w64, kd.view(torch.int8 if int8 else torch.int16).view(dn, d), out[:, d0:d0 + dn], bufs)
     out.mul_(_pow2(lo))
 
 
-def score_decoded(q, w64, kd, out, bufs=None) -> None:
+def _score_decoded(q, w64, kd, out, bufs: dict) -> None:
     """out fp64 [Rw, J] = sum_h w64[r, h] * relu(q[r, h] . kd[j]) for decoded keys kd
     (int8 [J, D] with int8 q: exact int32 dots; int16 [J, D] with fp64 q: exact fp64 dots
     where the caller proved it), relu and the head sum in fp64 (`_head_sum`'s order),
     `_CPU_KEYS` keys at a time (fp64: converted just before the matmul); the keys' powers
-    of two are the caller's. `bufs`: scratch kept across calls."""
+    of two are the caller's. `bufs`: scratch kept across the caller's calls."""
     rw, h, d = q.shape
     j = kd.shape[0]
     int8 = q.dtype == torch.int8
     step = _CPU_KEYS
     rc = max(1, min(rw, _CPU_TILE // (h * step)))
     cc = min(j, step)
-    bufs = {} if bufs is None else bufs
     if bufs.get("shape") != (rc, h, cc, d, int8):
         bufs.update(shape=(rc, h, cc, d, int8),
                     k64=None if int8 else torch.empty(cc, d, dtype=torch.float64),
@@ -583,13 +587,13 @@ def _int8_decode(packed: torch.Tensor, scales: torch.Tensor, m: torch.Tensor) ->
 
 
 @functools.lru_cache(maxsize=8)
-def _shifted_word_lut(device: torch.device, shifts: int | None = None) -> torch.Tensor:
-    """int32 [shifts * 65536] (shifts: `_I8_SPREAD` + 1 unless given): entry s * 65536 +
-    (v + 32768), for a signed int16 word v of packed codes and a block shift s, holds the
-    word's 4 int8 values (twice an e2m1 value, times 2**s) as one int32 in memory order: one
-    gather decodes and scales 4 values."""
+def _shifted_word_lut(device: torch.device, shifts: int) -> torch.Tensor:
+    """int32 [shifts * 65536] (every caller asks for `_I8_SPREAD` + 1: one table a device):
+    entry s * 65536 + (v + 32768), for a signed int16 word v of packed codes and a block
+    shift s, holds the word's 4 int8 values (twice an e2m1 value, times 2**s) as one int32
+    in memory order: one gather decodes and scales 4 values."""
     signed = (_word_e2m1() * 2).int()                                   # by v + 32768
-    return torch.cat([(signed << s).to(torch.int8) for s in range(shifts or _I8_SPREAD + 1)]).contiguous(
+    return torch.cat([(signed << s).to(torch.int8) for s in range(shifts)]).contiguous(
         ).view(torch.int32).reshape(-1).to(device)
 
 
@@ -609,7 +613,7 @@ def paged_int8_keys(pg: torch.Tensor, k_scale: torch.Tensor, m: torch.Tensor, *,
     off = (shift * 65536 + 32768).view(*words.shape[:5], 1)
     idx = torch.empty(words.shape, dtype=torch.int32, device=pg.device)
     torch.add(words, off, out=idx)                                       # unshuffled, in entry order
-    vals = _shifted_word_lut(pg.device).index_select(0, idx.view(-1))
+    vals = _shifted_word_lut(pg.device, _I8_SPREAD + 1).index_select(0, idx.view(-1))
     return vals.view(torch.int8).view(k_scale.shape[0], head_dim)
 
 
@@ -793,8 +797,7 @@ def check_paged_args(dims: checks.Dims, weights, kv_cache, query_start_loc, cont
 
     tests = [(ctx_bad, lambda: checks.int_range("context_lens", context_lens, 0, span + 1)),
              (bad_end.any(), end_error), (bad_bt.any(), table_error)]
-    if weights.is_floating_point():
-        tests.append((~torch.isfinite(weights).all(), lambda: checks.finite("weights", weights)))
+    tests.append((~torch.isfinite(weights).all(), lambda: checks.finite("weights", weights)))
     checks.first_failure([*tests, *more])
     return qsl
 
@@ -906,14 +909,7 @@ def _paged_i8_logits(q_packed, q_scale, pg, k_scale, w, n, j, geo):
     with its other flags in one host sync."""
     g, r = q_scale.shape[:2]
     e_all = k_scale.shape[0] // g                                         # entries per sequence read
-    if q_packed.shape[-1] * 2 % 8:
-        return None
-    # an entry's least and greatest scale byte as elementwise ops on its NB byte columns (a
-    # reduction over 4 bytes per row runs far below the device's bandwidth)
-    cols = k_scale.unbind(-1)
-    mk, hi = cols[0], cols[0]
-    for c in cols[1:]:
-        mk, hi = torch.minimum(mk, c), torch.maximum(hi, c)
+    mk, hi = _key_range(k_scale)
     kspread = (hi - mk).view(g, e_all)                                     # uint8: hi - lo >= 0
     k8 = paged_int8_keys(pg, k_scale, mk, **geo)
     if k8 is None:
@@ -930,7 +926,7 @@ def _paged_i8_logits(q_packed, q_scale, pg, k_scale, w, n, j, geo):
 class GroupPlan:
     """Sequences scored together: `seqs` (host ints), each with `rows` rows and reading
     n[i] keys (j the most); on the device: `pages_read` [G * pages] (pages past a
-    sequence's own read its first page), `n` [G] and the rows `ridx` [G * rows]."""
+    sequence's own read its first page), `n_dev` [G] (n) and the rows `ridx` [G * rows]."""
     seqs: list
     rows: int
     n: list
