@@ -22,6 +22,13 @@ DATA = Path(__file__).resolve().parent / "data"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaN payloads and signed zeros included."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
 def sample_path(name: str) -> Path:
     """`tests/data/<name>.safetensors`, one of the committed sample dumps (docs/spec/DUMPS.md,
     "Samples"). A missing sample fails the test: the byte-exact checks must never silently
@@ -236,7 +243,7 @@ def _judge():
 
 def aiter_backend(name: str):
     """The aiter backend `name`, loaded from the aiter tree in $MXVAL_AITER_SRC; the test is
-    skipped, with the reason, when there is no tree or the backend cannot load it."""
+    skipped, with the reason, when there is no tree, and fails when a given tree cannot load."""
     import os
 
     from optimized import get_backend

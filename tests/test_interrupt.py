@@ -134,12 +134,18 @@ def test_sigterm_inside_a_long_native_call_still_writes_the_partial_report(tmp_p
                           "--cases-dir", str(tmp_path / "cases"), "--report-dir", str(d), "-q"], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert p.stdout.readline().strip() == "native", p.communicate()
-    time.sleep(0.5)
-    t0 = time.time()
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=60)
-    took = time.time() - t0
+    try:                                   # a run that does not stop must not stay behind hashing for minutes
+        first = p.stdout.readline().strip()
+        assert first == "native", first
+        time.sleep(0.5)
+        t0 = time.time()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        took = time.time() - t0
+    finally:
+        p.kill()
+        p.wait()
+    # the property under test is liveness: stopped within seconds, not after the native call
     assert p.returncode == 130 and took < STOP_WITHIN_S, (took, out, err)
     data = json.loads((d / "report.json").read_text())
     assert [c["case"] for c in data["cases"]] == ["quick-1", "quick-2"]

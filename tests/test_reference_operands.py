@@ -3,7 +3,7 @@ its ops take narrower operands into the wider dtype inside the kernel, on the CP
 them first. The CPU can run either; every writer, the Q quant and the pooling must agree."""
 import pytest
 import torch
-from helpers import cases
+from helpers import cases, same_bits
 
 import reference
 from reference import mxfp4, operands, pooling, rope
@@ -15,15 +15,6 @@ CASES = [c for c in cases() if c[1] in OPS]
 def in_kernel(monkeypatch, on: bool):
     for m in (operands, mxfp4, pooling):
         monkeypatch.setattr(m, "converts_in_kernel", lambda t: on)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.is_floating_point():
-        w = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        a, b = a.view(w), b.view(w)
-    return torch.equal(a, b)
 
 
 @pytest.mark.parametrize("op,kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

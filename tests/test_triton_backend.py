@@ -2,7 +2,7 @@
 small cases that hold the spec's edge cases (tests/helpers.py)."""
 import pytest
 import torch
-from helpers import cases, compare
+from helpers import cases, compare, same_bits
 
 from optimized import OP_NAMES, get_backend
 from reference.ops import OPS
@@ -20,13 +20,6 @@ def test_every_op_is_implemented(be):
     rocm_ops = {op for op in OP_NAMES if "rocm" in OPS[op].paths}     # the CUDA fused stage is vLLM's
     assert all(be.supports(op) for op in rocm_ops)
     assert {op for _, op, _ in CASES} == rocm_ops
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit, NaN payloads and signed zeros included."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def test_same_bits_sees_any_modified_input():
