@@ -56,6 +56,7 @@ PLUGIN_COMMANDS = {
     "study": ("study", "what MXFP4 costs against FP8 and exact: attention mass and exact top-m kept, "
                        "the ranks of the keys lost, over-selection, per distribution, with bootstrap intervals"),
     "upstream": ("upstream_cmd", "fetch upstream sources and check the adapters' targets against them"),
+    "coverage": ("coverage", "which boundaries of the coverage model each case of a suite reaches (no backend runs)"),
 }
 
 

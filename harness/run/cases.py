@@ -28,6 +28,7 @@ from typing import Optional
 
 from harness.errors import InputError
 from harness.io import safe_input
+from harness.run import generate
 from reference import values as checks
 from reference.op_table import DECLARED as OPS
 from reference.op_table import OP_NAMES, PATHS, chain, format_of
@@ -319,7 +320,9 @@ CASE_SCHEMA = Table({
 DEFAULTS_SCHEMA = Table({k: v for k, v in CASE_SCHEMA.keys.items() if k != "name"})
 SUITE_SCHEMA = Table({"name": Str(empty_ok=False), "description": Str(),
                       "include": List(Str(empty_ok=False), 0, MAX_INCLUDES + 1, unique=True)})
-FILE_SCHEMA_KEYS = ("suite", "defaults", "case")
+# [generate]: cases from the coverage model (harness/run/generate.py), after the written ones
+GENERATE_SCHEMA = Table({"seed": Int(0, MAX_SEED + 1), "tier": Choice(generate.TIERS)}, required=("seed", "tier"))
+FILE_SCHEMA_KEYS = ("suite", "defaults", "case", "generate")
 
 assert set(CASE_SCHEMA.keys) == {f.name for f in dataclasses.fields(Case)} - {"suite", "file"}
 
@@ -400,7 +403,7 @@ def load_suite_file(path: Path) -> Suite:
     data = _read_toml(path)
     extra = set(data) - set(FILE_SCHEMA_KEYS)
     if extra:
-        raise CaseError(f"{path}: unknown top-level key(s) {sorted(extra)} (known: suite, defaults, case)")
+        raise CaseError(f"{path}: unknown top-level key(s) {sorted(extra)} (known: {', '.join(FILE_SCHEMA_KEYS)})")
     head = _checked(f"{path}: [suite]", SUITE_SCHEMA, data.get("suite", {}))
     name = head.get("name", path.stem)
     raw_defaults = data.get("defaults", {})
@@ -411,6 +414,9 @@ def load_suite_file(path: Path) -> Suite:
     raw_cases = data.get("case", [])
     if not isinstance(raw_cases, list):
         raise CaseError(f"{path}: case: use [[case]] tables for cases, got {_show(raw_cases)}")
+    if "generate" in data:
+        gen = _checked(f"{path}: [generate]", GENERATE_SCHEMA, data["generate"])
+        raw_cases = raw_cases + generate.generate(gen["seed"], gen["tier"])
     suite = Suite(name, str(path), head.get("description", ""), tuple(head.get("include", ())))
     suite.cases = [_case(c, defaults, name, path, i) for i, c in enumerate(raw_cases)]
     seen = set()
@@ -423,7 +429,7 @@ def load_suite_file(path: Path) -> Suite:
 
 def _is_suite_file(path: Path) -> bool:
     data = _read_toml(path)
-    return "suite" in data or "case" in data
+    return "suite" in data or "case" in data or "generate" in data
 
 
 class Catalog:

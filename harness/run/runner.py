@@ -261,7 +261,9 @@ def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
 
 class ChainRun:
     """Runs one case's chain; `recorder(step, op, inputs, scalars, outputs)` sees every
-    stage the backend ran (for `mxval dump`)."""
+    stage the backend ran (for `mxval dump`). With CHAIN false (a subclass's choice) the
+    reference-only chain and its comparisons are left out: only the stages run."""
+    CHAIN = True
 
     def __init__(self, case: Case, backend: Backend, inputs: CaseInputs,
                  recorder: Optional[Callable] = None, clock: Optional[stagetime.StageClock] = None):
@@ -459,7 +461,7 @@ class ChainRun:
                 q_b = self._stage(qq, i, qins)
                 if need_logits:
                     self._score_step(qq, sc, i, st, qins, q_b)
-        if kw in ops and self.chain_k:
+        if kw in ops and self.chain_k and self.CHAIN:
             self._chain_pool(kw)
 
     def _history(self, kw: str):
@@ -547,6 +549,8 @@ class ChainRun:
         with self.clock("diff"):
             logits_b = self._finite_logits(sc, i, logits_raw, sins, ref_sins, st.row_ends)
         idx_b = self._stage("topk", i, dict(logits=logits_b, lengths=st.row_ends))["indices"]
+        if not self.CHAIN:
+            return
         # after the top-k stage: its reference's fp64 copy of the logits and these never coexist
         with self.clock("reference"):
             chain_logits = reference.OPS[sc].fp64(**ref_sins, **self.scalars(sc))

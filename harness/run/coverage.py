@@ -1,0 +1,457 @@
+"""Which boundaries of the coverage model (reference/coverage.py) each case reaches.
+
+A case is walked through the reference chain alone (no backend runs): its inputs are
+generated from its seed as `validate` generates them, each step goes through the same chain
+(`runner.ChainRun`, with every stage the reference's), and every op under test in the case
+hands its inputs and the reference's outputs to `observe`, which measures the facts
+(`reference.coverage.FACTS`) of that call. Facts are measured on exactly what the op under
+test receives in a run, so a boundary reached here is a boundary the op meets in `validate`.
+
+    from harness.run.coverage import measure
+    m = measure(case)                 # Measured: op -> fact -> set of values
+    m.reached()                       # names of the boundaries the case reaches
+
+Value facts count only where a wrong answer would show: a scale code only in a block that is
+not all zero (and, for a scorer, only where the block changes a row's fp32 logit); a plateau
+only where k cuts it. Planted non-finite inputs are read from the case (`plant`), counted for
+each op under test that takes the planted input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+import reference
+from harness.run import runner
+from harness.run.cases import Case
+from harness.run.geometry import footprint
+from harness.run.inputs import build
+from reference import layout
+from reference.checks import NonFiniteInput
+from reference.coverage import _PLANTS, BOUNDARIES, Boundary
+from reference.formats import E2M1_MIDPOINTS, E8M0_BIAS, MX_BLOCK
+from reference.op_table import DECLARED
+
+# A CPU measures the cases whose estimated footprint fits this; larger ones need a GPU (their
+# boundaries are then reported as not measured here, never as unreached).
+CPU_FOOTPRINT = 3 << 30
+VISIBLE_ROWS = 64           # scorer rows sampled per call for the visibility of scale codes
+VISIBLE_KEYS = 4096         # keys per sampled row (the row's last ones: the newest entries)
+CROWD_BITS = 12             # a radix select's first pass: sign, exponent and 3 mantissa bits
+CROWD_ROW = 2048            # a row counts as crowded from this many entries in one bin
+
+
+@dataclass
+class Measured:
+    case: Case
+    facts: dict = field(default_factory=dict)      # op -> fact -> set
+    note: str = ""                                   # why values were not measured, if not
+
+    def add(self, op: str, fact: str, values) -> None:
+        self.facts.setdefault(op, {}).setdefault(fact, set()).update(values)
+
+    def seen(self, b: Boundary) -> set:
+        out: set = set()
+        for op in b.ops:
+            if op in self.case.ops:
+                out |= self.facts.get(op, {}).get(b.fact, set())
+        return out
+
+    def reached(self) -> list[str]:
+        return [b.name for b in BOUNDARIES if b.reached_by(self.seen(b))]
+
+
+class _Walk(runner.ChainRun):
+    """The case's chain through the reference alone; each op under test is observed."""
+    CHAIN = False
+
+    def __init__(self, case: Case, inputs, observe):
+        super().__init__(case, reference_backend(), inputs)
+        self.observe = observe
+
+    def _stage(self, op: str, step: int, ins: dict, *, fallback=None) -> dict:
+        out = reference.OPS[op].fn(**ins, **self.scalars(op))
+        if op in self.case.ops:
+            self.observe(op, ins, self.scalars(op), out)
+        return out
+
+
+def reference_backend():
+    from optimized import get_backend
+    return get_backend("reference")
+
+
+def measure(case: Case, device: Optional[str] = None) -> Measured:
+    """The facts of every op under test in `case` (on `device`: a GPU when there is one)."""
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    m = Measured(case)
+    _planted(m)
+    if dev == "cpu" and footprint(case) > CPU_FOOTPRINT:
+        m.note = f"not measured on a CPU (about {footprint(case) >> 20} MiB of tensors): run on a GPU"
+        return m
+    inp = build(case, dev)
+    facts = _Facts(m, inp)
+    try:
+        _Walk(case, inp, facts.observe).run()
+    except NonFiniteInput:
+        pass                        # a planted input: the reference stops there; the plant is counted
+    return m
+
+
+def _planted(m: Measured) -> None:
+    for p in m.case.plant:
+        tag = f"{p.tensor}:{'row-' if getattr(p, 'row', False) else ''}{p.value}"
+        ops, _ = _PLANTS.get(p.tensor, ((), ()))
+        for op in ops:
+            m.add(op, "nonfinite", {tag})
+
+
+# --- the facts of one call ---------------------------------------------------------------------
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+
+
+def _len_class(n: int, k: int) -> str:
+    if n == 0:
+        return "0"
+    if n < k:
+        return "<k"
+    if n <= k + 1:
+        return "=k" if n == k else "=k+1"
+    return ">k" if n <= 4 * k else ">>k"
+
+
+class _Facts:
+    def __init__(self, m: Measured, inp):
+        self.m, self.inp, self.geo = m, inp, inp.geo
+
+    def observe(self, op: str, ins: dict, scalars: dict, out: dict) -> None:
+        stage = DECLARED[op].stage
+        add = lambda fact, vals: self.m.add(op, fact, vals)   # noqa: E731
+        if "positions" in ins:
+            pos = ins["positions"].long()
+            add("rows", {int(pos.numel())})
+            self._positions(add, pos)
+            if stage in ("pooling", "pool_k"):
+                self._chunk_edges(add, pos, ins["req_index"].long())
+                add("state_block", {int(ins["state_cache"].shape[1])})
+        if stage in ("k_writer", "pool_k"):
+            self._writer(op, add, ins, scalars, out)
+        elif stage == "q_quant":
+            self._quant(op, add, ins, scalars, out)
+        elif stage == "scorer":
+            self._scorer(op, add, ins, scalars, out)
+        elif stage == "topk":
+            self._topk(add, ins, scalars)
+
+    # structure
+    def _positions(self, add, pos: torch.Tensor) -> None:
+        if pos.numel() == 0:
+            return
+        if bool((pos == 0).any()):
+            add("positions", {0})
+        for e in (15, 16, 17, 20):
+            p = 1 << e
+            if bool((pos == p).any()) and bool((pos == p - 1).any()):
+                add("positions", {p})
+
+    def _chunk_edges(self, add, pos: torch.Tensor, req: torch.Tensor) -> None:
+        r = self.geo.ratio
+        for b in req.unique().tolist():
+            p = pos[req == b]
+            p0, p1 = int(p.min()), int(p.max())
+            if (p0 + 1) % r == 0:
+                add("chunk_edges", {"starts-on-boundary"})
+            if (p1 + 1) % r == 0:
+                add("chunk_edges", {"ends-on-boundary"})
+            bnd = p[(p + 1) % r == 0]
+            if bool(((bnd - 2 * r + 1 < p0) & (bnd - 2 * r + 1 >= 0)).any()):
+                add("chunk_edges", {"window-before-call"})
+
+    def _layout(self, add, shuffle, page_size: int, stride: int, fmt: str) -> None:
+        if fmt != "mxfp4":
+            return
+        name = "natural" if shuffle is None else ",".join(str(v) for v in shuffle)
+        add("layout", {f"{name}/{page_size}"})
+        pad = stride - layout.page_bytes(page_size, self.geo.head_dim)
+        add("stride", {"pad0" if pad == 0 else "pad-odd" if pad % 2 else "pad-even"})
+
+    def _writer(self, op, add, ins, scalars, out) -> None:
+        geo, r = self.geo, self.geo.ratio
+        slot_key = "kv_slot_mapping" if "kv_slot_mapping" in ins else "slot_mapping"
+        pos, slots = ins["positions"].long(), ins[slot_key].long()
+        sel = ((pos + 1) % r == 0) & (slots >= 0)
+        written = slots[sel]
+        ps, stride = geo.page_size, out["kv_cache"].shape[1]
+        fmt = DECLARED[op].format
+        shuffle = scalars.get("shuffle")
+        self._layout(add, shuffle, ps, stride, fmt)
+        if written.numel() == 0:
+            return
+        add("page_bytes", {int(written.max()) // ps * stride})
+        ent = written % ps
+        nxt = set((written + 1).tolist())
+        edges = set()
+        for s, e in zip(written.tolist(), ent.tolist()):
+            if s + 1 in nxt and shuffle is not None and (e + 1) % shuffle[0] == 0 and e + 1 < ps:
+                edges.add("group-edge")
+        req = ins["req_index"].long()[sel] if "req_index" in ins else None
+        if req is not None:
+            for b in req.unique().tolist():
+                e = ent[req == b]
+                if bool((e == ps - 1).any()) and bool((e == 0).any()):
+                    edges.add("page-edge")
+        add("entries", edges)
+        if fmt != "mxfp4":
+            return
+        packed, scales = layout.read_entries(out["kv_cache"], written, page_size=ps, head_dim=geo.head_dim,
+                                             shuffle=shuffle)
+        self._codes(add, packed, scales)
+        k_in = ins.get("k")
+        if k_in is not None:
+            self._subnormal(add, k_in[sel].float(), packed)
+            from reference.k_writer import group_start, k_values
+            y = k_values(k_in[sel], group_start(pos[sel], r), ins["cos_sin_cache"], ins["norm_weight"],
+                         scalars["norm_eps"], rounding=scalars.get("rounding", "rocm"),
+                         hadamard=scalars.get("hadamard", False), rope=scalars.get("rope", "separate"))
+            self._midpoints(add, y, scales)
+
+    def _quant(self, op, add, ins, scalars, out) -> None:
+        add("heads", {int(ins["q"].shape[1])})
+        add("elements_per_call", {int(ins["q"].shape[0]) * int(ins["q"].shape[1])})
+        add("options", {"weights-f32" if ins["weights"].dtype == torch.float32 else "weights-bf16"})
+        if "fp8_dtype" in scalars:
+            add("options", {scalars["fp8_dtype"]})
+        if DECLARED[op].format != "mxfp4" or ins["q"].shape[0] == 0:
+            return
+        t, h, d = ins["q"].shape
+        packed, scales = out["q_fp4"].reshape(t * h, -1), out["q_scale"].reshape(t * h, -1)
+        self._codes(add, packed, scales)
+        self._subnormal(add, ins["q"].float().reshape(t * h, d), packed)
+        from reference.q_quant import q_values
+        y = q_values(ins["q"], ins["positions"], ins["cos_sin_cache"], hadamard=scalars.get("hadamard", False),
+                     rope=scalars.get("rope", "separate"))
+        self._midpoints(add, y.reshape(t * h, d), scales)
+
+    def _codes(self, add, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        """Codes of the non-zero blocks; element classes of every block."""
+        nib = torch.stack((packed & 0xF, packed >> 4), -1).reshape(packed.shape[0], -1, MX_BLOCK)
+        live = (nib & 7).ne(0).any(-1)                                   # [rows, blocks]
+        add("codes", set(scales[live].unique().tolist()))
+        tags = set()
+        if bool((~live).any()):
+            tags.add("zero-block")
+        if bool(((nib == 8) & live[..., None]).any()):
+            tags.add("neg-zero")
+        if bool(((nib & 7) == 7).any()):
+            tags.add("saturated")
+        add("elements", tags)
+
+    def _subnormal(self, add, x: torch.Tensor, packed: torch.Tensor) -> None:
+        nib = torch.stack((packed & 0xF, packed >> 4), -1).reshape(packed.shape[0], -1, MX_BLOCK)
+        live = (nib & 7).ne(0).any(-1)
+        xb = x.reshape(x.shape[0], -1, MX_BLOCK)
+        sub = ((xb != 0) & (xb.abs() < 2.0 ** -126)).any(-1)
+        if bool((sub & live).any()):
+            add("elements", {"subnormal"})
+
+    def _midpoints(self, add, y: torch.Tensor, scales: torch.Tensor) -> None:
+        inv = torch.exp2(E8M0_BIAS - scales.double())                   # 2^(127 - e8m0), exact in fp64
+        v = (y.double().reshape(y.shape[0], -1, MX_BLOCK) * inv[..., None]).abs()
+        mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float64, device=v.device)
+        if bool(torch.isin(v, mids).any()):
+            add("elements", {"midpoint"})
+
+    def _scorer(self, op, add, ins, scalars, out) -> None:
+        geo, k = self.geo, self.geo.topk
+        ends = ins["row_ends"].long()
+        qsl = ins["query_start_loc"].long()
+        bt, ctx = ins["block_table"].long(), ins["context_lens"].long()
+        ps = geo.page_size
+        q_key = "q_fp4" if "q_fp4" in ins else "q_fp8"
+        add("rows", {int(ins[q_key].shape[0])})
+        add("heads", {int(ins[q_key].shape[1])})
+        add("row_len", set(ends.tolist()))
+        add("len_vs_k", {_len_class(n, k) for n in ends.tolist()})
+        add("options", {"clean_logits" if scalars.get("clean_logits") else "dirty_logits"})
+        if "fp8_dtype" in scalars:
+            add("options", {scalars["fp8_dtype"]})
+        rows_of = (qsl[1:] - qsl[:-1]).tolist()
+        add("seq_rows", set(rows_of))
+        seqs = set()
+        if ends.numel() and bool((ends == 0).all()):
+            seqs.add("all-no-context")
+        if any(n == 0 for n in rows_of):
+            seqs.add("empty")
+        if bool((ends == 0).any()):
+            seqs.add("no-context")
+        for b, n in enumerate(rows_of):
+            if n and int(qsl[b]) > 0 and bool((ends[qsl[b]:qsl[b + 1]] > k).any()):
+                seqs.add("packed-start")
+        add("seqs", seqs)
+        need = (ctx + ps - 1) // ps
+        used, tags = [], set()
+        for b in range(bt.shape[0]):
+            ids = bt[b, :int(need[b])]
+            used.append(ids)
+            if ids.numel() > 1:
+                d = ids[1:] - ids[:-1]
+                if bool((d != 1).any()):
+                    tags.add("permuted")
+                if bool((d < 0).all()):
+                    tags.add("descending")
+        ids = torch.cat(used) if used else bt.new_zeros(0)
+        if ids.numel():
+            if ids.unique().numel() < ids.numel():
+                tags.add("repeated")
+            if int(ids.max()) >= 512:
+                tags.add("high")
+            add("page_bytes", {int(ids.max()) * ins["kv_cache"].shape[1]})
+        if need.numel() and bt.shape[1] > int(need.max()):
+            tags.add("wide-table")
+        add("pages", tags)
+        logits = out["logits"]
+        add("logits_bytes", {int(logits.shape[0]) * int(logits.shape[1]) * 4})
+        if DECLARED[op].format == "mxfp4":
+            self._layout(add, scalars.get("shuffle"), ps, ins["kv_cache"].shape[1], "mxfp4")
+            self._visible(add, ins, scalars)
+
+    def _visible(self, add, ins, scalars) -> None:
+        """Scale codes of the key and query blocks whose products change some row's fp32 logit
+        (NUMERICS.md §6: logit = sum_h w_h relu(q_h . k)); sampled rows, each row's last keys,
+        each sequence's keys read once."""
+        ps, d = self.geo.page_size, self.geo.head_dim
+        ends, qsl = ins["row_ends"].long(), ins["query_start_loc"].long()
+        rows = ends.numel()
+        if rows == 0:
+            return
+        pick = torch.linspace(0, rows - 1, min(rows, VISIBLE_ROWS)).round().long().unique().to(ends.device)
+        seq = torch.searchsorted(qsl[1:], pick, right=True)
+        shuffle = scalars.get("shuffle")
+        kcodes, qcodes, dots = set(), set(), set()
+        for b in seq.unique().tolist():
+            rs = pick[(seq == b) & (ends[pick] > 0)]
+            if rs.numel() == 0:
+                continue
+            hi = int(ends[rs].max())
+            j = torch.arange(max(0, hi - VISIBLE_KEYS), hi, device=ends.device)
+            slots = ins["block_table"][b].long()[j // ps] * ps + j % ps
+            kp, ks = layout.read_entries(ins["kv_cache"], slots, page_size=ps, head_dim=d, shuffle=shuffle)
+            if bool((ks == 255).any()):
+                continue                         # a NaN scale: a non-finite input, not scored
+            kv = _deq(kp, ks)                                             # [n, NB, 32] fp64
+            for r in rs.tolist():
+                qs = ins["q_scale"][r]
+                if bool((qs == 255).any()):
+                    continue
+                live = j < ends[r]
+                part = torch.einsum("hbe,nbe->hnb", _deq(ins["q_fp4"][r], qs), kv)   # each block's product
+                dot = part.sum(-1)                                                  # [H, n]
+                if bool((dot.abs() >= 2.0 ** 128).any()):
+                    dots |= {"overflow-any"} | ({"overflow"} if dot.shape[0] > 32 else set())
+                w = ins["weights"][r].double()[:, None]
+                on = (dot > 0) & (w != 0) & live[None, :]
+                logit = (w * dot.clamp_min(0)).sum(0)                                # [n]
+                ulp = (logit.abs() * 2.0 ** -24).clamp_min(2.0 ** -149)
+                seen = (w.abs()[..., None] * part.abs() * on[..., None]) >= ulp[None, :, None]   # [H, n, NB]
+                if bool(seen.any()):
+                    kcodes |= set(ks.long()[seen.any(0)].unique().tolist())
+                    qcodes |= set(qs.long()[seen.any(1)].unique().tolist())
+        add("codes_read", kcodes)
+        add("q_codes_read", qcodes)
+        add("dots", dots)
+
+    def _topk(self, add, ins, scalars) -> None:
+        k = int(scalars["k"])
+        logits, lengths = ins["logits"], ins["lengths"].long()
+        add("rows", {int(logits.shape[0])})
+        add("k", {k})
+        add("row_len", set(lengths.tolist()))
+        add("len_vs_k", {_len_class(n, k) for n in lengths.tolist()})
+        rows = logits.shape[0]
+        if rows == 0:
+            return
+        from optimized.faults import packed_row_starts
+        if bool(((packed_row_starts(lengths) > 0) & (lengths > k)).any()):
+            add("seqs", {"packed-start"})
+        if bool((lengths == 0).any()):
+            add("seqs", {"no-context"})
+        ties, crowd, crowded = set(), 0, 0
+        width = logits.shape[1]
+        cols = torch.arange(width, device=logits.device)
+        for r0 in range(0, rows, 1024):
+            x = logits[r0:r0 + 1024].float()
+            n = lengths[r0:r0 + 1024]
+            valid = cols[None, :] < n[:, None]
+            if not bool(torch.isfinite(torch.where(valid, x, 0.0)).all()):
+                continue                     # a non-finite row: counted as a plant, not here
+            key = _bits(x)
+            key = torch.where(key >= 1 << 31, key ^ 0xFFFFFFFF, key | (1 << 31)) >> (32 - CROWD_BITS)
+            nb = 1 << CROWD_BITS
+            idx = torch.arange(x.shape[0], device=x.device)[:, None] * nb + key
+            counts = torch.bincount(idx[valid], minlength=x.shape[0] * nb).view(x.shape[0], nb)
+            top = counts.max(1).values
+            crowd = max(crowd, int(top.max()))
+            crowded += int((top >= CROWD_ROW).sum())
+            long_rows = (n > k).nonzero().flatten()
+            if long_rows.numel():
+                xs = torch.where(valid, x, float("-inf"))[long_rows]
+                kth = xs.topk(k, dim=1).values[:, -1:]
+                greater = (xs > kth).sum(1)
+                equal = (xs == kth).sum(1)
+                cut = (greater + equal > k) & (equal >= 2)
+                nn = n[long_rows]
+                for e, c, kv, ln in zip(equal.tolist(), cut.tolist(), kth.flatten().tolist(), nn.tolist()):
+                    if not c:
+                        continue
+                    if e > 1024:
+                        ties.add("tie-1024")
+                    ties.add("tie-row" if e == ln else "tie-k" if e >= k else "tie-16" if e >= 16 else "tie-2")
+                    if kv == 0.0:
+                        ties.add("tie-zero")
+        add("ties", ties)
+        add("crowd", {crowd})
+        add("crowd_rows", {crowded})
+
+
+def _deq(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., D/2] bytes and [..., D/32] e8m0 -> [..., D/32, 32] exact fp64 values."""
+    from reference.formats import E2M1_SIGNED
+    lut = torch.tensor(E2M1_SIGNED, dtype=torch.float64, device=packed.device)
+    nib = torch.stack((packed & 0xF, packed >> 4), -1).reshape(*packed.shape[:-1], -1, MX_BLOCK).long()
+    return lut[nib] * torch.exp2(scales.double() - E8M0_BIAS)[..., None]
+
+
+# --- a suite --------------------------------------------------------------------------------------
+
+@dataclass
+class Coverage:
+    """A suite's coverage: each case's reached boundaries, and each boundary's cases."""
+    cases: list[Measured]
+
+    def reached_by(self) -> dict[str, list[str]]:
+        out = {b.name: [] for b in BOUNDARIES}
+        for m in self.cases:
+            for name in m.reached():
+                out[name].append(m.case.name)
+        return out
+
+    def unmeasured(self) -> list[Measured]:
+        return [m for m in self.cases if m.note]
+
+    def unreached(self, needs: tuple = ("cpu", "gpu")) -> list[Boundary]:
+        by = self.reached_by()
+        return [b for b in BOUNDARIES if b.needs in needs and not by[b.name]]
+
+
+def suite_coverage(cases: list[Case], device: Optional[str] = None, progress=None) -> Coverage:
+    out = []
+    for c in cases:
+        out.append(measure(c, device))
+        if progress:
+            progress(c)
+    return Coverage(out)
+

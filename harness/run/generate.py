@@ -1,0 +1,215 @@
+"""Cases generated from the coverage model (reference/coverage.py): a suite file's
+`[generate]` table becomes `[[case]]` tables, reproducible from the file alone.
+
+    [generate]
+    seed = 29          # every choice below is drawn from it
+    tier = "cpu"       # "cpu": what fits the default suite's 2-core budget; "gpu": the rest
+
+Each family below reaches a group of boundaries, and combines the dimensions that interact
+(every page layout and size with a writer and a reader in the same case; every plateau size
+class with a k that cuts it; every non-finite value in every input with the ops that take it,
+downstream ones included). The seed picks what does not decide a boundary (which page order,
+which history, which options ride along with which layout; the cases' own seeds), so that
+every value of those dimensions appears and two seeds give different pairings.
+
+A generated case is named by what it reaches (`gen-layout-natural-16-shared`,
+`gen-ties-zero-k64-tie16`), and is checked by the same schema as a written one. No torch:
+`mxval cases` reads suite files without it.
+"""
+from __future__ import annotations
+
+import random
+
+from reference.formats import PRESETS
+
+GENERATE_KEYS = ("seed", "tier")
+TIERS = ("cpu", "gpu")
+R = PRESETS["deepseek-v4-pro"].compress_ratio
+
+
+def _decode_at(end: int) -> dict:
+    """A sequence whose one decode row sees exactly `end` entries (a token at position
+    end * r - 1 sees (p + 1) // r = end; position 1 sees none)."""
+    return {"len": end * R, "decode": 1} if end else {"len": 2, "decode": 1}
+
+
+def _rows_at(ends: list[int]) -> list[dict]:
+    return [_decode_at(e) for e in ends]
+
+
+# --- the families ------------------------------------------------------------------------------
+
+LAYOUTS = (("natural", 16), ("natural", 32), ("natural", 64), ((32, 16, 2), 32), ((32, 16, 2), 64),
+           ((16, 16, 4), 16), ((16, 16, 4), 32), ((16, 16, 4), 64))
+PAGE_ORDERS = ("permuted", "reversed", "shared", "top", "sequential")
+HISTORIES = ("pooled", "direct", "raw")
+PADS = (0, 13, 64)
+
+
+def _layout_name(lay) -> str:
+    return lay if isinstance(lay, str) else ",".join(map(str, lay))
+
+
+def _layouts(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
+    """Every layout and page size with the K writer and the scorer of one chain; the page
+    order, history, stride padding and scorer options drawn so each value appears."""
+    orders = _cycle(rng, PAGE_ORDERS, len(LAYOUTS))
+    hist = _cycle(rng, HISTORIES, len(LAYOUTS))
+    pads = _cycle(rng, PADS, len(LAYOUTS))
+    clean = _cycle(rng, (True, False), len(LAYOUTS))
+    wdt = _cycle(rng, ("bfloat16", "float32"), len(LAYOUTS))
+    heads, k = (4, 8) if tier == "cpu" else (64, 1024)
+    out = []
+    for i, (lay, ps) in enumerate(LAYOUTS):
+        per_page = ps
+        # two sequences over several pages each (history on 3+ pages, a chunk crossing a page
+        # edge), one decode-only sequence, and an empty one where the order allows
+        h = 3 * per_page * R + rng.randrange(R)
+        seqs = [{"len": h + 2 * R * per_page // 4 + 8, "chunks": [2 * R * per_page // 4 + 8]},
+                {"len": 2 * per_page * R + R, "decode": 2},
+                {"len": (k + 1) * R, "decode": 1}]
+        if tier == "gpu":
+            seqs = [{"len": 40000 + rng.randrange(4000), "chunks": [256], "decode": 1},
+                    {"len": 20000 + rng.randrange(4000), "decode": 2}, {"len": (k + 1) * R, "decode": 1}]
+        case = {"heads": heads, "topk": k, "page_size": ps, "layout": list(lay) if not isinstance(lay, str) else lay,
+                "seqs": seqs, "page_order": orders[i], "history": hist[i], "page_stride_pad": pads[i],
+                "clean_logits": clean[i], "weights_dtype": wdt[i], "spare_pages": 3,
+                "description": f"{_layout_name(lay)} pages of {ps} entries written and read in one chain; "
+                               f"{orders[i]} page ids, {hist[i]} history, stride padded by {pads[i]} bytes"}
+        if orders[i] == "top":
+            case["pool_pages"] = 600 if tier == "cpu" else 9000
+        if hist[i] == "raw":
+            case["ops"] = ["paged_mxfp4_mqa_logits", "topk"]
+            case["description"] += " (raw entries: every scale code the format holds, read)"
+        out.append((f"layout-{_layout_name(lay).replace(',', '-')}-{ps}-{orders[i]}", case))
+    return out
+
+
+def _ties(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
+    """Plateaus of exactly equal scores that k cuts, each size class: relu's exact zeros at
+    the bottom of the row (#positive < k < #positive + #zeros) and duplicated keys at its top
+    (more copies than k), up to the whole row; coarse scores for ties at random ranks."""
+    out = []
+    plans = [  # (tag, k, dist, tie_share, row ends)
+        ("zero-k8-tiek", 8, "relu_zero", 0.9, [40, 41, 80]),
+        ("zero-k64-tie2", 64, "relu_zero", 0.125, [72, 73]),
+        ("zero-k64-tie16", 64, "relu_zero", 0.5, [100, 101]),
+        ("zero-row", 8, "relu_zero", 1.0, [9, 30, 64]),
+        ("dup-top-k8", 8, "duplicate_keys", 0.5, [24, 64, 65]),
+        ("dup-row", 8, "duplicate_keys", 1.0, [9, 33]),
+        ("coarse-k16", 16, "coarse", 0.5, [17, 40, 200]),
+    ]
+    if tier == "gpu":
+        plans = [("zero-pro-k1024", 1024, "relu_zero", 0.99, [32768, 32769, 65536]),
+                 ("dup-pro-k1024", 1024, "duplicate_keys", 0.25, [8192, 16385]),
+                 ("coarse-pro-k1024", 1024, "coarse", 0.5, [2049, 32768])]
+    for tag, k, dist, share, ends in plans:
+        heads = 4 if tier == "cpu" else 64
+        case = {"heads": heads, "topk": k, "dist": [dist], "tie_share": share, "seqs": _rows_at(ends),
+                "ops": ["paged_mxfp4_mqa_logits", "topk"], "history": "direct",
+                "description": f"{dist}: plateaus of exact ties (share {share}) at k = {k} over rows of "
+                               f"{', '.join(map(str, ends))} entries"}
+        if tier == "cpu" and tag.startswith("zero-k8"):
+            case["ops"] = ["compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant",
+                           "paged_mxfp4_mqa_logits", "topk"]
+            case["history"] = "pooled"
+        out.append((f"ties-{tag}", case))
+    return out
+
+
+def _crowds(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
+    """Many scores in one first-pass radix bin: long rows, and calls of many crowded rows."""
+    if tier == "cpu":
+        base = 2048 * R + rng.randrange(R)
+        return [("crowd-rows-257", {
+            "heads": 4, "topk": 8, "dist": ["narrow_band"], "ops": ["topk"], "history": "direct",
+            "state_block": 64, "seqs": [{"len": base + 257, "chunks": [257]}],
+            "description": "one call of 257 rows, each over 2048 entries whose scores share one radix bin"})]
+    return [("crowd-row-65536", {
+                "heads": 8, "dist": ["narrow_band"], "ops": ["topk"], "history": "direct", "state_block": 256,
+                "seqs": [{"len": 65540 * R, "decode": 1}, {"len": 70000 * R, "decode": 1}],
+                "description": "rows of 65540 and 70000 entries in one radix bin (16-bit counts)"}),
+            ("crowd-rows-4097", {
+                "heads": 8, "dist": ["narrow_band"], "ops": ["topk"], "history": "direct", "state_block": 256,
+                "seqs": [{"len": 2100 * R + 4097, "chunks": [4097]}],
+                "description": "one call of 4097 crowded rows (the multi-block path)"})]
+
+
+def _codes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
+    """Every scale code the writers and the Q quant produce (1..253), in non-zero blocks,
+    visible in the logits; bf16 subnormal inputs."""
+    heads = 4 if tier == "cpu" else 64
+    return [(f"codes-{'pro' if tier == 'gpu' else 'h4'}", {
+        "heads": heads, "topk": 8 if tier == "cpu" else 1024, "dist": ["scale_codes"],
+        "seqs": [{"len": 1100, "chunks": [1024]}] if tier == "cpu" else [{"len": 9000, "chunks": [2048]}],
+        "layout": "shuffled",
+        "description": "every e8m0 code 1..253 in K entries and Q, non-zero and visible; bf16 subnormals"})]
+
+
+_PLANTS = (  # tensor -> the ops it is planted into (the op that takes it, and every one downstream)
+    ("state_kv", None, ("nan", "inf", "-inf")),
+    ("state_score", None, ("nan", "inf", "-inf")),
+    ("k", ["k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"], ("nan", "inf", "-inf")),
+    ("norm_weight", None, ("nan", "inf")),
+    ("cos_sin_cache", None, ("nan",)),
+    ("q", ["q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"], ("nan", "inf", "-inf", "row-nan")),
+    ("weights", ["q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"], ("nan", "inf")),
+    ("kv_scale", ["paged_mxfp4_mqa_logits", "topk"], ("nan",)),
+    ("logits", ["topk"], ("nan", "inf", "-inf", "row-nan")),
+)
+
+
+def _nonfinite(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
+    """Each non-finite value in each input that takes one, with the op that takes it and the
+    ops downstream of it under test (their outputs must keep the invariants)."""
+    out = []
+    for tensor, ops, values in _PLANTS:
+        for v in values:
+            row = v.startswith("row-")
+            plant = {"tensor": tensor, "value": v[4:] if row else v, "count": 1}
+            if row:
+                plant["row"] = True
+            k = 8 if tier == "cpu" else 1024
+            case = {"heads": 4 if tier == "cpu" else 64, "topk": k, "plant": [plant], "expect_nonfinite": True,
+                    "seqs": [{"len": 3 * k + 9, "chunks": [12]}, {"len": 2 * k + 5, "decode": 1}],
+                    "description": f"{v} planted in {tensor}: the ops that take it and those downstream keep "
+                                   f"their invariants"}
+            if tier == "gpu":
+                case["seqs"] = [{"len": 40000, "chunks": [64]}, {"len": 9000, "decode": 1}]
+            if ops:
+                case["ops"] = ops
+                case["history"] = "direct"
+            out.append((f"nonfinite-{tensor.replace('_', '')}-{v}", case))
+        if tier == "gpu":
+            break                           # at scale: one input is enough; the CPU tier has the rest
+    return out
+
+
+FAMILIES = (("layout", _layouts), ("ties", _ties), ("crowd", _crowds), ("codes", _codes),
+            ("nonfinite", _nonfinite))
+
+
+def _cycle(rng: random.Random, values, n: int) -> list:
+    """n values, each of `values` at least once when n allows, in a seeded order."""
+    out = []
+    while len(out) < n:
+        v = list(values)
+        rng.shuffle(v)
+        out += v
+    return out[:n]
+
+
+def generate(seed: int, tier: str) -> list[dict]:
+    """The raw [[case]] tables of one tier (checked by the case schema like written ones)."""
+    rng = random.Random(f"mxval-generate-{seed}-{tier}")
+    cases = []
+    for family, make in FAMILIES:
+        for name, case in make(rng, tier):
+            case = dict(case)
+            case["name"] = f"gen-{name}" if tier == "cpu" else f"gen-gpu-{name}"
+            case["seed"] = rng.randrange(1 << 31)
+            case["description"] = f"[generated: {family}] {case['description']}"
+            if tier == "gpu":
+                case["requires"] = "gpu"
+            cases.append(case)
+    return cases
