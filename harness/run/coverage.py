@@ -126,7 +126,7 @@ def _len_class(n: int, k: int) -> str:
 
 class _Facts:
     def __init__(self, m: Measured, inp):
-        self.m, self.inp, self.geo = m, inp, inp.geo
+        self.m, self.inp, self.geo = m, inp, getattr(inp, "geo", None)
 
     def observe(self, op: str, ins: dict, scalars: dict, out: dict) -> None:
         stage = DECLARED[op].stage

@@ -1,0 +1,260 @@
+"""The coverage model (reference/coverage.py), its measurement (harness/run/coverage.py), the
+case generator (harness/run/generate.py) and `mxval coverage`.
+
+Each fact is checked on a case or tensors whose answer is known from their construction (not
+from the engine), and each boundary class on both sides: a case that reaches it and one that
+does not."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import mxval, one_line_error
+
+from harness.run import coverage as cov
+from harness.run import generate
+from harness.run.cases import Case, Catalog, SeqSpec
+from reference import layout
+from reference.coverage import BOUNDARIES, BY_NAME, FACTS, Boundary
+from reference.formats import E8M0_BIAS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _case(**kw) -> Case:
+    base = dict(name="t", suite="t", file="t.toml", heads=4, topk=8, state_block=16, seed=3)
+    base.update(kw)
+    return Case(**base)
+
+
+# --- the table ------------------------------------------------------------------------------------
+
+def test_every_fact_is_measured_and_every_boundary_names_one():
+    src = (ROOT / "harness/run/coverage.py").read_text()
+    measured = set(re.findall(r'(?<![.\w])add\("(\w+)"', src)) | set(re.findall(r'm\.add\(op, "(\w+)"', src))
+    assert set(FACTS) == measured, (set(FACTS) ^ measured)
+    assert {b.fact for b in BOUNDARIES} <= set(FACTS)
+    assert len(BY_NAME) == len(BOUNDARIES)
+    for b in BOUNDARIES:
+        assert b.source and b.dim and b.ops, b.name
+
+
+def test_match_rules():
+    has = Boundary("x", ("topk",), "i", "d", "k", ("has", 8), "s")
+    ge = Boundary("y", ("topk",), "i", "d", "crowd", ("ge", 2048), "s")
+    every = Boundary("z", ("topk",), "i", "d", "codes", ("every", 1, 4), "s")
+    assert has.reached_by({8, 9}) and not has.reached_by({7})
+    assert ge.reached_by({2048}) and not ge.reached_by({2047, "tag"})
+    assert every.reached_by({1, 2, 3}) and not every.reached_by({1, 3})
+
+
+# --- facts, known from construction ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chain():
+    """A chain with rows of 0, k-1, k, k+1 and more entries (decode rows at p = e*r - 1),
+    a 9-token chunk and an all-positive history."""
+    c = _case(seqs=(SeqSpec(1, (1,), 0), SeqSpec(28, (), 1), SeqSpec(32, (), 1), SeqSpec(36, (), 1), SeqSpec(80, (), 1),
+                    SeqSpec(140, (9,), 0)), page_size=32, layout="natural", page_stride_pad=13)
+    return c, cov.measure(c, "cpu")
+
+
+def test_structure_facts_of_a_chain(chain):
+    c, m = chain
+    sc = m.facts["paged_mxfp4_mqa_logits"]
+    tk = m.facts["topk"]
+    # one step: a token at position 0, four decode rows and a 9-token chunk
+    assert sc["rows"] == tk["rows"] == {14}
+    assert {0, 7, 8, 9, 20} <= tk["row_len"]
+    assert tk["len_vs_k"] == {"0", "<k", "=k", "=k+1", ">k", ">>k"}
+    assert sc["layout"] == {"natural/32"} and sc["stride"] == {"pad-odd"}
+    assert "no-context" in sc["seqs"] and "empty" not in sc["seqs"]
+    assert sc["seq_rows"] == {1, 9}
+    assert 0 in m.facts["compress_pool"]["positions"]
+    assert "q.heads.64" not in m.reached()
+
+
+def test_codes_and_visibility_of_a_chain(chain):
+    _, m = chain
+    k = m.facts["k_norm_rope_mxfp4_cache"]["codes"]
+    assert k and all(100 < c < 140 for c in k)          # RMS-normed rows: about 2^0
+    read = m.facts["paged_mxfp4_mqa_logits"]["codes_read"]
+    assert read and all(100 < c < 140 for c in read)    # history entries too: normed the same way
+
+
+def test_boundaries_count_only_for_ops_under_test():
+    c = _case(seqs=(SeqSpec(40, (8,), 0),), ops=("topk",), page_size=32)
+    m = cov.measure(c, "cpu")
+    assert "paged_mxfp4_mqa_logits" not in m.facts        # the scorer ran in the reference only
+    assert "topk.k.small" in m.reached() and "scorer.len.=k" not in m.reached()
+
+
+def _topk_facts(logits, lengths, k):
+    m = cov.Measured(_case(ops=("topk",)))
+    cov._Facts(m, None)._topk(lambda f, v: m.add("topk", f, v), {"logits": logits, "lengths": lengths},
+                              {"k": k})
+    return m.facts["topk"]
+
+
+def test_ties_by_size_class():
+    k = 8
+    rows = [
+        torch.tensor([9., 8, 7, 6, 5, 4, 3, 1, 1, 0]),           # ties at 1 cut by k: tie-2
+        torch.tensor([9., 8, 7] + [0.0] * 30),                    # 30 zeros, 5 taken: tie-k and tie-zero
+        torch.tensor([2.0] * 20),                                 # the whole row
+        torch.tensor([9., 8, 7, 6, 5, 4, 3, 2, 1, 1]),            # the tie is past k: not cut
+    ]
+    width = max(len(r) for r in rows)
+    logits = torch.full((len(rows), width), -1e30)
+    for i, r in enumerate(rows):
+        logits[i, :len(r)] = r
+    lengths = torch.tensor([len(r) for r in rows])
+    assert _topk_facts(logits, lengths, k)["ties"] == {"tie-2", "tie-k", "tie-zero", "tie-row"}
+    assert _topk_facts(logits[3:], lengths[3:], k)["ties"] == set()
+    big = torch.zeros(1, 1100)
+    big[0, :10] = 1.0
+    assert "tie-1024" in _topk_facts(big, torch.tensor([1100]), 1024)["ties"]
+    mid = torch.cat([torch.full((40,), 5.0), torch.zeros(30), torch.full((10,), -1.0)])[None]
+    assert _topk_facts(mid, torch.tensor([80]), 64)["ties"] == {"tie-16", "tie-zero"}
+
+
+def test_crowded_bins():
+    g = torch.Generator().manual_seed(0)
+    band = 1.0 + torch.rand(300, 4096, generator=g) * 0.01            # one first-pass bin
+    spread = torch.randn(300, 4096, generator=g).exp()
+    f = _topk_facts(band, torch.full((300,), 4096), 8)
+    assert max(f["crowd"]) >= 4096 and max(f["crowd_rows"]) >= 257
+    f = _topk_facts(spread, torch.full((300,), 4096), 8)
+    assert max(f["crowd"]) < 2048 and max(f["crowd_rows"]) == 0
+
+
+def _entries(codes_k: list[list[int]], codes_q: list[int], value: int = 0x22):
+    """A one-sequence scorer call: key j's 4 blocks carry the codes `codes_k[j]`, one query
+    whose blocks carry `codes_q`; every element 1.0 (nibble 2)."""
+    n, d, ps = len(codes_k), 128, 32
+    pool = torch.zeros(2, layout.page_bytes(ps, d), dtype=torch.uint8)
+    packed = torch.full((n, d // 2), value, dtype=torch.uint8)
+    scales = torch.tensor(codes_k, dtype=torch.uint8)
+    pool = layout.write_entries(pool, torch.arange(n), packed, scales, page_size=ps, shuffle=None)
+    ins = dict(q_fp4=torch.full((1, 1, d // 2), value, dtype=torch.uint8),
+               q_scale=torch.tensor(codes_q, dtype=torch.uint8).view(1, 1, -1), weights=torch.ones(1, 1),
+               kv_cache=pool, query_start_loc=torch.tensor([0, 1]), context_lens=torch.tensor([n]),
+               block_table=torch.tensor([[0, 1]]), row_ends=torch.tensor([n]))
+    return ins
+
+
+class _Geo:
+    page_size, head_dim, topk = 32, 128, 8
+
+
+def _visible(ins):
+    m = cov.Measured(_case())
+    f = cov._Facts.__new__(cov._Facts)
+    f.m, f.geo = m, _Geo()
+    f._visible(lambda fact, v: m.add("s", fact, v), ins, {"shuffle": None})
+    return m.facts["s"]
+
+
+def test_visibility_of_scale_codes():
+    n = E8M0_BIAS
+    # a tiny block beside normal ones of its key, under a normal query: below the logit's ulp
+    f = _visible(_entries([[n, n, n, 20]], [n] * 4))
+    assert f["codes_read"] == {n} and f["q_codes_read"] == {n}
+    # a whole key that small is its own logit; a huge query block lifts the tiny one
+    assert _visible(_entries([[20] * 4], [n] * 4))["codes_read"] == {20}
+    f = _visible(_entries([[n, n, n, 20]], [n, n, n, 234]))
+    assert f["codes_read"] == {n, 20} and f["q_codes_read"] == {n, 234}
+    f = _visible(_entries([[254, 0, 0, 0]], [n - 100] * 4))
+    assert f["codes_read"] == {254} and f["dots"] == set()     # 2^-127 is lost beside 2^127
+    f = _visible(_entries([[254] * 4], [254] * 4))
+    assert f["dots"] == {"overflow-any"}                        # 128 * 2^254 is past fp32's range
+
+
+def test_elements_and_codes_of_a_quantized_block():
+    m = cov.Measured(_case())
+    f = cov._Facts.__new__(cov._Facts)
+    f.m = m
+    add = lambda fact, v: m.add("q", fact, v)                  # noqa: E731
+    from reference import mxfp4
+    x = torch.zeros(3, 64)
+    x[0, :32] = torch.tensor([6.0, -0.1] + [1.0] * 30)        # saturated, a negative that rounds to -0
+    x[1, 32:] = 2.0 ** -127                                    # a bf16 subnormal block (y = 0.5)
+    packed, scales = mxfp4.quantize_mxfp4(x)
+    f._codes(add, packed, scales)
+    f._subnormal(add, x.bfloat16().float(), packed)
+    assert m.facts["q"]["elements"] == {"zero-block", "neg-zero", "saturated", "subnormal"}
+    assert 1 in m.facts["q"]["codes"] or 2 in m.facts["q"]["codes"]
+    assert E8M0_BIAS - 2 + 3 in m.facts["q"]["codes"] or min(m.facts["q"]["codes"]) < 10
+
+
+def test_planted_inputs_count_for_the_ops_that_take_them():
+    from harness.run.cases import Plant
+    c = _case(ops=("q_rope_mxfp4_quant",), plant=(Plant("q", "inf", 2),), expect_nonfinite=True,
+              seqs=(SeqSpec(8, (8,), 0),))
+    m = cov.measure(c, "cpu")
+    assert "nonfinite.q.inf" in m.reached() and "nonfinite.q.nan" not in m.reached()
+    c2 = _case(ops=("topk",), plant=(Plant("q", "inf", 2),), expect_nonfinite=True, seqs=(SeqSpec(8, (8,), 0),))
+    assert "nonfinite.q.inf" not in cov.measure(c2, "cpu").reached()     # the q quant is not under test
+
+
+# --- the generator ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tier", generate.TIERS)
+def test_generated_cases_are_reproducible_and_named_uniquely(tier):
+    a, b = generate.generate(29, tier), generate.generate(29, tier)
+    assert a == b
+    names = [c["name"] for c in a]
+    assert len(names) == len(set(names)) and all(n.startswith("gen-") for n in names)
+    other = generate.generate(30, tier)
+    assert [c["name"] for c in other] != names or [c["seed"] for c in other] != [c["seed"] for c in a]
+
+
+def test_layout_family_pairs_every_layout_with_a_writer_and_a_reader():
+    for tier in generate.TIERS:
+        cases = [c for c in generate.generate(29, tier) if c["name"].startswith(("gen-layout", "gen-gpu-layout"))]
+        seen = {(tuple(c["layout"]) if isinstance(c["layout"], list) else c["layout"], c["page_size"]) for c in cases}
+        assert seen == {(lay, ps) for lay, ps in generate.LAYOUTS}
+        for dim, values in (("page_order", generate.PAGE_ORDERS), ("history", generate.HISTORIES),
+                            ("page_stride_pad", generate.PADS)):
+            assert {c[dim] for c in cases} == set(values), dim
+
+
+def test_generated_cases_load_through_the_schema():
+    from harness.run.geometry import geometry
+    cat = Catalog()
+    gen = [c for c in cat.suite_cases("full") if c.name.startswith("gen-")]
+    assert any(c.requires == "gpu" for c in gen) and any(c.requires is None for c in gen)
+    for c in gen:
+        geometry(c)
+    cpu = [c for c in cat.suite_cases("default") if c.name.startswith("gen-")]
+    assert cpu and all(c.requires is None for c in cpu)
+
+
+def test_bad_generate_table(tmp_path, capsys):
+    (tmp_path / "x.toml").write_text('[suite]\nname = "x"\n[generate]\nseed = 1\ntier = "tpu"\n')
+    rc, _, err = mxval(capsys, "cases", "--cases-dir", tmp_path)
+    assert rc == 2
+    one_line_error(err, "x.toml", "[generate]", "tier")
+
+
+# --- the command ------------------------------------------------------------------------------------
+
+def test_coverage_command_json_and_check(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    rc, stdout, _ = mxval(capsys, "coverage", "--case", "smoke-rowend-k", "--case", "smoke-inf-q", "-q",
+                          "--json", out, "--markdown", tmp_path / "c.md", "--check")
+    assert rc == 1                                          # two cases reach few boundaries
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "mxval-coverage" and set(doc["cases"]) == {"smoke-rowend-k", "smoke-inf-q"}
+    assert doc["cases"]["smoke-inf-q"] == ["nonfinite.q.inf"]
+    b = {x["name"]: x for x in doc["boundaries"]}
+    assert b["nonfinite.q.inf"]["reached_by"] == ["smoke-inf-q"]
+    assert "topk.len.=k" in doc["cases"]["smoke-rowend-k"]
+    assert "cpu boundaries:" in stdout and "| topk |" in (tmp_path / "c.md").read_text()
+
+
+def test_coverage_command_bad_input(capsys):
+    rc, _, err = mxval(capsys, "coverage", "--suite", "nope")
+    assert rc == 2
+    one_line_error(err, "nope")
