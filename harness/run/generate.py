@@ -21,10 +21,12 @@ from __future__ import annotations
 import random
 
 from reference.formats import PRESETS
+from reference.page_shape import page_bytes
 
 GENERATE_KEYS = ("seed", "tier")
 TIERS = ("cpu", "gpu")
 R = PRESETS["deepseek-v4-pro"].compress_ratio
+HEAD_DIM = PRESETS["deepseek-v4-pro"].head_dim
 
 
 def _decode_at(end: int) -> dict:
@@ -77,7 +79,9 @@ def _layouts(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
                 "description": f"{_layout_name(lay)} pages of {ps} entries written and read in one chain; "
                                f"{orders[i]} page ids, {hist[i]} history, stride padded by {pads[i]} bytes"}
         if orders[i] == "top":
-            case["pool_pages"] = 600 if tier == "cpu" else 9000
+            # on a GPU the last pages lie past 2^31 bytes: int32 offsets of the writer and the reader
+            stride = page_bytes(ps, HEAD_DIM) + pads[i]
+            case["pool_pages"] = 600 if tier == "cpu" else (1 << 31) // stride + 1024
         if hist[i] == "raw":
             case["ops"] = ["paged_mxfp4_mqa_logits", "topk"]
             case["description"] += " (raw entries: every scale code the format holds, read)"
@@ -163,8 +167,11 @@ def _nonfinite(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     """Each non-finite value in each input that takes one, with the op that takes it and the
     ops downstream of it under test (their outputs must keep the invariants)."""
     out = []
+    at_scale = {("q", "row-nan"), ("logits", "row-nan"), ("kv_scale", "nan")}   # the GPU tier: NaN rows at V4-Pro size
     for tensor, ops, values in _PLANTS:
         for v in values:
+            if tier == "gpu" and (tensor, v) not in at_scale:
+                continue
             row = v.startswith("row-")
             plant = {"tensor": tensor, "value": v[4:] if row else v, "count": 1}
             if row:
@@ -180,13 +187,52 @@ def _nonfinite(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
                 case["ops"] = ops
                 case["history"] = "direct"
             out.append((f"nonfinite-{tensor.replace('_', '')}-{v}", case))
-        if tier == "gpu":
-            break                           # at scale: one input is enough; the CPU tier has the rest
     return out
 
 
+def _sizes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
+    """Rows and widths where a kernel changes program, block or path (docs/coverage-sources.md):
+    pooling's 16 / 256 tokens per program and a state block smaller than a window, the K
+    writer's 32-token tile, vLLM's top-k routing at 128 rows and k = 2048, aiter's Q quant
+    BLOCK_H at 8192 token-heads, the scorer's rows per sequence (1, 2..8, 9)."""
+    if tier != "cpu":
+        return []
+    h = 64 * R + rng.randrange(R)
+    return [
+        ("sizes-pool-k-rows", {
+            "heads": 4, "ops": ["compress_pool", "k_norm_rope_mxfp4_cache"], "state_block": 4,
+            "seqs": [{"len": h + 611, "chunks": [16, 17, 32, 33, 256, 257]}],
+            "description": "pooling calls of 16/17 and 256/257 tokens, K writer calls of 32/33, 4-position "
+                           "state blocks (a window over three blocks)"}),
+        ("sizes-topk-rows-128", {
+            "heads": 4, "topk": 8, "ops": ["topk"], "history": "direct",
+            "seqs": [{"len": h + 255, "chunks": [127, 128]}],
+            "description": "top-k calls of 127 then 128 rows (vLLM's routing to aiter's top-k)"}),
+        ("sizes-topk-k2048", {
+            "heads": 4, "topk": 2048, "ops": ["topk"], "history": "direct", "state_block": 64,
+            "seqs": _rows_at([2048, 2049, 4100]),
+            "description": "k = 2048 (vLLM's routing) over rows of 2048, 2049 and 4100 entries"}),
+        ("sizes-q-8192", {
+            "heads": 64, "ops": ["q_rope_mxfp4_quant"], "seqs": [{"len": 300, "chunks": [128, 129]}],
+            "description": "Q quant calls of 128 and 129 tokens at 64 heads: 8192 / 8193 token-heads"}),
+        ("sizes-scorer-seq-rows", {
+            "heads": 4, "topk": 8, "ops": ["paged_mxfp4_mqa_logits", "topk"], "history": "direct",
+            "seqs": [{"len": 90, "chunks": [2]}, {"len": 120, "chunks": [8]}, {"len": 77, "chunks": [9]}],
+            "description": "one scorer call with sequences of 2, 8 and 9 rows (BLOCK_M 1, 2..8 and past it)"}),
+        ("ties-zero-k1024-tie1024", {
+            "heads": 4, "topk": 1024, "dist": ["relu_zero"], "tie_share": 0.9, "history": "direct",
+            "ops": ["paged_mxfp4_mqa_logits", "topk"], "state_block": 64, "seqs": _rows_at([2100, 2101]),
+            "description": "k = 1024 against a plateau of about 1900 exact zeros (a 1024-entry tie buffer)"}),
+        ("dots-overflow-h64", {
+            "heads": 64, "topk": 8, "dist": ["scale_codes"], "history": "raw",
+            "ops": ["paged_mxfp4_mqa_logits", "topk"], "seqs": _rows_at([300, 301]),
+            "description": "64 heads over raw entries of every code against queries of every code: head dots "
+                           "past fp32's range (aiter's relu as x + |x| above 32 heads)"}),
+    ]
+
+
 FAMILIES = (("layout", _layouts), ("ties", _ties), ("crowd", _crowds), ("codes", _codes),
-            ("nonfinite", _nonfinite))
+            ("nonfinite", _nonfinite), ("sizes", _sizes))
 
 
 def _cycle(rng: random.Random, values, n: int) -> list:
