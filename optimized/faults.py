@@ -121,9 +121,11 @@ def q_quant_op(*, force_hadamard: Optional[bool] = None, fold: Callable = fold_w
 
 
 def scorer_op(*, row_ends_fn: Optional[Callable] = None,
-              scale_offsets: Callable = layout.scale_offsets) -> Callable:
-    """paged_mxfp4_mqa_logits whose mask bound is `row_ends_fn(row_ends, context_lens, qsl)`
-    and whose key scales are read at `scale_offsets(t, page_size, D, shuffle)`."""
+              scale_offsets: Callable = layout.scale_offsets,
+              dequantize: Callable = mxfp4.dequantize_mxfp4) -> Callable:
+    """paged_mxfp4_mqa_logits whose mask bound is `row_ends_fn(row_ends, context_lens, qsl)`,
+    whose key scales are read at `scale_offsets(t, page_size, D, shuffle)` and whose keys are
+    decoded by `dequantize(packed, scales, torch.float64)`."""
     def paged_mxfp4_mqa_logits(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
                                block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
                                width: Optional[int] = None, clean_logits: bool = False) -> dict:
@@ -143,7 +145,7 @@ def scorer_op(*, row_ends_fn: Optional[Callable] = None,
             flat = kv_cache.reshape(-1)
             vals = flat[start + layout.value_offsets(t, page_size, d, sh)]
             scales = flat[start + scale_offsets(t, page_size, d, sh)]
-            return mxfp4.dequantize_mxfp4(vals, scales, torch.float64)
+            return dequantize(vals, scales, torch.float64)
 
         logits = scoring.paged_logits(q, weights, query_start_loc, block_table, ends, page_size,
                                       read_keys, width or scoring.default_width(block_table, page_size))
@@ -585,6 +587,68 @@ def topk_logits_op(post: Callable) -> Callable:
     return topk
 
 
+# --- value boundaries: plateaus of exact ties, e8m0 codes no writer emits, subnormals -------
+
+def _ties_dropped(idx, lengths, k, logits):
+    """A threshold top-k that takes the entries above the k-th value, then the entries equal to
+    it only when they all fit: when more tie at the k-th value than places remain, those
+    places stay -1. Rows without such a tie are the reference's."""
+    for r in (lengths > k).nonzero().flatten().tolist():
+        row = logits[r, :int(lengths[r])].double()
+        kth = torch.topk(row, k).values[-1]
+        above = int((row > kth).sum())
+        if int((row == kth).sum()) > k - above:
+            sel = idx[r].long()
+            keep = sel[row[sel] > kth]
+            idx[r] = torch.cat((keep, keep.new_full((k - keep.numel(),), -1))).to(idx.dtype)
+    return idx
+
+
+def _zero_as_masked(idx, lengths, k, logits):
+    """A top-k whose validity test is `score != 0` (0 standing for a masked entry): an entry
+    scoring exactly 0 is never selected, and a row with fewer than k other entries is padded
+    with -1. Rows whose selection holds no 0 are the reference's."""
+    for r in (lengths > k).nonzero().flatten().tolist():
+        row = logits[r, :int(lengths[r])]
+        if not bool((row[idx[r].long()] == 0).any()):
+            continue
+        live = (row != 0).nonzero().flatten()
+        m = min(k, live.numel())
+        top = live[torch.topk(row[live].double(), m).indices]
+        idx[r] = torch.cat((top, top.new_full((k - m,), -1))).to(idx.dtype)
+    return idx
+
+
+def _code0_flushed(packed, scales, dtype):
+    """Keys decoded with the scale as fp32 bits `code << 23`: code 0 gives +0.0 instead of the
+    subnormal 2^-127 (codes 1..254 are exact)."""
+    vals = mxfp4.dequantize_mxfp4(packed, scales, dtype)
+    zero = (scales == 0).repeat_interleave(vals.shape[-1] // scales.shape[-1], -1)
+    return vals.masked_fill(zero, 0.0)
+
+
+def _fp32_dequant(packed, scales, dtype):
+    """Keys dequantized to fp32 before the product with q: e2m1 * 2^(code - 127) past fp32's
+    range (6 * 2^127 at code 254, 6 * 2^126 at 253) is inf; every other value is exact."""
+    return mxfp4.dequantize_mxfp4(packed, scales, torch.float32).to(dtype)
+
+
+def _flush_subnormals(x: torch.Tensor) -> torch.Tensor:
+    """Denormals-are-zero on a load: every subnormal becomes a zero of its sign."""
+    return torch.where(x.float().abs() < torch.finfo(torch.float32).tiny, x * 0, x)
+
+
+def _ftz_values(k, *args):
+    return default_values(_flush_subnormals(k), *args)
+
+
+def _ftz_q_op() -> Callable:
+    """q_rope_mxfp4_quant loading q with its subnormals flushed to zero."""
+    def q_rope_mxfp4_quant(*, q, **kw) -> dict:
+        return reference.q_rope_mxfp4_quant(q=_flush_subnormals(q), **kw)
+    return q_rope_mxfp4_quant
+
+
 # --- the catalogue ----------------------------------------------------------------------
 
 K = "k_norm_rope_mxfp4_cache"
@@ -636,6 +700,12 @@ _MAKE_OPS: dict[str, Callable[[], dict]] = {
     "sglang-12583-chunk-offset-ke": lambda: {SCORE: logits_post_op(_window_from_chunk_offset)},
     "mlx-lm-1189-chunk-rows-only": lambda: {SCORE: logits_post_op(_chunk_rows_only)},
     "vllm-41136-nan-decode": lambda: {SCORE: logits_post_op(_nan_in_decode)},
+    # --- value boundaries
+    "topk-tie-drop": lambda: {TOPK: topk_logits_op(_ties_dropped)},
+    "topk-zero-as-masked": lambda: {TOPK: topk_logits_op(_zero_as_masked)},
+    "e8m0-code0-flush": lambda: {SCORE: scorer_op(dequantize=_code0_flushed)},
+    "e8m0-fp32-dequant-overflow": lambda: {SCORE: scorer_op(dequantize=_fp32_dequant)},
+    "subnormal-flush": lambda: {K: k_writer_op(values=_ftz_values), Q: _ftz_q_op()},
 }
 
 

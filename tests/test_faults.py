@@ -156,8 +156,11 @@ def test_composed_stages_give_the_reference(shuffle):
                 reference.k_norm_rope_mxfp4_cache(**kw))
 
 
+# Faults that only show at a value boundary no normal draw reaches: proven at it below.
+VALUE_BOUNDARY = {"topk-tie-drop", "topk-zero-as-masked", "e8m0-code0-flush", "e8m0-fp32-dequant-overflow",
+                  "subnormal-flush"}
 # Faults that only show past a size (the field's bugs): proven at their edge below.
-SCALED = {"aiter-4244-row-offset-sim", "aiter-4028-schedule-truncation", "aiter-2901-row-start-ignored",
+SCALED = VALUE_BOUNDARY | {"aiter-4244-row-offset-sim", "aiter-4028-schedule-truncation", "aiter-2901-row-start-ignored",
           "aiter-3087-row-start-twice", "sglang-36807-radix-overflow", "flaggems-831-narrow-band",
           "sglang-12583-chunk-offset-ke", "mlx-lm-1189-chunk-rows-only", "vllm-41136-nan-decode"}
 
@@ -351,3 +354,82 @@ def test_nan_only_in_decode_calls():
     assert torch.equal(F._nan_in_decode(x.clone(), _scorer_kw([0, 3], [1, 2, 3])), x)
     got = F._nan_in_decode(x.clone(), _scorer_kw([0, 1, 2, 3], [5, 9, 20]))
     assert bool(torch.isnan(got[0, :5]).all()) and torch.equal(got[0, 5:], x[0, 5:])
+
+
+# --- value boundaries: inert off their boundary, wrong on it --------------------------------
+
+def _topk_kw(rows, k):
+    x = torch.tensor(rows, dtype=torch.float32)
+    return dict(logits=x, lengths=torch.full((x.shape[0],), x.shape[1]), k=k)
+
+
+def test_tie_drop_pads_only_a_plateau_cut_at_the_kth_value():
+    op = _post("topk-tie-drop")
+    off = _topk_kw([[5, 4, 3, 2, 1, 0], [3, 3, 3, 1, 0, 0]], 3)         # ties that all fit, or below the k-th
+    assert torch.equal(op(**off)["indices"], reference.topk(**off)["indices"])
+    on = _topk_kw([[5, 4, 0, 0, 0, -1], [2, 2, 2, 2, 1, 0]], 3)         # 3 zeros for 1 place; 4 twos for 3
+    got = op(**on)["indices"]
+    assert got[0, :2].tolist() == [0, 1] and got[0, 2] == -1 and bool((got[1] == -1).all())
+
+
+def test_zero_as_masked_pads_rows_with_fewer_positives_than_k():
+    op = _post("topk-zero-as-masked")
+    off = _topk_kw([[5, 4, 3, 0, 0, 0], [0, 7, 0, 6, 5, 1]], 3)         # zeros below the k-th: never selected
+    assert torch.equal(op(**off)["indices"], reference.topk(**off)["indices"])
+    on = _topk_kw([[5, 0, 4, 0, 0, 0], [0, 0, 0, 0, -1, -2]], 3)
+    got = op(**on)["indices"]
+    assert got[0].tolist() == [0, 2, -1] and got[1].tolist() == [4, 5, -1]
+
+
+def _with_scale_bytes(sc, codes, nibble=None, q_code=None):
+    """The scorer's inputs with entry 2's scale bytes set to `codes` (its first element at e2m1
+    code `nibble`) and every query's block 0 at scale `q_code`: bytes only raw history writes."""
+    kv = sc["kv_cache"].clone()
+    slot = sc["block_table"][0, 0].long() * PS + 2
+    vo, so = layout.slot_byte_offsets(slot.view(1), PS, D, sc["shuffle"], kv.shape[1])
+    flat = kv.view(-1)
+    flat[so[0, :len(codes)]] = torch.tensor(codes, dtype=torch.uint8)
+    if nibble is not None:
+        flat[vo[0, 0]] = (flat[vo[0, 0]] & 0xF0) | nibble
+    out = dict(sc, kv_cache=kv)
+    if q_code is not None:
+        out["q_scale"] = sc["q_scale"].clone()
+        out["q_scale"][..., 0] = q_code
+    return out
+
+
+@pytest.mark.parametrize("name, codes, nibble, q_code", [
+    ("e8m0-code0-flush", [0, 0, 0, 0], None, None),              # the whole key at 2^-127
+    ("e8m0-fp32-dequant-overflow", [254], 7, 1),                 # 6 * 2^127 against q at 2^-126
+    ("e8m0-fp32-dequant-overflow", [253], 6, 1),                 # 4 * 2^126 = 2^128
+])
+def test_e8m0_faults_show_only_on_codes_past_what_fp32_holds(case, name, codes, nibble, q_code):
+    op = _post(name)
+    sc = case["paged_mxfp4_mqa_logits"]
+    assert same(op(**sc), reference.paged_mxfp4_mqa_logits(**sc))          # codes as the writer wrote them
+    raw = _with_scale_bytes(sc, codes, nibble, q_code)
+    got, want = op(**raw)["logits"], reference.paged_mxfp4_mqa_logits(**raw)["logits"]
+    valid = torch.arange(got.shape[1])[None, :] < raw["row_ends"][:, None]
+    assert bool(torch.isfinite(want[valid]).all())
+    assert not torch.equal(got[valid], want[valid])
+    if name == "e8m0-fp32-dequant-overflow":
+        assert not bool(torch.isfinite(got[valid]).all())
+    else:
+        assert bool((want[:, 2][valid[:, 2]] != 0).any()) and bool((got[:, 2][valid[:, 2]] == 0).all())
+
+
+K_OP, Q_OP = "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant"
+
+
+def test_subnormal_flush_shows_only_on_subnormal_inputs(case):
+    f = F.FAULTS["subnormal-flush"]
+    be = get_backend(f.backend_name)
+    kw, qw = case["k_norm_rope_mxfp4_cache"], case["q_rope_mxfp4_quant"]
+    assert same(be.ops[K_OP](**kw), reference.k_norm_rope_mxfp4_cache(**kw))
+    assert same(be.ops[Q_OP](**qw), reference.q_rope_mxfp4_quant(**qw))
+    tiny = torch.finfo(torch.float32).tiny
+    k, q = kw["k"].clone(), qw["q"].clone()
+    k[:, 32:64] = tiny * 0.75                  # a NoPE block of bf16 subnormals (1.5 * 2^-127)
+    q[:, :, :32] = tiny * 0.75
+    assert not same(be.ops[K_OP](**dict(kw, k=k)), reference.k_norm_rope_mxfp4_cache(**dict(kw, k=k)))
+    assert not same(be.ops[Q_OP](**dict(qw, q=q)), reference.q_rope_mxfp4_quant(**dict(qw, q=q)))

@@ -38,8 +38,17 @@ BUDGETS_FILE = "budgets.toml"
 
 MXFP4_CHAIN = chain("mxfp4")
 DISTRIBUTIONS = ("normal", "outlier_channels", "heavy_tails", "zero_rows", "neg_zero", "tiny",
-                 "e2m1_midpoints", "pow2_boundary", "narrow_band")
-HISTORY_MODES = ("pooled", "direct")
+                 "e2m1_midpoints", "pow2_boundary", "narrow_band",
+                 "relu_zero", "duplicate_keys", "coarse", "scale_codes")
+# Value boundaries (harness/run/inputs.py, "value boundaries"): each builds every key and query
+# itself, so it takes at most one of these and only the modifiers listed with it (the ones that
+# keep its guarantee: a zero window still scores exactly 0).
+STRUCTURED_DISTS = {"relu_zero": ("normal", "zero_rows", "neg_zero"),
+                    "duplicate_keys": ("normal",),
+                    "coarse": ("normal", "zero_rows", "neg_zero"),
+                    "scale_codes": ("normal",)}
+TIE_SHARE_DISTS = ("relu_zero", "duplicate_keys")    # the dists `tie_share` sizes
+HISTORY_MODES = ("pooled", "direct", "raw")
 PLANT_TENSORS = ("state_kv", "state_score", "q", "weights")
 PLANT_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
@@ -97,7 +106,9 @@ class Case:
     pool_pages: Optional[int] = None     # None: what the sequences need + spare_pages
     state_block: int = 16                # positions per state-cache block
     history: str = "pooled"              # "direct": history entries written from random K rows
-                                         # (no pooling); state rows only where steps read them
+                                         # (no pooling); state rows only where steps read them;
+                                         # "raw": history entries written as raw MXFP4 bytes
+                                         # (every e8m0 code 0..254, any nibble; dist scale_codes)
     table_pages: Optional[int] = None    # block-table width in pages (the logits width / page
                                          # size); None: what the longest sequence needs
     repeat: int = 1                      # runs of each backend op on the same inputs; every run
@@ -106,6 +117,8 @@ class Case:
     clean_logits: bool = False
     weights_dtype: str = "bfloat16"
     dist: tuple[str, ...] = ("normal",)
+    tie_share: float = 0.5               # relu_zero / duplicate_keys: the share of each
+                                         # sequence's entries in the plateau, in (0, 1]
     scale: float = 1.0
     plant: tuple[Plant, ...] = ()
     expect_nonfinite: bool = False
@@ -177,6 +190,17 @@ class Int(_Range):
 class Float(_Range):
     """A finite number in [lo, hi)."""
     convert = staticmethod(checks.number)
+
+
+@dataclass(frozen=True)
+class Share:
+    """A number in (0, 1]: a share that cannot be empty and may be everything."""
+
+    def check(self, key, v):
+        x = Float(0.0, 2.0).check(key, v)
+        if not 0.0 < x <= 1.0:
+            raise _Bad(key, f"{_show(v)} is out of range (0, 1]")
+        return x
 
 
 @dataclass(frozen=True)
@@ -311,6 +335,7 @@ CASE_SCHEMA = Table({
     "clean_logits": Bool(),
     "weights_dtype": Choice(("bfloat16", "float32")),
     "dist": List(Choice(DISTRIBUTIONS), 1, len(DISTRIBUTIONS) + 1, unique=True),
+    "tie_share": Share(),
     "scale": Float(-MAX_SCALE, MAX_SCALE),
     "plant": List(PLANT_SCHEMA, 0, MAX_PLANTS + 1),
     "expect_nonfinite": Bool(),
@@ -377,12 +402,32 @@ def _case(raw, defaults: dict, suite: str, file: Path, index: int) -> Case:
     if total > MAX_TOKENS:
         raise CaseError(f"{where}: seqs: {total} tokens in all, more than the {MAX_TOKENS} a case may hold")
     kw["dist"] = tuple(kw.get("dist", ["normal"]))
+    _check_dists(where, kw["dist"], kw.get("history", "pooled"), fmt)
     kw["plant"] = tuple(Plant(p["tensor"], p["value"], p.get("count", 1)) for p in kw.get("plant", []))
     lay = kw.get("layout", "shuffled")
     kw["layout"] = tuple(lay) if isinstance(lay, list) else lay
     if kw.get("expect_nonfinite") and not kw["plant"]:
         raise CaseError(f"{where}: expect_nonfinite: needs a plant = [...] entry")
     return Case(suite=suite, file=str(file), **kw)
+
+
+def _check_dists(where: str, dist: tuple, history: str, fmt: str) -> None:
+    """At most one value-boundary dist, with the modifiers it keeps its guarantee under;
+    raw history (MXFP4 bytes whose codes the scale_codes queries are built against) only
+    with dist = ["scale_codes"] on the MXFP4 chain."""
+    structured = [d for d in dist if d in STRUCTURED_DISTS]
+    if len(structured) > 1:
+        raise CaseError(f"{where}: dist: {structured[0]!r} and {structured[1]!r} each build every key "
+                        f"and query: at most one of {', '.join(STRUCTURED_DISTS)}")
+    if structured:
+        extra = [d for d in dist if d != structured[0] and d not in STRUCTURED_DISTS[structured[0]]]
+        if extra:
+            allowed = [d for d in STRUCTURED_DISTS[structured[0]] if d != "normal"]
+            raise CaseError(f"{where}: dist: {structured[0]!r} does not combine with {extra[0]!r} "
+                            f"(it does with: {', '.join(allowed) or 'nothing else'})")
+    if history == "raw" and (structured != ["scale_codes"] or fmt != "mxfp4"):
+        raise CaseError(f"{where}: history: \"raw\" writes MXFP4 bytes scored against scale_codes "
+                        f"queries: it needs dist = [\"scale_codes\"] and the MXFP4 chain")
 
 
 @dataclass

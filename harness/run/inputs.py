@@ -14,9 +14,10 @@ from typing import Optional
 
 import torch
 
-from harness.run.cases import PLANT_VALUES, Case, CaseError
+from harness.run.cases import PLANT_VALUES, STRUCTURED_DISTS, Case, CaseError
 from harness.run.geometry import Geometry, geometry, page_needs, pool_pages
-from reference.formats import E2M1_VALUES
+from reference.formats import E2M1_VALUES, MX_BLOCK
+from reference.mxfp4 import pack_nibbles
 from reference.ops import OPS
 from reference.pooling import state_rows, write_state
 from reference.rope import cos_sin_cache
@@ -118,11 +119,15 @@ def _rows_mask(n: int, frac: float, gen: torch.Generator) -> torch.Tensor:
 
 
 def shape_values(x: torch.Tensor, dist: tuple[str, ...], gen: torch.Generator, *,
-                 kind: str, group: int = 1) -> torch.Tensor:
+                 kind: str, group: int = 1, ctx: Optional[ValueContext] = None,
+                 req: Optional[torch.Tensor] = None, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Apply the case's distribution modifiers to fp32 `x` [..., C] (rows = leading dims).
     `kind` "q" also gets the MXFP4 edge values in its NoPE blocks (they reach the
     quantizer unchanged); "kv" zeroes whole pooling windows (`group` rows) so that pooled
-    rows are exactly zero."""
+    rows are exactly zero. A structured dist (`ctx`, rows' sequences `req` and positions
+    `pos`) first replaces x (`structured_values`), then the modifiers it allows apply."""
+    if ctx is not None:
+        x = structured_values(x, ctx, gen, kind=kind, req=req, pos=pos)
     shape = x.shape
     x = x.reshape(-1, shape[-1]).clone()
     n, c = x.shape
@@ -200,6 +205,222 @@ def narrow_queries(q: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return q
 
 
+# --- value boundaries: plateaus of exact ties, every e8m0 code ----------------------------
+#
+# relu_zero, duplicate_keys, coarse and scale_codes build every key and query themselves, one
+# D-vector per K entry: a pooled history writes that vector into every row of the entry's
+# window (the `_b` halves of its own group, the `_a` halves of the group before), so the
+# pooled row is that vector exactly, and direct history and the steps' K rows take it as
+# the row. What each reaches, and how to measure it, is in the README ("Value boundaries").
+
+GOLDEN = 0.6180339887498949
+RELU_ROPE_SCALE = 2.0 ** -8     # relu_zero keys' RoPE dims against their NoPE dims
+DUP_QUERY_NOPE = 4.0            # duplicate_keys queries: NoPE RMS against RoPE RMS
+# scale_codes: the e8m0 codes each 32-block carries. Keys (the K writer's ceil rule, 1..253)
+# and raw history (0..254) by block; each query token puts values in ONE block (its focus,
+# (p + 1) % 4) at a code from that block's range, every other block zero, so that the block's
+# contribution is the whole logit and every pair stays finite: key code + query code <= 365.
+KEY_CODES = ((239, 253), (1, 112), (113, 238), None)          # block 3: the norm's anchor (126)
+RAW_CODES = ((239, 254), (1, 112), (113, 238), (0, 0))
+QUERY_CODES = ((1, 111), (112, 253), (1, 127), (130, 239))
+KEY_NORM_WEIGHT = (2.0 ** 127, 1.0, 2.0 ** 115, 1.0)          # per block of the norm weight
+SUBNORMAL_AMAX = 1.5 * 2.0 ** -127                             # a bf16 subnormal that encodes non-zero
+
+
+@dataclass(frozen=True)
+class ValueContext:
+    """What every key and query of a structured dist shares (drawn once per case from its own
+    generator, so that the other dists' draws do not move)."""
+    dist: str
+    share: float
+    d: int
+    nope: int
+    ratio: int
+    raw: bool
+    u: torch.Tensor                 # [nope] > 0: the common NoPE direction
+    offset: float                   # the share mask's phase
+    code_offset: tuple[int, ...]    # per block: where the code sweep starts
+
+
+def value_context(case: Case, geo) -> Optional[ValueContext]:
+    dist = [x for x in case.dist if x in STRUCTURED_DISTS]
+    if not dist:
+        return None
+    d, nope = geo.head_dim, geo.head_dim - geo.rope_dim
+    if dist[0] == "scale_codes" and (d != 4 * MX_BLOCK or nope != 2 * MX_BLOCK):
+        raise CaseError(f"{case.file}: case {case.name!r}: dist scale_codes needs D = 128 with 64 RoPE dims "
+                        f"(two NoPE and two RoPE blocks), got D = {d}, R = {geo.rope_dim}")
+    g = torch.Generator().manual_seed((case.seed * 0x9E3779B1 + 0x5EED) % (1 << 63))
+    return ValueContext(dist[0], case.tie_share, d, nope, geo.ratio, case.history == "raw",
+                        1.0 + torch.rand(nope, generator=g), float(torch.rand(1, generator=g)),
+                        tuple(int(x) for x in torch.randint(0, 1 << 16, (8,), generator=g)))
+
+
+def share_mask(j: torch.Tensor, share: float, offset: float) -> torch.Tensor:
+    """Entries j in the plateau: frac(j * golden + offset) < share, so every run of entries
+    (each sequence's, each row's prefix) holds the share to within a few entries."""
+    return torch.frac(j.double() * GOLDEN + offset) < share
+
+
+def _sweep(idx: torch.Tensor, span, offset: int) -> torch.Tensor:
+    """Codes lo..hi in turn: consecutive idx take consecutive codes, so any hi - lo + 1 of them
+    take every code once."""
+    lo, hi = span
+    return lo + (idx + offset) % (hi - lo + 1)
+
+
+def _block_at(n: int, amax: torch.Tensor, gen: torch.Generator, *, rotated: bool) -> torch.Tensor:
+    """[n, 32] blocks whose largest |value| is amax (one element; `rotated`: the even element
+    of a pair whose odd element is 0, so RoPE keeps the block's amax within [amax/sqrt 2, amax]),
+    the rest within amax/4, bf16 values."""
+    out = (torch.rand(n, MX_BLOCK, generator=gen) * 2 - 1) * (amax[:, None] / 4)
+    at = torch.randint(0, MX_BLOCK // 2, (n,), generator=gen) * 2
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    rows = torch.arange(n)
+    out[rows, at] = amax * sign
+    if rotated:
+        out[rows, at + 1] = 0.0
+    return out.bfloat16().float()
+
+
+def _code_amax(code: torch.Tensor, *, rotated: bool) -> torch.Tensor:
+    """An amax inside the ceil rule's step for `code` (NUMERICS.md §4: (3, 6] * 2^(code - 127)):
+    4.5 * 2^(code-127), or 5.8 * 2^(code-127) for a block RoPE may shrink by up to sqrt 2;
+    code 253 at 1.75 * 2^127 (6 * 2^126 is past fp32)."""
+    amax = torch.ldexp(torch.full(code.shape, 5.8 if rotated else 4.5, dtype=torch.float64), code.long() - 127)
+    return torch.where(code >= 253, 1.75 * 2.0 ** 127, amax).float()
+
+
+def _scale_code_keys(j: torch.Tensor, ctx: ValueContext, gen: torch.Generator) -> torch.Tensor:
+    """[n, 128] pooled rows whose K-writer entries carry KEY_CODES: block 3 is all +-1 (the
+    norm's anchor: rstd within 5 % of 2 whatever the other blocks hold), block b's amax is
+    the code's amax / (2 * norm weight); code-1 blocks have a bf16 subnormal amax (which
+    still encodes non-zero: 1.5 * 2^-127 is e2m1 1.5 at scale 2^-126)."""
+    n = j.numel()
+    blocks = []
+    for b, span in enumerate(KEY_CODES):
+        if span is None:
+            blocks.append(torch.where(torch.rand(n, MX_BLOCK, generator=gen) < 0.5, -1.0, 1.0))
+            continue
+        code = _sweep(j, span, ctx.code_offset[b])
+        rotated = b * MX_BLOCK >= ctx.nope
+        amax = (_code_amax(code, rotated=rotated).double() / (2.0 * KEY_NORM_WEIGHT[b])).float()
+        amax = torch.where(code == 1, SUBNORMAL_AMAX, amax)      # bf16 subnormal inputs
+        blocks.append(_block_at(n, amax, gen, rotated=rotated))
+    return torch.cat(blocks, -1)
+
+
+def key_norm_weight(ctx: Optional[ValueContext], weight: torch.Tensor) -> torch.Tensor:
+    """The K norm weight a structured dist needs (bf16 [D]): scale_codes one power of two per
+    block (KEY_NORM_WEIGHT), coarse all ones (the grid survives the norm), relu_zero and
+    duplicate_keys |w| (the sign of a key's NoPE part is the norm's output's)."""
+    if ctx is None:
+        return weight
+    if ctx.dist == "scale_codes":
+        return torch.tensor(KEY_NORM_WEIGHT).repeat_interleave(MX_BLOCK).to(torch.bfloat16)
+    if ctx.dist == "coarse":
+        return torch.ones_like(weight)
+    return weight.abs()
+
+
+def _coarse_rows(n: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, d] rows of {0, +-1, +-2}: in every 32-block 8 zeros, 16 ones and 8 twos, in a random
+    order and random signs, so every row has the same sum of squares (one rstd for all keys)."""
+    base = torch.tensor([0.0] * 8 + [1.0] * 16 + [2.0] * 8)
+    perm = torch.argsort(torch.rand(n * d // MX_BLOCK, MX_BLOCK, generator=gen), -1)
+    vals = base[perm].view(n, d)
+    return vals * torch.where(torch.rand(n, d, generator=gen) < 0.5, -1.0, 1.0)
+
+
+def entry_keys(req: torch.Tensor, j: torch.Tensor, ctx: ValueContext, gen: torch.Generator) -> torch.Tensor:
+    """One pooled row [n, D] (fp32 holding bf16) per (sequence, entry j): rows of the same
+    entry are equal."""
+    key = req.long() * (1 << 40) + j.long()
+    uniq, inv = torch.unique(key, return_inverse=True)
+    ju = uniq % (1 << 40)
+    n, d, nope = uniq.numel(), ctx.d, ctx.nope
+    if ctx.dist == "relu_zero":
+        sign = torch.where(share_mask(ju, ctx.share, ctx.offset), -1.0, 1.0)
+        mag = 0.5 + torch.rand(n, generator=gen)
+        out = torch.cat((ctx.u * (sign * mag)[:, None],
+                         torch.randn(n, d - nope, generator=gen) * RELU_ROPE_SCALE), -1)
+    elif ctx.dist == "duplicate_keys":
+        out = torch.randn(n, d, generator=gen)
+        dup = share_mask(ju, ctx.share, ctx.offset)
+        out[dup] = torch.cat((ctx.u, torch.zeros(d - nope)))
+    elif ctx.dist == "coarse":
+        out = _coarse_rows(n, d, gen)
+    else:
+        out = _scale_code_keys(ju, ctx, gen)
+    return out.bfloat16().float()[inv]
+
+
+def entry_queries(q: torch.Tensor, positions: torch.Tensor, ctx: ValueContext,
+                  gen: torch.Generator) -> torch.Tensor:
+    """Queries [T, H, D] for the structured dist (`q`: the normal draw, reused where a dist keeps
+    random values). relu_zero: every head's NoPE part along +u, RoPE kept; duplicate_keys: NoPE
+    along u at DUP_QUERY_NOPE times the RoPE RMS; coarse: one {0, +-1, +-2} NoPE vector per token
+    times a power of two per head, RoPE dims 0; scale_codes: values only in the token's focus
+    block, at a code of QUERY_CODES, heads in pairs +v, -v (relu keeps one of each pair)."""
+    t, h, d = q.shape
+    nope = ctx.nope
+    q = q.clone()
+    if ctx.dist in ("relu_zero", "duplicate_keys"):
+        mag = 0.5 + torch.rand(t, h, 1, generator=gen)
+        unit = ctx.u / ctx.u.pow(2).mean().sqrt()
+        q[..., :nope] = unit * mag * (DUP_QUERY_NOPE if ctx.dist == "duplicate_keys" else 1.0)
+        return q
+    if ctx.dist == "coarse":
+        base = _coarse_rows(t, nope, gen)
+        e = torch.randint(-2, 3, (t, h, 1), generator=gen).float()
+        return torch.cat((base[:, None, :] * torch.exp2(e), torch.zeros(t, h, d - nope)), -1)
+    out = torch.zeros(t, h, d)
+    p = positions.long()
+    focus = (p + 1) % 4
+    for b, span in enumerate(QUERY_CODES):
+        rows = (focus == b).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        code = _sweep(p[rows] // 4, span, ctx.code_offset[4 + b])
+        rotated = b * MX_BLOCK >= nope
+        amax = torch.where(code == 253, 1.75 * 2.0 ** 127, torch.ldexp(
+            torch.full(code.shape, 5.8 if rotated else 6.0, dtype=torch.float64), code.long() - 127).float())
+        amax = torch.where((code == 1) & (b == 0), SUBNORMAL_AMAX, amax)     # bf16 subnormal inputs
+        pairs = -(-h // 2)
+        v = _block_at(rows.numel() * pairs, amax.repeat_interleave(pairs), gen, rotated=rotated)
+        v = v.view(rows.numel(), pairs, 1, MX_BLOCK).expand(-1, -1, 2, -1).reshape(rows.numel(), 2 * pairs, -1)
+        sign = torch.tensor([1.0, -1.0]).repeat(pairs)[:h, None]
+        out[rows, :, b * MX_BLOCK:(b + 1) * MX_BLOCK] = v[:, :h] * sign
+    return out
+
+
+def raw_entries(j: torch.Tensor, ctx: ValueContext, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw MXFP4 entries for history = "raw": (packed u8 [n, D/2], scales u8 [n, D/32]); any
+    nibble (-0 = 0x8 included), the scale codes of RAW_CODES swept by entry, one element of
+    every block at 6.0 (nibble 0x7 or 0xF, so code 254 is 6 * 2^127, past fp32)."""
+    n, d = j.numel(), ctx.d
+    codes = torch.stack([_sweep(j, span, ctx.code_offset[b]) for b, span in enumerate(RAW_CODES)], -1)
+    nib = torch.randint(0, 16, (n, d), generator=gen, dtype=torch.uint8)
+    at = torch.arange(d // MX_BLOCK) * MX_BLOCK + torch.randint(0, MX_BLOCK, (n, d // MX_BLOCK), generator=gen)
+    nib[torch.arange(n)[:, None], at] = torch.where(torch.rand(n, d // MX_BLOCK, generator=gen) < 0.5, 7, 15).to(torch.uint8)
+    return pack_nibbles(nib), codes.to(torch.uint8)
+
+
+def structured_values(x: torch.Tensor, ctx: ValueContext, gen: torch.Generator, *, kind: str,
+                      req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """`shape_values`' first step for a structured dist: x [N, 2D] state rows ("kv": the `_b`
+    half holds the row's own entry, the `_a` half the next entry, so that every window is one
+    vector), [N, D] K rows ("k": entry p // r) or [T, H, D] queries ("q")."""
+    r = ctx.ratio
+    j = pos.long() // r
+    if kind == "kv":        # one draw for both halves: an entry's rows are equal in every window
+        both = entry_keys(torch.cat((req, req)), torch.cat((j + 1, j)), ctx, gen)
+        return torch.cat(both.chunk(2), -1)
+    if kind == "k":
+        return entry_keys(req, j, ctx, gen)
+    return entry_queries(x, pos, ctx, gen)
+
+
 # --- building the case ---------------------------------------------------------------
 
 def _tokens(case: Case, geo: Geometry, ranges: dict[int, tuple[int, int]],
@@ -253,7 +474,7 @@ def _state(case: Case, geo, gen: torch.Generator):
     r, d = geo.ratio, geo.head_dim
     seqs = case.seqs
     sb = case.state_block
-    direct = case.history == "direct"
+    direct = case.history in ("direct", "raw")
     blocks = [-(-s.len // sb) for s in seqs]
     skip = [max(0, s.steps()[0][0] - 2 * r) // sb if direct else 0 for s in seqs]
     n_blocks = sum(blocks) - sum(skip) + 1
@@ -269,7 +490,7 @@ def _state(case: Case, geo, gen: torch.Generator):
     all_pos = torch.cat([torch.arange(lo[b], s.len) for b, s in enumerate(seqs)])
     all_req = torch.cat([torch.full((s.len - lo[b],), b) for b, s in enumerate(seqs)])
     kv = shape_values(torch.randn(len(all_pos), 2 * d, generator=gen) * case.scale, case.dist,
-                      gen, kind="kv", group=r)
+                      gen, kind="kv", group=r, ctx=value_context(case, geo), req=all_req, pos=all_pos)
     band = narrow_band_base(d - geo.rope_dim, gen) if "narrow_band" in case.dist else None
     if band is not None:
         kv = narrow_keys(kv, band, d)
@@ -316,10 +537,14 @@ def _step(case: Case, geo, rng, k_bt, gen: torch.Generator, band, planted: list[
     """One step's tokens with q, weights and K; `planted` (first step only) takes the q/weights plants."""
     h, d = geo.heads, geo.head_dim
     t = _tokens(case, geo, rng, k_bt)
-    q = shape_values(torch.randn(t.n, h, d, generator=gen) * case.scale, case.dist, gen, kind="q")
+    ctx = value_context(case, geo)
+    q = shape_values(torch.randn(t.n, h, d, generator=gen) * case.scale, case.dist, gen, kind="q",
+                     ctx=ctx, req=t.req_index, pos=t.positions)
     t.weights = torch.randn(t.n, h, generator=gen)
     t.k = shape_values(torch.randn(t.n, d, generator=gen) * case.scale, case.dist, gen,
-                       kind="k")
+                       kind="k", ctx=ctx, req=t.req_index, pos=t.positions)
+    if ctx is not None and ctx.dist in ("relu_zero", "duplicate_keys"):
+        t.weights = t.weights.abs()         # positive heads: a positive key scores > 0, the plateau on top
     if band is not None:
         q, t.weights, t.k = narrow_queries(q, band), t.weights.abs(), narrow_keys(t.k, band, d)
     t.k = t.k.to(torch.bfloat16)
@@ -349,19 +574,39 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
                        yarn_factor=geo.preset.yarn_factor,
                        yarn_original_max_pos=geo.preset.yarn_original_max_pos)
     norm_weight = (1.0 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16)
+    ctx = value_context(case, geo)
+    norm_weight = key_norm_weight(ctx, norm_weight)
     kv_cache, k_bt = _k_pool(case, geo, gen, device)
 
     hist = {b: (0, s.history) for b, s in enumerate(seqs)}
     history = _tokens(case, geo, hist, k_bt) if any(e > 0 for _, e in hist.values()) else None
     if history is not None and case.history == "direct":
         # history entries straight from random K rows: pooling runs on the steps only
-        hk = shape_values(torch.randn(history.n, d, generator=gen) * case.scale, case.dist, gen, kind="k")
+        hk = shape_values(torch.randn(history.n, d, generator=gen) * case.scale, case.dist, gen, kind="k",
+                          ctx=ctx, req=history.req_index, pos=history.positions)
         history.k = (narrow_keys(hk, band, d) if band is not None else hk).to(torch.bfloat16)
+    if history is not None and case.history == "raw":
+        # history entries as raw MXFP4 bytes, written here: the runner finds them in the pool
+        kv_cache = write_raw_history(kv_cache, history, geo, ctx, gen)
+        history = None
     steps = [_step(case, geo, {b: s.steps()[i] for b, s in enumerate(seqs) if i < len(s.steps())},
                    k_bt, gen, band, planted if i == 0 else None)
              for i in range(max(len(s.steps()) for s in seqs))]
     out = CaseInputs(case, geo, state, state_bt, cs, norm_weight, kv_cache, k_bt, history, steps, planted)
     return out.to(device)
+
+
+def write_raw_history(kv_cache: torch.Tensor, history: Tokens, geo, ctx: ValueContext,
+                      gen: torch.Generator) -> torch.Tensor:
+    """The pool with the history's entries (its boundary tokens) stored as `raw_entries`, in the
+    case's layout (reference/layout.py)."""
+    from reference.layout import write_entries
+    sel = history.slot_mapping >= 0
+    j = history.positions[sel] // geo.ratio
+    packed, scales = raw_entries(j, ctx, gen)
+    dev = kv_cache.device
+    return write_entries(kv_cache, history.slot_mapping[sel].to(dev), packed.to(dev), scales.to(dev),
+                         page_size=geo.page_size, shuffle=geo.shuffle)
 
 
 def filled_on_device(case: Case) -> bool:
