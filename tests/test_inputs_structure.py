@@ -28,6 +28,9 @@ def test_reversed_pages_run_down_from_the_top_of_the_pool(tmp_path):
     bt, pool = inp.k_block_table, inp.kv_cache.shape[0]
     assert bt[0, :4].tolist() == [pool - 1, pool - 2, pool - 3, pool - 4]
     assert bt[1, :2].tolist() == [pool - 5, pool - 6]
+    from harness.run.inputs import structure_facts
+    f = structure_facts(inp)
+    assert f["descending_pages"] and f["top_page"] == pool - 1 and not f["shared_pages"]
 
 
 def test_shared_pages_repeat_the_first_sequences_history_pages(tmp_path):
@@ -142,3 +145,17 @@ def test_a_plant_past_what_the_first_step_holds_is_a_case_error(tmp_path, plant,
                          f'plant = [{plant}]\n')
     with pytest.raises(CaseError, match=re.escape(needle)):
         build(cat.case("p"))
+
+
+def test_structure_facts_name_what_the_selftest_cases_reach():
+    from harness.run.inputs import structure_facts
+    cat = Catalog()
+    facts = {n: structure_facts(build(cat.case(n))) for n in ("shared-pages", "wide-table", "empty-seq-decode",
+                                                               "chain", "k-pool-wrap")}
+    assert facts["shared-pages"]["shared_pages"] and not facts["chain"]["shared_pages"]
+    assert facts["wide-table"]["wide_table"] and not facts["chain"]["wide_table"]
+    e = facts["empty-seq-decode"]
+    assert e["empty_seq_in_decode"] and e["zero_context"] and e["zero_row_end"]
+    assert not facts["chain"]["empty_seq"] and not facts["chain"]["zero_context"]
+    top = facts["k-pool-wrap"]
+    assert top["top_page"] == top["pool_pages"] - 1
