@@ -122,10 +122,12 @@ def q_quant_op(*, force_hadamard: Optional[bool] = None, fold: Callable = fold_w
 
 def scorer_op(*, row_ends_fn: Optional[Callable] = None,
               scale_offsets: Callable = layout.scale_offsets,
-              dequantize: Callable = mxfp4.dequantize_mxfp4) -> Callable:
+              dequantize: Callable = mxfp4.dequantize_mxfp4, tables_fn: Optional[Callable] = None) -> Callable:
     """paged_mxfp4_mqa_logits whose mask bound is `row_ends_fn(row_ends, context_lens, qsl)`,
-    whose key scales are read at `scale_offsets(t, page_size, D, shuffle)` and whose keys are
-    decoded by `dequantize(packed, scales, torch.float64)`."""
+    whose key scales are read at `scale_offsets(t, page_size, D, shuffle)`, whose keys are
+    decoded by `dequantize(packed, scales, torch.float64)` and whose rows find their
+    sequence's pages through `tables_fn(query_start_loc, block_table, context_lens,
+    page_size) -> (query_start_loc, block_table)`."""
     def paged_mxfp4_mqa_logits(*, q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens,
                                block_table, row_ends, page_size: int = 64, shuffle=(32, 16, 2),
                                width: Optional[int] = None, clean_logits: bool = False) -> dict:
@@ -147,7 +149,9 @@ def scorer_op(*, row_ends_fn: Optional[Callable] = None,
             scales = flat[start + scale_offsets(t, page_size, d, sh)]
             return dequantize(vals, scales, torch.float64)
 
-        logits = scoring.paged_logits(q, weights, query_start_loc, block_table, ends, page_size,
+        qsl, table = (query_start_loc, block_table) if tables_fn is None else tables_fn(
+            query_start_loc, block_table, context_lens, page_size)
+        logits = scoring.paged_logits(q, weights, qsl, table, ends, page_size,
                                       read_keys, width or scoring.default_width(block_table, page_size))
         return {"logits": logits.float()}
     return paged_mxfp4_mqa_logits
@@ -647,6 +651,52 @@ def _ftz_q_op() -> Callable:
     def q_rope_mxfp4_quant(*, q, **kw) -> dict:
         return reference.q_rope_mxfp4_quant(q=_flush_subnormals(q), **kw)
     return q_rope_mxfp4_quant
+# --- structural boundaries: page geometry and batch structure ------------------------------
+
+def _pages_read(context_lens, page_size: int) -> list[int]:
+    return [-(-int(c) // page_size) for c in context_lens.long().tolist()]
+
+
+def _one_owner_per_page(logits, kw):
+    """A schedule over physical pages with a page -> sequence map scattered from the block
+    tables (the last sequence listing a page owns it): each page is scored for its owner's
+    rows only, so a page several sequences share (a prefix cache) is scored for one of them
+    and the other sharers' columns of it are never written (here: -inf, a filled buffer)."""
+    bt, ps = kw["block_table"].long(), kw["page_size"]
+    qsl = kw["query_start_loc"].long().tolist()
+    used = _pages_read(kw["context_lens"], ps)
+    owner = {}
+    for b, n in enumerate(used):
+        for i in range(n):
+            owner[int(bt[b, i])] = b
+    for b, n in enumerate(used):
+        for i in range(n):
+            if owner[int(bt[b, i])] != b:
+                logits[qsl[b]:qsl[b + 1], i * ps:(i + 1) * ps] = float("-inf")
+    return logits
+
+
+def _table_stride_from_context(query_start_loc, block_table, context_lens, page_size):
+    """The block table read flat with a row stride of the pages the longest context needs
+    (as if the table were exactly that wide) instead of its own: with a wider table (vLLM
+    sizes it for the longest sequence the engine admits) every sequence after the first
+    reads another row's page ids."""
+    w = max(1, max(_pages_read(context_lens, page_size), default=1))
+    b, width = block_table.shape
+    flat = block_table.reshape(-1)
+    idx = torch.arange(b, device=flat.device)[:, None] * w + torch.arange(width, device=flat.device)[None, :]
+    return query_start_loc, flat[idx.clamp(max=flat.numel() - 1)]
+
+
+def _decode_rows_are_sequences(query_start_loc, block_table, context_lens, page_size):
+    """A call with at most one row per sequence takes the decode layout [B, next_n = 1]: row r
+    reads sequence r's block table. Exact while every sequence has its row; after a sequence
+    with no rows in the batch, each later row reads the table of the sequence before its own."""
+    qsl = query_start_loc.long()
+    rows = int(qsl[-1])
+    if qsl.numel() < 2 or rows == 0 or not bool(((qsl[1:] - qsl[:-1]) <= 1).all()):
+        return query_start_loc, block_table
+    return torch.arange(rows + 1, device=qsl.device), block_table[:rows]
 
 
 # --- the catalogue ----------------------------------------------------------------------
@@ -706,6 +756,9 @@ _MAKE_OPS: dict[str, Callable[[], dict]] = {
     "e8m0-code0-flush": lambda: {SCORE: scorer_op(dequantize=_code0_flushed)},
     "e8m0-fp32-dequant-overflow": lambda: {SCORE: scorer_op(dequantize=_fp32_dequant)},
     "subnormal-flush": lambda: {K: k_writer_op(values=_ftz_values), Q: _ftz_q_op()},
+    "scorer-page-owner": lambda: {SCORE: logits_post_op(_one_owner_per_page)},
+    "scorer-table-stride": lambda: {SCORE: scorer_op(tables_fn=_table_stride_from_context)},
+    "empty-seq-row-shift": lambda: {SCORE: scorer_op(tables_fn=_decode_rows_are_sequences)},
 }
 
 

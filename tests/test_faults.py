@@ -163,10 +163,13 @@ VALUE_BOUNDARY = {"topk-tie-drop", "topk-zero-as-masked", "e8m0-code0-flush", "e
 SCALED = VALUE_BOUNDARY | {"aiter-4244-row-offset-sim", "aiter-4028-schedule-truncation", "aiter-2901-row-start-ignored",
           "aiter-3087-row-start-twice", "sglang-36807-radix-overflow", "flaggems-831-narrow-band",
           "sglang-12583-chunk-offset-ke", "mlx-lm-1189-chunk-rows-only", "vllm-41136-nan-decode"}
+# Faults that only show on a batch's structure (shared pages, a wide table, an empty sequence):
+# proven on their geometry below.
+STRUCTURAL = {"scorer-page-owner", "scorer-table-stride", "empty-seq-row-shift"}
 
 
 # Faults that need a pool past 2 GiB are proven by test_int32_wrap_on_a_2gib_pool.
-@pytest.mark.parametrize("name", sorted(n for n, f in F.FAULTS.items() if not f.large and n not in SCALED))
+@pytest.mark.parametrize("name", sorted(n for n, f in F.FAULTS.items() if not f.large and n not in SCALED | STRUCTURAL))
 def test_fault_changes_its_ops_output(name, case):
     f = F.FAULTS[name]
     c = make_case(**EXPOSING[name]) if name in EXPOSING else case
@@ -433,3 +436,56 @@ def test_subnormal_flush_shows_only_on_subnormal_inputs(case):
     q[:, :, :32] = tiny * 0.75
     assert not same(be.ops[K_OP](**dict(kw, k=k)), reference.k_norm_rope_mxfp4_cache(**dict(kw, k=k)))
     assert not same(be.ops[Q_OP](**dict(qw, q=q)), reference.q_rope_mxfp4_quant(**dict(qw, q=q)))
+# --- structural boundaries: each fault is exact until its geometry appears -------------------
+
+def _scorer_pair(name, exact: dict, exposed: dict):
+    """(fault's logits, reference's) on the call where the boundary is absent, then present."""
+    op = _post(name)
+    out = []
+    for kw in (exact, exposed):
+        out.append((op(**kw)["logits"], reference.paged_mxfp4_mqa_logits(**kw)["logits"]))
+    return out
+
+
+def _two_seqs(sc, table, rows=(slice(0, 48), slice(48, 96))):
+    """The one-sequence scorer call of make_case split into two sequences reading `table`."""
+    return dict(sc, block_table=torch.tensor(table), query_start_loc=torch.tensor([0, 48, 96]),
+                context_lens=torch.tensor([24, 24]))
+
+
+def test_page_owner_fault_needs_a_page_shared_by_two_sequences(case):
+    sc = case["paged_mxfp4_mqa_logits"]
+    pt = sc["block_table"][0].tolist()
+    other = next(p for p in range(6) if p != pt[0])
+    (a, b), (c, d) = _scorer_pair("scorer-page-owner", _two_seqs(sc, [pt, [other] + pt[1:]]),
+                                  _two_seqs(sc, [pt, pt]))
+    assert same({"l": a}, {"l": b})                              # distinct pages: exact
+    valid = torch.arange(c.shape[1])[None, :] < sc["row_ends"][:, None]
+    assert bool(torch.isinf(c[:48][valid[:48]]).all()) and torch.equal(c[48:], d[48:])
+
+
+def test_table_stride_fault_needs_a_table_wider_than_the_contexts(case):
+    sc = case["paged_mxfp4_mqa_logits"]
+    pt = sc["block_table"][0].tolist()                           # 24 entries: one page of 32 read
+    (a, b), (c, d) = _scorer_pair("scorer-table-stride", _two_seqs(sc, [pt[:1], pt[:1]]),
+                                  _two_seqs(sc, [pt, pt[:1] + pt[2:] + pt[1:2]]))
+    assert same({"l": a}, {"l": b})
+    assert torch.equal(c[:48], d[:48]) and not same({"l": c[48:]}, {"l": d[48:]})
+
+
+def test_empty_sequence_fault_needs_a_decode_call_with_an_empty_sequence(case):
+    sc = case["paged_mxfp4_mqa_logits"]
+    pt = sc["block_table"][0].tolist()
+    other = next(p for p in range(6) if p != pt[0])
+    sel = torch.tensor([40, 95])
+    rows = dict(sc, q_fp4=sc["q_fp4"][sel], q_scale=sc["q_scale"][sel], weights=sc["weights"][sel],
+                row_ends=sc["row_ends"][sel])
+    full = dict(rows, query_start_loc=torch.tensor([0, 1, 2]), context_lens=torch.tensor([24, 24]),
+                block_table=torch.tensor([pt, pt]))
+    gap = dict(rows, query_start_loc=torch.tensor([0, 1, 1, 2]), context_lens=torch.tensor([24, 24, 24]),
+               block_table=torch.tensor([pt, [other] + pt[1:], pt]))
+    (a, b), (c, d) = _scorer_pair("empty-seq-row-shift", full, gap)
+    assert same({"l": a}, {"l": b})
+    assert torch.equal(c[0], d[0]) and not same({"l": c[1:]}, {"l": d[1:]})
+    prefill = dict(gap, query_start_loc=torch.tensor([0, 2, 2, 2]))      # two rows of one sequence
+    assert same(_post("empty-seq-row-shift")(**prefill), reference.paged_mxfp4_mqa_logits(**prefill))

@@ -49,8 +49,20 @@ STRUCTURED_DISTS = {"relu_zero": ("normal", "zero_rows", "neg_zero"),
                     "scale_codes": ("normal",)}
 TIE_SHARE_DISTS = ("relu_zero", "duplicate_keys")    # the dists `tie_share` sizes
 HISTORY_MODES = ("pooled", "direct", "raw")
-PLANT_TENSORS = ("state_kv", "state_score", "q", "weights")
+# Where a non-finite value can be planted (harness/run/inputs.py plants it; NUMERICS.md §4, §6:
+# the reference refuses each as NonFiniteInput): the state cache's kv and score rows, the K
+# writer's input rows (`k`: only where pooling is not run), its norm weight, the RoPE table,
+# q, the head weights, the logits top-k ranks (only where the scorer is not under test) and a
+# key's e8m0 scale byte in the pool (`kv_scale`: byte 255, NaN; an FP8 pool: its fp32 scale).
+PLANT_TENSORS = ("state_kv", "state_score", "k", "norm_weight", "cos_sin_cache", "q", "weights",
+                 "logits", "kv_scale")
 PLANT_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+# Block-table orders (inputs.py `_pages`): "permuted" pages at random; "sequential" 0, 1, ..;
+# "top" the pool's last pages, ascending; "reversed" the pool's last pages, descending (each
+# table row runs downwards); "shared" permuted, and every sequence's whole pages of history
+# entries (as many as the first sequence has) are the first sequence's pages: repeated page
+# ids across the block tables, read-only (as vLLM's prefix cache shares them).
+PAGE_ORDERS = ("permuted", "sequential", "top", "reversed", "shared")
 
 
 class CaseError(InputError):
@@ -61,7 +73,8 @@ class CaseError(InputError):
 class SeqSpec:
     """One sequence: `len` tokens; the last `sum(chunks)` are prefill chunks and the last
     `decode` are decode steps, each run as a step; tokens before them are history, written
-    by the reference before the first step."""
+    by the reference before the first step. A chunk of 0 tokens is a step in which the
+    sequence is in the batch with no rows (query_start_loc[b] == query_start_loc[b + 1])."""
     len: int
     chunks: tuple[int, ...] = ()
     decode: int = 0
@@ -81,9 +94,13 @@ class SeqSpec:
 
 @dataclass(frozen=True)
 class Plant:
+    """`count` non-finite values in `tensor`, where the first step reads them; with `row`,
+    `count` whole rows (a token's q or head weights, a K row, a state row's half, a RoPE
+    table row, a row's valid logits, an entry's scale bytes; the norm weight is one row)."""
     tensor: str
     value: str
     count: int = 1
+    row: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,7 +118,8 @@ class Case:
     page_size: Optional[int] = None      # None: the preset's kv_block // r
     layout: object = "shuffled"          # "natural" | "shuffled" | [N, Dt, L]
     page_stride_pad: int = 0
-    page_order: str = "permuted"         # "permuted" | "sequential" | "top" (last pool pages)
+    page_order: str = "permuted"         # PAGE_ORDERS: "permuted" | "sequential" | "top" (last pool
+                                         # pages) | "reversed" (last pages, descending) | "shared"
     spare_pages: int = 2
     pool_pages: Optional[int] = None     # None: what the sequences need + spare_pages
     state_block: int = 16                # positions per state-cache block
@@ -307,10 +325,10 @@ def _presets() -> tuple:
     return tuple(PRESETS)
 
 
-SEQ_SCHEMA = Table({"len": Int(1, MAX_TOKENS + 1), "chunks": List(Int(1, MAX_TOKENS + 1), 0, MAX_STEPS + 1),
+SEQ_SCHEMA = Table({"len": Int(1, MAX_TOKENS + 1), "chunks": List(Int(0, MAX_TOKENS + 1), 0, MAX_STEPS + 1),
                     "decode": Int(0, MAX_STEPS + 1)}, required=("len",))
 PLANT_SCHEMA = Table({"tensor": Choice(PLANT_TENSORS), "value": Choice(tuple(PLANT_VALUES)),
-                      "count": Int(1, MAX_PLANT + 1)}, required=("tensor", "value"))
+                      "count": Int(1, MAX_PLANT + 1), "row": Bool()}, required=("tensor", "value"))
 CASE_SCHEMA = Table({
     "name": Str(empty_ok=False),
     "description": Str(),
@@ -324,7 +342,7 @@ CASE_SCHEMA = Table({
     "layout": Either((Choice(("natural", "shuffled")), List(Int(1, MAX_PAGE_SIZE + 1), 3, 4)),
                      '"natural", "shuffled" or [N, Dt, L]'),
     "page_stride_pad": Int(0, MAX_PAD + 1),
-    "page_order": Choice(("permuted", "sequential", "top")),
+    "page_order": Choice(PAGE_ORDERS),
     "spare_pages": Int(0, MAX_POOL_PAGES + 1),
     "pool_pages": Int(1, MAX_POOL_PAGES + 1),
     "state_block": Int(1, MAX_PAGE_SIZE + 1),
@@ -403,7 +421,17 @@ def _case(raw, defaults: dict, suite: str, file: Path, index: int) -> Case:
         raise CaseError(f"{where}: seqs: {total} tokens in all, more than the {MAX_TOKENS} a case may hold")
     kw["dist"] = tuple(kw.get("dist", ["normal"]))
     _check_dists(where, kw["dist"], kw.get("history", "pooled"), fmt)
-    kw["plant"] = tuple(Plant(p["tensor"], p["value"], p.get("count", 1)) for p in kw.get("plant", []))
+    kw["plant"] = tuple(Plant(p["tensor"], p["value"], p.get("count", 1), p.get("row", False))
+                        for p in kw.get("plant", []))
+    for i, p in enumerate(kw["plant"]):
+        if p.tensor == "kv_scale" and p.value != "nan" and format_of(kw["ops"]) == "mxfp4":
+            raise CaseError(f"{where}: plant[{i}].value: an e8m0 scale byte holds no infinity; "
+                            f"\"nan\" plants the byte 255")
+        if p.tensor == "norm_weight" and p.row and p.count != 1:
+            raise CaseError(f"{where}: plant[{i}].count: the norm weight is one row, got {p.count} rows")
+        why = _plant_unread(p.tensor, kw["ops"], path)
+        if why:
+            raise CaseError(f"{where}: plant[{i}].tensor: {p.tensor!r} {why}")
     lay = kw.get("layout", "shuffled")
     kw["layout"] = tuple(lay) if isinstance(lay, list) else lay
     if kw.get("expect_nonfinite") and not kw["plant"]:
@@ -428,6 +456,19 @@ def _check_dists(where: str, dist: tuple, history: str, fmt: str) -> None:
     if history == "raw" and (structured != ["scale_codes"] or fmt != "mxfp4"):
         raise CaseError(f"{where}: history: \"raw\" writes MXFP4 bytes scored against scale_codes "
                         f"queries: it needs dist = [\"scale_codes\"] and the MXFP4 chain")
+
+
+def _plant_unread(tensor: str, ops: tuple, path: str) -> str:
+    """Why no op of the chain reads a plant in `tensor` ("" when one does)."""
+    scorer = any(OPS[o].stage == "scorer" for o in ops)
+    if tensor == "k" and (path != "rocm" or "compress_pool" in ops):
+        return ("is read only where pooling is not run (the K writer then takes generated rows); "
+                "here it takes pooled rows: plant state_kv")
+    if tensor == "logits" and (scorer or "topk" not in ops):
+        return "is top-k's input from the reference scorer: only in a case with topk and no scorer in ops"
+    if tensor == "kv_scale" and not (scorer or "topk" in ops):
+        return "is read by the scorer: the case needs a scorer or topk in ops"
+    return ""
 
 
 @dataclass

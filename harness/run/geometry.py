@@ -68,6 +68,17 @@ def page_needs(case: Case, r: int, ps: int) -> list[int]:
     return [max(1, -(-(s.len // r) // ps)) for s in case.seqs]
 
 
+def shared_pages(case: Case, r: int, ps: int) -> list[int]:
+    """Per sequence, how many of its first block-table pages are the first sequence's (page_order
+    "shared"; 0 elsewhere and for the first sequence): its whole pages of history entries, at
+    most as many as the first sequence has. Those entries are read, never written, by every
+    step (a step's entries lie past its history's)."""
+    if case.page_order != "shared":
+        return [0] * len(case.seqs)
+    whole = [(s.history // r) // ps for s in case.seqs]
+    return [0] + [min(w, whole[0]) for w in whole[1:]]
+
+
 def pool_pages(case: Case, needs: list[int]) -> int:
     """The K pool's pages: `pool_pages`, else what the sequences need plus the spare pages."""
     return case.pool_pages or sum(needs) + case.spare_pages
@@ -97,6 +108,9 @@ def _check_sizes(case: Case, r: int, ps: int, stride: int, heads: int, d: int) -
     if case.table_pages is not None and case.table_pages < max(needs):
         raise CaseError(f"{where}: table_pages: {case.table_pages} < the {max(needs)} pages the longest "
                         f"sequence needs")
+    if case.page_order == "shared" and not any(shared_pages(case, r, ps)):
+        raise CaseError(f"{where}: page_order: \"shared\" shares no page: the first sequence and another "
+                        f"need a whole page ({ps} entries, {ps * r} tokens) of history each")
     width, step_rows = step_shape(case, r, ps)
     if step_rows * width > MAX_LOGITS:
         raise CaseError(f"{where}: seqs: {step_rows} tokens in one step x {width} logits columns exceed "

@@ -9,14 +9,16 @@ does not own is caught; slot mappings give -1 to non-boundary tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from harness.run.cases import PLANT_VALUES, STRUCTURED_DISTS, Case, CaseError
-from harness.run.geometry import Geometry, geometry, page_needs, pool_pages
-from reference.formats import E2M1_VALUES, MX_BLOCK
+from harness.run.geometry import Geometry, geometry, page_needs, pool_pages, shared_pages
+from reference import layout
+from reference.formats import E2M1_VALUES, E8M0_NAN, MX_BLOCK
 from reference.mxfp4 import pack_nibbles
 from reference.ops import OPS
 from reference.pooling import state_rows, write_state
@@ -52,6 +54,18 @@ class Tokens:
         return int(self.positions.shape[0])
 
 
+@dataclass(frozen=True)
+class LatePlant:
+    """A plant put in once the history is written (the history's writes read the norm weight
+    and RoPE table, and write the entries whose scale bytes a plant replaces), or, for
+    `logits`, into top-k's input of step `step`. `index`: CPU index tensors into the tensor
+    (kv_scale: flat pool byte offsets); `value`: a float, or the bytes (uint8) of kv_scale."""
+    tensor: str
+    index: tuple
+    value: object
+    step: int = 0
+
+
 @dataclass
 class CaseInputs:
     case: Case
@@ -65,6 +79,37 @@ class CaseInputs:
     history: Optional[Tokens]
     steps: list[Tokens]
     planted: list[str] = field(default_factory=list)
+    # {tensor, value, row, count}: each plant of the case, as built (its site is in `planted`)
+    plant_facts: list[dict] = field(default_factory=list)
+    late: list[LatePlant] = field(default_factory=list)
+
+    def after_history(self, pool: torch.Tensor) -> tuple["CaseInputs", torch.Tensor]:
+        """(these inputs, `pool`) with the plants the history write must not see: the norm
+        weight, RoPE rows and scale bytes of written entries. Unchanged without such plants."""
+        mine = [p for p in self.late if p.tensor != "logits"]
+        if not mine:
+            return self, pool
+        got = {"norm_weight": self.norm_weight.clone(), "cos_sin_cache": self.cos_sin_cache.clone(),
+               "kv_scale": pool.clone()}
+        for p in mine:
+            t = got[p.tensor]
+            idx = tuple(i.to(t.device) for i in p.index)
+            if p.tensor == "kv_scale":
+                t.view(-1)[idx[0]] = p.value.to(t.device)
+            else:
+                t[idx] = p.value
+        return (dataclasses.replace(self, norm_weight=got["norm_weight"], cos_sin_cache=got["cos_sin_cache"]),
+                got["kv_scale"])
+
+    def plant_logits(self, step: int, logits: torch.Tensor) -> torch.Tensor:
+        """Top-k's input of `step` with the logits plants (a copy; `logits` without any)."""
+        mine = [p for p in self.late if p.tensor == "logits" and p.step == step]
+        if not mine:
+            return logits
+        logits = logits.clone()
+        for p in mine:
+            logits[tuple(i.to(logits.device) for i in p.index)] = p.value
+        return logits
 
     def scalars(self, op: str) -> dict:
         g, c = self.geo, self.case
@@ -109,7 +154,8 @@ class CaseInputs:
         return CaseInputs(self.case, self.geo, mv(self.state_cache), mv(self.state_block_table),
                           mv(self.cos_sin_cache), mv(self.norm_weight), mv(self.kv_cache),
                           mv(self.k_block_table), mv_tokens(self.history),
-                          [mv_tokens(s) for s in self.steps], list(self.planted))
+                          [mv_tokens(s) for s in self.steps], list(self.planted), list(self.plant_facts),
+                          list(self.late))
 
 
 # --- value distributions -------------------------------------------------------------
@@ -424,11 +470,14 @@ def structured_values(x: torch.Tensor, ctx: ValueContext, gen: torch.Generator, 
 # --- building the case ---------------------------------------------------------------
 
 def _tokens(case: Case, geo: Geometry, ranges: dict[int, tuple[int, int]],
-            k_bt: torch.Tensor) -> Tokens:
+            k_bt: torch.Tensor, *, keep_empty: bool = True, no_write: Optional[list[int]] = None) -> Tokens:
+    """The batch of `ranges` (sequence -> [start, end) positions). A sequence with no tokens
+    stays in the batch (its rows are empty: query_start_loc repeats) unless `keep_empty` is
+    off; `no_write[b]`: sequence b's entries below it get no slot (pages it reads, shared)."""
     r, ps = geo.ratio, geo.page_size
     pos, req, seqs, qsl, ctx = [], [], [], [0], []
     for b, (s, e) in sorted(ranges.items()):
-        if e <= s:
+        if e < s or (e == s and not keep_empty):
             continue
         pos.append(torch.arange(s, e))
         req.append(torch.full((e - s,), b))
@@ -440,27 +489,35 @@ def _tokens(case: Case, geo: Geometry, ranges: dict[int, tuple[int, int]],
     j = positions // r
     page = (j // ps).clamp(max=k_bt.shape[1] - 1)     # tokens past the last entry write nothing
     slot = k_bt[req_index, page].long() * ps + j % ps
-    slot = torch.where((positions + 1) % r == 0, slot, torch.full_like(slot, -1))
+    write = (positions + 1) % r == 0
+    if no_write is not None:
+        write &= j >= torch.tensor(no_write, dtype=torch.long)[req_index] * ps
+    slot = torch.where(write, slot, torch.full_like(slot, -1))
     return Tokens(positions, req_index, slot, seqs, torch.tensor(qsl, dtype=torch.int32),
                   torch.tensor(ctx, dtype=torch.int32), k_bt[seqs].clone(),
                   ((positions + 1) // r).to(torch.int32))
 
 
-def _pages(case: Case, needs: list[int], gen: torch.Generator) -> tuple[int, torch.Tensor]:
+def _pages(case: Case, needs: list[int], gen: torch.Generator, shared: list[int]) -> tuple[int, torch.Tensor]:
+    """The pool's page count and the block table [B, width] in the case's page order
+    (cases.PAGE_ORDERS); `shared[b]`: sequence b's first pages are sequence 0's."""
     total = sum(needs)
     pool = pool_pages(case, needs)
     if pool < total:
         raise CaseError(f"{case.file}: case {case.name!r}: pool_pages {pool} < the {total} pages needed")
-    if case.page_order == "permuted":
+    if case.page_order in ("permuted", "shared"):
         phys = torch.randperm(pool, generator=gen)[:total]
     elif case.page_order == "top":
         phys = torch.arange(pool - total, pool)
+    elif case.page_order == "reversed":
+        phys = torch.arange(pool - 1, pool - 1 - total, -1)
     else:
         phys = torch.arange(total)
     table = torch.zeros(len(needs), max(max(needs), case.table_pages or 0), dtype=torch.int32)
     at = 0
     for b, n in enumerate(needs):
         table[b, :n] = phys[at:at + n].to(torch.int32)
+        table[b, :shared[b]] = table[0, :shared[b]]      # its own pages there stay unread
         at += n
     return pool, table
 
@@ -498,31 +555,38 @@ def _state(case: Case, geo, gen: torch.Generator):
     ape = torch.randn(r, 2 * d, generator=gen) * 0.5
     planted: list[str] = []
 
-    def boundary_row():
-        """Row (in all_pos order) of the first boundary token of the first step."""
+    def boundary_rows(n: int) -> list[tuple[int, int]]:
+        """(row in all_pos order, position) of the first n boundary tokens of the first step."""
+        out = []
         for b, s in enumerate(seqs):
             s0, e0 = s.steps()[0]
             for p in range(s0, e0):
-                if (p + 1) % r == 0:
-                    return sum(x.len - lo[i] for i, x in enumerate(seqs[:b])) + p - lo[b], p
-        return None, None
+                if (p + 1) % r == 0 and len(out) < n:
+                    out.append((sum(x.len - lo[i] for i, x in enumerate(seqs[:b])) + p - lo[b], p))
+        return out
 
     for pl in case.plant:
         if pl.tensor in ("state_kv", "state_score"):
-            row, p = boundary_row()
-            if row is None:
-                raise CaseError(f"{case.file}: case {case.name!r}: no boundary token to plant {pl.tensor} in")
+            rows = boundary_rows(pl.count if pl.row else 1)
+            if len(rows) < (pl.count if pl.row else 1):
+                raise CaseError(f"{case.file}: case {case.name!r}: plant: {pl.count if pl.row else 1} boundary "
+                                f"token(s) of the first step needed to plant {pl.tensor} in, found {len(rows)}")
             target = kv if pl.tensor == "state_kv" else score
-            chans = d + torch.randperm(d, generator=gen)[:pl.count]     # the token's own `_b` half
-            target[row, chans] = PLANT_VALUES[pl.value]
-            planted.append(f"{pl.tensor}[pos {p}, ch {chans.tolist()}] = {pl.value}")
+            # the token's own `_b` half: `count` channels of it, or all of it in each of `count` rows
+            chans = d + (torch.arange(d) if pl.row else torch.randperm(d, generator=gen)[:pl.count])
+            for row, p in rows:
+                target[row, chans] = PLANT_VALUES[pl.value]
+            where = (f"rows at pos {[p for _, p in rows]}, ch {d}..{2 * d - 1}" if pl.row
+                     else f"pos {rows[0][1]}, ch {chans.tolist()}")
+            planted.append(f"{pl.tensor}[{where}] = {pl.value}")
     rows = state_rows(kv, score, ape, all_pos)
     return write_state(state, state_bt, all_req, all_pos, rows), state_bt, band, planted
 
 
 def _k_pool(case: Case, geo, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The K cache pool (random bytes; filled on `device` when over _CPU_POOL_LIMIT) and its block table."""
-    n_pages, k_bt = _pages(case, page_needs(case, geo.ratio, geo.page_size), gen)
+    n_pages, k_bt = _pages(case, page_needs(case, geo.ratio, geo.page_size), gen,
+                           shared_pages(case, geo.ratio, geo.page_size))
     pool_bytes = n_pages * geo.page_stride
     if pool_bytes > _CPU_POOL_LIMIT:
         dgen = torch.Generator(device=device).manual_seed(case.seed)
@@ -550,17 +614,119 @@ def _step(case: Case, geo, rng, k_bt, gen: torch.Generator, band, planted: list[
     t.k = t.k.to(torch.bfloat16)
     if planted is not None:
         for pl in case.plant:
-            if pl.tensor == "q":
+            v = PLANT_VALUES[pl.value]
+            if pl.tensor in ("q", "weights") and pl.row:
+                _enough(case, pl, t.n, "token(s) in the first step")
+                (q if pl.tensor == "q" else t.weights)[:pl.count] = v
+                planted.append(f"{pl.tensor}[rows: tokens 0..{pl.count - 1}, all] = {pl.value}")
+            elif pl.tensor == "q":
+                _enough(case, pl, t.n, "token(s) in the first step", 1)
                 idx = torch.randperm(h * d, generator=gen)[:pl.count]
-                q[0].view(-1)[idx] = PLANT_VALUES[pl.value]
+                q[0].view(-1)[idx] = v
                 planted.append(f"q[token 0, flat {idx.tolist()}] = {pl.value}")
             elif pl.tensor == "weights":
+                _enough(case, pl, t.n, "token(s) in the first step", 1)
                 idx = torch.randperm(h, generator=gen)[:pl.count]
-                t.weights[0, idx] = PLANT_VALUES[pl.value]
+                t.weights[0, idx] = v
                 planted.append(f"weights[token 0, heads {idx.tolist()}] = {pl.value}")
+            elif pl.tensor == "k":             # the K writer's input rows it writes (pooling not run)
+                rows = torch.nonzero(((t.positions + 1) % geo.ratio == 0) & (t.slot_mapping >= 0)).flatten()
+                _enough(case, pl, rows.numel(), "written K row(s) in the first step", None if pl.row else 1)
+                if pl.row:
+                    t.k[rows[:pl.count]] = v
+                    planted.append(f"k[rows: tokens {rows[:pl.count].tolist()}, all] = {pl.value}")
+                else:
+                    idx = torch.randperm(d, generator=gen)[:pl.count]
+                    t.k[rows[0], idx] = v
+                    planted.append(f"k[token {int(rows[0])}, dims {idx.tolist()}] = {pl.value}")
     t.q = q.to(torch.bfloat16)
     t.weights = t.weights.to(torch.bfloat16 if case.weights_dtype == "bfloat16" else torch.float32)
     return t
+
+
+def _enough(case: Case, pl, have: int, what: str, need: Optional[int] = None) -> None:
+    need = pl.count if need is None else need
+    if have < need:
+        raise CaseError(f"{case.file}: case {case.name!r}: plant {pl.tensor}: {need} {what} needed, found {have}")
+
+
+def _late_plants(case: Case, geo: Geometry, steps: list[Tokens], k_bt: torch.Tensor, gen: torch.Generator,
+                 planted: list[str]) -> list[LatePlant]:
+    """The sites of the plants put in after the history (LatePlant), each where the first step
+    reads it: the norm weight; the RoPE rows of the first step's first written entry and first
+    token (the K writer and the Q quant read them); a history entry's scale bytes that the first
+    step's rows score; the first rows of top-k's input with a valid column."""
+    out: list[LatePlant] = []
+    st, r, d = steps[0], geo.ratio, geo.head_dim
+    for pl in case.plant:
+        v = PLANT_VALUES[pl.value]
+        if pl.tensor == "norm_weight":
+            idx = torch.arange(d) if pl.row else torch.randperm(d, generator=gen)[:pl.count]
+            out.append(LatePlant("norm_weight", (idx,), v))
+            planted.append(f"norm_weight[{'rows: all' if pl.row else f'dims {idx.tolist()}'}] = {pl.value}")
+        elif pl.tensor == "cos_sin_cache":
+            _enough(case, pl, st.n, "token(s) in the first step", pl.count if pl.row else 1)
+            w = torch.nonzero(((st.positions + 1) % r == 0) & (st.slot_mapping >= 0)).flatten()
+            rows = st.positions[:pl.count if pl.row else 1].tolist()
+            rows = sorted({*rows, *([int(st.positions[w[0]]) // r * r] if w.numel() else [])})
+            rdim = geo.rope_dim
+            cols = torch.arange(rdim) if pl.row else torch.randperm(rdim, generator=gen)[:pl.count]
+            ri = torch.tensor(rows).repeat_interleave(cols.numel())
+            out.append(LatePlant("cos_sin_cache", (ri, cols.repeat(len(rows))), v))
+            planted.append(f"cos_sin_cache[{'rows' if pl.row else 'positions'} {rows}, "
+                           f"cols {'all' if pl.row else cols.tolist()}] = {pl.value}")
+        elif pl.tensor == "kv_scale":
+            out.append(_kv_scale_plant(case, geo, st, k_bt, gen, pl, planted))
+        elif pl.tensor == "logits":
+            ends = st.row_ends.long()
+            live = torch.nonzero(ends > 0).flatten()
+            _enough(case, pl, live.numel(), "row(s) with a valid column in the first step", pl.count if pl.row else 1)
+            if pl.row:
+                rows = live[:pl.count]
+                mask = torch.arange(int(ends[rows].max()))[None, :] < ends[rows, None]
+                ri, ci = mask.nonzero(as_tuple=True)
+                out.append(LatePlant("logits", (rows[ri], ci), v))
+                planted.append(f"logits[step 0, rows {rows.tolist()}, all valid columns] = {pl.value}")
+            else:
+                row = int(live[0])
+                _enough(case, pl, int(ends[row]), f"valid column(s) in row {row}")
+                cols = torch.randperm(int(ends[row]), generator=gen)[:pl.count]
+                out.append(LatePlant("logits", (torch.full_like(cols, row), cols), v))
+                planted.append(f"logits[step 0, row {row}, cols {cols.tolist()}] = {pl.value}")
+    return out
+
+
+def _kv_scale_plant(case: Case, geo: Geometry, st: Tokens, k_bt: torch.Tensor, gen: torch.Generator,
+                    pl, planted: list[str]) -> LatePlant:
+    """Scale bytes of the first history entries of the first sequence of the first step that
+    has rows and history: `count` of one entry's e8m0 scale bytes set to 255 (NaN), or with
+    `row` every scale byte of its first `count` entries; an FP8 pool's fp32 scale of the
+    first `count` entries set to the value."""
+    r, ps, d, stride = geo.ratio, geo.page_size, geo.head_dim, geo.page_stride
+    qsl = st.query_start_loc.tolist()
+    n = pl.count if (pl.row or geo.fmt == "fp8") else 1
+    cand = [b for i, b in enumerate(st.seqs) if qsl[i + 1] > qsl[i] and case.seqs[b].history // r >= n]
+    if not cand:
+        raise CaseError(f"{case.file}: case {case.name!r}: plant kv_scale: no sequence of the first step has "
+                        f"{n} history entr{'y' if n == 1 else 'ies'} (written before the step, then read by it)")
+    b = cand[0]
+    j = torch.arange(n)
+    slot = k_bt[b, j // ps].long() * ps + j % ps
+    page, t = slot // ps, slot % ps
+    if geo.fmt == "mxfp4":
+        nb = d // 32
+        _enough(case, pl, nb, "scale block(s) in an entry", 1 if pl.row else pl.count)
+        blocks = torch.arange(nb) if pl.row else torch.randperm(nb, generator=gen)[:pl.count]
+        offs = layout.scale_offsets(t, ps, d, layout.as_shuffle(geo.shuffle))[:, blocks]
+        offs = (page * stride)[:, None] + offs
+        value = torch.full((offs.numel(),), E8M0_NAN, dtype=torch.uint8)
+        shown = "255"
+    else:
+        offs = (page * stride + ps * d + 4 * t)[:, None] + torch.arange(4)
+        value = torch.tensor([PLANT_VALUES[pl.value]], dtype=torch.float32).view(torch.uint8).repeat(n)
+        shown = pl.value
+    planted.append(f"kv_scale[seq {b}, entries {j.tolist()}, pool bytes {offs.flatten().tolist()[:16]}] = {shown}")
+    return LatePlant("kv_scale", (offs.flatten(),), value)
 
 
 def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
@@ -579,7 +745,8 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
     kv_cache, k_bt = _k_pool(case, geo, gen, device)
 
     hist = {b: (0, s.history) for b, s in enumerate(seqs)}
-    history = _tokens(case, geo, hist, k_bt) if any(e > 0 for _, e in hist.values()) else None
+    history = (_tokens(case, geo, hist, k_bt, keep_empty=False, no_write=shared_pages(case, geo.ratio, geo.page_size))
+               if any(e > 0 for _, e in hist.values()) else None)
     if history is not None and case.history == "direct":
         # history entries straight from random K rows: pooling runs on the steps only
         hk = shape_values(torch.randn(history.n, d, generator=gen) * case.scale, case.dist, gen, kind="k",
@@ -592,7 +759,10 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
     steps = [_step(case, geo, {b: s.steps()[i] for b, s in enumerate(seqs) if i < len(s.steps())},
                    k_bt, gen, band, planted if i == 0 else None)
              for i in range(max(len(s.steps()) for s in seqs))]
-    out = CaseInputs(case, geo, state, state_bt, cs, norm_weight, kv_cache, k_bt, history, steps, planted)
+    late = _late_plants(case, geo, steps, k_bt, gen, planted)
+    facts = [{"tensor": p.tensor, "value": p.value, "row": p.row, "count": p.count} for p in case.plant]
+    out = CaseInputs(case, geo, state, state_bt, cs, norm_weight, kv_cache, k_bt, history, steps, planted,
+                     facts, late)
     return out.to(device)
 
 
@@ -614,3 +784,31 @@ def filled_on_device(case: Case) -> bool:
     its bytes then depend on the device, and only `build(case, device)` gives them."""
     geo = geometry(case)
     return pool_pages(case, page_needs(case, geo.ratio, geo.page_size)) * geo.page_stride > _CPU_POOL_LIMIT
+
+
+def structure_facts(inp: CaseInputs) -> dict:
+    """What a case's batches reach of the block tables' and rows' structure, read from its
+    inputs (nothing runs): per step, whether a page id repeats across the sequences' pages
+    read (`shared_pages`), a table row runs downwards (`descending_pages`), the highest page
+    read (`top_page`, of `pool_pages`), the table is wider than the contexts need
+    (`wide_table`), a sequence has no rows (`empty_seq`, and in a call of at most one row per
+    sequence: `empty_seq_in_decode`), a context has no entries (`zero_context`) or a row ends
+    at 0 (`zero_row_end`); any of the steps counts."""
+    ps = inp.geo.page_size
+    out = {"shared_pages": False, "descending_pages": False, "top_page": -1,
+           "pool_pages": int(inp.kv_cache.shape[0]), "wide_table": False, "empty_seq": False,
+           "empty_seq_in_decode": False, "zero_context": False, "zero_row_end": False}
+    for st in inp.steps:
+        ctx = st.context_lens.long().cpu()
+        used = [st.block_table[b, :-(-int(c) // ps)].long().cpu() for b, c in enumerate(ctx)]
+        ids = torch.cat(used) if used else torch.zeros(0, dtype=torch.long)
+        rows = (st.query_start_loc[1:] - st.query_start_loc[:-1]).long().cpu()
+        out["shared_pages"] |= ids.unique().numel() < ids.numel()
+        out["descending_pages"] |= any(bool((u[1:] < u[:-1]).all()) for u in used if u.numel() > 1)
+        out["top_page"] = max(out["top_page"], int(ids.max()) if ids.numel() else -1)
+        out["wide_table"] |= st.block_table.shape[1] > max(-(-int(ctx.max()) // ps) if ctx.numel() else 0, 1)
+        out["empty_seq"] |= bool((rows == 0).any())
+        out["empty_seq_in_decode"] |= bool((rows == 0).any() and (rows <= 1).all() and rows.sum() > 0)
+        out["zero_context"] |= bool((ctx == 0).any())
+        out["zero_row_end"] |= bool((st.row_ends == 0).any())
+    return out

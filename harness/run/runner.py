@@ -451,6 +451,7 @@ class ChainRun:
         need_k = kw in ops or need_logits
         self.fused = bool(OPS[kw].fuses)
         self.pool_b = self._history(kw) if need_k else self.inp.kv_cache
+        self.inp, self.pool_b = self.inp.after_history(self.pool_b)     # plants the history does not see
         self.pool_start = self.chain_pool = self.pool_b
         self.chain_k, self.chain_pos, self.chain_slot = [], [], []
         for i, st in enumerate(self.inp.steps):
@@ -548,6 +549,7 @@ class ChainRun:
         logits_raw = self._stage(sc, i, sins, fallback=lambda: ref_sins)["logits"]
         with self.clock("diff"):
             logits_b = self._finite_logits(sc, i, logits_raw, sins, ref_sins, st.row_ends)
+        logits_b = inp.plant_logits(i, logits_b)          # top-k's input plants (scorer not under test)
         idx_b = self._stage("topk", i, dict(logits=logits_b, lengths=st.row_ends))["indices"]
         if not self.CHAIN:
             return
