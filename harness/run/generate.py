@@ -84,6 +84,7 @@ def _layouts(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             case["pool_pages"] = 600 if tier == "cpu" else (1 << 31) // stride + 1024
         if hist[i] == "raw":
             case["ops"] = ["paged_mxfp4_mqa_logits", "topk"]
+            case["dist"] = ["scale_codes"]
             case["description"] += " (raw entries: every scale code the format holds, read)"
         out.append((f"layout-{_layout_name(lay).replace(',', '-')}-{ps}-{orders[i]}", case))
     return out
