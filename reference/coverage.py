@@ -57,7 +57,7 @@ FACTS: dict[str, str] = {
     "elements_per_call": "tokens x heads of one Q quant call (aiter picks BLOCK_H by it)",
     "state_block": "positions per state-cache block (below 2r - 1 a window spans three blocks)",
     "dots": "'overflow' (a head's dot beyond fp32's range at more than 32 heads, where aiter's relu is "
-            "x + |x|), 'overflow-any' (at any head count)",
+            "x + |x|), 'overflow-any' (at any head count); measured, no case generates it yet",
     "entries": "where a writer's entries fall: 'group-edge' (entries e and e+1 across a shuffle group), "
                "'page-edge' (across a page)",
     "pages": "the block table read: 'permuted', 'descending', 'repeated' (one page id in two places), "
@@ -175,8 +175,6 @@ def _boundaries() -> tuple[Boundary, ...]:
                     "seq_rows", ("has", n), "aiter's scorer BLOCK_M: 1, 2..8 (speculative rows), >= 512"))
     b.append(_B("scorer.seqs.all-no-context", SCORERS, "context_lens", "row starts and sequences", "seqs",
                 ("has", "all-no-context"), "a call whose every context is 0 (DeepGEMM's schedule search)"))
-    b.append(_B("scorer.dots.overflow", SCORER_MX, "kv_cache", "a head's dot past fp32's range", "dots",
-                ("has", "overflow"), "aiter's relu as x + |x| above 32 heads: -inf + inf is NaN"))
     b.append(_B("pool.state_block.small", POOL, "state_cache", "state block against the window", "state_block",
                 ("has", 4), "vLLM's warm-up uses block_size = r = 4 < 2r - 1: a window spans three blocks"))
     b.append(_B("topk.rows.65537", TOPK, "rows", "rows per call", "rows", ("ge", 65537),

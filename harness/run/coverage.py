@@ -37,7 +37,8 @@ from reference.op_table import DECLARED
 # A CPU measures the cases whose estimated footprint fits this; larger ones need a GPU (their
 # boundaries are then reported as not measured here, never as unreached).
 CPU_FOOTPRINT = 3 << 30
-VISIBLE_ROWS = 64           # scorer rows sampled per call for the visibility of scale codes
+VISIBLE_WORK = 1 << 26      # head-key-block products per scorer call for the visibility of scale codes
+VISIBLE_ROWS = 64           # rows sampled per call at least (every row when the work allows)
 VISIBLE_KEYS = 4096         # keys per sampled row (the row's last ones: the newest entries)
 CROWD_BITS = 12             # a radix select's first pass: sign, exponent and 3 mantissa bits
 CROWD_ROW = 2048            # a row counts as crowded from this many entries in one bin
@@ -328,7 +329,9 @@ class _Facts:
         rows = ends.numel()
         if rows == 0:
             return
-        pick = torch.linspace(0, rows - 1, min(rows, VISIBLE_ROWS)).round().long().unique().to(ends.device)
+        per_row = ins["q_fp4"].shape[1] * min(int(ends.max()), VISIBLE_KEYS) * (d // MX_BLOCK)
+        n_pick = min(rows, max(VISIBLE_ROWS, VISIBLE_WORK // max(1, per_row)))
+        pick = torch.linspace(0, rows - 1, n_pick).round().long().unique().to(ends.device)
         seq = torch.searchsorted(qsl[1:], pick, right=True)
         shuffle = scalars.get("shuffle")
         kcodes, qcodes, dots = set(), set(), set()

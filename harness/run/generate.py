@@ -125,11 +125,11 @@ def _ties(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
 def _crowds(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     """Many scores in one first-pass radix bin: long rows, and calls of many crowded rows."""
     if tier == "cpu":
-        base = 2048 * R + rng.randrange(R)
+        base = 4400 * R + rng.randrange(R)
         return [("crowd-rows-257", {
             "heads": 4, "topk": 8, "dist": ["narrow_band"], "ops": ["topk"], "history": "direct",
             "state_block": 64, "seqs": [{"len": base + 257, "chunks": [257]}],
-            "description": "one call of 257 rows, each over 2048 entries whose scores share one radix bin"})]
+            "description": "one call of 257 rows, each over 4400 entries whose scores share one radix bin"})]
     return [("crowd-row-65536", {
                 "heads": 8, "dist": ["narrow_band"], "ops": ["topk"], "history": "direct", "state_block": 256,
                 "seqs": [{"len": 65540 * R, "decode": 1}, {"len": 70000 * R, "decode": 1}],
@@ -224,11 +224,6 @@ def _sizes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             "heads": 4, "topk": 1024, "dist": ["relu_zero"], "tie_share": 0.9, "history": "direct",
             "ops": ["paged_mxfp4_mqa_logits", "topk"], "state_block": 64, "seqs": _rows_at([2100, 2101]),
             "description": "k = 1024 against a plateau of about 1900 exact zeros (a 1024-entry tie buffer)"}),
-        ("dots-overflow-h64", {
-            "heads": 64, "topk": 8, "dist": ["scale_codes"], "history": "raw",
-            "ops": ["paged_mxfp4_mqa_logits", "topk"], "seqs": _rows_at([300, 301]),
-            "description": "64 heads over raw entries of every code against queries of every code: head dots "
-                           "past fp32's range (aiter's relu as x + |x| above 32 heads)"}),
     ]
 
 
