@@ -159,3 +159,7 @@ def test_structure_facts_name_what_the_selftest_cases_reach():
     assert not facts["chain"]["empty_seq"] and not facts["chain"]["zero_context"]
     top = facts["k-pool-wrap"]
     assert top["top_page"] == top["pool_pages"] - 1
+    # the default suite's K writer and scorer both meet the pool's last page
+    c = cat.case("pool-top-pages")
+    f = structure_facts(build(c))
+    assert f["top_page"] == f["pool_pages"] - 1 and {"k_norm_rope_mxfp4_cache", "paged_mxfp4_mqa_logits"} <= set(c.ops)
