@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from harness.run.cases import CaseError, Catalog
+from harness.run.coverage import measure
 from harness.run.geometry import geometry, shared_pages
 from harness.run.inputs import build
 from harness.run.runner import run_case
@@ -23,14 +24,15 @@ def _writers(t, r=4):
 
 
 def test_reversed_pages_run_down_from_the_top_of_the_pool(tmp_path):
-    inp = build(_cat(tmp_path, '[[case]]\nname = "r"\npage_order = "reversed"\n'
-                               'seqs = [{len = 400, chunks = [20]}, {len = 200, chunks = [8]}]\n').case("r"))
+    case = _cat(tmp_path, '[[case]]\nname = "r"\npage_order = "reversed"\n'
+                          'seqs = [{len = 400, chunks = [20]}, {len = 200, chunks = [8]}]\n').case("r")
+    inp = build(case)
     bt, pool = inp.k_block_table, inp.kv_cache.shape[0]
     assert bt[0, :4].tolist() == [pool - 1, pool - 2, pool - 3, pool - 4]
     assert bt[1, :2].tolist() == [pool - 5, pool - 6]
-    from harness.run.inputs import structure_facts
-    f = structure_facts(inp)
-    assert f["descending_pages"] and f["top_page"] == pool - 1 and not f["shared_pages"]
+    f = measure(case, "cpu").facts["paged_mxfp4_mqa_logits"]
+    assert "descending" in f["pages"] and "repeated" not in f["pages"]
+    assert max(f["page_bytes"]) == (pool - 1) * inp.kv_cache.shape[1]
 
 
 def test_shared_pages_repeat_the_first_sequences_history_pages(tmp_path):
@@ -147,19 +149,18 @@ def test_a_plant_past_what_the_first_step_holds_is_a_case_error(tmp_path, plant,
         build(cat.case("p"))
 
 
-def test_structure_facts_name_what_the_selftest_cases_reach():
-    from harness.run.inputs import structure_facts
+def test_coverage_facts_name_what_the_selftest_cases_reach():
     cat = Catalog()
-    facts = {n: structure_facts(build(cat.case(n))) for n in ("shared-pages", "wide-table", "empty-seq-decode",
-                                                               "chain", "k-pool-wrap")}
-    assert facts["shared-pages"]["shared_pages"] and not facts["chain"]["shared_pages"]
-    assert facts["wide-table"]["wide_table"] and not facts["chain"]["wide_table"]
-    e = facts["empty-seq-decode"]
-    assert e["empty_seq_in_decode"] and e["zero_context"] and e["zero_row_end"]
-    assert not facts["chain"]["empty_seq"] and not facts["chain"]["zero_context"]
-    top = facts["k-pool-wrap"]
-    assert top["top_page"] == top["pool_pages"] - 1
+    sc = "paged_mxfp4_mqa_logits"
+    facts = {n: measure(cat.case(n), "cpu") for n in ("shared-pages", "wide-table", "empty-seq-decode", "chain")}
+    pages = {n: m.facts[sc]["pages"] for n, m in facts.items()}
+    seqs = {n: m.facts[sc]["seqs"] for n, m in facts.items()}
+    assert "repeated" in pages["shared-pages"] and "repeated" not in pages["chain"]
+    assert "wide-table" in pages["wide-table"] and "wide-table" not in pages["chain"]
+    assert {"empty", "no-context"} <= seqs["empty-seq-decode"]
+    assert "empty" not in seqs["chain"]
     # the default suite's K writer and scorer both meet the pool's last page
     c = cat.case("pool-top-pages")
-    f = structure_facts(build(c))
-    assert f["top_page"] == f["pool_pages"] - 1 and {"k_norm_rope_mxfp4_cache", "paged_mxfp4_mqa_logits"} <= set(c.ops)
+    inp, m = build(c), measure(c, "cpu")
+    top = (inp.kv_cache.shape[0] - 1) * inp.kv_cache.shape[1]
+    assert max(m.facts[sc]["page_bytes"]) == top == max(m.facts["k_norm_rope_mxfp4_cache"]["page_bytes"])

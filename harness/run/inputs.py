@@ -784,31 +784,3 @@ def filled_on_device(case: Case) -> bool:
     its bytes then depend on the device, and only `build(case, device)` gives them."""
     geo = geometry(case)
     return pool_pages(case, page_needs(case, geo.ratio, geo.page_size)) * geo.page_stride > _CPU_POOL_LIMIT
-
-
-def structure_facts(inp: CaseInputs) -> dict:
-    """What a case's batches reach of the block tables' and rows' structure, read from its
-    inputs (nothing runs): per step, whether a page id repeats across the sequences' pages
-    read (`shared_pages`), a table row runs downwards (`descending_pages`), the highest page
-    read (`top_page`, of `pool_pages`), the table is wider than the contexts need
-    (`wide_table`), a sequence has no rows (`empty_seq`, and in a call of at most one row per
-    sequence: `empty_seq_in_decode`), a context has no entries (`zero_context`) or a row ends
-    at 0 (`zero_row_end`); any of the steps counts."""
-    ps = inp.geo.page_size
-    out = {"shared_pages": False, "descending_pages": False, "top_page": -1,
-           "pool_pages": int(inp.kv_cache.shape[0]), "wide_table": False, "empty_seq": False,
-           "empty_seq_in_decode": False, "zero_context": False, "zero_row_end": False}
-    for st in inp.steps:
-        ctx = st.context_lens.long().cpu()
-        used = [st.block_table[b, :-(-int(c) // ps)].long().cpu() for b, c in enumerate(ctx)]
-        ids = torch.cat(used) if used else torch.zeros(0, dtype=torch.long)
-        rows = (st.query_start_loc[1:] - st.query_start_loc[:-1]).long().cpu()
-        out["shared_pages"] |= ids.unique().numel() < ids.numel()
-        out["descending_pages"] |= any(bool((u[1:] < u[:-1]).all()) for u in used if u.numel() > 1)
-        out["top_page"] = max(out["top_page"], int(ids.max()) if ids.numel() else -1)
-        out["wide_table"] |= st.block_table.shape[1] > max(-(-int(ctx.max()) // ps) if ctx.numel() else 0, 1)
-        out["empty_seq"] |= bool((rows == 0).any())
-        out["empty_seq_in_decode"] |= bool((rows == 0).any() and (rows <= 1).all() and rows.sum() > 0)
-        out["zero_context"] |= bool((ctx == 0).any())
-        out["zero_row_end"] |= bool((st.row_ends == 0).any())
-    return out
