@@ -166,9 +166,8 @@ def _boundaries() -> tuple[Boundary, ...]:
     for n in (32, 33):
         b.append(_B(f"k.rows.{n}", K_MX, "k", "tokens per call", "rows", ("has", n),
                     "K writer tokens per program: a 32-token tile (mxval k_writer.py)"))
-    for n, need in ((8192, "cpu"), (8193, "cpu"), (262144, "gpu"), (262145, "gpu")):
-        b.append(_B(f"q.elements.{n}", Q_MX, "q", "tokens x heads per call", "elements_per_call",
-                    ("has", n) if need == "cpu" else ("ge", n),
+    for n, how, need in ((8192, "has", "cpu"), (8193, "ge", "cpu"), (262144, "has", "gpu"), (262145, "ge", "gpu")):
+        b.append(_B(f"q.elements.{n}", Q_MX, "q", "tokens x heads per call", "elements_per_call", (how, n),
                     "aiter's Q quant BLOCK_H: 4 up to 8192 token-heads, 16 up to 262144, else 64", need))
     for n in (1, 2, 8, 9, 512):
         b.append(_B(f"scorer.seq_rows.{n}", SCORERS, "query_start_loc", "rows of one sequence in a call",

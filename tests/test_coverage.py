@@ -258,3 +258,36 @@ def test_coverage_command_bad_input(capsys):
     rc, _, err = mxval(capsys, "coverage", "--suite", "nope")
     assert rc == 2
     one_line_error(err, "nope")
+
+
+# --- the suites against the model -------------------------------------------------------------------
+
+# `make test` measures the values of the cases up to this footprint and the structure of the
+# rest (the scale-edge cases reach size boundaries; their values cost minutes of reference);
+# `make test-slow` measures every value of every case.
+VALUES_FOOTPRINT = 64 << 20
+
+
+def _suite(name: str, values_up_to: float) -> cov.Coverage:
+    from harness.run.geometry import footprint
+    return cov.Coverage([cov.measure(c, "cpu", values=footprint(c) <= values_up_to)
+                         for c in Catalog().suite_cases(name)])
+
+
+def _unreached(c: cov.Coverage, needs) -> list[str]:
+    return [b.name for b in c.unreached(needs)]
+
+
+def test_default_suite_reaches_every_cpu_boundary():
+    assert _unreached(_suite("default", VALUES_FOOTPRINT), ("cpu",)) == []
+
+
+@pytest.mark.slow
+def test_default_suite_reaches_every_cpu_boundary_with_every_value_measured():
+    assert _unreached(_suite("default", float("inf")), ("cpu",)) == []
+
+
+@pytest.mark.gpu
+def test_full_suite_reaches_every_boundary():
+    c = cov.Coverage([cov.measure(x, "cuda") for x in Catalog().suite_cases("full")])
+    assert not c.unmeasured() and _unreached(c, ("cpu", "gpu")) == []

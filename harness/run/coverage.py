@@ -37,8 +37,8 @@ from reference.op_table import DECLARED
 # A CPU measures the cases whose estimated footprint fits this; larger ones need a GPU (their
 # boundaries are then reported as not measured here, never as unreached).
 CPU_FOOTPRINT = 3 << 30
-VISIBLE_WORK = 1 << 26      # head-key-block products per scorer call for the visibility of scale codes
-VISIBLE_ROWS = 64           # rows sampled per call at least (every row when the work allows)
+VISIBLE_ROWS = 64           # scorer rows per call for the visibility of scale codes, evenly spaced,
+                            # and the first row holding each query scale code the call has
 VISIBLE_KEYS = 4096         # keys per sampled row (the row's last ones: the newest entries)
 CROWD_BITS = 12             # a radix select's first pass: sign, exponent and 3 mantissa bits
 CROWD_ROW = 2048            # a row counts as crowded from this many entries in one bin
@@ -48,7 +48,8 @@ CROWD_ROW = 2048            # a row counts as crowded from this many entries in 
 class Measured:
     case: Case
     facts: dict = field(default_factory=dict)      # op -> fact -> set
-    note: str = ""                                   # why values were not measured, if not
+    note: str = ""                                   # why the case was not measured here, if not
+    values: bool = True                              # value facts measured (else the structure alone)
 
     def add(self, op: str, fact: str, values) -> None:
         self.facts.setdefault(op, {}).setdefault(fact, set()).update(values)
@@ -65,18 +66,48 @@ class Measured:
 
 
 class _Walk(runner.ChainRun):
-    """The case's chain through the reference alone; each op under test is observed."""
+    """The case's chain through the reference alone; each op under test is observed. With
+    `values` false no op computes: each returns outputs of its shape (zeros, an unchanged
+    pool), which is all the structure facts read (rows, lengths, tables, positions)."""
     CHAIN = False
 
-    def __init__(self, case: Case, inputs, observe):
+    def __init__(self, case: Case, inputs, observe, values: bool = True):
         super().__init__(case, reference_backend(), inputs)
-        self.observe = observe
+        self.observe, self.values = observe, values
+
+    def _history(self, kw: str):
+        return super()._history(kw) if self.values else self.inp.kv_cache
 
     def _stage(self, op: str, step: int, ins: dict, *, fallback=None) -> dict:
-        out = reference.OPS[op].fn(**ins, **self.scalars(op))
-        if op in self.case.ops:
+        under_test = op in self.case.ops
+        if self.values and (under_test or DECLARED[op].stage != "topk"):    # a top-k not under test feeds nothing
+            out = reference.OPS[op].fn(**ins, **self.scalars(op))
+        else:
+            out = _shaped(op, ins, self.scalars(op), self.inp.geo)
+        if under_test:
             self.observe(op, ins, self.scalars(op), out)
         return out
+
+
+def _shaped(op: str, ins: dict, scalars: dict, geo) -> dict:
+    """Outputs of `op`'s shapes and dtypes, computing nothing."""
+    stage, z = DECLARED[op].stage, torch.zeros
+    dev = next(iter(ins.values())).device
+    if stage == "pooling":
+        return {"pooled": z(ins["positions"].shape[0], geo.head_dim, dtype=torch.bfloat16, device=dev)}
+    if stage in ("k_writer", "pool_k"):
+        return {"kv_cache": ins["kv_cache"]}
+    if stage == "q_quant":
+        t, h, d = ins["q"].shape
+        out = {"weights": z(t, h, device=dev)}
+        if DECLARED[op].format == "fp8":
+            return {**out, "q_fp8": z(t, h, d, dtype=torch.uint8, device=dev)}
+        return {**out, "q_fp4": z(t, h, d // 2, dtype=torch.uint8, device=dev),
+                "q_scale": z(t, h, d // 32, dtype=torch.uint8, device=dev)}
+    if stage == "scorer":
+        from reference.scoring import default_width
+        return {"logits": z(ins["row_ends"].shape[0], default_width(ins["block_table"], geo.page_size), device=dev)}
+    return {"indices": torch.full((ins["logits"].shape[0], int(scalars["k"])), -1, dtype=torch.int32, device=dev)}
 
 
 def reference_backend():
@@ -84,18 +115,21 @@ def reference_backend():
     return get_backend("reference")
 
 
-def measure(case: Case, device: Optional[str] = None) -> Measured:
-    """The facts of every op under test in `case` (on `device`: a GPU when there is one)."""
+def measure(case: Case, device: Optional[str] = None, *, values: bool = True) -> Measured:
+    """The facts of every op under test in `case` (on `device`: a GPU when there is one).
+    `values=False` measures the structure facts alone (nothing computes: seconds for any
+    case); value facts (codes, elements, ties, crowds, visibility) are then not measured."""
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     m = Measured(case)
     _planted(m)
     if dev == "cpu" and footprint(case) > CPU_FOOTPRINT:
         m.note = f"not measured on a CPU (about {footprint(case) >> 20} MiB of tensors): run on a GPU"
         return m
+    m.values = values
     inp = build(case, dev)
-    facts = _Facts(m, inp)
+    facts = _Facts(m, inp, values)
     try:
-        _Walk(case, inp, facts.observe).run()
+        _Walk(case, inp, facts.observe, values).run()
     except NonFiniteInput:
         pass                        # a planted input: the reference stops there; the plant is counted
     return m
@@ -126,8 +160,8 @@ def _len_class(n: int, k: int) -> str:
 
 
 class _Facts:
-    def __init__(self, m: Measured, inp):
-        self.m, self.inp, self.geo = m, inp, getattr(inp, "geo", None)
+    def __init__(self, m: Measured, inp, values: bool = True):
+        self.m, self.inp, self.geo, self.values = m, inp, getattr(inp, "geo", None), values
 
     def observe(self, op: str, ins: dict, scalars: dict, out: dict) -> None:
         stage = DECLARED[op].stage
@@ -199,14 +233,13 @@ class _Facts:
         for s, e in zip(written.tolist(), ent.tolist()):
             if s + 1 in nxt and shuffle is not None and (e + 1) % shuffle[0] == 0 and e + 1 < ps:
                 edges.add("group-edge")
-        req = ins["req_index"].long()[sel] if "req_index" in ins else None
-        if req is not None:
-            for b in req.unique().tolist():
-                e = ent[req == b]
-                if bool((e == ps - 1).any()) and bool((e == 0).any()):
-                    edges.add("page-edge")
+        # entries j and j + 1 (boundary tokens p and p + r) on two pages: the call crosses a page edge
+        by_pos = dict(zip(pos[sel].tolist(), written.tolist()))
+        if any(s % ps == ps - 1 and by_pos.get(p + r, -1) % ps == 0 and by_pos.get(p + r, -1) // ps != s // ps
+               for p, s in by_pos.items()):
+            edges.add("page-edge")
         add("entries", edges)
-        if fmt != "mxfp4":
+        if fmt != "mxfp4" or not self.values:
             return
         packed, scales = layout.read_entries(out["kv_cache"], written, page_size=ps, head_dim=geo.head_dim,
                                              shuffle=shuffle)
@@ -226,7 +259,7 @@ class _Facts:
         add("options", {"weights-f32" if ins["weights"].dtype == torch.float32 else "weights-bf16"})
         if "fp8_dtype" in scalars:
             add("options", {scalars["fp8_dtype"]})
-        if DECLARED[op].format != "mxfp4" or ins["q"].shape[0] == 0:
+        if DECLARED[op].format != "mxfp4" or ins["q"].shape[0] == 0 or not self.values:
             return
         t, h, d = ins["q"].shape
         packed, scales = out["q_fp4"].reshape(t * h, -1), out["q_scale"].reshape(t * h, -1)
@@ -318,7 +351,8 @@ class _Facts:
         add("logits_bytes", {int(logits.shape[0]) * int(logits.shape[1]) * 4})
         if DECLARED[op].format == "mxfp4":
             self._layout(add, scalars.get("shuffle"), ps, ins["kv_cache"].shape[1], "mxfp4")
-            self._visible(add, ins, scalars)
+            if self.values:
+                self._visible(add, ins, scalars)
 
     def _visible(self, add, ins, scalars) -> None:
         """Scale codes of the key and query blocks whose products change some row's fp32 logit
@@ -329,9 +363,11 @@ class _Facts:
         rows = ends.numel()
         if rows == 0:
             return
-        per_row = ins["q_fp4"].shape[1] * min(int(ends.max()), VISIBLE_KEYS) * (d // MX_BLOCK)
-        n_pick = min(rows, max(VISIBLE_ROWS, VISIBLE_WORK // max(1, per_row)))
-        pick = torch.linspace(0, rows - 1, n_pick).round().long().unique().to(ends.device)
+        has = torch.zeros(rows, 256, dtype=torch.bool, device=ends.device)
+        has.scatter_(1, ins["q_scale"].reshape(rows, -1).long(), True)
+        first = has.to(torch.uint8).argmax(0)[has.any(0)]               # a row for each code present
+        even = torch.linspace(0, rows - 1, min(rows, VISIBLE_ROWS), device=ends.device).round().long()
+        pick = torch.cat((even, first)).unique()
         seq = torch.searchsorted(qsl[1:], pick, right=True)
         shuffle = scalars.get("shuffle")
         kcodes, qcodes, dots = set(), set(), set()
@@ -382,6 +418,8 @@ class _Facts:
             add("seqs", {"packed-start"})
         if bool((lengths == 0).any()):
             add("seqs", {"no-context"})
+        if not self.values:
+            return
         ties, crowd, crowded = set(), 0, 0
         width = logits.shape[1]
         cols = torch.arange(width, device=logits.device)

@@ -66,10 +66,11 @@ def _layouts(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
         per_page = ps
         # two sequences over several pages each (history on 3+ pages, a chunk crossing a page
         # edge), one decode-only sequence, and an empty one where the order allows
-        h = 3 * per_page * R + rng.randrange(R)
+        h = 3 * per_page * R - per_page // 4 * R + rng.randrange(R)     # the chunk's entries cross a page edge
         seqs = [{"len": h + 2 * R * per_page // 4 + 8, "chunks": [2 * R * per_page // 4 + 8]},
                 {"len": 2 * per_page * R + R, "decode": 2},
-                {"len": (k + 1) * R, "decode": 1}]
+                {"len": (k + 1) * R, "decode": 1},
+                {"len": per_page * R + 5, "chunks": [0]}]       # in the batch with no rows
         if tier == "gpu":
             seqs = [{"len": 40000 + rng.randrange(4000), "chunks": [256], "decode": 1},
                     {"len": 20000 + rng.randrange(4000), "decode": 2}, {"len": (k + 1) * R, "decode": 1}]
@@ -83,7 +84,6 @@ def _layouts(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             stride = page_bytes(ps, HEAD_DIM) + pads[i]
             case["pool_pages"] = 600 if tier == "cpu" else (1 << 31) // stride + 1024
         if hist[i] == "raw":
-            case["ops"] = ["paged_mxfp4_mqa_logits", "topk"]
             case["dist"] = ["scale_codes"]
             case["description"] += " (raw entries: every scale code the format holds, read)"
         out.append((f"layout-{_layout_name(lay).replace(',', '-')}-{ps}-{orders[i]}", case))
@@ -197,7 +197,9 @@ def _sizes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     writer's 32-token tile, vLLM's top-k routing at 128 rows and k = 2048, aiter's Q quant
     BLOCK_H at 8192 token-heads, the scorer's rows per sequence (1, 2..8, 9)."""
     if tier != "cpu":
-        return []
+        return [("sizes-q-262144", {
+            "heads": 64, "ops": ["q_rope_mxfp4_quant"], "seqs": [{"len": 8300, "chunks": [4096, 4097]}],
+            "description": "Q quant calls of 4096 and 4097 tokens at 64 heads: 262144 token-heads and past it"})]
     h = 64 * R + rng.randrange(R)
     return [
         ("sizes-pool-k-rows", {
@@ -205,6 +207,10 @@ def _sizes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             "seqs": [{"len": h + 611, "chunks": [16, 17, 32, 33, 256, 257]}],
             "description": "pooling calls of 16/17 and 256/257 tokens, K writer calls of 32/33, 4-position "
                            "state blocks (a window over three blocks)"}),
+        ("sizes-no-context", {
+            "heads": 4, "topk": 8, "ops": ["paged_mxfp4_mqa_logits", "topk"],
+            "seqs": [{"len": 2, "chunks": [2]}, {"len": 3, "chunks": [3]}, {"len": 1, "chunks": [1]}],
+            "description": "a call whose every row sees no entry (contexts of 0: a schedule's empty search)"}),
         ("sizes-topk-rows-128", {
             "heads": 4, "topk": 8, "ops": ["topk"], "history": "direct",
             "seqs": [{"len": h + 255, "chunks": [127, 128]}],
@@ -215,7 +221,7 @@ def _sizes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             "description": "k = 2048 (vLLM's routing) over rows of 2048, 2049 and 4100 entries"}),
         ("sizes-q-8192", {
             "heads": 64, "ops": ["q_rope_mxfp4_quant"], "seqs": [{"len": 300, "chunks": [128, 129]}],
-            "description": "Q quant calls of 128 and 129 tokens at 64 heads: 8192 / 8193 token-heads"}),
+            "description": "Q quant calls of 128 and 129 tokens at 64 heads: 8192 token-heads and past it"}),
         ("sizes-scorer-seq-rows", {
             "heads": 4, "topk": 8, "ops": ["paged_mxfp4_mqa_logits", "topk"], "history": "direct",
             "seqs": [{"len": 90, "chunks": [2]}, {"len": 120, "chunks": [8]}, {"len": 77, "chunks": [9]}],
