@@ -236,7 +236,6 @@ class ValueContext:
     d: int
     nope: int
     ratio: int
-    raw: bool
     u: torch.Tensor                 # [nope] > 0: the common NoPE direction
     offset: float                   # the share mask's phase
     code_offset: tuple[int, ...]    # per block: where the code sweep starts
@@ -251,7 +250,7 @@ def value_context(case: Case, geo) -> Optional[ValueContext]:
         raise CaseError(f"{case.file}: case {case.name!r}: dist scale_codes needs D = 128 with 64 RoPE dims "
                         f"(two NoPE and two RoPE blocks), got D = {d}, R = {geo.rope_dim}")
     g = torch.Generator().manual_seed((case.seed * 0x9E3779B1 + 0x5EED) % (1 << 63))
-    return ValueContext(dist[0], case.tie_share, d, nope, geo.ratio, case.history == "raw",
+    return ValueContext(dist[0], case.tie_share, d, nope, geo.ratio,
                         1.0 + torch.rand(nope, generator=g), float(torch.rand(1, generator=g)),
                         tuple(int(x) for x in torch.randint(0, 1 << 16, (8,), generator=g)))
 
