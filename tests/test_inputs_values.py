@@ -198,6 +198,7 @@ def test_value_boundaries_are_deterministic(tmp_path):
     ('dist = ["duplicate_keys", "zero_rows"]\n', "'duplicate_keys' does not combine with 'zero_rows'"),
     ('dist = ["scale_codes", "tiny"]\n', "'scale_codes' does not combine with 'tiny'"),
     ('history = "raw"\n', 'it needs dist = ["scale_codes"]'),
+    ('tie_share = 0.5\ndist = ["coarse"]\n', "tie_share: sizes the plateau of relu_zero or duplicate_keys"),
     ('history = "raw"\ndist = ["scale_codes"]\nops = ["k_norm_rope_fp8_cache"]\n', "the MXFP4 chain"),
 ])
 def test_bad_value_keys_are_one_error(tmp_path, body, needle):
