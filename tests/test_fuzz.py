@@ -86,6 +86,7 @@ BAD_VALUES = {   # per schema kind: values that can never be right
     C.Int: lambda s, r: r.choice(["x", 1.5, True, [1], {"a": 1}, s.lo - 1, s.hi + 1]
                                  + ([10 ** 12] if s.hi < 10 ** 12 else [])),
     C.Float: lambda s, r: r.choice(["x", math.nan, math.inf, -math.inf, 1e300, True]),
+    C.Share: lambda s, r: r.choice(["x", math.nan, 0, 0.0, -0.5, 1.5, True]),
     C.Bool: lambda s, r: r.choice(["yes", 1, 0.0, [True]]),
     C.Str: lambda s, r: r.choice([3, 1.5, ["a"], {"a": "b"}, True] + ([""] if not s.empty_ok else [])),
     C.Choice: lambda s, r: r.choice(["bogus", 3, True, [s.options[0]], ""]),

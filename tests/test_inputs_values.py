@@ -10,7 +10,7 @@ import torch
 import reference
 from harness.run.cases import CaseError, load_suite_file
 from harness.run.geometry import geometry
-from harness.run.inputs import QUERY_CODES, build, share_mask, value_context
+from harness.run.inputs import QUERY_CODES, build, key_codes, query_codes, share_mask, value_context
 from reference import layout, mxfp4
 
 HEAD = '[suite]\nname = "t"\n[[case]]\nname = "c"\nheads = 4\ntopk = 8\n'
@@ -126,8 +126,13 @@ def test_scale_codes_carry_every_ceil_code_in_keys_and_queries(tmp_path):
     packed, scales = layout.read_entries(outs["kv_cache"], ins["slot_mapping"][sel], page_size=sc["page_size"],
                                          head_dim=128, shuffle=sc["shuffle"])
     assert live_codes(packed, scales) == set(range(1, 254))
+    ctx = value_context(c, geometry(c))
+    assert torch.equal(scales.long(), key_codes(ctx, ins["positions"][sel] // 4))     # the plan, exactly
     qins, _, q = rec["q_rope_mxfp4_quant"][0]
     assert live_codes(q["q_fp4"], q["q_scale"]) == set(range(1, 254))
+    focus, code = query_codes(ctx, qins["positions"])
+    got = q["q_scale"].long()[torch.arange(code.numel()), :, focus]                    # [T, H]
+    assert bool((got == code[:, None]).all())
     tiny = torch.finfo(torch.float32).tiny
     for x in (ins["k"][sel].float(), qins["q"].float()):
         assert bool(((x != 0) & (x.abs() < tiny)).any())
@@ -166,6 +171,8 @@ def test_raw_history_holds_every_code_each_visible_and_finite(tmp_path, page_lay
     packed, scales = layout.read_entries(ins["kv_cache"], slots, page_size=sc["page_size"], head_dim=128,
                                          shuffle=sc["shuffle"])
     assert live_codes(packed, scales) == set(range(255))
+    ctx = value_context(c, geometry(c))
+    assert torch.equal(scales.long(), key_codes(ctx, torch.arange(n), raw=True))
     assert bool((mxfp4.unpack_nibbles(packed) == 8).any())                   # -0 among the nibbles
     for k, (ins, _, outs) in enumerate(rec["paged_mxfp4_mqa_logits"]):
         x = outs["logits"][0, :int(ins["row_ends"][0])]
@@ -191,6 +198,7 @@ def test_value_boundaries_are_deterministic(tmp_path):
     ('dist = ["duplicate_keys", "zero_rows"]\n', "'duplicate_keys' does not combine with 'zero_rows'"),
     ('dist = ["scale_codes", "tiny"]\n', "'scale_codes' does not combine with 'tiny'"),
     ('history = "raw"\n', 'it needs dist = ["scale_codes"]'),
+    ('tie_share = 0.5\ndist = ["coarse"]\n', "tie_share: sizes the plateau of relu_zero or duplicate_keys"),
     ('history = "raw"\ndist = ["scale_codes"]\nops = ["k_norm_rope_fp8_cache"]\n', "the MXFP4 chain"),
 ])
 def test_bad_value_keys_are_one_error(tmp_path, body, needle):

@@ -421,6 +421,9 @@ def _case(raw, defaults: dict, suite: str, file: Path, index: int) -> Case:
         raise CaseError(f"{where}: seqs: {total} tokens in all, more than the {MAX_TOKENS} a case may hold")
     kw["dist"] = tuple(kw.get("dist", ["normal"]))
     _check_dists(where, kw["dist"], kw.get("history", "pooled"), fmt)
+    if "tie_share" in kw and not set(kw["dist"]) & set(TIE_SHARE_DISTS):
+        raise CaseError(f"{where}: tie_share: sizes the plateau of {' or '.join(TIE_SHARE_DISTS)}; "
+                        f"dist {list(kw['dist'])} has none")
     kw["plant"] = tuple(Plant(p["tensor"], p["value"], p.get("count", 1), p.get("row", False))
                         for p in kw.get("plant", []))
     for i, p in enumerate(kw["plant"]):

@@ -282,7 +282,6 @@ class ValueContext:
     d: int
     nope: int
     ratio: int
-    raw: bool
     u: torch.Tensor                 # [nope] > 0: the common NoPE direction
     offset: float                   # the share mask's phase
     code_offset: tuple[int, ...]    # per block: where the code sweep starts
@@ -297,7 +296,7 @@ def value_context(case: Case, geo) -> Optional[ValueContext]:
         raise CaseError(f"{case.file}: case {case.name!r}: dist scale_codes needs D = 128 with 64 RoPE dims "
                         f"(two NoPE and two RoPE blocks), got D = {d}, R = {geo.rope_dim}")
     g = torch.Generator().manual_seed((case.seed * 0x9E3779B1 + 0x5EED) % (1 << 63))
-    return ValueContext(dist[0], case.tie_share, d, nope, geo.ratio, case.history == "raw",
+    return ValueContext(dist[0], case.tie_share, d, nope, geo.ratio,
                         1.0 + torch.rand(nope, generator=g), float(torch.rand(1, generator=g)),
                         tuple(int(x) for x in torch.randint(0, 1 << 16, (8,), generator=g)))
 
@@ -313,6 +312,30 @@ def _sweep(idx: torch.Tensor, span, offset: int) -> torch.Tensor:
     take every code once."""
     lo, hi = span
     return lo + (idx + offset) % (hi - lo + 1)
+
+
+ANCHOR_CODE = 126             # block 3 of scale_codes keys: +-2 after the norm, rotated to at most 2.83
+
+
+def key_codes(ctx: ValueContext, j: torch.Tensor, *, raw: bool = False) -> torch.Tensor:
+    """The e8m0 code of every block [n, D/32] of scale_codes entries j (int64): what the
+    K writer writes (`raw`: what raw history stores); a coverage check reads them here
+    without running a stage (tests/test_inputs_values.py holds the K writer to them)."""
+    spans = RAW_CODES if raw else KEY_CODES
+    return torch.stack([_sweep(j.long(), span, ctx.code_offset[b]) if span else torch.full_like(j.long(), ANCHOR_CODE)
+                        for b, span in enumerate(spans)], -1)
+
+
+def query_codes(ctx: ValueContext, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(focus block, e8m0 code of that block) of scale_codes query tokens at `positions`:
+    every other block of the token is zero (its code 1, its nibbles 0)."""
+    p = positions.long()
+    focus = (p + 1) % 4
+    code = torch.zeros_like(p)
+    for b, span in enumerate(QUERY_CODES):
+        at = focus == b
+        code[at] = _sweep(p[at] // 4, span, ctx.code_offset[4 + b])
+    return focus, code
 
 
 def _block_at(n: int, amax: torch.Tensor, gen: torch.Generator, *, rotated: bool) -> torch.Tensor:
@@ -344,11 +367,12 @@ def _scale_code_keys(j: torch.Tensor, ctx: ValueContext, gen: torch.Generator) -
     still encodes non-zero: 1.5 * 2^-127 is e2m1 1.5 at scale 2^-126)."""
     n = j.numel()
     blocks = []
+    codes = key_codes(ctx, j)
     for b, span in enumerate(KEY_CODES):
         if span is None:
             blocks.append(torch.where(torch.rand(n, MX_BLOCK, generator=gen) < 0.5, -1.0, 1.0))
             continue
-        code = _sweep(j, span, ctx.code_offset[b])
+        code = codes[:, b]
         rotated = b * MX_BLOCK >= ctx.nope
         amax = (_code_amax(code, rotated=rotated).double() / (2.0 * KEY_NORM_WEIGHT[b])).float()
         amax = torch.where(code == 1, SUBNORMAL_AMAX, amax)      # bf16 subnormal inputs
@@ -421,13 +445,12 @@ def entry_queries(q: torch.Tensor, positions: torch.Tensor, ctx: ValueContext,
         e = torch.randint(-2, 3, (t, h, 1), generator=gen).float()
         return torch.cat((base[:, None, :] * torch.exp2(e), torch.zeros(t, h, d - nope)), -1)
     out = torch.zeros(t, h, d)
-    p = positions.long()
-    focus = (p + 1) % 4
-    for b, span in enumerate(QUERY_CODES):
+    focus, codes = query_codes(ctx, positions)
+    for b in range(len(QUERY_CODES)):
         rows = (focus == b).nonzero().flatten()
         if rows.numel() == 0:
             continue
-        code = _sweep(p[rows] // 4, span, ctx.code_offset[4 + b])
+        code = codes[rows]
         rotated = b * MX_BLOCK >= nope
         amax = torch.where(code == 253, 1.75 * 2.0 ** 127, torch.ldexp(
             torch.full(code.shape, 5.8 if rotated else 6.0, dtype=torch.float64), code.long() - 127).float())
@@ -445,7 +468,7 @@ def raw_entries(j: torch.Tensor, ctx: ValueContext, gen: torch.Generator) -> tup
     nibble (-0 = 0x8 included), the scale codes of RAW_CODES swept by entry, one element of
     every block at 6.0 (nibble 0x7 or 0xF, so code 254 is 6 * 2^127, past fp32)."""
     n, d = j.numel(), ctx.d
-    codes = torch.stack([_sweep(j, span, ctx.code_offset[b]) for b, span in enumerate(RAW_CODES)], -1)
+    codes = key_codes(ctx, j, raw=True)
     nib = torch.randint(0, 16, (n, d), generator=gen, dtype=torch.uint8)
     at = torch.arange(d // MX_BLOCK) * MX_BLOCK + torch.randint(0, MX_BLOCK, (n, d // MX_BLOCK), generator=gen)
     nib[torch.arange(n)[:, None], at] = torch.where(torch.rand(n, d // MX_BLOCK, generator=gen) < 0.5, 7, 15).to(torch.uint8)
