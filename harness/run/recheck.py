@@ -22,7 +22,8 @@ What the metrics cannot say is checked against the case definitions instead:
   skipped          ok, and no metrics (a skipped case ran nothing);
   nonfinite_input  ok exactly when the case, as its suite file defines it (the run's
                    --cases-dir, else cases/), declares `expect_nonfinite` and plants
-                   something; never for a dump (`mxval diff`).
+                   something; never for a dump (`mxval diff`); and its metrics break no
+                   budget (else its status is fail).
 """
 from __future__ import annotations
 
@@ -161,6 +162,10 @@ def disagreement(row: dict, budgets: B.Budgets, suite: str, *, selftest: bool = 
             return f"status skipped but it reports {len(metrics)} metric(s) (a skipped case runs nothing)"
         return None if ok is True else f"status skipped with ok = {ok!r}"
     if status == "nonfinite_input":
+        broken = budgets.check({k: _value(v) for k, v in metrics.items()}, suite, str(row.get("case")))
+        if broken:                  # a broken budget (an invariant on non-finite inputs) is a failure
+            return (f"stored status 'nonfinite_input', but its metrics break "
+                    f"{broken[0]['metric']} ({broken[0]['why']}): a failure")
         want = (expects or {}).get(str(row.get("case")))
         if want is None:
             if ok is False:                              # never more favourable than the truth: stands
