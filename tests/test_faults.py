@@ -162,8 +162,14 @@ SCALED = {"aiter-4244-row-offset-sim", "aiter-4028-schedule-truncation", "aiter-
           "sglang-12583-chunk-offset-ke", "mlx-lm-1189-chunk-rows-only", "vllm-41136-nan-decode"}
 
 
+# Faults that show only on non-finite inputs the reference refuses: proven below, through the
+# invariants, on the case that plants them.
+NONFINITE = {"topk-nan-row-garbage", "scorer-nan-mask-add"}
+
+
 # Faults that need a pool past 2 GiB are proven by test_int32_wrap_on_a_2gib_pool.
-@pytest.mark.parametrize("name", sorted(n for n, f in F.FAULTS.items() if not f.large and n not in SCALED))
+@pytest.mark.parametrize("name", sorted(n for n, f in F.FAULTS.items()
+                                        if not f.large and n not in SCALED | NONFINITE))
 def test_fault_changes_its_ops_output(name, case):
     f = F.FAULTS[name]
     c = make_case(**EXPOSING[name]) if name in EXPOSING else case
@@ -351,3 +357,68 @@ def test_nan_only_in_decode_calls():
     assert torch.equal(F._nan_in_decode(x.clone(), _scorer_kw([0, 3], [1, 2, 3])), x)
     got = F._nan_in_decode(x.clone(), _scorer_kw([0, 1, 2, 3], [5, 9, 20]))
     assert bool(torch.isnan(got[0, :5]).all()) and torch.equal(got[0, 5:], x[0, 5:])
+
+
+# --- faults on non-finite inputs, caught by the invariants (harness/diff/invariants.py)
+
+def test_nonfinite_faults_are_the_reference_on_finite_inputs():
+    c = make_case(seed=4, clean=True)
+    for name in sorted(NONFINITE):
+        be = get_backend(F.FAULTS[name].backend_name)
+        for op in F.FAULTS[name].ops:
+            assert same(be.ops[op](**c[op]), reference.OPS[op].fn(**c[op])), (name, op)
+
+
+def test_nan_carrying_ops_and_the_nan_topk_bug():
+    c = make_case(seed=4, clean=True)
+    qw = dict(c["q_rope_mxfp4_quant"])
+    qw["weights"] = qw["weights"].clone()
+    qw["weights"][40, 3] = float("nan")
+    q = F.nan_weights_q_op()(**qw)
+    assert bool(torch.isnan(q["weights"][40, 3])) and int(torch.isnan(q["weights"]).sum()) == 1
+    sc = dict(c["paged_mxfp4_mqa_logits"], weights=q["weights"])
+    for mask_add in (False, True):
+        lg = F.nan_weights_scorer_op(mask_add)(**sc)["logits"]
+        end = int(sc["row_ends"][40])
+        assert bool(torch.isnan(lg[40, :end]).all()) and int(torch.isnan(lg).any(1).sum()) == 1
+        assert bool(torch.isnan(lg[40, end:]).all()) == mask_add
+        assert bool(torch.isneginf(lg[40, end:]).all()) != mask_add
+    lg = F.nan_weights_scorer_op()(**sc)["logits"]
+    tk = dict(logits=lg, lengths=sc["row_ends"], k=4)
+    good = F.nan_ranking_topk_op()(**tk)["indices"]
+    bad = F.FAULTS["topk-nan-row-garbage"].backend().topk(**tk)["indices"]
+    end = int(sc["row_ends"][40])
+    assert len(set(good[40].tolist())) == 4 and all(0 <= i < end for i in good[40].tolist())
+    assert set(bad[40].tolist()) == {end}                    # every NaN taken, written one past the row
+    rows = torch.arange(bad.shape[0]) != 40
+    assert torch.equal(good[rows], bad[rows])
+
+
+@pytest.mark.parametrize("name,stage,check", [
+    ("topk-nan-row-garbage", "topk", "topk_range"),
+    ("scorer-nan-mask-add", "paged_mxfp4_mqa_logits", "logits_past_end"),
+])
+def test_invariants_catch_the_nonfinite_faults(name, stage, check):
+    """On the planted case the reference refuses the NaN head weight at the Q quant: only the
+    invariants judge what follows, and they catch each fault where it lives."""
+    from harness.run.budgets import load, verdict
+    from harness.run.cases import Catalog
+    from harness.run.runner import run_case
+    case = Catalog().case(F.FAULTS[name].cases[0])
+    v = verdict(run_case(case, F.FAULTS[name].backend_name), load(), "selftest")
+    assert v["status"] == "fail" and v["ok"] is False, v["reason"]
+    assert [x["metric"] for x in v["violations"]] == [f"{stage}.invariant_violations"], v["violations"]
+    assert v["reason"].startswith(f"{stage} fails: ") and "on non-finite inputs: q_rope_mxfp4_quant" in v["reason"]
+    f = next(x for x in v["findings"] if x["class"] == "invariant")
+    assert f["stage"] == stage and f["invariant"] == check and f["row"] == 0
+    # a backend that carries the NaN through correctly is no alarm: the case stays nonfinite_input
+    from optimized import Backend, register
+    ops = dict(reference.FUNCTIONS, q_rope_mxfp4_quant=F.nan_weights_q_op(),
+               paged_mxfp4_mqa_logits=F.nan_weights_scorer_op(), topk=F.nan_ranking_topk_op())
+    register("test-nan-carrying", lambda: Backend("test-nan-carrying", "NaN carried as kernels do", ops))
+    row = run_case(case, "test-nan-carrying")
+    ok = verdict(row, load(), "selftest")
+    assert (ok["status"], ok["ok"], ok["violations"]) == ("nonfinite_input", True, []), ok["reason"]
+    assert row["metrics"]["topk.invariant_violations"] == 0
+    assert [s.split(" ")[0] for s in row["details"]["refused"]] == ["q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits",
+                                                                    "topk"]
