@@ -100,20 +100,18 @@ def _topk(op, ins, scalars, actual, ctx) -> None:
     lens = ins["lengths"].to(dev).long()
     counts = {"topk_range": [], "topk_duplicates": [], "topk_padding": [], "topk_count": []}
     for r0, r1 in row_blocks(idx.shape[0], max(k, 1), 8):
-        x = idx[r0:r1].long()
-        ln = lens[r0:r1, None]
+        x = idx[r0:r1]
+        ln = lens[r0:r1]
         pad = x == -1
-        bad_range = ~pad & ((x < 0) | (x >= ln))
-        srt = torch.where(pad, -1, x).sort(1).values
+        bad_range = (x < -1) | (x >= ln[:, None])          # -1 lies below every length >= 0
+        srt = x.sort(1).values                             # padding first, then the indices
         dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != -1)
-        # a -1 followed (anywhere later in the row) by an index: padding not trailing
-        later_valid = (~pad).flip(1).cumsum(1).flip(1) - (~pad).long() > 0
-        bad_pad = (pad & later_valid).any(1)
-        bad_count = (~pad).sum(1) != ln.squeeze(1).clamp(max=k)
+        n = k - pad.sum(1)                                 # indices that are not -1
+        first_pad = torch.where(pad.any(1), pad.int().argmax(1), k)
         counts["topk_range"].append(bad_range.sum(1))
         counts["topk_duplicates"].append(dup.sum(1))
-        counts["topk_padding"].append(bad_pad.long())
-        counts["topk_count"].append(bad_count.long())
+        counts["topk_padding"].append((first_pad < n).long())     # an index after a -1
+        counts["topk_count"].append((n != ln.clamp(max=k)).long())
     per_row = {n: torch.cat(v).cpu() if v else torch.zeros(0, dtype=torch.long) for n, v in counts.items()}
     lens_c = lens.cpu()
 
@@ -165,13 +163,15 @@ def _logits(op, ins, scalars, actual, ctx) -> None:
     e = ends.to(dev).long()
     clean = bool(scalars.get("clean_logits", False))
     past_n, fin_n = [], []
+    if not clean and ctx.declared_nonfinite:
+        return                                             # nothing is specified to check
     for r0, r1 in row_blocks(lg.shape[0], lg.shape[1], lg.element_size()):
         x = lg[r0:r1]
         before = cols[None, :] < e[r0:r1, None]
-        if clean:
-            past_n.append((~before & (x != float("-inf"))).sum(1))
+        if clean:                                          # bools: a > b is a & ~b
+            past_n.append(((x != float("-inf")) > before).sum(1))
         if not ctx.declared_nonfinite:
-            fin_n.append((before & ~torch.isfinite(x)).sum(1))
+            fin_n.append((before > torch.isfinite(x)).sum(1))
 
     def findings(per_row, mask_of, text):
         def make():
@@ -268,9 +268,12 @@ def _pages(op, ins, scalars, actual, ctx) -> None:
     if not uniq.numel():
         return
     exempt = _exempt_rows(op, ins, ctx, src, slots)              # per written token: its inputs are non-finite
-    last = torch.zeros(pool.shape[0] * ps, dtype=torch.long, device=dev)
-    last[slots] = torch.arange(slots.numel(), device=dev)       # the later token wins (index_put order)
-    entry_exempt = exempt[last[uniq]] if exempt is not None else torch.zeros_like(uniq, dtype=torch.bool)
+    if exempt is None:
+        entry_exempt = torch.zeros_like(uniq, dtype=torch.bool)
+    else:                                                        # a slot written twice keeps the later token's
+        at = torch.searchsorted(uniq, slots)
+        last = torch.full_like(uniq, -1).scatter_reduce_(0, at, torch.arange(slots.numel(), device=dev), "amax")
+        entry_exempt = exempt[last]
     if fmt == "mxfp4":
         codes = fa[so].long()                                    # [n, D/32]
         lo, hi = CEIL_CODES if scalars.get("scale_rule", "ceil") == "ceil" else ANY_CODES
@@ -400,9 +403,11 @@ def check(op: str, inputs: dict, scalars: dict, actual: dict, *, declared_nonfin
 
 
 def merge(report: DiffReport, inv: DiffReport) -> DiffReport:
-    """A stage's diff report with its invariants' metrics, findings (first) and notes."""
+    """A stage's diff report with its invariants' metrics, findings and notes. The findings
+    alternate (the diff's first), so that a report row's first few show both kinds."""
     metrics = {**report.metrics, **inv.metrics}
-    findings = (list(inv.findings) + list(report.findings))[:max(MAX_FINDINGS, len(inv.findings))]
+    a, b = list(report.findings), list(inv.findings)
+    findings = [f for pair in zip(a, b) for f in pair] + a[len(b):] + b[len(a):]
     return DiffReport(report.op, metrics, findings, list(report.notes) + list(inv.notes), report.rows)
 
 

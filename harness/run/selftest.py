@@ -301,10 +301,10 @@ def _group(item) -> str:
 
 def _alarm(row: dict) -> bool:
     """A correct run that breaks a budget or does not finish (skips are listed, not alarms).
-    A case that plants non-finite inputs finishes as `nonfinite_input`: an alarm only when
-    its verdict is not ok (an invariant broke, or the case does not declare them)."""
+    A case that plants non-finite inputs finishes as `nonfinite_input`: an alarm only when a
+    budget breaks (an invariant on those inputs) or the case does not declare them."""
     if row["outcome"] == "nonfinite_input":
-        return not row.get("ok") or bool(row["violations"])
+        return not row.get("expect_nonfinite") or bool(row["violations"])
     return row["outcome"] != "skipped" and (row["outcome"] != "ok" or bool(row["violations"]))
 
 
