@@ -642,6 +642,23 @@ def nan_ranking_topk_op(post: Callable = lambda idx, lengths, k, logits: idx) ->
     return topk
 
 
+def nonfinite_q_op(tile_guard: bool = False) -> Callable:
+    """q_rope_mxfp4_quant on a q holding NaN or inf, as a kernel quantizes it: each
+    (token, head) with a non-finite value stores the NaN scale (255) in every block; the rest
+    is the reference's. With `tile_guard`, a non-finite check taken over the whole token (the
+    tile of its heads) stores 255 in every head of that token: finite heads lose their scales."""
+    def q_rope_mxfp4_quant(*, q, **kw) -> dict:
+        bad = ~torch.isfinite(q.float()).all(-1)                      # [T, H]
+        out = reference.q_rope_mxfp4_quant(q=torch.where(bad[..., None], torch.zeros_like(q), q), **kw)
+        if tile_guard:
+            bad = bad.any(1, keepdim=True).expand_as(bad)
+        q_scale = out["q_scale"].clone()
+        q_scale[bad] = 255
+        out["q_scale"] = q_scale
+        return out
+    return q_rope_mxfp4_quant
+
+
 def _nan_index_past_end(idx, lengths, k, logits):
     """A radix top-k that reads a NaN's bits as a key above every bin: each NaN it takes is
     written as the row's length (one past the row's last index), not its column."""
@@ -707,6 +724,7 @@ _MAKE_OPS: dict[str, Callable[[], dict]] = {
                                      TOPK: nan_ranking_topk_op(_nan_index_past_end)},
     "scorer-nan-mask-add": lambda: {Q: nan_weights_q_op(), SCORE: nan_weights_scorer_op(mask_add=True),
                                     TOPK: nan_ranking_topk_op()},
+    "q-nan-guard-per-token": lambda: {Q: nonfinite_q_op(tile_guard=True)},
 }
 
 

@@ -164,7 +164,7 @@ SCALED = {"aiter-4244-row-offset-sim", "aiter-4028-schedule-truncation", "aiter-
 
 # Faults that show only on non-finite inputs the reference refuses: proven below, through the
 # invariants, on the case that plants them.
-NONFINITE = {"topk-nan-row-garbage", "scorer-nan-mask-add"}
+NONFINITE = {"topk-nan-row-garbage", "scorer-nan-mask-add", "q-nan-guard-per-token"}
 
 
 # Faults that need a pool past 2 GiB are proven by test_int32_wrap_on_a_2gib_pool.
@@ -394,31 +394,53 @@ def test_nan_carrying_ops_and_the_nan_topk_bug():
     assert torch.equal(good[rows], bad[rows])
 
 
-@pytest.mark.parametrize("name,stage,check", [
-    ("topk-nan-row-garbage", "topk", "topk_range"),
-    ("scorer-nan-mask-add", "paged_mxfp4_mqa_logits", "logits_past_end"),
+def _nan_weights_ops():
+    return dict(q_rope_mxfp4_quant=F.nan_weights_q_op(), paged_mxfp4_mqa_logits=F.nan_weights_scorer_op(),
+                topk=F.nan_ranking_topk_op())
+
+
+@pytest.mark.parametrize("name,stage,check,correct,refused", [
+    ("topk-nan-row-garbage", "topk", "topk_range", _nan_weights_ops,
+     ["q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"]),
+    ("scorer-nan-mask-add", "paged_mxfp4_mqa_logits", "logits_past_end", _nan_weights_ops,
+     ["q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"]),
+    ("q-nan-guard-per-token", "q_rope_mxfp4_quant", "scale_code",
+     lambda: dict(q_rope_mxfp4_quant=F.nonfinite_q_op()), ["q_rope_mxfp4_quant"]),
 ])
-def test_invariants_catch_the_nonfinite_faults(name, stage, check):
-    """On the planted case the reference refuses the NaN head weight at the Q quant: only the
-    invariants judge what follows, and they catch each fault where it lives."""
+def test_invariants_catch_the_nonfinite_faults(name, stage, check, correct, refused):
+    """On the planted case the reference refuses the non-finite input at the Q quant: only
+    the invariants judge what follows, and they catch each fault where it lives."""
     from harness.run.budgets import load, verdict
     from harness.run.cases import Catalog
     from harness.run.runner import run_case
+    from optimized import Backend, register
     case = Catalog().case(F.FAULTS[name].cases[0])
     v = verdict(run_case(case, F.FAULTS[name].backend_name), load(), "selftest")
     assert v["status"] == "fail" and v["ok"] is False, v["reason"]
     assert [x["metric"] for x in v["violations"]] == [f"{stage}.invariant_violations"], v["violations"]
     assert v["reason"].startswith(f"{stage} fails: ") and "on non-finite inputs: q_rope_mxfp4_quant" in v["reason"]
     f = next(x for x in v["findings"] if x["class"] == "invariant")
-    assert f["stage"] == stage and f["invariant"] == check and f["row"] == 0
-    # a backend that carries the NaN through correctly is no alarm: the case stays nonfinite_input
-    from optimized import Backend, register
-    ops = dict(reference.FUNCTIONS, q_rope_mxfp4_quant=F.nan_weights_q_op(),
-               paged_mxfp4_mqa_logits=F.nan_weights_scorer_op(), topk=F.nan_ranking_topk_op())
-    register("test-nan-carrying", lambda: Backend("test-nan-carrying", "NaN carried as kernels do", ops))
-    row = run_case(case, "test-nan-carrying")
+    assert f["stage"] == stage and f["invariant"] == check
+    # a backend that carries the non-finite input through correctly is no alarm: the case stays
+    # nonfinite_input, every stage after the refusal judged by the invariants
+    register("test-nonfinite-carried", lambda: Backend("test-nonfinite-carried", "carried as kernels do",
+                                                       dict(reference.FUNCTIONS, **correct())))
+    row = run_case(case, "test-nonfinite-carried")
     ok = verdict(row, load(), "selftest")
     assert (ok["status"], ok["ok"], ok["violations"]) == ("nonfinite_input", True, []), ok["reason"]
-    assert row["metrics"]["topk.invariant_violations"] == 0
-    assert [s.split(" ")[0] for s in row["details"]["refused"]] == ["q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits",
-                                                                    "topk"]
+    assert row["metrics"][f"{stage}.invariant_violations"] == 0
+    assert [s.split(" ")[0] for s in row["details"]["refused"]] == refused
+
+
+def test_the_page_invariant_catches_a_writer_touching_unowned_bytes(case):
+    """writer-unowned-bytes, caught without the reference: the bytes after each entry's last
+    scale byte are no written slot's."""
+    from harness.diff import invariants
+    kw = case["k_norm_rope_mxfp4_cache"]
+    sc = dict(compress_ratio=RATIO, page_size=PS, shuffle=SHUFFLE)
+    good = reference.k_norm_rope_mxfp4_cache(**kw)
+    assert invariants.check("k_norm_rope_mxfp4_cache", kw, sc, good).metrics["invariant_violations"] == 0
+    bad = F.FAULTS["writer-unowned-bytes"].backend().k_norm_rope_mxfp4_cache(**kw)
+    rep = invariants.check("k_norm_rope_mxfp4_cache", kw, sc, bad)
+    assert rep.metrics["invariant_violations"] > 0
+    assert {f["invariant"] for f in rep.findings} == {"page_outside_owned"}
