@@ -697,6 +697,87 @@ def _decode_rows_are_sequences(query_start_loc, block_table, context_lens, page_
     if qsl.numel() < 2 or rows == 0 or not bool(((qsl[1:] - qsl[:-1]) <= 1).all()):
         return query_start_loc, block_table
     return torch.arange(rows + 1, device=qsl.device), block_table[:rows]
+# --- non-finite inputs carried through, as a kernel carries them ------------------------------
+# The reference refuses non-finite inputs; a kernel computes on them. These ops stand for a
+# kernel on inputs a case plants (`plant`, `expect_nonfinite`): the reference on the finite
+# part, the non-finite values carried where the arithmetic carries them. On finite inputs
+# each gives the reference's bytes.
+
+def _finite_part(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def nan_weights_q_op() -> Callable:
+    """q_rope_mxfp4_quant whose head weights are folded as a kernel folds them (a multiply:
+    NaN and inf stay NaN and inf); q quantized by the reference."""
+    def q_rope_mxfp4_quant(*, q, positions, cos_sin_cache, weights, weights_scale: float,
+                           hadamard: bool = False, scale_rule: str = "ceil", rope: str = "separate",
+                           softmax_scale: Optional[float] = None, head_scale: Optional[float] = None) -> dict:
+        out = reference.q_rope_mxfp4_quant(
+            q=q, positions=positions, cos_sin_cache=cos_sin_cache, weights=_finite_part(weights),
+            weights_scale=weights_scale, hadamard=hadamard, scale_rule=scale_rule, rope=rope,
+            softmax_scale=softmax_scale, head_scale=head_scale)
+        out["weights"] = fold_weights(weights, weights_scale, check_scale_pair(weights_scale, softmax_scale, head_scale))
+        return out
+    return q_rope_mxfp4_quant
+
+
+def nan_weights_scorer_op(mask_add: bool = False) -> Callable:
+    """paged_mxfp4_mqa_logits on non-finite head weights as a kernel scores them: a row with
+    a NaN or inf weight sums NaN into every column it scores (w * relu(dot) is NaN for an
+    infinite w times 0, and inf - inf or NaN in the sum). With `mask_add`, the columns at and
+    past each row's end are masked by ADDING -inf (an additive mask) instead of writing it:
+    NaN + -inf stays NaN there."""
+    def paged_mxfp4_mqa_logits(*, weights, row_ends, clean_logits: bool = False, **kw) -> dict:
+        out = reference.paged_mxfp4_mqa_logits(weights=_finite_part(weights), row_ends=row_ends,
+                                               clean_logits=clean_logits, **kw)
+        logits = out["logits"].clone()
+        bad = ~torch.isfinite(weights).all(1)
+        if bool(bad.any()):
+            cols = torch.arange(logits.shape[1], device=logits.device)
+            before = cols[None, :] < row_ends.to(logits.device).long()[:, None]
+            logits[bad[:, None] & before] = float("nan")
+            if mask_add and clean_logits:
+                logits[bad[:, None] & ~before] = float("nan")
+        return {"logits": logits}
+    return paged_mxfp4_mqa_logits
+
+
+def nan_ranking_topk_op(post: Callable = lambda idx, lengths, k, logits: idx) -> Callable:
+    """topk on logits that may hold NaN inside a row, ranked as torch.topk ranks them (NaN
+    above every number, so a NaN is taken first), then `post(indices, lengths, k, logits)`."""
+    def topk(*, logits, lengths, k: int) -> dict:
+        big = torch.finfo(torch.float32).max
+        ranked = torch.where(torch.isnan(logits), big, logits.clamp(-big, big))
+        out = reference.topk(logits=ranked, lengths=lengths, k=k)
+        return {"indices": post(out["indices"].clone(), lengths.long(), k, logits)}
+    return topk
+
+
+def nonfinite_q_op(tile_guard: bool = False) -> Callable:
+    """q_rope_mxfp4_quant on a q holding NaN or inf, as a kernel quantizes it: each
+    (token, head) with a non-finite value stores the NaN scale (255) in every block; the rest
+    is the reference's. With `tile_guard`, a non-finite check taken over the whole token (the
+    tile of its heads) stores 255 in every head of that token: finite heads lose their scales."""
+    def q_rope_mxfp4_quant(*, q, **kw) -> dict:
+        bad = ~torch.isfinite(q.float()).all(-1)                      # [T, H]
+        out = reference.q_rope_mxfp4_quant(q=torch.where(bad[..., None], torch.zeros_like(q), q), **kw)
+        if tile_guard:
+            bad = bad.any(1, keepdim=True).expand_as(bad)
+        q_scale = out["q_scale"].clone()
+        q_scale[bad] = 255
+        out["q_scale"] = q_scale
+        return out
+    return q_rope_mxfp4_quant
+
+
+def _nan_index_past_end(idx, lengths, k, logits):
+    """A radix top-k that reads a NaN's bits as a key above every bin: each NaN it takes is
+    written as the row's length (one past the row's last index), not its column."""
+    taken = idx >= 0
+    vals = torch.gather(logits, 1, idx.clamp_min(0).long())
+    nan = taken & torch.isnan(vals)
+    return torch.where(nan, lengths[:, None].to(idx.dtype).expand_as(idx), idx)
 
 
 # --- the catalogue ----------------------------------------------------------------------
@@ -759,6 +840,12 @@ _MAKE_OPS: dict[str, Callable[[], dict]] = {
     "scorer-page-owner": lambda: {SCORE: logits_post_op(_one_owner_per_page)},
     "scorer-table-stride": lambda: {SCORE: scorer_op(tables_fn=_table_stride_from_context)},
     "empty-seq-row-shift": lambda: {SCORE: scorer_op(tables_fn=_decode_rows_are_sequences)},
+    # --- invariants: caught on non-finite inputs the reference refuses
+    "topk-nan-row-garbage": lambda: {Q: nan_weights_q_op(), SCORE: nan_weights_scorer_op(),
+                                     TOPK: nan_ranking_topk_op(_nan_index_past_end)},
+    "scorer-nan-mask-add": lambda: {Q: nan_weights_q_op(), SCORE: nan_weights_scorer_op(mask_add=True),
+                                    TOPK: nan_ranking_topk_op()},
+    "q-nan-guard-per-token": lambda: {Q: nonfinite_q_op(tile_guard=True)},
 }
 
 

@@ -111,6 +111,13 @@ def test_verdicts():
     # a case that planted non-finites but saw none fails: the harness missed them
     v = B.verdict(_row(expect_nonfinite=True, planted=["q[0] = nan"]), b, "s")
     assert (v["status"], v["ok"]) == ("fail", False)
+    # on non-finite inputs the invariants still judge: a broken one is a failure, a held one is not
+    nf = dict(outcome="nonfinite_input", expect_nonfinite=True, reason="q_rope_mxfp4_quant (step 0): weights: ...")
+    v = B.verdict(_row(**nf, metrics={"topk.invariant_violations": 0.0}), b, "s")
+    assert (v["status"], v["ok"], v["violations"]) == ("nonfinite_input", True, [])
+    v = B.verdict(_row(**nf, metrics={"topk.invariant_violations": 3.0}), b, "s")
+    assert (v["status"], v["ok"]) == ("fail", False)
+    assert v["reason"].startswith("topk fails: topk.invariant_violations 3 > 0; on non-finite inputs: q_rope")
 
 
 def test_the_first_failing_stage_is_the_earliest_in_chain_order():

@@ -168,8 +168,14 @@ SCALED = VALUE_BOUNDARY | {"aiter-4244-row-offset-sim", "aiter-4028-schedule-tru
 STRUCTURAL = {"scorer-page-owner", "scorer-table-stride", "empty-seq-row-shift"}
 
 
+# Faults that show only on non-finite inputs the reference refuses: proven below, through the
+# invariants, on the case that plants them.
+NONFINITE = {"topk-nan-row-garbage", "scorer-nan-mask-add", "q-nan-guard-per-token"}
+
+
 # Faults that need a pool past 2 GiB are proven by test_int32_wrap_on_a_2gib_pool.
-@pytest.mark.parametrize("name", sorted(n for n, f in F.FAULTS.items() if not f.large and n not in SCALED | STRUCTURAL))
+@pytest.mark.parametrize("name", sorted(n for n, f in F.FAULTS.items()
+                                        if not f.large and n not in SCALED | STRUCTURAL | NONFINITE))
 def test_fault_changes_its_ops_output(name, case):
     f = F.FAULTS[name]
     c = make_case(**EXPOSING[name]) if name in EXPOSING else case
@@ -489,3 +495,88 @@ def test_empty_sequence_fault_needs_a_decode_call_with_an_empty_sequence(case):
     assert torch.equal(c[0], d[0]) and not same({"l": c[1:]}, {"l": d[1:]})
     prefill = dict(gap, query_start_loc=torch.tensor([0, 2, 2, 2]))      # two rows of one sequence
     assert same(_post("empty-seq-row-shift")(**prefill), reference.paged_mxfp4_mqa_logits(**prefill))
+# --- faults on non-finite inputs, caught by the invariants (harness/diff/invariants.py)
+
+def test_nonfinite_faults_are_the_reference_on_finite_inputs():
+    c = make_case(seed=4, clean=True)
+    for name in sorted(NONFINITE):
+        be = get_backend(F.FAULTS[name].backend_name)
+        for op in F.FAULTS[name].ops:
+            assert same(be.ops[op](**c[op]), reference.OPS[op].fn(**c[op])), (name, op)
+
+
+def test_nan_carrying_ops_and_the_nan_topk_bug():
+    c = make_case(seed=4, clean=True)
+    qw = dict(c["q_rope_mxfp4_quant"])
+    qw["weights"] = qw["weights"].clone()
+    qw["weights"][40, 3] = float("nan")
+    q = F.nan_weights_q_op()(**qw)
+    assert bool(torch.isnan(q["weights"][40, 3])) and int(torch.isnan(q["weights"]).sum()) == 1
+    sc = dict(c["paged_mxfp4_mqa_logits"], weights=q["weights"])
+    for mask_add in (False, True):
+        lg = F.nan_weights_scorer_op(mask_add)(**sc)["logits"]
+        end = int(sc["row_ends"][40])
+        assert bool(torch.isnan(lg[40, :end]).all()) and int(torch.isnan(lg).any(1).sum()) == 1
+        assert bool(torch.isnan(lg[40, end:]).all()) == mask_add
+        assert bool(torch.isneginf(lg[40, end:]).all()) != mask_add
+    lg = F.nan_weights_scorer_op()(**sc)["logits"]
+    tk = dict(logits=lg, lengths=sc["row_ends"], k=4)
+    good = F.nan_ranking_topk_op()(**tk)["indices"]
+    bad = F.FAULTS["topk-nan-row-garbage"].backend().topk(**tk)["indices"]
+    end = int(sc["row_ends"][40])
+    assert len(set(good[40].tolist())) == 4 and all(0 <= i < end for i in good[40].tolist())
+    assert set(bad[40].tolist()) == {end}                    # every NaN taken, written one past the row
+    rows = torch.arange(bad.shape[0]) != 40
+    assert torch.equal(good[rows], bad[rows])
+
+
+def _nan_weights_ops():
+    return dict(q_rope_mxfp4_quant=F.nan_weights_q_op(), paged_mxfp4_mqa_logits=F.nan_weights_scorer_op(),
+                topk=F.nan_ranking_topk_op())
+
+
+@pytest.mark.parametrize("name,stage,check,correct,refused", [
+    ("topk-nan-row-garbage", "topk", "topk_range", _nan_weights_ops,
+     ["q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"]),
+    ("scorer-nan-mask-add", "paged_mxfp4_mqa_logits", "logits_past_end", _nan_weights_ops,
+     ["q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"]),
+    ("q-nan-guard-per-token", "q_rope_mxfp4_quant", "scale_code",
+     lambda: dict(q_rope_mxfp4_quant=F.nonfinite_q_op()), ["q_rope_mxfp4_quant"]),
+])
+def test_invariants_catch_the_nonfinite_faults(name, stage, check, correct, refused):
+    """On the planted case the reference refuses the non-finite input at the Q quant: only
+    the invariants judge what follows, and they catch each fault where it lives."""
+    from harness.run.budgets import load, verdict
+    from harness.run.cases import Catalog
+    from harness.run.runner import run_case
+    from optimized import Backend, register
+    case = Catalog().case(F.FAULTS[name].cases[0])
+    v = verdict(run_case(case, F.FAULTS[name].backend_name), load(), "selftest")
+    assert v["status"] == "fail" and v["ok"] is False, v["reason"]
+    assert [x["metric"] for x in v["violations"]] == [f"{stage}.invariant_violations"], v["violations"]
+    assert v["reason"].startswith(f"{stage} fails: ") and "on non-finite inputs: q_rope_mxfp4_quant" in v["reason"]
+    f = next(x for x in v["findings"] if x["class"] == "invariant")
+    assert f["stage"] == stage and f["invariant"] == check
+    # a backend that carries the non-finite input through correctly is no alarm: the case stays
+    # nonfinite_input, every stage after the refusal judged by the invariants
+    register("test-nonfinite-carried", lambda: Backend("test-nonfinite-carried", "carried as kernels do",
+                                                       dict(reference.FUNCTIONS, **correct())))
+    row = run_case(case, "test-nonfinite-carried")
+    ok = verdict(row, load(), "selftest")
+    assert (ok["status"], ok["ok"], ok["violations"]) == ("nonfinite_input", True, []), ok["reason"]
+    assert row["metrics"][f"{stage}.invariant_violations"] == 0
+    assert [s.split(" ")[0] for s in row["details"]["refused"]] == refused
+
+
+def test_the_page_invariant_catches_a_writer_touching_unowned_bytes(case):
+    """writer-unowned-bytes, caught without the reference: the bytes after each entry's last
+    scale byte are no written slot's."""
+    from harness.diff import invariants
+    kw = case["k_norm_rope_mxfp4_cache"]
+    sc = dict(compress_ratio=RATIO, page_size=PS, shuffle=SHUFFLE)
+    good = reference.k_norm_rope_mxfp4_cache(**kw)
+    assert invariants.check("k_norm_rope_mxfp4_cache", kw, sc, good).metrics["invariant_violations"] == 0
+    bad = F.FAULTS["writer-unowned-bytes"].backend().k_norm_rope_mxfp4_cache(**kw)
+    rep = invariants.check("k_norm_rope_mxfp4_cache", kw, sc, bad)
+    assert rep.metrics["invariant_violations"] > 0
+    assert {f["invariant"] for f in rep.findings} == {"page_outside_owned"}

@@ -892,3 +892,10 @@ def test_a_failing_row_rewritten_as_expected_nonfinite_input_is_refused(tmp_path
     row = json.loads((honest / "report.json").read_text())["cases"][0]
     assert row["status"] == "nonfinite_input" and row["ok"] is True
     assert run(capsys, "report", honest, "-q")[0] == 0
+    # a broken invariant on the non-finite inputs is a failure: stored as an ok nonfinite_input, refused
+    data = json.loads((honest / "report.json").read_text())
+    data["cases"][0]["metrics"]["q_rope_mxfp4_quant.invariant_violations"] = 2
+    d = _report_dir(tmp_path, data, "edited")
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, d / "report.json", "smoke-inf-q", "invariant_violations")

@@ -21,6 +21,11 @@ outputs, missing or misshapen outputs), which fail whenever they are non-zero: n
 silent pass. A budget naming a metric the table does not know is a ValueError. Every
 function checks its arguments first: a ValueError naming the argument, never a crash.
 
+`harness.diff.invariants.check(op, inputs, scalars, actual)` checks what needs no
+reference (top-k structure, -inf past row ends with clean logits, no byte outside the
+written slots, scale codes the format defines): metric `invariant_violations`, findings of
+class `invariant` naming the check (the runner runs it on every backend output).
+
 Finding classes (the unit each one counts is in brackets):
   pages and Q (MXFP4): signed_zero (0x0 vs 0x8 nibble) [byte], one_step (codes adjacent on the
   e2m1 line, +-0 counting as one point) [byte], nibbles_swapped (actual = expected with its

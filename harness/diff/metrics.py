@@ -123,6 +123,10 @@ _TABLE = (
     _m("outputs_missing", ANY, "count", "outputs the backend did not return", always_fail=True, chain="allowed"),
     _m("outputs_bad_shape", ANY, "count", "outputs of the wrong shape", always_fail=True, chain="allowed"),
     _m("op_unsupported", ANY, "count", "a replayed op the backend does not implement", always_fail=True),
+    # any backend output, without the reference (harness/diff/invariants.py): impossible outputs
+    _m("invariant_violations", ANY, "count", "broken invariants of a backend's output (top-k structure, "
+       "-inf past row ends, bytes outside the written slots, scale codes), checked without the reference, "
+       "also on inputs the reference refuses", always_fail=True),
 )
 
 # Finding classes, each counted as the metric `class_<name>` by the stage(s) that file it.
@@ -135,6 +139,7 @@ FINDING_CLASSES: dict[str, tuple[str, ...]] = {
     "multi_ulp": ("pooling",), "inf_pattern": ("scorer",), "row_differs": ("scorer",),
     "padding": ("topk",), "duplicates": ("topk",), "out_of_range": ("topk",),
     "below_threshold": ("topk",), "tie_swap": ("topk",), "nonfinite_input": STAGES,
+    "invariant": STAGES,
 }
 
 METRICS: dict[str, Metric] = {m.name: m for m in _TABLE}

@@ -35,7 +35,8 @@ STATUS_STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "nonfi
 # (heading, metric suffix, how to combine the op stages) for the overview tables
 HEADLINE = [("pages≠", "page_bytes_mismatched", "sum"), ("outside", "page_bytes_outside_owned_changed", "sum"),
             ("pool ulp", "pooled_max_ulp", "max"), ("q≠", "q_bytes_mismatched", "sum"),
-            ("logits diff", "logits_diff", "max"), ("top-k recall", "topk_recall_min", "min")]
+            ("logits diff", "logits_diff", "max"), ("top-k recall", "topk_recall_min", "min"),
+            ("invariants", "invariant_violations", "sum")]
 # the whole chain's numbers, beside the stages' (heading, chain metric)
 CHAIN_HEADLINE = [("chain recall", "topk_recall_min"), ("chain mass", "topk_mass_kept_min"),
                   ("chain≠", "page_bytes_mismatched_frac")]

@@ -213,7 +213,9 @@ def verdict(row: dict, budgets: Budgets, suite: str) -> dict:
     """The row with `status` (pass | fail | error | nonfinite_input | skipped), `ok` and
     `violations`. Non-finite inputs are their own class, never a pass; they are ok only
     in a case that declares `expect_nonfinite = true` (and such a case that reports no
-    non-finite input fails: the harness missed what was planted)."""
+    non-finite input fails: the harness missed what was planted). A non-finite-input row
+    is judged on what was measured all the same (the invariants of every backend output,
+    the stages the reference could judge): a broken budget makes it a failure."""
     row = dict(row)
     outcome = row.get("outcome", "error")
     row["violations"] = []
@@ -223,9 +225,18 @@ def verdict(row: dict, budgets: Budgets, suite: str) -> dict:
         row.update(status="error", ok=False)
     elif outcome == "nonfinite_input":
         expected = bool(row.get("expect_nonfinite"))
-        row.update(status="nonfinite_input", ok=expected)
-        if not expected:
-            row["reason"] += " (the case does not declare expect_nonfinite = true)"
+        row["violations"] = v = budgets.check(row.get("metrics", {}), suite, row["case"])
+        if v:
+            first = first_failing_stage(v)
+            row.update(status="fail", ok=False,
+                       reason=(f"{first} fails: " if first else "")
+                       + "; ".join(f"{x['metric']} {x['why']}" for x in v[:3])
+                       + (f" (+{len(v) - 3} more)" if len(v) > 3 else "")
+                       + f"; on non-finite inputs: {row.get('reason', '')}")
+        else:
+            row.update(status="nonfinite_input", ok=expected)
+            if not expected:
+                row["reason"] += " (the case does not declare expect_nonfinite = true)"
     else:
         row["violations"] = budgets.check(row.get("metrics", {}), suite, row["case"])
         not_judged = row.get("not_judged")

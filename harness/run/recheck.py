@@ -22,7 +22,8 @@ What the metrics cannot say is checked against the case definitions instead:
   skipped          ok, and no metrics (a skipped case ran nothing);
   nonfinite_input  ok exactly when the case, as its suite file defines it (the run's
                    --cases-dir, else cases/), declares `expect_nonfinite` and plants
-                   something; never for a dump (`mxval diff`).
+                   something; never for a dump (`mxval diff`); and its metrics break no
+                   budget (else its status is fail).
 """
 from __future__ import annotations
 
@@ -145,6 +146,21 @@ def _selftest_disagreement(row: dict, budgets: B.Budgets, suite: str) -> Optiona
                                    f"{', '.join(v['metric'] for v in broke[:3])}")
 
 
+def _nonfinite_disagreement(row: dict, ok, expects: Optional[dict]) -> Optional[str]:
+    """What disagrees in a row stored as nonfinite_input, by the case definitions' word."""
+    want = (expects or {}).get(str(row.get("case")))
+    if want is None:
+        if ok is False:                              # never more favourable than the truth: stands
+            return None
+        return ("status nonfinite_input with ok = true, but no case definition says it expects non-finite "
+                "inputs (not in the run's cases directory)")
+    if row.get("expect_nonfinite") and not want:
+        return "the row says expect_nonfinite, but the case definition does not declare it (with a plant)"
+    return None if ok is want else (f"status nonfinite_input with ok = {ok!r}, but the case "
+                                    f"{'declares' if want else 'does not declare (with a plant)'} "
+                                    f"expect_nonfinite")
+
+
 def disagreement(row: dict, budgets: B.Budgets, suite: str, *, selftest: bool = False,
                  expects: Optional[dict] = None) -> Optional[str]:
     """None when the stored verdict of `row` is the one its metrics and the budgets give,
@@ -161,17 +177,12 @@ def disagreement(row: dict, budgets: B.Budgets, suite: str, *, selftest: bool = 
             return f"status skipped but it reports {len(metrics)} metric(s) (a skipped case runs nothing)"
         return None if ok is True else f"status skipped with ok = {ok!r}"
     if status == "nonfinite_input":
-        want = (expects or {}).get(str(row.get("case")))
-        if want is None:
-            if ok is False:                              # never more favourable than the truth: stands
-                return None
-            return ("status nonfinite_input with ok = true, but no case definition says it expects non-finite "
-                    "inputs (not in the run's cases directory)")
-        if row.get("expect_nonfinite") and not want:
-            return "the row says expect_nonfinite, but the case definition does not declare it (with a plant)"
-        return None if ok is want else (f"status nonfinite_input with ok = {ok!r}, but the case "
-                                        f"{'declares' if want else 'does not declare (with a plant)'} "
-                                        f"expect_nonfinite")
+        why = _nonfinite_disagreement(row, ok, expects)
+        broken = budgets.check({k: _value(v) for k, v in metrics.items()}, suite, str(row.get("case")))
+        if why is None and ok is True and broken:     # an invariant broken on non-finite inputs: a failure
+            return (f"stored status 'nonfinite_input' with ok = true, but its metrics break "
+                    f"{broken[0]['metric']} ({broken[0]['why']}): a failure")
+        return why
     values = {k: _value(v) for k, v in metrics.items()}
     for v in row.get("violations") or []:            # a NaN metric: report.json keeps its violation, not its value
         if isinstance(v, dict) and v.get("metric") not in values and v.get("why") == "is NaN":

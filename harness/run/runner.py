@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 import reference
-from harness.diff import aggregate, diff_op
+from harness.diff import aggregate, diff_op, invariants
 from harness.diff.metrics import CHAIN, chain_key
 from harness.diff.scores import recall_points, recall_rows, row_blocks
 from harness.run import memory, stagetime
@@ -276,6 +276,8 @@ class ChainRun:
         self.diff_op = diff_op                 # tests replace it to prove a check's teeth
         self.clock = clock or stagetime.StageClock(backend.device)
         self.nondeterministic: list[dict] = []     # runs of an op that did not repeat its bytes
+        self.first_refusal: Optional[NonFiniteStage] = None    # planted: the first stage the reference refused
+        self.chain_broken = False                  # planted: the reference-only chain refused its inputs
 
     def scalars(self, op: str) -> dict:
         """The case's scalars of `op`, with the reference options the backend declares for it
@@ -284,15 +286,20 @@ class ChainRun:
 
     def _stage(self, op: str, step: int, ins: dict, *,
                fallback: Optional[Callable[[], dict]] = None) -> dict:
-        """Reference and backend on `ins`; diff; the backend's outputs. Ops outside the
-        case's chain run through the reference only (they feed the ops under test).
+        """Reference and backend on `ins`; invariants and diff; the backend's outputs. Ops
+        outside the case's chain run through the reference only (they feed the ops under test).
 
         A backend's upstream output the reference cannot take (NaN/inf where the reference's
         own is finite: that upstream stage already failed, with its findings) does not end
         the case: with `fallback` (the same inputs with the reference's upstream output)
         this stage runs and is judged on those, and `details["substituted"]` says so;
         without one, NotJudged: this stage and the rest are not judged, and the case's
-        verdict is a failure (budgets.verdict)."""
+        verdict is a failure (budgets.verdict).
+
+        In a case that plants non-finite inputs, a stage whose reference refuses its inputs
+        still runs the backend on them: its outputs are judged by the invariants alone
+        (harness/diff/invariants.py) and feed the next stage; the first refusal is the
+        case's `nonfinite_input` reason (`_refused`)."""
         scalars = self.scalars(op)
         try:
             with self.clock("reference"):
@@ -302,7 +309,7 @@ class ChainRun:
                     expected = reference.OPS[op].fn(**ins, **scalars)
         except NonFiniteInput as e:
             if self.inp.planted:
-                raise NonFiniteStage(op, step, e) from None
+                return self._refused(op, step, ins, scalars, e)
             if fallback is not None:
                 self.details.setdefault("substituted", []).append(
                     f"{op} (step {step}): run on the reference's upstream output where the backend's "
@@ -314,6 +321,29 @@ class ChainRun:
             raise StageError(op, step, f"the reference rejects the inputs: {e}") from None
         if op not in self.case.ops:
             return expected
+        actual, inv = self._backend(op, step, ins, scalars, expected)
+        try:
+            with self.clock("diff"):
+                report = self._diff(step, op, ins, scalars, actual, expected)
+        except ValueError as e:
+            raise StageError(op, step, f"cannot compare the backend's output: {e}") from None
+        if report.metrics.get("nonfinite_inputs") and self.inp.planted:
+            # the scores the differ judges by are non-finite: the invariants judge alone
+            self.col.add(op, step, inv)
+            self._refuse(op, step, NonFiniteInput(op, int(report.metrics["nonfinite_inputs"]), []))
+            return actual
+        self.col.add(op, step, invariants.merge(report, inv))
+        if self.recorder:
+            self.recorder(step, op, ins, scalars, actual)
+        with self.clock("plots"):
+            self._details(op, ins, actual, expected)
+        return actual
+
+    def _backend(self, op: str, step: int, ins: dict, scalars: dict, expected: Optional[dict]):
+        """The backend's outputs of `op` on `ins` (each run `case.repeat` times, every run's
+        bytes compared with the first's) and their invariants' report. `expected` None: the
+        reference refused the inputs, and so may the backend (NonFiniteInput passes through);
+        the op table's outputs are the ones required then."""
         try:
             # clones: a kernel that writes its pool in place must not change `before`
             with self.clock("backend"):
@@ -321,30 +351,60 @@ class ChainRun:
         except BackendUnavailable:
             raise
         except Exception as e:
+            if expected is None and isinstance(e, NonFiniteInput):
+                raise
             raise StageError(op, step, f"backend {self.be.name} raised {type(e).__name__}: "
                                        f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
-        if not isinstance(actual, dict) or set(expected) - set(actual):
+        need = set(expected) if expected is not None else set(OPS[op].fields.outputs)
+        if not isinstance(actual, dict) or need - set(actual):
             raise StageError(op, step, f"backend {self.be.name} returned {type(actual).__name__} "
-                                       f"without {sorted(set(expected) - set(actual or {}))}")
+                                       f"without {sorted(need - set(actual if isinstance(actual, dict) else {}))}")
         for run in range(2, self.case.repeat + 1):
             with self.clock("backend_repeats"):
                 again = getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars)
             with self.clock("repeat_compare"):
                 self._same_bytes(op, step, run, actual, again, ins, scalars)
             del again
+        # every backend output, whatever the reference says of it (the one place they are checked)
+        with self.clock("diff"):
+            inv = invariants.check(op, ins, scalars, actual, declared_nonfinite=bool(self.inp.planted))
+        return actual, inv
+
+    def _refused(self, op: str, step: int, ins: dict, scalars: dict, err: NonFiniteInput) -> dict:
+        """A stage whose reference refuses the planted case's non-finite inputs: the backend
+        runs on them and only the invariants judge its outputs, which feed the next stage. An
+        op outside the case's chain (the reference stands in for it), or a backend that
+        refuses the inputs too, ends the case here."""
+        if op not in self.case.ops:
+            raise self.first_refusal or NonFiniteStage(op, step, err)
         try:
-            with self.clock("diff"):
-                report = self._diff(step, op, ins, scalars, actual, expected)
-        except ValueError as e:
-            raise StageError(op, step, f"cannot compare the backend's output: {e}") from None
-        self.col.add(op, step, report)
-        if report.metrics.get("nonfinite_inputs") and self.inp.planted:
-            raise NonFiniteStage(op, step, NonFiniteInput(op, int(report.metrics["nonfinite_inputs"]), []))
-        if self.recorder:
-            self.recorder(step, op, ins, scalars, actual)
-        with self.clock("plots"):
-            self._details(op, ins, actual, expected)
+            actual, inv = self._backend(op, step, ins, scalars, None)
+        except NonFiniteInput:
+            raise (self.first_refusal or NonFiniteStage(op, step, err)) from None
+        self.col.add(op, step, inv)
+        self._refuse(op, step, err)
         return actual
+
+    def _refuse(self, op: str, step: int, err: NonFiniteInput) -> None:
+        if self.first_refusal is None:
+            self.first_refusal = NonFiniteStage(op, step, err)
+        self.details.setdefault("refused", []).append(
+            f"{op} (step {step}): the reference refuses the inputs ({err}); the backend's outputs are "
+            "judged by the invariants alone")
+
+    def _chain_ref(self, fn: Callable):
+        """A computation of the reference-only chain. In a case that plants non-finite inputs,
+        one the reference refuses ends the whole-chain comparison: None from then on."""
+        if self.chain_broken:
+            return None
+        try:
+            with self.clock("reference"):
+                return fn()
+        except NonFiniteInput:
+            if not self.inp.planted:
+                raise
+            self.chain_broken = True
+            return None
 
     def _diff(self, step: int, op: str, ins: dict, scalars: dict, actual: dict, expected: dict):
         """`diff_op` of a stage (or of the chain); the tensors it reads are the step's."""
@@ -462,8 +522,10 @@ class ChainRun:
                 q_b = self._stage(qq, i, qins)
                 if need_logits:
                     self._score_step(qq, sc, i, st, qins, q_b)
-        if kw in ops and self.chain_k and self.CHAIN:
+        if kw in ops and self.chain_k and self.CHAIN and not self.chain_broken:
             self._chain_pool(kw)
+        if self.first_refusal is not None:       # every stage ran; the case's outcome is nonfinite_input
+            raise self.first_refusal
 
     def _history(self, kw: str):
         """The pool with each sequence's history written by the reference."""
@@ -508,26 +570,23 @@ class ChainRun:
             if need_k:
                 ins = self._fused_ins(st, self.pool_b)
                 self.pool_b = self._stage(kw, i, ins)["kv_cache"]
-                with self.clock("reference"):
-                    self.chain_pool = reference.OPS[kw].fn(**{**ins, "kv_cache": self.chain_pool},
-                                                           **self.scalars(kw))["kv_cache"]
+                self.chain_pool = self._chain_ref(lambda: reference.OPS[kw].fn(
+                    **{**ins, "kv_cache": self.chain_pool}, **self.scalars(kw))["kv_cache"])
                 self._chain_entries(st.req_index, st)
             return
         if "compress_pool" in self.case.ops:          # its inputs do not depend on the backend
             ins = dict(state_cache=inp.state_cache, block_table=inp.state_block_table,
                        positions=st.positions, req_index=st.req_index, kv_slot_mapping=st.slot_mapping)
             pooled_b = self._stage("compress_pool", i, ins)["pooled"]
-            with self.clock("reference"):
-                pooled_ref = reference.compress_pool(**ins, **self.scalars("compress_pool"))["pooled"]
+            pooled_ref = self._chain_ref(lambda: reference.compress_pool(**ins, **self.scalars("compress_pool"))["pooled"])
         else:
             pooled_b = pooled_ref = st.k
         if need_k:
             ins = dict(k=pooled_b, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
                        norm_weight=inp.norm_weight, slot_mapping=st.slot_mapping, kv_cache=self.pool_b)
             self.pool_b = self._stage(kw, i, ins, fallback=lambda: dict(ins, k=pooled_ref))["kv_cache"]
-            with self.clock("reference"):
-                self.chain_pool = reference.OPS[kw].fn(**{**ins, "k": pooled_ref, "kv_cache": self.chain_pool},
-                                                       **self.scalars(kw))["kv_cache"]
+            self.chain_pool = self._chain_ref(lambda: reference.OPS[kw].fn(
+                **{**ins, "k": pooled_ref, "kv_cache": self.chain_pool}, **self.scalars(kw))["kv_cache"])
             self._chain_entries(pooled_ref, st)
 
     def _chain_entries(self, k, st) -> None:
@@ -543,9 +602,9 @@ class ChainRun:
                        block_table=st.block_table, row_ends=st.row_ends)
         qk = ("q_fp8",) if inp.geo.fmt == "fp8" else ("q_fp4", "q_scale")
         sins = dict({n: q_b[n] for n in qk}, weights=q_b["weights"], kv_cache=self.pool_b, **geo_ins)
-        with self.clock("reference"):
-            q_ref = reference.OPS[qq].fn(**qins, **self.scalars(qq))
-        ref_sins = dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"], kv_cache=self.chain_pool, **geo_ins)
+        q_ref = self._chain_ref(lambda: reference.OPS[qq].fn(**qins, **self.scalars(qq)))
+        ref_sins = None if q_ref is None else dict({n: q_ref[n] for n in qk}, weights=q_ref["weights"],
+                                                   kv_cache=self.chain_pool, **geo_ins)
         logits_raw = self._stage(sc, i, sins, fallback=lambda: ref_sins)["logits"]
         with self.clock("diff"):
             logits_b = self._finite_logits(sc, i, logits_raw, sins, ref_sins, st.row_ends)
@@ -554,8 +613,9 @@ class ChainRun:
         if not self.CHAIN:
             return
         # after the top-k stage: its reference's fp64 copy of the logits and these never coexist
-        with self.clock("reference"):
-            chain_logits = reference.OPS[sc].fp64(**ref_sins, **self.scalars(sc))
+        chain_logits = self._chain_ref(lambda: reference.OPS[sc].fp64(**ref_sins, **self.scalars(sc)))
+        if chain_logits is None:        # planted: the reference-only chain refused its inputs
+            return
         if sc in ops:
             with self.clock("diff"):
                 self.col.add(CHAIN, i, self._diff(i, sc, sins, self.scalars(sc), {"logits": logits_raw},

@@ -46,7 +46,7 @@ METRIC_ORDER = (
     "q_bytes_mismatched", "q_scale_bytes_mismatched", "weights_max_ulp", "logits_diff",
     "logits_nonfinite", "logits_inf_pattern_mismatch", "topk_rows_not_exact_frac",
     "topk_recall_min", "topk_padding_errors", "topk_duplicates", "topk_below_threshold",
-    "topk_out_of_range",
+    "topk_out_of_range", "invariant_violations",
 )
 
 
@@ -300,7 +300,11 @@ def _group(item) -> str:
 
 
 def _alarm(row: dict) -> bool:
-    """A correct run that breaks a budget or does not finish (skips are listed, not alarms)."""
+    """A correct run that breaks a budget or does not finish (skips are listed, not alarms).
+    A case that plants non-finite inputs finishes as `nonfinite_input`: an alarm only when a
+    budget breaks (an invariant on those inputs) or the case does not declare them."""
+    if row["outcome"] == "nonfinite_input":
+        return not row.get("expect_nonfinite") or bool(row["violations"])
     return row["outcome"] != "skipped" and (row["outcome"] != "ok" or bool(row["violations"]))
 
 
