@@ -110,10 +110,12 @@ def _ties(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
                  ("coarse-pro-k1024", 1024, "coarse", 0.5, [2049, 32768])]
     for tag, k, dist, share, ends in plans:
         heads = 4 if tier == "cpu" else 64
-        case = {"heads": heads, "topk": k, "dist": [dist], "tie_share": share, "seqs": _rows_at(ends),
+        case = {"heads": heads, "topk": k, "dist": [dist], "seqs": _rows_at(ends),
                 "ops": ["paged_mxfp4_mqa_logits", "topk"], "history": "direct",
                 "description": f"{dist}: plateaus of exact ties (share {share}) at k = {k} over rows of "
                                f"{', '.join(map(str, ends))} entries"}
+        if dist != "coarse":
+            case["tie_share"] = share
         if tier == "cpu" and tag.startswith("zero-k8"):
             case["ops"] = ["compress_pool", "k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant",
                            "paged_mxfp4_mqa_logits", "topk"]
