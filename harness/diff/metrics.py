@@ -123,6 +123,10 @@ _TABLE = (
     _m("outputs_missing", ANY, "count", "outputs the backend did not return", always_fail=True, chain="allowed"),
     _m("outputs_bad_shape", ANY, "count", "outputs of the wrong shape", always_fail=True, chain="allowed"),
     _m("op_unsupported", ANY, "count", "a replayed op the backend does not implement", always_fail=True),
+    # graph mode (harness/run/graph.py): each replayed step against the same op run eagerly
+    _m("graph_eager_bytes_differ", ANY, "count", "output bytes of a graph replay that differ from the same op "
+       "run eagerly on the same step (graph ≠ eager)", always_fail=True),
+    _m("graph_replays", ANY, "info", "steps replayed from a graph"),
 )
 
 # Finding classes, each counted as the metric `class_<name>` by the stage(s) that file it.

@@ -222,6 +222,9 @@ def plan(faults, backends, cases: dict, results: dict, *, seeds: int, quick: boo
             results[f.name].skipped = ("needs a pool or logits buffer past 2 GiB: runs in the full selftest "
                                        "on a GPU, or with --large" + (" (not with --quick)" if quick else ""))
             continue
+        if f.graph and not torch.cuda.is_available():
+            results[f.name].skipped = "graph-only: caught when replayed from a CUDA/HIP graph, on a GPU"
+            continue
         for name in f.cases:
             for i in range(1 if name in large_cases else fault_seeds):
                 out.append(("fault", f, with_seed(cases[name], i)))
