@@ -133,6 +133,12 @@ class HostReads(TorchFunctionMode):
             self.log.append((i, name, result))
         return result
 
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if self.replaying and exc[0] is None and self.next != len(self.log):
+            raise GraphError(f"its host code took another path at capture than in its warm-up "
+                             f"({len(self.log) - self.next} of its {len(self.log)} host reads not made)")
+
 
 class CudaGraph:
     """A CUDA graph (a HIP graph on ROCm: torch.cuda.CUDAGraph is one there)."""
