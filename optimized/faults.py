@@ -748,10 +748,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in _CATALOGUE}
 
 # Shipped bugs the catalogue cannot model, with the reason (the selftest matrix lists them).
 NOT_MODELLED: dict[str, str] = {
-    "vllm-project/vllm#52644": "an accuracy drop only under FULL_DECODE_ONLY CUDA/HIP graph replay on "
-                               "MI350/MI355: mxval runs each op eagerly on inputs it builds, so a "
-                               "graph's stale captured arguments never arise; a capture taken under "
-                               "graph replay (`mxval diff` on its dumps) is the way to see it",
+    "vllm-project/vllm#52644": (
+        "an accuracy drop only under FULL_DECODE_ONLY CUDA/HIP graph replay on MI350/MI355: graph mode "
+        "(`--graph`) replays every op from a graph captured as vLLM captures it and the graph-only faults "
+        "model the class, but the bug lives in aiter's kernels on MI350/MI355, which mxval's graphs do not "
+        "run elsewhere; a capture taken under graph replay (`mxval diff` on its dumps) is the way to see it"),
 }
 
 for _f in _CATALOGUE:
