@@ -90,35 +90,42 @@ def _sync_messages(caught) -> bool:
 
 
 class HostReads(TorchFunctionMode):
-    """Without `log`: runs every torch call and records the host reads (a Python value read
+    """Without `log`: runs every torch call and records its host reads (a Python value read
     from a tensor, `HOST_READS`; on a GPU with `sync_debug`, also any call that waited for
-    the device: a copy to or from the host, a data-dependent shape) as (call index, name,
-    result). With `log`: the same calls, the recorded ones answered from the record."""
+    the device: a copy to or from the host, a data-dependent shape), each under the code
+    location that made it (file, line, function), in order. With `log`: the same calls run,
+    but those recorded are answered from the record, location by location: code that only
+    runs under a capture (the capture hook's staging copies) shifts nothing. A location read
+    more or fewer times than recorded (a `HOST_READS` call the warm-up did not make, too) is a
+    GraphError: the host code took another path.
+    `scope`: only calls made from files under these prefixes are looked at."""
 
-    def __init__(self, log: Optional[list] = None, *, sync_debug: bool = False, scope: tuple = ()):
+    def __init__(self, log: Optional[dict] = None, *, sync_debug: bool = False, scope: tuple = ()):
         super().__init__()
         self.replaying = log is not None
-        self.log = log if log is not None else []
+        self.log: dict = log if log is not None else {}
         self.sync_debug = sync_debug
         self.scope = scope
-        self.calls = 0
-        self.next = 0
+        self.used: dict = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.scope and not sys._getframe(1).f_code.co_filename.startswith(self.scope):
-            return func(*args, **kwargs)          # outside the scope: live, not counted
+        code = sys._getframe(1)
+        if self.scope and not code.f_code.co_filename.startswith(self.scope):
+            return func(*args, **kwargs)          # outside the scope: live
         name = getattr(func, "__name__", repr(func))
-        i, self.calls = self.calls, self.calls + 1
+        key = (code.f_code.co_filename, code.f_lineno, name)
         if self.replaying:
-            if self.next < len(self.log) and self.log[self.next][0] == i:
-                at, recorded, result = self.log[self.next]
-                if recorded != name:
-                    raise GraphError(f"its host code took another path at capture than in its warm-up "
-                                     f"(call {i}: {name}, warm-up: {recorded})")
-                self.next += 1
-                return result
-            return func(*args, **kwargs)
+            recorded = self.log.get(key)
+            if recorded is None and name not in HOST_READS:
+                return func(*args, **kwargs)
+            n = self.used.get(key, 0)
+            if n >= len(recorded or ()):
+                raise GraphError(f"its host code took another path at capture than in its warm-up ({name} at "
+                                 f"{os.path.basename(key[0])}:{key[1]} read {n + 1} times, {len(recorded or ())} "
+                                 f"in the warm-up)")
+            self.used[key] = n + 1
+            return recorded[n]
         if self.sync_debug:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -130,14 +137,25 @@ class HostReads(TorchFunctionMode):
         else:
             result, synced = func(*args, **kwargs), False
         if synced or name in HOST_READS:
-            self.log.append((i, name, result))
+            self.log.setdefault(key, []).append(result)
         return result
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
-        if self.replaying and exc[0] is None and self.next != len(self.log):
-            raise GraphError(f"its host code took another path at capture than in its warm-up "
-                             f"({len(self.log) - self.next} of its {len(self.log)} host reads not made)")
+        if self.replaying and exc[0] is None:
+            short = [k for k, v in self.log.items() if self.used.get(k, 0) != len(v)]
+            if short:
+                f, line, name = short[0]
+                raise GraphError(f"its host code took another path at capture than in its warm-up ({name} at "
+                                 f"{os.path.basename(f)}:{line} read {self.used.get(short[0], 0)} times, "
+                                 f"{len(self.log[short[0]])} in the warm-up)")
+
+
+def _sync_debug(mode: int) -> None:
+    """torch's sync debug mode (it warns, once per call, that it is a prototype: not shown)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 class CudaGraph:
@@ -145,18 +163,18 @@ class CudaGraph:
 
     def __init__(self, device):
         self.device = device
-        self.log: list = []
+        self.log: dict = {}
 
     def capture(self, fn: Callable[[], dict]) -> dict:
         fn()
         fn()                                    # two warm-ups: Triton compiles in the first
         prev = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(1)       # warn: HostReads sees every wait for the device
+        _sync_debug(1)                          # warn: HostReads sees every wait for the device
         try:
             with HostReads(sync_debug=True) as rec:
                 fn()
         finally:
-            torch.cuda.set_sync_debug_mode(prev)
+            _sync_debug(prev)
         self.log = rec.log
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
