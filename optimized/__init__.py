@@ -37,6 +37,8 @@ class Backend:
     # a choice (e.g. {"compress_norm_rope_mxfp4_cache": {"rope": "fma-oc"}}); the runner
     # passes them to the reference and to the backend alike, and dumps record them.
     numerics: dict[str, dict] = field(default_factory=dict)
+    # why its ops cannot be replayed from a CUDA/HIP graph (graph mode, harness/run/graph.py); None: they can
+    no_graph: Optional[str] = None
 
     def available(self) -> Optional[str]:
         return self.reason

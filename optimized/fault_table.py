@@ -28,6 +28,8 @@ PREFILL_TOPK_ROWS = 4096
 # 2048 (key: sign, 5 exponent and 5 mantissa bits of the fp16 value).
 RADIX_SGLANG = (8, 4096)
 RADIX_FLAGGEMS = (11, 2048)
+# The graph-only split-count fault: entries of a row each scorer program covers.
+GRAPH_SPLIT = 16
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class FaultText:
     large: bool = False            # needs more than a CPU affords (a pool or logits past 2 GiB):
                                    # full selftest on a GPU (or --large) only, not --quick
     source: str = ""               # the shipped bug it models ("ROCm/aiter#4244"); "" = invented here
+    graph: bool = False            # graph-only: correct eagerly, wrong only when replayed from a
+                                   # CUDA/HIP graph (caught by graph mode, harness/run/graph.py)
 
     @property
     def backend_name(self) -> str:
@@ -56,7 +60,7 @@ _TEXT_VALUES = dict(
     LOGITS_ROW_SIM_BITS=LOGITS_ROW_SIM_BITS, LOGITS_ROW_SIM_MIB=(1 << (LOGITS_ROW_SIM_BITS - 1)) >> 20,
     SCHEDULE_TILE=SCHEDULE_TILE, SCHEDULE_TILES_PER_ROW=SCHEDULE_TILES_PER_ROW,
     SCHEDULE_REACH=SCHEDULE_TILE * SCHEDULE_TILES_PER_ROW, PREFILL_TOPK_ROWS=PREFILL_TOPK_ROWS,
-    RADIX_SGLANG=RADIX_SGLANG, RADIX_FLAGGEMS=RADIX_FLAGGEMS,
+    RADIX_SGLANG=RADIX_SGLANG, RADIX_FLAGGEMS=RADIX_FLAGGEMS, GRAPH_SPLIT=GRAPH_SPLIT,
 )
 
 def read_catalogue(path: Path = Path(__file__).with_name("faults.toml")) -> dict[str, FaultText]:
@@ -64,5 +68,5 @@ def read_catalogue(path: Path = Path(__file__).with_name("faults.toml")) -> dict
     rows = tomllib.loads(path.read_text())
     return {name: FaultText(name, row["bug_class"].format(**_TEXT_VALUES), tuple(row["ops"]), tuple(row["cases"]),
                             row["description"].format(**_TEXT_VALUES), large=row.get("large", False),
-                            source=row.get("source", ""))
+                            source=row.get("source", ""), graph=row.get("graph", False))
             for name, row in rows.items()}

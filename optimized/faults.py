@@ -28,8 +28,9 @@ from reference.pooling import SOFTMAX_MODES, boundary_mask, gather_windows
 from reference.q_quant import check_scale_pair, fold_weights
 from reference.rope import cos_sin_at, rope_gptj_tail
 
-from . import Backend, register
+from . import Backend, get_backend, register
 from .fault_table import (
+    GRAPH_SPLIT,
     INT32_BITS,
     LOGITS_ROW_SIM_BITS,
     PREFILL_TOPK_ROWS,
@@ -41,6 +42,7 @@ from .fault_table import (
     FaultText,
     read_catalogue,
 )
+from .reference_backend import NO_GRAPH
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,10 +51,12 @@ class Fault(FaultText):
     make_ops: Callable[[], dict]   # op name -> the faulty op
 
     def backend(self) -> Backend:
-        ops = dict(reference.FUNCTIONS)
+        if self.graph:                   # built on ops a graph can capture (graph_base)
+            ops, dev, no_graph = graph_base()
+        else:
+            ops, dev, no_graph = dict(reference.FUNCTIONS), "cuda" if torch.cuda.is_available() else "cpu", NO_GRAPH
         ops.update(self.make_ops())
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return Backend(self.backend_name, self.describe(), ops, device=dev)
+        return Backend(self.backend_name, self.describe(), ops, device=dev, no_graph=no_graph)
 
 
 # --- the correct path, as composable stages ----------------------------------------
@@ -739,6 +743,44 @@ def nan_weights_scorer_op(mask_add: bool = False) -> Callable:
             logits[bad[:, None] & before] = float("nan")
             if mask_add and clean_logits:
                 logits[bad[:, None] & ~before] = float("nan")
+
+# --- graph-only faults: correct eagerly, wrong only when replayed from a graph -------------
+#
+# Each decides something on the host from its inputs. Run eagerly, every call decides again
+# and is right; captured in a graph (harness/run/graph.py), the decision is the capture's
+# dummy step's and every replay repeats it. Each wraps a correct op (`graph_base`).
+
+def graph_base() -> tuple[dict, str, Optional[str]]:
+    """(ops, device, why not capturable) a graph-only fault breaks one op of: compiled Triton's
+    where it runs (a graph captures them), else the reference's (on the CPU, where graph
+    mode's stand-in graph replays them in tests)."""
+    if torch.cuda.is_available():
+        be = get_backend("triton", require=False)
+        if be.available() is None:
+            return dict(be.ops), str(be.device), None
+        return dict(reference.FUNCTIONS), "cuda", NO_GRAPH
+    return dict(reference.FUNCTIONS), "cpu", None
+
+
+def _fits_k_shortcut(inner: Callable) -> Callable:
+    """topk that skips ranking when every row fits in k: each row's columns in order."""
+    def topk(*, logits, lengths, k: int) -> dict:
+        if lengths.numel() == 0 or int(lengths.max()) <= k:           # decided on the host
+            idx = torch.arange(k, dtype=torch.int32, device=lengths.device).expand(lengths.shape[0], k)
+            return {"indices": torch.where(idx < lengths[:, None], idx, torch.full_like(idx, -1)).contiguous()}
+        return inner(logits=logits, lengths=lengths, k=k)
+    return topk
+
+
+def _split_count(inner: Callable) -> Callable:
+    """A scorer whose programs per row are counted on the host from the longest row: columns
+    past the last program's reach are never scored (-inf)."""
+    def paged_mxfp4_mqa_logits(**kw) -> dict:
+        out = inner(**kw)
+        ends = kw["row_ends"]
+        splits = -(-int(ends.max()) // GRAPH_SPLIT) if ends.numel() else 0
+        logits = out["logits"]
+        logits[:, splits * GRAPH_SPLIT:] = float("-inf")
         return {"logits": logits}
     return paged_mxfp4_mqa_logits
 
@@ -778,6 +820,50 @@ def _nan_index_past_end(idx, lengths, k, logits):
     vals = torch.gather(logits, 1, idx.clamp_min(0).long())
     nan = taken & torch.isnan(vals)
     return torch.where(nan, lengths[:, None].to(idx.dtype).expand_as(idx), idx)
+
+def _stale_workspace(inner: Callable) -> Callable:
+    """A scorer split as vLLM's backends are: a metadata builder (`build`, which graph mode runs
+    before every replay, outside the graph) copies the row ends into a workspace, reallocated
+    when the longest row passes the power of two it was sized for; the kernel (`kernel`, what a
+    graph captures) reads the row ends from the workspace it is given. Old workspaces stay
+    allocated: a replay reads real, stale memory, never freed memory."""
+    state: dict = {"ws": None, "reach": 0, "old": []}
+
+    def build(*, row_ends, **_) -> torch.Tensor:
+        longest = int(row_ends.max()) if row_ends.numel() else 0
+        reach = 1 << max(0, longest - 1).bit_length()
+        ws = state["ws"]
+        if ws is None or reach > state["reach"] or ws.shape[0] < row_ends.shape[0] or ws.dtype != row_ends.dtype:
+            if ws is not None:
+                state["old"].append(ws)
+            state["ws"] = ws = torch.empty(row_ends.shape[0], dtype=row_ends.dtype, device=row_ends.device)
+            state["reach"] = max(reach, state["reach"])
+        ws[:row_ends.shape[0]].copy_(row_ends)
+        return ws
+
+    def kernel(ws: torch.Tensor, **kw) -> dict:
+        return inner(**dict(kw, row_ends=ws[:kw["row_ends"].shape[0]]))
+
+    def paged_mxfp4_mqa_logits(**kw) -> dict:
+        return kernel(build(**kw), **kw)
+    paged_mxfp4_mqa_logits.build, paged_mxfp4_mqa_logits.kernel = build, kernel
+    return paged_mxfp4_mqa_logits
+
+
+def _count_item(inner: Callable) -> Callable:
+    """A K writer that sizes its launch by the number of slots it writes, read with `.item()`:
+    the slots past that count (in token order) are not written."""
+    def k_norm_rope_mxfp4_cache(*, slot_mapping, **kw) -> dict:
+        owned = slot_mapping >= 0
+        n = owned.sum().item()                                     # read on the host
+        rank = torch.cumsum(owned.to(torch.int64), 0) - 1
+        slots = torch.where(owned & (rank < n), slot_mapping, torch.full_like(slot_mapping, -1))
+        return inner(slot_mapping=slots, **kw)
+    return k_norm_rope_mxfp4_cache
+
+
+def _on_base(op: str, wrap: Callable) -> Callable[[], dict]:
+    return lambda: {op: wrap(graph_base()[0][op])}
 
 
 # --- the catalogue ----------------------------------------------------------------------
@@ -846,6 +932,12 @@ _MAKE_OPS: dict[str, Callable[[], dict]] = {
     "scorer-nan-mask-add": lambda: {Q: nan_weights_q_op(), SCORE: nan_weights_scorer_op(mask_add=True),
                                     TOPK: nan_ranking_topk_op()},
     "q-nan-guard-per-token": lambda: {Q: nonfinite_q_op(tile_guard=True)},
+
+    # graph-only
+    "graph-fits-k-shortcut": _on_base(TOPK, _fits_k_shortcut),
+    "graph-split-count": _on_base(SCORE, _split_count),
+    "graph-stale-workspace": _on_base(SCORE, _stale_workspace),
+    "graph-count-item": _on_base(K, _count_item),
 }
 
 
@@ -863,10 +955,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in _CATALOGUE}
 
 # Shipped bugs the catalogue cannot model, with the reason (the selftest matrix lists them).
 NOT_MODELLED: dict[str, str] = {
-    "vllm-project/vllm#52644": "an accuracy drop only under FULL_DECODE_ONLY CUDA/HIP graph replay on "
-                               "MI350/MI355: mxval runs each op eagerly on inputs it builds, so a "
-                               "graph's stale captured arguments never arise; a capture taken under "
-                               "graph replay (`mxval diff` on its dumps) is the way to see it",
+    "vllm-project/vllm#52644": (
+        "an accuracy drop only under FULL_DECODE_ONLY CUDA/HIP graph replay on MI350/MI355: graph mode "
+        "(`--graph`) replays every op from a graph captured as vLLM captures it and the graph-only faults "
+        "model the class, but the bug lives in aiter's kernels on MI350/MI355, which mxval's graphs do not "
+        "run elsewhere; a capture taken under graph replay (`mxval diff` on its dumps) is the way to see it"),
 }
 
 for _f in _CATALOGUE:

@@ -175,13 +175,22 @@ NONFINITE = {"topk-nan-row-garbage", "scorer-nan-mask-add", "q-nan-guard-per-tok
 
 # Faults that need a pool past 2 GiB are proven by test_int32_wrap_on_a_2gib_pool.
 @pytest.mark.parametrize("name", sorted(n for n, f in F.FAULTS.items()
-                                        if not f.large and n not in SCALED | STRUCTURAL | NONFINITE))
+                                        if not f.large and not f.graph and n not in SCALED | STRUCTURAL | NONFINITE))
 def test_fault_changes_its_ops_output(name, case):
     f = F.FAULTS[name]
     c = make_case(**EXPOSING[name]) if name in EXPOSING else case
     be = get_backend(f.backend_name)
     for op in f.ops:
         assert not same(be.ops[op](**c[op]), reference.OPS[op].fn(**c[op])), (name, op)
+
+
+# Graph-only faults are caught when replayed from a graph (tests/test_graph.py); run eagerly
+# they give the reference's bytes.
+@pytest.mark.parametrize("name", sorted(n for n, f in F.FAULTS.items() if f.graph))
+def test_graph_only_fault_is_the_reference_eagerly(name, case):
+    be = get_backend(F.FAULTS[name].backend_name)
+    for op in F.FAULTS[name].ops:
+        assert same(be.ops[op](**case[op]), reference.OPS[op].fn(**case[op])), (name, op)
 
 
 def test_faults_are_inert_where_they_cannot_show(case):

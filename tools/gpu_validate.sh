@@ -4,7 +4,8 @@
 # Triton and through vLLM's own kernels (vllm-cuda on the cuda path, every case through the
 # fused pool+K op; vllm-rocm; they need the vLLM source: `mxval upstream fetch` on a
 # networked machine, then XDG_CACHE_HOME or MXVAL_VLLM_SRC pointing at it), and the selftest
-# with compiled Triton as the correct backend. Phase B, timings, one step at a time: the
+# with compiled Triton as the correct backend; then the full suite in graph mode
+# (`--graph`: decode replayed from CUDA/HIP graphs). Phase B, timings, one step at a time: the
 # study on the GPU and `make bench-gpu` (BENCH=0 skips it). Logs and reports go under
 # ${GPU_OUT:-reports/gpu}; each step has its own time limit so one slow step does not hide
 # the others.
@@ -60,9 +61,10 @@ else
     for s in "${steps_a[@]}"; do run_a "$s"; done
 fi
 unset MXVAL_GPU_MEMORY_FRACTION
+step validate-graph "$LIMIT_A" $mx validate --suite full --graph --backend triton --report-dir "$out/validate-graph" --force
 step study "${LIMIT_STUDY:-90}" $mx study --device cuda --report-dir "$out/study"
 [ "${BENCH:-1}" = 1 ] && step bench-gpu "${LIMIT_BENCH:-240}" $py -m harness.bench.gpu --quick --out "$out/bench-gpu.md"
 cat "$out/machine.txt" "$out/steps.txt"
-for f in test-gpu validate-triton validate-vllm-cuda validate-vllm-rocm selftest study; do
+for f in test-gpu validate-triton validate-vllm-cuda validate-vllm-rocm selftest validate-graph study; do
     echo "== $f"; tail -n 30 "$out/$f.log"
 done

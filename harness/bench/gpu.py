@@ -604,7 +604,8 @@ PEAK_RATIO_TARGET = 3.0      # each case's GPU peak against its tensors
 def _suite(b: Bench):
     """The full suite through the Triton backend as a user runs it (`mxval validate --suite
     full --backend triton`, default -j), from a fresh Triton cache (every kernel compiled:
-    a fresh machine, or a changed kernel); without --quick also with -j 1 (one process).
+    a fresh machine, or a changed kernel); then in graph mode (`--graph`); without --quick
+    also with -j 1 (one process).
     Wall clock against SUITE_TARGET_S, and each case's GPU peak against its tensors."""
     import json
     import os
@@ -612,7 +613,8 @@ def _suite(b: Bench):
     import subprocess
     import tempfile
     import time
-    runs = [("default -j (auto)", [])] + ([] if b.quick else [("-j 1", ["-j", "1"])])
+    runs = [("default -j (auto)", []), ("--graph (every decode step replayed from CUDA graphs), default -j",
+                                         ["--graph"])] + ([] if b.quick else [("-j 1", ["-j", "1"])])
     for label, extra in runs:
         with tempfile.TemporaryDirectory(prefix="mxval-bench-suite-") as tmp:
             env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton"))

@@ -85,12 +85,16 @@ def cmd_validate(args) -> int:
     if args.repeat is not None:          # every backend op N times on the same inputs, same bytes
         import dataclasses
         all_cases = [dataclasses.replace(c, repeat=args.repeat) for c in all_cases]
+    if args.graph:                       # decode steps replayed from CUDA/HIP graphs
+        all_cases = _graph_cases(all_cases, be, quiet=args.quiet)
     cases = run.pick(all_cases)
     jobs = run.cap_jobs(args.jobs, len(cases), str(be.device))
     run.claim(f"validate-{run.suite}-{be.name}" + run.shard_suffix())
     results = run.execute([(be.name, cases)], jobs=jobs, case_timeout=args.case_timeout,
                           title=f"{run.suite} on {be.name}")
     extra = {"path": args.path} if args.path else {}
+    if args.graph:
+        extra["graph"] = True
     meta = run.meta(backend=be.name, backend_requested=args.backend, backend_description=be.description,
                     device=str(be.device), cases=[c.name for c in cases], **extra)
     shard = run.shard_meta(be.name, [c.name for c in all_cases], case_digest(all_cases), [c.name for c in cases])
@@ -99,6 +103,24 @@ def cmd_validate(args) -> int:
         if not cases and not args.quiet:
             print(f"shard {shard['k']}/{shard['n']}: no case of the {len(all_cases)} falls in this shard")
     return run.record([row for _, row in results], meta)
+
+
+def _graph_cases(cases: list, be, *, quiet: bool) -> list:
+    """`--graph`: every case in graph mode (harness/run/graph.py); a GPU is required."""
+    import dataclasses
+
+    import torch
+    if str(be.device) == "cpu" or not torch.cuda.is_available():
+        raise UsageError(f"--graph: needs a GPU (CUDA/HIP graphs); backend {be.name} runs on {be.device} here")
+    if be.no_graph:
+        raise UsageError(f"--graph: backend {be.name} cannot be replayed from a graph: {be.no_graph}")
+    from harness.run.graph import MAX_CAPTURE_SIZE
+    eager = [c.name for c in cases if not any(n <= MAX_CAPTURE_SIZE for n in c.decode_batches())]
+    if eager and not quiet:
+        print(f"note: --graph: {len(eager)} case(s) hold no decode batch of at most {MAX_CAPTURE_SIZE} requests "
+              f"and run eagerly, as vLLM runs prefill and mixed batches: {', '.join(eager[:8])}"
+              + (" ..." if len(eager) > 8 else ""), file=sys.stderr)
+    return [dataclasses.replace(c, graph=True) for c in cases]
 
 
 def cmd_diff(args) -> int:
@@ -302,6 +324,10 @@ def _validate_parser(sub) -> None:
     p.add_argument("--repeat", type=repeat_count, default=None, metavar="N",
                    help="run each backend op N times on the same inputs; every run must give the same "
                         "bytes (a case's `repeat` key otherwise; the full suite sets it)")
+    p.add_argument("--graph", action="store_true",
+                   help="replay every backend op of each decode step from a CUDA/HIP graph captured once per "
+                        "padded batch size, as vLLM serves decode; each replay is judged and compared with the "
+                        "same op run eagerly (GPU only)")
     add_tree_args(p)
     add_shard(p)
     add_case_timeout(p)

@@ -127,6 +127,10 @@ _TABLE = (
     _m("invariant_violations", ANY, "count", "broken invariants of a backend's output (top-k structure, "
        "-inf past row ends, bytes outside the written slots, scale codes), checked without the reference, "
        "also on inputs the reference refuses", always_fail=True),
+    # graph mode (harness/run/graph.py): each replayed step against the same op run eagerly
+    _m("graph_eager_bytes_differ", ANY, "count", "output bytes of a graph replay that differ from the same op "
+       "run eagerly on the same step (graph ≠ eager)", always_fail=True),
+    _m("graph_replays", ANY, "info", "steps replayed from a graph"),
 )
 
 # Finding classes, each counted as the metric `class_<name>` by the stage(s) that file it.

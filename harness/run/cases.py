@@ -131,6 +131,8 @@ class Case:
                                          # size); None: what the longest sequence needs
     repeat: int = 1                      # runs of each backend op on the same inputs; every run
                                          # must give the first run's bytes (`--repeat N` overrides)
+    graph: bool = False                  # decode steps replayed from CUDA/HIP graphs (harness/run/graph.py;
+                                         # `--graph` sets it); needs a GPU
     fp8_dtype: str = "e4m3fn"
     clean_logits: bool = False
     weights_dtype: str = "bfloat16"
@@ -150,7 +152,17 @@ class Case:
     def summary(self) -> str:
         lens = ",".join(str(s.len) for s in self.seqs)
         return f"H={self.heads or '-'} k={self.topk or '-'} lens=[{lens}] {self.layout} " \
-               f"{'+'.join(self.dist)}{' plant' if self.plant else ''}"
+               f"{'+'.join(self.dist)}{' plant' if self.plant else ''}{' graph' if self.graph else ''}"
+
+    def decode_batches(self) -> list[int]:
+        """The requests of each step that is a uniform decode batch (one token per request):
+        the steps graph mode replays (when at most harness/run/graph.py's largest capture size)."""
+        out = []
+        for i in range(max(len(s.steps()) for s in self.seqs)):
+            live = [s for s in self.seqs if i < len(s.steps())]
+            if all(i >= len(s.chunks) for s in live):
+                out.append(len(live))
+        return out
 
 
 # --- the schema ---------------------------------------------------------------------------
@@ -177,6 +189,7 @@ MAX_TEXT = 4096                  # characters of a name or description
 MAX_SCALE = 2.0 ** 64
 MAX_SEED = 2 ** 63 - 1
 MAX_REPEAT = 100
+MAX_GRAPH_BATCH = 512            # vLLM's largest default capture size (harness/run/graph.py)
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -349,6 +362,7 @@ CASE_SCHEMA = Table({
     "history": Choice(HISTORY_MODES),
     "table_pages": Int(1, MAX_POOL_PAGES + 1),
     "repeat": Int(1, MAX_REPEAT + 1),
+    "graph": Bool(),
     "fp8_dtype": Choice(("e4m3fn", "e4m3fnuz")),
     "clean_logits": Bool(),
     "weights_dtype": Choice(("bfloat16", "float32")),
@@ -437,6 +451,11 @@ def _case(raw, defaults: dict, suite: str, file: Path, index: int) -> Case:
             raise CaseError(f"{where}: plant[{i}].tensor: {p.tensor!r} {why}")
     lay = kw.get("layout", "shuffled")
     kw["layout"] = tuple(lay) if isinstance(lay, list) else lay
+    if kw.get("graph"):
+        if not any(n <= MAX_GRAPH_BATCH for n in Case(name="", suite="", file="", seqs=kw["seqs"]).decode_batches()):
+            raise CaseError(f"{where}: graph: no step is a decode batch of at most {MAX_GRAPH_BATCH} requests "
+                            "(only those are replayed from a graph): add `decode = n` to a sequence")
+        kw["requires"] = "gpu"               # a CUDA/HIP graph
     if kw.get("expect_nonfinite") and not kw["plant"]:
         raise CaseError(f"{where}: expect_nonfinite: needs a plant = [...] entry")
     return Case(suite=suite, file=str(file), **kw)

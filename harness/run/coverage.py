@@ -18,6 +18,7 @@ each op under test that takes the planted input.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -72,7 +73,7 @@ class _Walk(runner.ChainRun):
     CHAIN = False
 
     def __init__(self, case: Case, inputs, observe, values: bool = True):
-        super().__init__(case, reference_backend(), inputs)
+        super().__init__(dataclasses.replace(case, graph=False), reference_backend(), inputs)   # eager: nothing replays
         self.observe, self.values = observe, values
 
     def _history(self, kw: str):

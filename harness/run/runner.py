@@ -28,7 +28,7 @@ import reference
 from harness.diff import aggregate, diff_op, invariants
 from harness.diff.metrics import CHAIN, chain_key
 from harness.diff.scores import recall_points, recall_rows, row_blocks
-from harness.run import memory, stagetime
+from harness.run import graph, memory, stagetime
 from harness.run.cases import Case
 from harness.run.geometry import footprint
 from harness.run.inputs import CaseInputs, build, filled_on_device
@@ -278,6 +278,14 @@ class ChainRun:
         self.nondeterministic: list[dict] = []     # runs of an op that did not repeat its bytes
         self.first_refusal: Optional[NonFiniteStage] = None    # planted: the first stage the reference refused
         self.chain_broken = False                  # planted: the reference-only chain refused its inputs
+        self.graphs = graph.Graphs(backend, inputs) if case.graph else None     # graph mode (harness/run/graph.py)
+
+    def call(self, op: str, step: int, ins: dict, scalars: dict) -> dict:
+        """The backend's outputs of `op` on clones of `ins` (a kernel that writes its pool in
+        place must not change `before`); in graph mode, replayed from the op's graph."""
+        if self.graphs is not None:
+            return self.graphs.call(self, op, step, ins, scalars)
+        return getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars)
 
     def scalars(self, op: str) -> dict:
         """The case's scalars of `op`, with the reference options the backend declares for it
@@ -345,9 +353,8 @@ class ChainRun:
         reference refused the inputs, and so may the backend (NonFiniteInput passes through);
         the op table's outputs are the ones required then."""
         try:
-            # clones: a kernel that writes its pool in place must not change `before`
             with self.clock("backend"):
-                actual = getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars)
+                actual = self.call(op, step, ins, scalars)
         except BackendUnavailable:
             raise
         except Exception as e:
@@ -674,6 +681,9 @@ def run_case(case: Case, backend_name: str, *, recorder: Optional[Callable] = No
     row["backend"] = be.name
     if case.requires == "gpu" and (str(be.device) == "cpu" or not torch.cuda.is_available()):
         row.update(outcome="skipped", reason=f"needs a GPU (backend {be.name} runs on {be.device})")
+        return row
+    if case.graph and be.no_graph:
+        row.update(outcome="skipped", reason=f"backend {be.name} cannot be replayed from a graph: {be.no_graph}")
         return row
     missing = [op for op in case.ops if not be.supports(op)]
     if missing:

@@ -88,6 +88,15 @@ class FaultResult:
     fault: object                                  # optimized.faults.Fault
     rows: list = dataclasses.field(default_factory=list)
     skipped: str = ""
+    eager_rows: list = dataclasses.field(default_factory=list)    # a graph-only fault run eagerly
+
+    @property
+    def eager_clean(self) -> Optional[bool]:
+        """A graph-only fault's eager runs broke no budget (it is graph-only indeed); None when
+        none ran."""
+        if not self.eager_rows:
+            return None
+        return all(r["outcome"] == "ok" and not r["violations"] for r in self.eager_rows)
 
     @property
     def runs_caught(self) -> list[bool]:
@@ -158,7 +167,10 @@ def run(args, *, seeds: int, interpret_seeds: int) -> int:
         kind, who, case = item
         row.update(selftest_case=case.name, seed=case.seed, label=_label(item),
                    violations=run.budgets.check(row.get("metrics") or {}, SUITE, case.name))
-        (results[who.name].rows if kind == "fault" else correct_rows).append(row)
+        if kind == "fault-eager":
+            results[who.name].eager_rows.append(row)
+        else:
+            (results[who.name].rows if kind == "fault" else correct_rows).append(row)
     verdict = _verdict(results, correct_rows, backends, notes, seeds=seeds, quick=quick, run=run,
                        correct_cases=correct_cases)
     meta = run.meta(backend="faults + " + ", ".join(backends), backend_requested=None,
@@ -222,9 +234,14 @@ def plan(faults, backends, cases: dict, results: dict, *, seeds: int, quick: boo
             results[f.name].skipped = ("needs a pool or logits buffer past 2 GiB: runs in the full selftest "
                                        "on a GPU, or with --large" + (" (not with --quick)" if quick else ""))
             continue
+        if f.graph and not torch.cuda.is_available():
+            results[f.name].skipped = "graph-only: caught when replayed from a CUDA/HIP graph, on a GPU"
+            continue
         for name in f.cases:
             for i in range(1 if name in large_cases else fault_seeds):
                 out.append(("fault", f, with_seed(cases[name], i)))
+            if f.graph:              # graph-only: the same case run eagerly must pass
+                out.append(("fault-eager", f, dataclasses.replace(cases[name], graph=False)))
     scale = scale_cases()
     for be in backends:
         interp = be == "triton-interpret" and quick
@@ -254,6 +271,7 @@ def _verdict(results: dict, correct_rows: list, backends, notes, *, seeds: int, 
     false_alarms = [r for r in correct_rows if _alarm(r)]
     skipped_correct = [r for r in correct_rows if r["outcome"] == "skipped"]
     uncaught = [res.fault.name for res in results.values() if res.caught is False]
+    uncaught += [res.fault.name for res in results.values() if res.eager_clean is False]
     return {
         "faults": [_fault_json(res) for res in results.values()],
         "seeds": seeds,
@@ -281,6 +299,8 @@ def _summary_line(results: dict, verdict: dict, correct_rows, backends, n_items:
     return (f"selftest: {sum(1 for r in results.values() if r.caught)}/{len(results)} faults caught"
             + (f", {not_run} not run" if not_run else "")
             + (f" (NOT caught: {', '.join(uncaught)})" if uncaught else "")
+            + "".join(f"; {r.fault.name} caught EAGERLY too (not graph-only)" for r in results.values()
+                      if r.eager_clean is False)
             + f"; {verdict['false_alarms']} false alarm(s) in {runs} correct runs "
             f"({', '.join(backends)}; {verdict['seeds']} seeds"
             + (f"; on the faults' cases only: {', '.join(verdict['correct_cases'])}"
@@ -291,12 +311,13 @@ def _summary_line(results: dict, verdict: dict, correct_rows, backends, n_items:
 def _label(item) -> str:
     """A plan item's name in the report (unique within a run: case, seed, and fault or backend)."""
     kind, who, case = item
-    return f"{case.name} [seed {case.seed}] " + (f"x {who.name}" if kind == "fault" else f"on {who}")
+    return f"{case.name} [seed {case.seed}] " + (f"x {who.name}" if kind == "fault" else f"x {who.name} (eager)"
+                                                 if kind == "fault-eager" else f"on {who}")
 
 
 def _group(item) -> str:
     kind, who, _ = item
-    return who.backend_name if kind == "fault" else who
+    return who if kind == "correct" else who.backend_name
 
 
 def _alarm(row: dict) -> bool:
@@ -318,6 +339,7 @@ def _fault_json(res: FaultResult) -> dict:
             "values": {m: {"value": w["value"], "limit": w["limit"], "metric": w["metric"], "case": w["case"]}
                        for m, w in worst.items()},
             "outcomes": sorted({r["outcome"] for r in res.rows}),
+            **({"graph": True, "eager_runs": len(res.eager_rows), "eager_clean": res.eager_clean} if f.graph else {}),
             **({"skipped": res.skipped} if res.skipped else {})}
 
 
@@ -361,6 +383,10 @@ def _val(v) -> str:
 def _status(res: FaultResult) -> str:
     if res.caught is None:
         return "not run"
+    if getattr(res, "eager_clean", None) is False:
+        return "caught EAGERLY too (not graph-only)"
+    if res.caught and getattr(res.fault, "graph", False):
+        return "caught when replayed; passes eagerly"
     return "caught" if res.caught else f"NOT caught ({sum(res.runs_caught)}/{len(res.rows)} runs)"
 
 
@@ -426,10 +452,14 @@ def markdown(results, budgets, verdict, meta) -> str:
              f"on {meta['machine']}.",
              "",
              ]
-    field = [r for r in results.values() if r.fault.source]
-    invented = [r for r in results.values() if not r.fault.source]
+    graph = [r for r in results.values() if getattr(r.fault, "graph", False)]
+    field = [r for r in results.values() if r.fault.source and r not in graph]
+    invented = [r for r in results.values() if not r.fault.source and r not in graph]
     for title, group, source in (("Faults invented here (NUMERICS.md §10)", invented, False),
-                                 ("Bugs that shipped, each modelled on its source (NUMERICS.md §10)", field, True)):
+                                 ("Bugs that shipped, each modelled on its source (NUMERICS.md §10)", field, True),
+                                 ("Graph-only faults: correct eagerly, wrong only when replayed from a CUDA/HIP graph "
+                                  "(`mxval validate --graph`; each is also run eagerly, which must pass)", graph,
+                                  False)):
         if not group:
             continue
         lines += [f"#### {title}", "",
@@ -477,6 +507,16 @@ def write_report(out: Path, results, correct_rows, verdict, meta, md, run: Run) 
             rr["reason"] = ("caught by " + ", ".join(sorted({v['metric'] for v in r["violations"]}))
                             if caught else "NOT caught: no budget broke")
             rows.append(rr)
+        for r in res.eager_rows:             # a graph-only fault run eagerly: passes when nothing breaks
+            rr = dict(r)
+            rr["case"] = r.get("label") or f"{r['selftest_case']} x {res.fault.name} (eager)"
+            rr["description"] = f"graph-only fault {res.fault.name}, run eagerly: {res.fault.description}"
+            clean = r["outcome"] == "ok" and not r["violations"]
+            rr["ok"], rr["status"] = clean, "pass" if clean else "fail"
+            rr["reason"] = "eager run clean: the fault shows only when replayed" if clean else \
+                "caught eagerly: not a graph-only fault (" + (r.get("reason") or ", ".join(
+                    sorted({v['metric'] for v in r["violations"]}))) + ")"
+            rows.append(rr)
     for r in correct_rows:
         rr = dict(r)
         rr["case"] = r.get("label") or f"{r['selftest_case']} [seed {r['seed']}] on {r['backend']}"
@@ -512,6 +552,8 @@ def merge_verdicts(verdicts: list[dict]) -> dict:
             m["runs_caught"] += int(f.get("runs_caught") or 0)
             m["caught_by"] = _ordered(set(m["caught_by"]) | set(f.get("caught_by") or []))
             m["outcomes"] = sorted(set(m["outcomes"]) | set(f.get("outcomes") or []))
+            if f.get("graph") and f.get("eager_clean") is not None:      # False in any shard wins
+                m["eager_clean"] = f["eager_clean"] and m.get("eager_clean") is not False
             for metric, w in (f.get("values") or {}).items():
                 sign = -1.0 if higher_is_better(metric.removeprefix(CHAIN_PREFIX)) else 1.0
 
@@ -538,7 +580,8 @@ def merge_verdicts(verdicts: list[dict]) -> dict:
            "correct_rows": sum(int(v.get("correct_rows") or 0) for v in verdicts),
            "machine": "; ".join(sorted({str(v.get("machine")) for v in verdicts})),
            "merged_shards": len(verdicts)}
-    out["ok"] = (not any(f["caught"] is False for f in faults.values()) and out["false_alarms"] == 0
+    out["ok"] = (not any(f["caught"] is False or f.get("eager_clean") is False for f in faults.values())
+                 and out["false_alarms"] == 0
                  and out["correct_rows"] > 0)
     return out
 
@@ -548,8 +591,9 @@ class _MergedResult:
 
     def __init__(self, f: dict):
         self.fault = SimpleNamespace(name=f["name"], bug_class=f.get("bug_class", ""), ops=f.get("ops") or [],
-                                     source=f.get("source", ""),
+                                     source=f.get("source", ""), graph=f.get("graph", False),
                                      description=f.get("description", ""))
+        self.eager_clean = f.get("eager_clean")
         self.caught = f["caught"]
         self.caught_by = list(f.get("caught_by") or [])
         self.rows = [None] * int(f.get("runs") or 0)
