@@ -62,6 +62,9 @@ def test_each_broken_topk_invariant_is_named(row, length, check, n):
     assert rep.metrics["invariant_violations"] >= n and rep.metrics["class_invariant"] >= n
     f = next(x for x in rep.findings if x["invariant"] == check)
     assert f["class"] == "invariant" and f["row"] == 0 and f["where"].startswith(check)
+    if check in ("topk_range", "topk_duplicates"):                # the offending column and index named
+        assert row[f["col"]] == f["index"] and f["length"] == length
+    assert any(n.startswith("invariants broken: ") and check in n for n in rep.notes)
 
 
 def test_topk_shape_and_dtype():

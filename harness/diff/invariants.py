@@ -120,10 +120,25 @@ def _topk(op, ins, scalars, actual, ctx) -> None:
         shown = row if len(row) <= 12 else row[:12] + ["..."]
         return f"row {r} (length {int(lens_c[r])}, k {k}): indices {shown}"
 
-    def rows_of(name, detail):
+    def rows_of(name):
         bad = per_row[name].nonzero().flatten()[:MAX_FINDINGS]
-        return lambda: [{"row": int(r), **detail(int(r)), "where": f"{row_text(int(r))}; {why(name, int(r))}"}
+        return lambda: [{"row": int(r), **detail(name, int(r)), "where": f"{row_text(int(r))}; {why(name, int(r))}"}
                         for r in bad.tolist()]
+
+    def detail(name: str, r: int) -> dict:
+        """The column and index of a range or repeat finding's first offender."""
+        row = idx[r].cpu().long()
+        ln = int(lens_c[r])
+        if name == "topk_range":
+            c = int(((row < -1) | (row >= ln)).nonzero()[0])
+            return {"col": c, "index": int(row[c]), "length": ln}
+        if name == "topk_duplicates":
+            seen: set = set()
+            for c, v in enumerate(row.tolist()):
+                if v != -1 and v in seen:
+                    return {"col": c, "index": v, "length": ln}
+                seen.add(v)
+        return {"length": ln}
 
     def why(name: str, r: int) -> str:
         row = idx[r].cpu().long()
@@ -142,7 +157,7 @@ def _topk(op, ins, scalars, actual, ctx) -> None:
         return f"{int((row != -1).sum())} indices that are not -1, expected min(k, length) = {min(k, ln)}"
 
     for name in counts:
-        ctx.file(name, int(per_row[name].sum()), rows_of(name, lambda r: {}))
+        ctx.file(name, int(per_row[name].sum()), rows_of(name))
 
 
 # --- logits ------------------------------------------------------------------------------
@@ -399,7 +414,9 @@ def check(op: str, inputs: dict, scalars: dict, actual: dict, *, declared_nonfin
     if isinstance(actual, dict):
         for inv in invs:
             inv.check(op, inputs, scalars, actual, ctx)
-    return ctx.col.report(op, {METRIC: float(ctx.n)} if invs else {}, ctx.notes)
+    notes = ctx.notes + ([f"invariants broken: {', '.join(f'{n} {c}' for n, c in ctx.per.items())}"]
+                         if ctx.per else [])
+    return ctx.col.report(op, {METRIC: float(ctx.n)} if invs else {}, notes)
 
 
 def merge(report: DiffReport, inv: DiffReport) -> DiffReport:
