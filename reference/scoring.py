@@ -852,9 +852,7 @@ def check_width(width, block_table: torch.Tensor, page_size: int, row_ends: torc
 
 def nan_scale(name: str, scales: torch.Tensor) -> None:
     """e8m0 byte 255 encodes NaN: a non-finite input, reported, never scored."""
-    bad = scales == E8M0_NAN
-    if bool(bad.any()):
-        raise checks.NonFiniteInput(name, int(bad.sum()), bad.nonzero()[0].tolist())
+    checks.nonfinite(name, scales == E8M0_NAN)
 
 
 def check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc, context_lens, block_table,
