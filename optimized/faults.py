@@ -655,6 +655,8 @@ def _ftz_q_op() -> Callable:
     def q_rope_mxfp4_quant(*, q, **kw) -> dict:
         return reference.q_rope_mxfp4_quant(q=_flush_subnormals(q), **kw)
     return q_rope_mxfp4_quant
+
+
 # --- structural boundaries: page geometry and batch structure ------------------------------
 
 def _pages_read(context_lens, page_size: int) -> list[int]:
@@ -701,6 +703,8 @@ def _decode_rows_are_sequences(query_start_loc, block_table, context_lens, page_
     if qsl.numel() < 2 or rows == 0 or not bool(((qsl[1:] - qsl[:-1]) <= 1).all()):
         return query_start_loc, block_table
     return torch.arange(rows + 1, device=qsl.device), block_table[:rows]
+
+
 # --- non-finite inputs carried through, as a kernel carries them ------------------------------
 # The reference refuses non-finite inputs; a kernel computes on them. These ops stand for a
 # kernel on inputs a case plants (`plant`, `expect_nonfinite`): the reference on the finite
@@ -743,6 +747,46 @@ def nan_weights_scorer_op(mask_add: bool = False) -> Callable:
             logits[bad[:, None] & before] = float("nan")
             if mask_add and clean_logits:
                 logits[bad[:, None] & ~before] = float("nan")
+        return {"logits": logits}
+    return paged_mxfp4_mqa_logits
+
+
+def nan_ranking_topk_op(post: Callable = lambda idx, lengths, k, logits: idx) -> Callable:
+    """topk on logits that may hold NaN inside a row, ranked as torch.topk ranks them (NaN
+    above every number, so a NaN is taken first), then `post(indices, lengths, k, logits)`."""
+    def topk(*, logits, lengths, k: int) -> dict:
+        big = torch.finfo(torch.float32).max
+        ranked = torch.where(torch.isnan(logits), big, logits.clamp(-big, big))
+        out = reference.topk(logits=ranked, lengths=lengths, k=k)
+        return {"indices": post(out["indices"].clone(), lengths.long(), k, logits)}
+    return topk
+
+
+def nonfinite_q_op(tile_guard: bool = False) -> Callable:
+    """q_rope_mxfp4_quant on a q holding NaN or inf, as a kernel quantizes it: each
+    (token, head) with a non-finite value stores the NaN scale (255) in every block; the rest
+    is the reference's. With `tile_guard`, a non-finite check taken over the whole token (the
+    tile of its heads) stores 255 in every head of that token: finite heads lose their scales."""
+    def q_rope_mxfp4_quant(*, q, **kw) -> dict:
+        bad = ~torch.isfinite(q.float()).all(-1)                      # [T, H]
+        out = reference.q_rope_mxfp4_quant(q=torch.where(bad[..., None], torch.zeros_like(q), q), **kw)
+        if tile_guard:
+            bad = bad.any(1, keepdim=True).expand_as(bad)
+        q_scale = out["q_scale"].clone()
+        q_scale[bad] = 255
+        out["q_scale"] = q_scale
+        return out
+    return q_rope_mxfp4_quant
+
+
+def _nan_index_past_end(idx, lengths, k, logits):
+    """A radix top-k that reads a NaN's bits as a key above every bin: each NaN it takes is
+    written as the row's length (one past the row's last index), not its column."""
+    taken = idx >= 0
+    vals = torch.gather(logits, 1, idx.clamp_min(0).long())
+    nan = taken & torch.isnan(vals)
+    return torch.where(nan, lengths[:, None].to(idx.dtype).expand_as(idx), idx)
+
 
 # --- graph-only faults: correct eagerly, wrong only when replayed from a graph -------------
 #
@@ -784,42 +828,6 @@ def _split_count(inner: Callable) -> Callable:
         return {"logits": logits}
     return paged_mxfp4_mqa_logits
 
-
-def nan_ranking_topk_op(post: Callable = lambda idx, lengths, k, logits: idx) -> Callable:
-    """topk on logits that may hold NaN inside a row, ranked as torch.topk ranks them (NaN
-    above every number, so a NaN is taken first), then `post(indices, lengths, k, logits)`."""
-    def topk(*, logits, lengths, k: int) -> dict:
-        big = torch.finfo(torch.float32).max
-        ranked = torch.where(torch.isnan(logits), big, logits.clamp(-big, big))
-        out = reference.topk(logits=ranked, lengths=lengths, k=k)
-        return {"indices": post(out["indices"].clone(), lengths.long(), k, logits)}
-    return topk
-
-
-def nonfinite_q_op(tile_guard: bool = False) -> Callable:
-    """q_rope_mxfp4_quant on a q holding NaN or inf, as a kernel quantizes it: each
-    (token, head) with a non-finite value stores the NaN scale (255) in every block; the rest
-    is the reference's. With `tile_guard`, a non-finite check taken over the whole token (the
-    tile of its heads) stores 255 in every head of that token: finite heads lose their scales."""
-    def q_rope_mxfp4_quant(*, q, **kw) -> dict:
-        bad = ~torch.isfinite(q.float()).all(-1)                      # [T, H]
-        out = reference.q_rope_mxfp4_quant(q=torch.where(bad[..., None], torch.zeros_like(q), q), **kw)
-        if tile_guard:
-            bad = bad.any(1, keepdim=True).expand_as(bad)
-        q_scale = out["q_scale"].clone()
-        q_scale[bad] = 255
-        out["q_scale"] = q_scale
-        return out
-    return q_rope_mxfp4_quant
-
-
-def _nan_index_past_end(idx, lengths, k, logits):
-    """A radix top-k that reads a NaN's bits as a key above every bin: each NaN it takes is
-    written as the row's length (one past the row's last index), not its column."""
-    taken = idx >= 0
-    vals = torch.gather(logits, 1, idx.clamp_min(0).long())
-    nan = taken & torch.isnan(vals)
-    return torch.where(nan, lengths[:, None].to(idx.dtype).expand_as(idx), idx)
 
 def _stale_workspace(inner: Callable) -> Callable:
     """A scorer split as vLLM's backends are: a metadata builder (`build`, which graph mode runs

@@ -145,8 +145,7 @@ _PLANTS = {   # input -> (ops taking it, values); `plant` tensors of the case sc
 }
 
 
-def _boundaries() -> tuple[Boundary, ...]:
-    b: list[Boundary] = []
+def _sizes(b: list) -> None:
     # --- rows per call: where a grid dimension, a rows-per-program split or a path changes
     for ops, stage, points, src in (
             (TOPK, "topk", (1, 4096, 4097), "top-k calls of 4096 / 4097 rows: aiter's topk switches "
@@ -192,6 +191,9 @@ def _boundaries() -> tuple[Boundary, ...]:
     b.append(_B("topk.k.512", TOPK, "k", "k", "k", ("has", 512), "V4-Flash / V4.1 top-k"))
     b.append(_B("topk.k.small", TOPK, "k", "k", "k", ("has", 8), "a k below a warp"))
     b.append(_B("topk.k.2048", TOPK, "k", "k", "k", ("has", 2048), "vLLM routes k >= 2048 to aiter's top-k"))
+
+
+def _structure(b: list) -> None:
     # --- sequences, rows, positions
     for ops, stage in ((SCORERS, "scorer"), (TOPK, "topk")):
         for tag in ("empty", "no-context", "packed-start"):
@@ -239,6 +241,9 @@ def _boundaries() -> tuple[Boundary, ...]:
     for tag in ("e4m3fn", "e4m3fnuz"):
         b.append(_B(f"fp8.{tag}", ("k_norm_rope_fp8_cache", "paged_fp8_mqa_logits"), "kv_cache", "fp8 flavour",
                     "options", ("has", tag), "NUMERICS.md §7: gfx950 e4m3fn, gfx942 e4m3fnuz"))
+
+
+def _values(b: list) -> None:
     # --- values: scale codes, elements
     for ops, stage, fact in ((K_MX, "k", "codes"), (Q_MX, "q", "codes")):
         b.append(_B(f"{stage}.codes.every", ops, "values", "e8m0 scale codes of non-zero blocks", fact,
@@ -272,6 +277,12 @@ def _boundaries() -> tuple[Boundary, ...]:
         for v in values:
             b.append(_B(f"nonfinite.{inp}.{v}", ops, inp, "non-finite input", "nonfinite", ("has", f"{inp}:{v}"),
                         _NF))
+
+
+def _boundaries() -> tuple[Boundary, ...]:
+    b: list[Boundary] = []
+    for group in (_sizes, _structure, _values):
+        group(b)
     names = [x.name for x in b]
     assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]
     return tuple(b)
