@@ -129,6 +129,22 @@ def pool_case(seed=0, tokens=40, block_size=8, reqs=2):
                 kv_slot_mapping=slots, compress_ratio=RATIO)
 
 
+def fused_k_case(seed, shuffle, page_size, rounding="rocm", tokens=48, pages=6):
+    """Pooling inputs and K writer inputs (less `k`) of one fused pool+K call: two requests of
+    pooled windows, a boundary token without a slot, a channel of -0.0 state values."""
+    kw = pool_case(seed=seed, tokens=tokens, block_size=8, reqs=2)
+    g = torch.Generator().manual_seed(seed)
+    kw["kv_slot_mapping"] = torch.randperm(pages * page_size, generator=g)[:tokens]
+    kw["kv_slot_mapping"][7] = -1                     # a boundary token without a slot
+    kw["state_cache"][..., 5] = -0.0                  # a channel of -0.0 values: pooled -0.0 (the sign pin)
+    wk = dict(cos_sin_cache=rope.cos_sin_cache(256, 64, 160000.0, yarn_factor=16.0),
+              norm_weight=(1 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16),
+              kv_cache=torch.randint(0, 256, (pages, page_size * layout.entry_bytes(128) + 12), generator=g,
+                                     dtype=torch.uint8),
+              norm_eps=1e-6, page_size=page_size, shuffle=shuffle, rounding=rounding)
+    return kw, wk
+
+
 def logits_case(seed=0, heads=16, page_size=32, shuffle=(32, 16, 2), fp8=None, pad=4,
                 seqs=((3, 70), (4, 100), (1, 0))):
     """Sequences of (query rows, context entries); pools hold encoded random keys with

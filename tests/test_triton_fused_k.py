@@ -6,30 +6,15 @@ fused launch is what the pooling and K writer stages judge (not the split ops be
 that the K path's faults are caught when they come out of one launch."""
 import pytest
 import torch
-from helpers import pool_case, same_bits
+from helpers import fused_k_case, same_bits
 
 import reference
-from reference import layout, rope
 
 
 @pytest.fixture(scope="module")
 def be():
     from optimized import get_backend
     return get_backend("triton-fused-interpret")
-
-
-def _case(seed, shuffle, page_size, rounding="rocm", tokens=48, pages=6):
-    kw = pool_case(seed=seed, tokens=tokens, block_size=8, reqs=2)
-    g = torch.Generator().manual_seed(seed)
-    kw["kv_slot_mapping"] = torch.randperm(pages * page_size, generator=g)[:tokens]
-    kw["kv_slot_mapping"][7] = -1                     # a boundary token without a slot
-    kw["state_cache"][..., 5] = -0.0                  # a channel of -0.0 values: pooled -0.0 (the sign pin)
-    wk = dict(cos_sin_cache=rope.cos_sin_cache(256, 64, 160000.0, yarn_factor=16.0),
-              norm_weight=(1 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16),
-              kv_cache=torch.randint(0, 256, (pages, page_size * layout.entry_bytes(128) + 12), generator=g,
-                                     dtype=torch.uint8),
-              norm_eps=1e-6, page_size=page_size, shuffle=shuffle, rounding=rounding)
-    return kw, wk
 
 
 def _split(kw, wk):
@@ -45,7 +30,7 @@ def _split(kw, wk):
 @pytest.mark.parametrize("shuffle,page_size", [([32, 16, 2], 64), ([32, 16, 2], 32), ([32, 16, 2], 128),
                                                ([16, 16, 4], 16), ([16, 16, 4], 48), (None, 64), (None, 8)])
 def test_fused_pages_are_the_split_chains(be, shuffle, page_size):
-    kw, wk = _case(page_size, shuffle, page_size)
+    kw, wk = fused_k_case(page_size, shuffle, page_size)
     pooled, pages = _split(kw, wk)
     got = be.fused_pool["k_norm_rope_mxfp4_cache"](**kw, **wk)
     assert torch.equal(got["kv_cache"], pages)
@@ -56,7 +41,7 @@ def test_fused_pages_are_the_split_chains(be, shuffle, page_size):
 
 @pytest.mark.parametrize("rounding", ["deepseek", "cuda"])
 def test_fused_other_rounding_paths(be, rounding):
-    kw, wk = _case(3, None, 16, rounding)
+    kw, wk = fused_k_case(3, None, 16, rounding)
     pooled, pages = _split(kw, wk)
     got = be.fused_pool["k_norm_rope_mxfp4_cache"](**kw, **wk)
     assert got["pooled"].dtype == pooled.dtype
@@ -68,7 +53,7 @@ def test_fused_tilings_and_no_scratch_row(be, tile):
     """The compiled tilings (interpreted) and the production form (no pooled row stored)
     write the same pages; bytes the call does not own keep their values."""
     from optimized.triton_kernels import fused_k
-    kw, wk = _case(5, [32, 16, 2], 64)
+    kw, wk = fused_k_case(5, [32, 16, 2], 64)
     _, pages = _split(kw, wk)
     args = [kw[n] for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
     out = wk["kv_cache"].clone()
@@ -78,12 +63,12 @@ def test_fused_tilings_and_no_scratch_row(be, tile):
 
 
 def test_fused_rejects_what_the_split_ops_reject(be):
-    kw, wk = _case(1, [32, 16, 2], 64)
+    kw, wk = fused_k_case(1, [32, 16, 2], 64)
     fn = be.fused_pool["k_norm_rope_mxfp4_cache"]
     with pytest.raises(ValueError, match="hadamard"):
         fn(**kw, **wk, hadamard=True)
     with pytest.raises(ValueError, match="page_size"):
-        fn(**_case(1, [32, 16, 2], 96)[0], **_case(1, [32, 16, 2], 96)[1])   # a page size aiter refuses
+        fn(**fused_k_case(1, [32, 16, 2], 96)[0], **fused_k_case(1, [32, 16, 2], 96)[1])   # a page size aiter refuses
     bad = dict(kw, kv_slot_mapping=kw["kv_slot_mapping"].clone())
     bad["kv_slot_mapping"][3] = 10 ** 6
     with pytest.raises(ValueError, match="slot_mapping"):
@@ -134,14 +119,14 @@ def test_runner_judges_the_fused_launch(be):
 def _k_path_faults():
     from optimized import faults as F
     k_ops = {"compress_pool", "k_norm_rope_mxfp4_cache"}
-    return [n for n, f in F.FAULTS.items() if set(f.ops) <= k_ops and not f.large
-            and any(c in ("chain", "chain-natural") for c in f.cases)]
+    return [n for n, f in F.FAULTS.items() if set(f.ops) & k_ops and not f.large]
 
 
 @pytest.mark.parametrize("name", _k_path_faults())
 def test_k_path_faults_caught_through_one_launch(name):
-    """Each selftest fault of the ROCm K path, its pooling and writer composed into one
-    call offered as the backend's fused launch: still caught by the budgets."""
+    """Each selftest fault of the ROCm K path (but the 2 GiB pool's), its pooling and writer
+    composed into one call offered as the backend's fused launch, on its case with the
+    pooling in the chain: still caught by the budgets."""
     from optimized import Backend
     from optimized import faults as F
     fault = F.FAULTS[name]
@@ -158,8 +143,7 @@ def test_k_path_faults_caught_through_one_launch(name):
         return {"pooled": pooled, "kv_cache": pages}
     be = Backend(f"test-fused-{name}", "fault in one launch", fb.ops, device="cpu",
                  fused_pool={"k_norm_rope_mxfp4_cache": one_call})
-    case = _smoke_case(next(c for c in fault.cases if c in ("chain", "chain-natural")))
-    row = _run(case, be)
+    row = _run(_smoke_case(fault.cases[0]), be)            # its K path, pooled, through the launch
     assert row["violations"], f"{name} passed through the fused launch"
 
 
