@@ -164,3 +164,26 @@ def test_fused_kernel_without_the_scratch_round_is_caught(be):
     metrics = {v["metric"] for v in row["violations"]}
     assert "k_norm_rope_mxfp4_cache.page_bytes_mismatched" in metrics
     assert not any(m.startswith("compress_pool.") for m in metrics)
+
+
+def test_certified_pooling_on_bf16_midpoints(be):
+    """Every pooled value on a bf16 rounding midpoint: fp32 pooling without the bound's check
+    gets bf16 values wrong there (the check has teeth); with it, the fp64 fallback gives the
+    split path's rows and pages exactly."""
+    from helpers import on_bf16_midpoints
+
+    from optimized.triton_kernels import fused_k
+    kw, wk = fused_k_case(11, [32, 16, 2], 64, tokens=256, pages=8)
+    kw = on_bf16_midpoints(kw)
+    pooled, pages = _split(kw, wk)
+    sel = ((kw["positions"] + 1) % 4 == 0) & (kw["kv_slot_mapping"] >= 0)
+    args = [kw[n] for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
+    opts = dict(compress_ratio=4, norm_eps=1e-6, page_size=64, shuffle=[32, 16, 2])
+    got = {}
+    for mode in (True, "unchecked"):
+        out, p = wk["kv_cache"].clone(), torch.empty_like(pooled)
+        fused_k.launch(*args, wk["cos_sin_cache"], wk["norm_weight"], out, **opts, pooled=p, certify=mode)
+        got[mode] = (int((p[sel].view(torch.int16) != pooled[sel].view(torch.int16)).sum()),
+                     torch.equal(out, pages))
+    assert got[True] == (0, True), got
+    assert got["unchecked"][0] > 0, got

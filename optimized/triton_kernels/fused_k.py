@@ -31,14 +31,67 @@ from reference.k_writer import check_mxfp4_k_writer
 from reference.pooling import check_pool_args
 
 from ..common import on_device, reject_hadamard, scale_rule_code
-from .interp import LAUNCH, bf16_bits, bf16_round, tile
+from .interp import LAUNCH, bf16_bits, bf16_round, exp_f32, tile
 from .k_writer import write_entries
 from .numerics import ROUNDING_CODES, SCALE_RULE_CODES, writing_tokens
-from .pooling import _check_windows, pool_window
+from .pooling import _check_windows, pool_window, softmax_pool_f64, window_offsets
 
 # tokens per program, writing tokens pooled and written at once, warps (compiled; see
 # `make bench-gpu`'s sweep), and the interpreter's wide tile (few programs)
-TILE = tile((16, 1, 2), (256, 32, 4))
+TILE = tile((16, 1, 1), (256, 32, 4))
+
+# The certified fp32 pooling (`pool_bf16`). With u = 2**-24, window slot i's term
+# t_i = w_i * kv_i computed in fp32 (a_i = s_i - max, e_i = expf(a_i) within 2 ulp, S = sum e,
+# 1/S and w_i = e_i * (1/S) correctly rounded, t_i, c = sum t) is off the exact softmax by at
+# most |t_i| * (28.2 u + 1.01 u |a_i|) summed over i, to first order (the exp 4u, its argument
+# u |a_i|, the sum of the exps 7u + 1.2u (the softmax-weighted mean of |a| is below 1.1 for
+# 8 slots), the reciprocal and the weight 2u, the product u, the sum of the terms 7u), plus
+# 2**-126 |kv_i| where an exp underflows and 2**-150 per product in the subnormal range. The
+# bound below takes 32u and 2u, and adds |c| 2**-22 for the rounding of c -+ bound itself.
+_B_REL: tl.constexpr = tl.constexpr(2.0 ** -19)
+_B_ARG: tl.constexpr = tl.constexpr(2.0 ** -23)
+_B_KV: tl.constexpr = tl.constexpr(2.0 ** -125)
+_B_C: tl.constexpr = tl.constexpr(2.0 ** -22)
+_B_TINY: tl.constexpr = tl.constexpr(2.0 ** -140)
+
+
+@triton.jit
+def pool_bf16(state_ptr, off, m3, D: tl.constexpr, CERTIFY: tl.constexpr):
+    """bf16(c) of the windows at `off` (as fp32 values): the split pooling's bytes, mostly in fp32.
+
+    x -> bf16(fp32(x)) is monotone, so where c - B and c + B (B the bound above on the fp32
+    result's distance to the exact c) round to the same non-zero bf16 value, so does the
+    exact c, and so does the fp64 pooling (within a few fp64 ulps of it): that value is
+    certain. Elsewhere (a value within B of a bf16 rounding boundary, or of zero, whose sign
+    the IEEE sum decides) the split pooling's own fp64 code recomputes the channels of this
+    tile, once per tile that has one (measured in `make bench-gpu`).
+    CERTIFY: 1 as above (the default); 0 fp64 only; 2 fp32 without the check (measurement
+    only: what the bound and its fallback are for)."""
+    if CERTIFY != 0:
+        s = tl.load(state_ptr + off + 2 * D, mask=m3, other=float("-inf"))
+        kv = tl.load(state_ptr + off, mask=m3, other=0.0)
+        mx = tl.max(s, axis=0)
+        a = s - mx[None, :, :]
+        e = exp_f32(a)
+        total = tl.sum(e, axis=0)
+        inv = tl.div_rn(tl.full(total.shape, 1.0, tl.float32), total)
+        t = (e * inv[None, :, :]) * kv
+        c = tl.sum(t, axis=0)
+        arg = tl.where(m3, tl.abs(a), 0.0)
+        bound = (tl.sum(tl.abs(t) * (_B_REL + _B_ARG * arg) + tl.abs(kv) * _B_KV, axis=0)
+                 + tl.abs(c) * _B_C + _B_TINY)
+        lo = bf16_bits(c - bound)
+        hi = bf16_bits(c + bound)
+        certain = (lo == hi) & ((lo & 0x7FFF) != 0)
+        out = bf16_round(c)
+        exists = tl.max(m3.to(tl.int32), axis=0) > 0          # a row that writes, a channel in range
+        if CERTIFY == 1:
+            if tl.max(tl.max((exists & (certain == 0)).to(tl.int32), axis=1), axis=0) > 0:
+                exact = bf16_round(softmax_pool_f64(state_ptr, off, m3, D, False))
+                out = tl.where(certain, out, exact)
+    else:
+        out = bf16_round(softmax_pool_f64(state_ptr, off, m3, D, False))
+    return out
 
 
 @triton.jit(do_not_specialize=["T", "table_stride"])     # one compile for every token count
@@ -47,7 +100,7 @@ def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_
                     D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr,
                     PAGE: tl.constexpr, SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
                     ROUNDING: tl.constexpr, RULE: tl.constexpr, STORE_POOLED: tl.constexpr,
-                    BT: tl.constexpr, G: tl.constexpr, SPAN2: tl.constexpr):
+                    BT: tl.constexpr, G: tl.constexpr, SPAN2: tl.constexpr, CERTIFY: tl.constexpr):
     TB: tl.constexpr = D // 2
     pid = tl.program_id(0)
     toks = pid * BT + tl.arange(0, BT)
@@ -72,9 +125,24 @@ def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_
         ok = (g0 + gi) < n_act
         tok = tl.sum(tl.where(pick, toks[None, :], 0), axis=1)              # [G]
         gpos = tl.sum(tl.where(pick, pos[None, :], 0), axis=1)
-        # 1. pooling: the split pooling kernel's own window code, so the same fp32 c
-        c = pool_window(state_ptr, table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride,
-                        row_stride, block_stride, D, RATIO, WP, SPAN2, False)
+        # 1. pooling, from the split pooling kernel's own window code
+        if ROUNDING == 1:      # cuda: the fp32 row, exact softmax in fp64
+            c = pool_window(state_ptr, table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride,
+                            row_stride, block_stride, D, RATIO, WP, SPAN2, False)
+        elif D >= 128:
+            # rocm / deepseek: bf16(c), the value the scratch buffer holds, in two halves of
+            # channels (an fp64 window of all D channels in one warp spills)
+            CH: tl.constexpr = D // 2
+            dh = tl.arange(0, CH)
+            off, m3 = window_offsets(table_ptr, req_ptr, tok, gpos, ok, dh, dh < CH, block_size, table_stride,
+                                     row_stride, block_stride, D, RATIO, WP, SPAN2)
+            c0 = pool_bf16(state_ptr, off, m3, D, CERTIFY)
+            c1 = pool_bf16(state_ptr, off + CH, m3, D, CERTIFY)
+            c = tl.reshape(tl.permute(tl.join(c0, c1), (0, 2, 1)), (G, D))     # [c0 | c1]
+        else:
+            off, m3 = window_offsets(table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride,
+                                     row_stride, block_stride, D, RATIO, WP, SPAN2)
+            c = pool_bf16(state_ptr, off, m3, D, CERTIFY)
         if STORE_POOLED:
             grow = tok.to(tl.int64)[:, None] * D + d[None, :]
             if ROUNDING == 1:
@@ -82,12 +150,8 @@ def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_
             else:
                 tl.store(pooled_ptr + grow, bf16_bits(c), mask=ok[:, None])
         # 2. the row as the K writer reads it: (even, odd) channel pairs; on the rocm and
-        # deepseek paths bf16(c), the value the scratch buffer holds (bf16_round is the same
-        # nearest-even round as the store's bf16_bits, in both modes)
+        # deepseek paths already bf16(c), the value the scratch buffer holds
         e, o = tl.split(tl.reshape(c, (G, TB, 2)))
-        if ROUNDING != 1:
-            e = bf16_round(e)
-            o = bf16_round(o)
         # 3. norm -> RoPE -> MXFP4 -> store: the split K writer's own device function
         slot = tl.load(slot_ptr + tok, mask=ok, other=0).to(tl.int64)
         write_entries(e, o, gpos, slot, ok[:, None], m, cs_ptr, w_ptr, cache_ptr, page_stride, cs_stride, eps,
@@ -96,11 +160,13 @@ def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_
 
 def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight,
            out_cache, *, compress_ratio, norm_eps, page_size, shuffle, rounding="rocm", scale_rule="ceil",
-           pooled=None, tile=None):
+           pooled=None, tile=None, certify=True):
     """Write the entries of every boundary token with a slot into `out_cache` in place (all
     tensors on the kernel's device, checked by the caller). `pooled`: an optional [T, D]
     output (bf16; fp32 for rounding="cuda") that receives the scratch rows the split path
-    would store. `tile` (measurement only): (tokens per program, tokens at once, warps)."""
+    would store. `tile` (measurement only): (tokens per program, tokens at once, warps);
+    `certify` (measurement only): False pools every value in fp64 (the same bytes, slower),
+    "unchecked" in fp32 without the bound's fallback (not the split path's bytes)."""
     t = positions.shape[0]
     d = state_cache.shape[-1] // 4
     if t == 0:
@@ -121,7 +187,7 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_
         PAGE=page_size, SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1,
         SHUF_L=shuf.l if shuf else 1, ROUNDING=ROUNDING_CODES[rounding], RULE=SCALE_RULE_CODES[scale_rule],
         STORE_POOLED=store, BT=bt, G=g, SPAN2=sc.shape[1] >= 2 * compress_ratio - 1,
-        num_warps=warps, **LAUNCH)
+        CERTIFY={True: 1, False: 0, "unchecked": 2}[certify], num_warps=warps, **LAUNCH)
     return out_cache
 
 

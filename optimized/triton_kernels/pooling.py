@@ -30,13 +30,11 @@ def _exp(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def pool_window(state_ptr, table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride, row_stride,
-                block_stride, D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr, SPAN2: tl.constexpr,
-                FAST_EXP: tl.constexpr):
-    """The pooled rows c (fp32, [G, channels d]) of tokens `tok` at positions `gpos` (rows
-    masked by `ok`): each [2r, channels] window loaded as [WP, G, channels] (the window axis
-    in registers: the reductions stay inside each thread), softmax in fp64 (NUMERICS.md §1).
-    Shared by the pooling kernel and the fused pool+K kernel, so both pool the same bits."""
+def window_offsets(table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride, row_stride, block_stride,
+                   D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr, SPAN2: tl.constexpr):
+    """The state-cache offsets [WP, G, channels] of the `_a`/`_b` kv values of the windows of
+    tokens `tok` at positions `gpos` (the scores lie 2D further), and their mask (window slot
+    valid, row `ok`, channel in range)."""
     i = tl.arange(0, WP)
     req = tl.load(req_ptr + tok, mask=ok, other=0).to(tl.int64)
     tbase = table_ptr + req * table_stride
@@ -60,6 +58,13 @@ def pool_window(state_ptr, table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size,
     half = tl.where(i >= RATIO, D, 0)[:, None]                          # i < r: `_a`, else `_b`
     off = (row + half)[:, :, None] + d[None, None, :]                   # [WP, G, D]
     m3 = valid[:, :, None] & dm[None, None, :]
+    return off, m3
+
+
+@triton.jit
+def softmax_pool_f64(state_ptr, off, m3, D: tl.constexpr, FAST_EXP: tl.constexpr):
+    """c (fp32, [G, channels]) of the windows at `off`: the softmax in fp64 in the reference's
+    order (max, exp, sum, divide, weighted sum; fp64 makes the order immaterial), rounded once."""
     s = tl.load(state_ptr + off + 2 * D, mask=m3, other=float("-inf")).to(tl.float64)
     kv = tl.load(state_ptr + off, mask=m3, other=0.0).to(tl.float64)
     mx = tl.max(s, axis=0)
@@ -71,8 +76,20 @@ def pool_window(state_ptr, table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size,
     # interpreter's numpy sum starts from +0.0): set the sign as the reference does.
     neg_zero = (terms == 0) & (terms.to(tl.int64, bitcast=True) < 0)
     all_neg_zero = tl.min(neg_zero.to(tl.int32), axis=0) == 1
-    c = tl.where(all_neg_zero, tl.abs(c) * -1.0, c).to(tl.float32)  # unary minus is 0 - x in Triton
-    return c
+    return tl.where(all_neg_zero, tl.abs(c) * -1.0, c).to(tl.float32)  # unary minus is 0 - x in Triton
+
+
+@triton.jit
+def pool_window(state_ptr, table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride, row_stride,
+                block_stride, D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr, SPAN2: tl.constexpr,
+                FAST_EXP: tl.constexpr):
+    """The pooled rows c (fp32, [G, channels d]) of tokens `tok` at positions `gpos` (rows
+    masked by `ok`): each [2r, channels] window loaded as [WP, G, channels] (the window axis
+    in registers: the reductions stay inside each thread), softmax in fp64 (NUMERICS.md §1).
+    Shared by the pooling kernel and the fused pool+K kernel, so both pool the same bits."""
+    off, m3 = window_offsets(table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride, row_stride,
+                             block_stride, D, RATIO, WP, SPAN2)
+    return softmax_pool_f64(state_ptr, off, m3, D, FAST_EXP)
 
 
 @triton.jit(do_not_specialize=["T", "table_stride"])     # one compile for every token count
