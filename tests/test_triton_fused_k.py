@@ -187,3 +187,21 @@ def test_certified_pooling_on_bf16_midpoints(be):
                      torch.equal(out, pages))
     assert got[True] == (0, True), got
     assert got["unchecked"][0] > 0, got
+
+
+def test_fused_extreme_scores(be):
+    """Scores near fp32's largest (s - max overflows to -inf, the bound to inf or NaN) and kv
+    near its smallest and largest: the bound decides nothing there, the fp64 pooling does."""
+    kw, wk = fused_k_case(13, [32, 16, 2], 64)
+    plain = _split(kw, wk)[0]
+    st = kw["state_cache"]
+    st[0, :, 2 * 128:2 * 128 + 16] = 3e38
+    st[0, 1::2, 2 * 128:2 * 128 + 16] = -3e38
+    st[1, :, 64:80] = 1e-38
+    st[1, :, 80:96] = 3e37
+    pooled, pages = _split(kw, wk)
+    got = be.fused_pool["k_norm_rope_mxfp4_cache"](**kw, **wk)
+    sel = ((kw["positions"] + 1) % 4 == 0) & (kw["kv_slot_mapping"] >= 0)
+    assert not same_bits(plain[sel], pooled[sel])                 # the windows read the changed rows
+    assert same_bits(got["pooled"][sel], pooled[sel])
+    assert torch.equal(got["kv_cache"], pages)

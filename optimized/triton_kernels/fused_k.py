@@ -85,7 +85,8 @@ def pool_bf16(state_ptr, off, m3, D: tl.constexpr, CERTIFY: tl.constexpr):
                  + tl.abs(c) * _B_C + _B_TINY)
         lo = bf16_bits(c - bound)
         hi = bf16_bits(c + bound)
-        certain = (lo == hi) & ((lo & 0x7FFF) != 0)
+        # equal, not zero, and finite (an overflowed bound, or inf * 0 in it, decides nothing)
+        certain = (lo == hi) & ((lo & 0x7FFF) != 0) & ((lo & 0x7F80) != 0x7F80)
         out = bf16_round(c)
         exists = tl.max(m3.to(tl.int32), axis=0) > 0          # a row that writes, a channel in range
         if CERTIFY == 1:
