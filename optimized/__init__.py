@@ -39,6 +39,12 @@ class Backend:
     numerics: dict[str, dict] = field(default_factory=dict)
     # why its ops cannot be replayed from a CUDA/HIP graph (graph mode, harness/run/graph.py); None: they can
     no_graph: Optional[str] = None
+    # K writer op -> one launch that does `compress_pool` and that op together (the ROCm path's
+    # two ops fused; docs/paths.md): it takes both ops' inputs but `k` and both ops' scalars,
+    # and returns both ops' outputs ({"pooled", "kv_cache"}). The runner then judges the pooling
+    # and the K writer stages on that one launch's outputs; the two ops stay in `ops` for a
+    # call of either alone.
+    fused_pool: dict[str, Callable] = field(default_factory=dict)
 
     def available(self) -> Optional[str]:
         return self.reason
@@ -80,6 +86,8 @@ _TRITON = "mxval Triton kernels (optimized/triton_kernels)"
 _AITER_TRITON = ("aiter's K writer k_norm_rope_mxfp4_cache and Q quant q_rope_mxfp4_quant (its wrappers and Triton "
                  "kernels, through mxval's aiter adapter) with mxval's Triton pooling, scorer and top-k (aiter's "
                  "scorer is a gfx950 Gluon kernel, its top-k a HIP kernel; the pooling is vLLM's)")
+_TRITON_FUSED = (_TRITON + "; the ROCm path's pooling and MXFP4 K writer as one launch "
+                 "(optimized/triton_kernels/fused_k.py)")
 _VLLM_CUDA = ("vLLM's CUDA indexer path (fused K writers MXFP4/FP8 + fused Q quant) with mxval's Triton scorer "
               "and top-k (vLLM's are DeepGEMM/CUDA ops)")
 _VLLM_ROCM = "vLLM's ROCm pooling kernel _compress_pool_kernel"
@@ -88,6 +96,9 @@ DECLARED: dict[str, Declared] = {d.name: d for d in (
     Declared("triton", "optimized.triton_kernels:make_backend", _TRITON, ("triton", "gpu")),
     Declared("triton-interpret", "optimized.triton_kernels:make_interpreter_backend",
              _TRITON + ", Triton interpreter on the CPU", ("triton",)),
+    Declared("triton-fused", "optimized.triton_kernels:make_fused_backend", _TRITON_FUSED, ("triton", "gpu")),
+    Declared("triton-fused-interpret", "optimized.triton_kernels:make_fused_interpreter_backend",
+             _TRITON_FUSED + ", Triton interpreter on the CPU", ("triton",)),
     Declared("aiter", "optimized.aiter_backend:make_backend",
              "aiter's ROCm ops (K writer, Q quant, paged MXFP4 scorer, top-k), gfx950",
              ("module:aiter", "rocm-gfx950")),

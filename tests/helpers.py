@@ -129,6 +129,42 @@ def pool_case(seed=0, tokens=40, block_size=8, reqs=2):
                 kv_slot_mapping=slots, compress_ratio=RATIO)
 
 
+def fused_k_case(seed, shuffle, page_size, rounding="rocm", tokens=48, pages=6):
+    """Pooling inputs and K writer inputs (less `k`) of one fused pool+K call: two requests of
+    pooled windows, a boundary token without a slot, a channel of -0.0 state values."""
+    kw = pool_case(seed=seed, tokens=tokens, block_size=8, reqs=2)
+    g = torch.Generator().manual_seed(seed)
+    kw["kv_slot_mapping"] = torch.randperm(pages * page_size, generator=g)[:tokens]
+    kw["kv_slot_mapping"][7] = -1                     # a boundary token without a slot
+    kw["state_cache"][..., 5] = -0.0                  # a channel of -0.0 values: pooled -0.0 (the sign pin)
+    wk = dict(cos_sin_cache=rope.cos_sin_cache(256, 64, 160000.0, yarn_factor=16.0),
+              norm_weight=(1 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16),
+              kv_cache=torch.randint(0, 256, (pages, page_size * layout.entry_bytes(128) + 12), generator=g,
+                                     dtype=torch.uint8),
+              norm_eps=1e-6, page_size=page_size, shuffle=shuffle, rounding=rounding)
+    return kw, wk
+
+
+def on_bf16_midpoints(kw: dict) -> dict:
+    """`kw` (fused_k_case's pooling inputs) with each written row's own kv value (window slot
+    2r-1, the token's `_b` half) moved so that its exact pooled value lies on a bf16 rounding
+    midpoint, to fp32 precision: where an fp32 pooling's error decides the bf16 value."""
+    kw = dict(kw, state_cache=kw["state_cache"].clone())
+    r, st = kw["compress_ratio"], kw["state_cache"]
+    sel = ((kw["positions"] + 1) % r == 0) & (kw["kv_slot_mapping"] >= 0)
+    pos, req = kw["positions"][sel], kw["req_index"][sel]
+    kv, score, _ = pooling.gather_windows(st, kw["block_table"], pos, req, r)
+    w = torch.softmax(score, dim=1)                                   # fp64 [N, 2r, D]
+    c = (w * kv.double()).sum(1)
+    b = torch.from_numpy(c.float().numpy().view("int32").astype("int64"))       # fp32 bits of c
+    mid = ((b & ~0xFFFF) | 0x8000).to(torch.int32).view(torch.float32).double()  # the midpoint above
+    bs = st.shape[1]
+    blk = kw["block_table"][req, pos // bs]
+    new = kv[:, -1].double() + (mid - c) / w[:, -1]
+    st[blk, pos % bs, D:2 * D] = new.float()
+    return kw
+
+
 def logits_case(seed=0, heads=16, page_size=32, shuffle=(32, 16, 2), fp8=None, pad=4,
                 seqs=((3, 70), (4, 100), (1, 0))):
     """Sequences of (query rows, context entries); pools hold encoded random keys with

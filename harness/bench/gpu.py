@@ -406,6 +406,118 @@ def _k_path(b: Bench):
            f" of {ref_pages.numel()} pool bytes differ")
 
 
+INDEXER_LAYERS = 30          # V4-Pro's ratio-4 layers, each with one indexer K path per step
+FUSED_TILES = [(16, 1, 1), (32, 1, 1), (16, 1, 2)]
+
+
+def _vllm_fused_k(pool_kw, k_kw):
+    """vLLM's fused CUDA-path K kernel on these inputs: (launch, its pool), or (None, why)."""
+    from optimized import BackendUnavailable, get_backend
+    try:
+        get_backend("vllm-cuda")
+    except BackendUnavailable as e:
+        return None, ("no `vllm-cuda` backend in this checkout" if "unknown backend" in str(e) else str(e))
+    from optimized.vllm_kernels import launch as vlaunch
+    from optimized.vllm_kernels.kernelset import kernel_set
+    ks = kernel_set(interpreted=False)
+    out = k_kw["kv_cache"].clone()
+    built = vlaunch.fused_k("mxfp4", **dict(pool_kw, cos_sin_cache=k_kw["cos_sin_cache"],
+                                            norm_weight=k_kw["norm_weight"], kv_cache=out,
+                                            norm_eps=k_kw["norm_eps"], page_size=k_kw["page_size"]))
+    kern = ks.kernels[vlaunch.K_KEYS["mxfp4"]]
+    return (lambda: vlaunch.run(kern, built, interpreted=False)), out
+
+
+def _fused_k(b: Bench):
+    """The ROCm K path as one launch (optimized/triton_kernels/fused_k.py) beside the split
+    path (pooling + K writer) and vLLM's fused CUDA-path kernel, on the same inputs in the same
+    run: times from graphs, and the pages' bytes against the split path's."""
+    from optimized.triton_kernels import fused_k, k_writer, pooling
+    heading = "Fused ROCm K path (one launch: pool -> norm -> RoPE -> MXFP4 -> paged store)"
+    pool_kw, k_kw = k_path_inputs()
+    pk = dict(pool_kw)
+    r = pk.pop("compress_ratio")
+    wargs = (k_kw["positions"], k_kw["cos_sin_cache"], k_kw["norm_weight"], k_kw["slot_mapping"])
+    fargs = (*pk.values(), k_kw["cos_sin_cache"], k_kw["norm_weight"])
+    times, pages = {}, {}
+    for shuffle, name in (([32, 16, 2], "preshuffled"), (None, "natural")):
+        opts = dict(norm_eps=k_kw["norm_eps"], compress_ratio=r, page_size=64, shuffle=shuffle)
+        split_out, fused_out = k_kw["kv_cache"].clone(), k_kw["kv_cache"].clone()
+
+        def split():
+            k_writer.launch(pooling.launch(*pk.values(), compress_ratio=r), *wargs, split_out, **opts)
+
+        def fused(tile=None, out=fused_out, certify=True):
+            fused_k.launch(*fargs, out, **opts, tile=tile, certify=certify)
+        split()
+        fused()
+        times[name] = (_bench(split), _bench(split, graph=True), _bench(fused), _bench(fused, graph=True))
+        pages[name] = (split_out, fused_out)
+        b.note("Bytes", f"fused K path, {name} pages, 16384 tokens: {differing_elements(fused_out, split_out)} of "
+               f"{split_out.numel()} pool bytes differ from the split path's (pooling + K writer)")
+        if name == "preshuffled":
+            sweep = {}
+            for tile in FUSED_TILES:
+                out = k_kw["kv_cache"].clone()
+                try:
+                    fused(tile, out)
+                    sweep[tile] = _bench(lambda: fused(tile, out), graph=True)
+                    if not torch.equal(out, split_out):
+                        b.note("Bytes", f"fused tiling {tile}: {differing_elements(out, split_out)} pool bytes "
+                               f"differ from the split path's")
+                except Exception as e:  # noqa: BLE001 - a tiling that does not compile is reported
+                    sweep[tile] = f"{type(e).__name__}"
+            out = k_kw["kv_cache"].clone()
+            fused(None, out, False)
+            sweep["default, every value pooled in fp64"] = _bench(lambda: fused(None, out, False), graph=True)
+            b.note("Bytes", f"fused, every value pooled in fp64: {differing_elements(out, split_out)} pool bytes differ "
+                   f"from the split path's")
+            b.sweeps["fused K path"] = (fused_k.TILE, sweep)
+    state_bytes = pool_kw["state_cache"].numel() * 4
+    floor = (state_bytes + 4096 * ENTRY) / b.bw * 1e3          # no pooled row through memory
+    for name in ("preshuffled", "natural"):
+        t_s, g_s, t_f, g_f = times[name]
+        b.row(f"K path, fused, {name}", "16384-token prefill chunk", t_f, g_f, floor)
+        b.note(heading, f"{name} pages, 16384-token chunk: split {_ms(t_s)} (graph {_ms(g_s)}), fused "
+               f"{_ms(t_f)} (graph {_ms(g_f)}): {(g_s - g_f) * 1e3:.1f} us saved per layer from graphs, "
+               f"{(g_s - g_f) * 1e3 * INDEXER_LAYERS:.0f} us per step of {INDEXER_LAYERS} indexer layers")
+    theirs, out_v = _vllm_fused_k(pool_kw, k_kw)
+    if theirs is None:
+        b.note(heading, f"vLLM's fused CUDA-path kernel: not run ({out_v})")
+    else:
+        theirs()
+        g_v = _bench(theirs, graph=True)
+        g_f = times["preshuffled"][3]
+        b.note(heading, f"vLLM's fused CUDA-path kernel (compress_norm_rope_mxfp4_cache, natural pages, fp32 "
+               f"rounding) on the same chunk: {_ms(_bench(theirs))} (graph {_ms(g_v)}); ours fused preshuffled / "
+               f"vLLM's = {g_f / g_v:.2f}, natural / vLLM's = {times['natural'][3] / g_v:.2f} from graphs "
+               f"(target <= 1: {'met' if g_f <= g_v else 'NOT met'}); its pages against our fused natural ones "
+               f"(other rounding points, docs/paths.md): {differing_elements(out_v, pages['natural'][1])} of "
+               f"{out_v.numel()} bytes differ")
+    _fused_k_small(b, heading)
+
+
+def _fused_k_small(b: Bench, heading: str):
+    """Decode-sized batches, where the launch saved is most of the time."""
+    from optimized.triton_kernels import fused_k, k_writer, pooling
+    r = 4
+    for tokens in (256,):
+        pkw, kkw = k_path_inputs(tokens=tokens, seed=1)
+        pkd = dict(pkw)
+        pkd.pop("compress_ratio")
+        opts = dict(norm_eps=kkw["norm_eps"], compress_ratio=r, page_size=64, shuffle=[32, 16, 2])
+        so, fo = kkw["kv_cache"].clone(), kkw["kv_cache"].clone()
+        wa = (kkw["positions"], kkw["cos_sin_cache"], kkw["norm_weight"], kkw["slot_mapping"])
+        split = lambda: k_writer.launch(pooling.launch(*pkd.values(), compress_ratio=r), *wa, so, **opts)
+        fused = lambda: fused_k.launch(*pkd.values(), kkw["cos_sin_cache"], kkw["norm_weight"], fo, **opts)
+        split()
+        fused()
+        g_s, g_f = _bench(split, graph=True), _bench(fused, graph=True)
+        b.note(heading, f"{tokens} tokens (a decode-sized batch), preshuffled: split graph {_ms(g_s)}, fused graph "
+               f"{_ms(g_f)}: {(g_s - g_f) * 1e3:.1f} us per layer, {(g_s - g_f) * 1e3 * INDEXER_LAYERS:.0f} us "
+               f"per step of {INDEXER_LAYERS} layers; {differing_elements(fo, so)} of {so.numel()} bytes differ")
+
+
 def _q_quant(b: Bench):
     import reference
     from optimized.triton_kernels import q_quant
@@ -646,7 +758,7 @@ def _suite(b: Bench):
                f"so far {rss:.1f} GiB of host memory")
 
 
-PARTS = {"k-path": _k_path, "q-quant": _q_quant, "scorers": _scorers, "top-k": _top_k, "peers": _peers,
+PARTS = {"k-path": _k_path, "fused-k": _fused_k, "q-quant": _q_quant, "scorers": _scorers, "top-k": _top_k, "peers": _peers,
          "shortcuts": _variants, "capture": _capture, "suite": _suite}
 
 

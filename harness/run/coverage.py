@@ -79,7 +79,7 @@ class _Walk(runner.ChainRun):
     def _history(self, kw: str):
         return super()._history(kw) if self.values else self.inp.kv_cache
 
-    def _stage(self, op: str, step: int, ins: dict, *, fallback=None) -> dict:
+    def _stage(self, op: str, step: int, ins: dict, *, fallback=None, call=None) -> dict:
         under_test = op in self.case.ops
         if self.values and (under_test or DECLARED[op].stage != "topk"):    # a top-k not under test feeds nothing
             out = reference.OPS[op].fn(**ins, **self.scalars(op))

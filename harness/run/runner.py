@@ -259,6 +259,36 @@ def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(xs) if xs else torch.zeros(0)
 
 
+class _FusedPool:
+    """A backend's pooling and K writer as one launch (`Backend.fused_pool`), seen by the
+    runner as the two stages it judges, so each is compared as the split path's is: the
+    pooling stage's call launches it (its pooled rows are what the launch stored) and keeps
+    the pages; the K stage's first call returns those pages, which the launch wrote from the
+    same rows the K stage's reference is given as `k`; each repeat of either launches again."""
+
+    def __init__(self, fn: Callable, write_ins: dict, write_scalars: dict):
+        self.fn, self.write_ins, self.write_scalars = fn, write_ins, write_scalars
+        self.pool_kw: Optional[dict] = None
+        self.pages = None
+
+    def _launch(self) -> dict:
+        ins = {k: v.clone() for k, v in self.write_ins.items()}
+        return self.fn(**{**self.write_scalars, **ins, **self.pool_kw})
+
+    def pool(self, **pool_kw) -> dict:
+        """The pooling stage's call: its inputs and scalars, as compress_pool takes them."""
+        self.pool_kw = pool_kw
+        out = self._launch()
+        if self.pages is None:
+            self.pages = out["kv_cache"]
+        return {"pooled": out["pooled"]}
+
+    def write(self, **_) -> dict:
+        """The K stage's call (its inputs are the pooling stage's and the launch's rows)."""
+        pages, self.pages = self.pages, None
+        return {"kv_cache": pages if pages is not None else self._launch()["kv_cache"]}
+
+
 class ChainRun:
     """Runs one case's chain; `recorder(step, op, inputs, scalars, outputs)` sees every
     stage the backend ran (for `mxval dump`). With CHAIN false (a subclass's choice) the
@@ -280,9 +310,12 @@ class ChainRun:
         self.chain_broken = False                  # planted: the reference-only chain refused its inputs
         self.graphs = graph.Graphs(backend, inputs) if case.graph else None     # graph mode (harness/run/graph.py)
 
-    def call(self, op: str, step: int, ins: dict, scalars: dict) -> dict:
+    def call(self, op: str, step: int, ins: dict, scalars: dict, fn: Optional[Callable] = None) -> dict:
         """The backend's outputs of `op` on clones of `ins` (a kernel that writes its pool in
-        place must not change `before`); in graph mode, replayed from the op's graph."""
+        place must not change `before`): `fn`'s when given (a fused launch, run eagerly), in
+        graph mode replayed from the op's graph."""
+        if fn is not None:
+            return fn(**{k: v.clone() for k, v in ins.items()}, **scalars)
         if self.graphs is not None:
             return self.graphs.call(self, op, step, ins, scalars)
         return getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars)
@@ -293,7 +326,7 @@ class ChainRun:
         return {**self.inp.scalars(op), **self.be.numerics.get(op, {})}
 
     def _stage(self, op: str, step: int, ins: dict, *,
-               fallback: Optional[Callable[[], dict]] = None) -> dict:
+               fallback: Optional[Callable[[], dict]] = None, call: Optional[Callable] = None) -> dict:
         """Reference and backend on `ins`; invariants and diff; the backend's outputs. Ops
         outside the case's chain run through the reference only (they feed the ops under test).
 
@@ -302,7 +335,8 @@ class ChainRun:
         the case: with `fallback` (the same inputs with the reference's upstream output)
         this stage runs and is judged on those, and `details["substituted"]` says so;
         without one, NotJudged: this stage and the rest are not judged, and the case's
-        verdict is a failure (budgets.verdict).
+        verdict is a failure (budgets.verdict). `call` runs the backend's side in place of
+        its op (a fused launch, `_FusedPool`); a fallback runs the backend's op itself.
 
         In a case that plants non-finite inputs, a stage whose reference refuses its inputs
         still runs the backend on them: its outputs are judged by the invariants alone
@@ -317,7 +351,7 @@ class ChainRun:
                     expected = reference.OPS[op].fn(**ins, **scalars)
         except NonFiniteInput as e:
             if self.inp.planted:
-                return self._refused(op, step, ins, scalars, e)
+                return self._refused(op, step, ins, scalars, e, call)
             if fallback is not None:
                 self.details.setdefault("substituted", []).append(
                     f"{op} (step {step}): run on the reference's upstream output where the backend's "
@@ -329,7 +363,7 @@ class ChainRun:
             raise StageError(op, step, f"the reference rejects the inputs: {e}") from None
         if op not in self.case.ops:
             return expected
-        actual, inv = self._backend(op, step, ins, scalars, expected)
+        actual, inv = self._backend(op, step, ins, scalars, expected, call)
         try:
             with self.clock("diff"):
                 report = self._diff(step, op, ins, scalars, actual, expected)
@@ -347,14 +381,15 @@ class ChainRun:
             self._details(op, ins, actual, expected)
         return actual
 
-    def _backend(self, op: str, step: int, ins: dict, scalars: dict, expected: Optional[dict]):
+    def _backend(self, op: str, step: int, ins: dict, scalars: dict, expected: Optional[dict],
+                 call: Optional[Callable] = None):
         """The backend's outputs of `op` on `ins` (each run `case.repeat` times, every run's
         bytes compared with the first's) and their invariants' report. `expected` None: the
         reference refused the inputs, and so may the backend (NonFiniteInput passes through);
         the op table's outputs are the ones required then."""
         try:
             with self.clock("backend"):
-                actual = self.call(op, step, ins, scalars)
+                actual = self.call(op, step, ins, scalars, call)
         except BackendUnavailable:
             raise
         except Exception as e:
@@ -368,7 +403,7 @@ class ChainRun:
                                        f"without {sorted(need - set(actual if isinstance(actual, dict) else {}))}")
         for run in range(2, self.case.repeat + 1):
             with self.clock("backend_repeats"):
-                again = getattr(self.be, op)(**{k: v.clone() for k, v in ins.items()}, **scalars)
+                again = self.call(op, step, ins, scalars, call)
             with self.clock("repeat_compare"):
                 self._same_bytes(op, step, run, actual, again, ins, scalars)
             del again
@@ -377,7 +412,8 @@ class ChainRun:
             inv = invariants.check(op, ins, scalars, actual, declared_nonfinite=bool(self.inp.planted))
         return actual, inv
 
-    def _refused(self, op: str, step: int, ins: dict, scalars: dict, err: NonFiniteInput) -> dict:
+    def _refused(self, op: str, step: int, ins: dict, scalars: dict, err: NonFiniteInput,
+                 call: Optional[Callable] = None) -> dict:
         """A stage whose reference refuses the planted case's non-finite inputs: the backend
         runs on them and only the invariants judge its outputs, which feed the next stage. An
         op outside the case's chain (the reference stands in for it), or a backend that
@@ -385,7 +421,7 @@ class ChainRun:
         if op not in self.case.ops:
             raise self.first_refusal or NonFiniteStage(op, step, err)
         try:
-            actual, inv = self._backend(op, step, ins, scalars, None)
+            actual, inv = self._backend(op, step, ins, scalars, None, call)
         except NonFiniteInput:
             raise (self.first_refusal or NonFiniteStage(op, step, err)) from None
         self.col.add(op, step, inv)
@@ -573,6 +609,7 @@ class ChainRun:
         """Pooling and the K writer of step i (or the fused pool+K op) on the backend's pool;
         the reference chain writes its own pool from the reference's pooled rows."""
         inp = self.inp
+        fused = self._fused_pool(kw, need_k)
         if self.fused:
             if need_k:
                 ins = self._fused_ins(st, self.pool_b)
@@ -584,17 +621,27 @@ class ChainRun:
         if "compress_pool" in self.case.ops:          # its inputs do not depend on the backend
             ins = dict(state_cache=inp.state_cache, block_table=inp.state_block_table,
                        positions=st.positions, req_index=st.req_index, kv_slot_mapping=st.slot_mapping)
-            pooled_b = self._stage("compress_pool", i, ins)["pooled"]
+            pooled_b = self._stage("compress_pool", i, ins, call=fused and fused.pool)["pooled"]
             pooled_ref = self._chain_ref(lambda: reference.compress_pool(**ins, **self.scalars("compress_pool"))["pooled"])
         else:
             pooled_b = pooled_ref = st.k
         if need_k:
             ins = dict(k=pooled_b, positions=st.positions, cos_sin_cache=inp.cos_sin_cache,
                        norm_weight=inp.norm_weight, slot_mapping=st.slot_mapping, kv_cache=self.pool_b)
-            self.pool_b = self._stage(kw, i, ins, fallback=lambda: dict(ins, k=pooled_ref))["kv_cache"]
+            self.pool_b = self._stage(kw, i, ins, fallback=lambda: dict(ins, k=pooled_ref),
+                                      call=fused and fused.write)["kv_cache"]
             self.chain_pool = self._chain_ref(lambda: reference.OPS[kw].fn(
                 **{**ins, "k": pooled_ref, "kv_cache": self.chain_pool}, **self.scalars(kw))["kv_cache"])
             self._chain_entries(pooled_ref, st)
+
+    def _fused_pool(self, kw: str, need_k: bool) -> Optional[_FusedPool]:
+        """The backend's one launch of the split path's pooling and K writer, when it offers
+        one and the case judges both (docs/paths.md); else None (the two ops run)."""
+        fn = self.be.fused_pool.get(kw)
+        if fn is None or self.fused or not need_k or not {"compress_pool", kw} <= set(self.case.ops):
+            return None
+        return _FusedPool(fn, dict(cos_sin_cache=self.inp.cos_sin_cache, norm_weight=self.inp.norm_weight,
+                                   kv_cache=self.pool_b), self.scalars(kw))
 
     def _chain_entries(self, k, st) -> None:
         self.chain_k.append(k)

@@ -4,7 +4,9 @@ Two backends share these kernels:
 * `triton`: compiled, on a CUDA or ROCm GPU (inputs may arrive on the CPU; outputs go
   back to the input's device);
 * `triton-interpret`: the same kernels through the Triton interpreter on the CPU (CI, and
-  machines without a GPU). TRITON_INTERPRET must be set before any kernel is decorated,
+  machines without a GPU);
+* `triton-fused` / `triton-fused-interpret`: the same, and the ROCm path's pooling and MXFP4
+  K writer also as one launch (`fused_k`, offered as `Backend.fused_pool`). TRITON_INTERPRET must be set before any kernel is decorated,
   so the kernel modules are imported only after the mode is fixed; one process runs one
   mode. Interpreter workarounds live in interp.py and nowhere else.
 """
@@ -16,8 +18,6 @@ import sys
 
 from optimized import DECLARED, Backend
 from optimized.probe import no_gpu
-
-_DESC = DECLARED["triton"].summary
 
 
 def _kernels_mode() -> str | None:
@@ -62,13 +62,24 @@ def _compiled_reason() -> str | None:
     return None
 
 
-def make_backend() -> Backend:
+def _fused(device: str) -> dict:
+    from . import fused_k
+    return fused_k.make_fused(device)
+
+
+def make_backend(name: str = "triton") -> Backend:
+    desc = DECLARED[name].summary
     reason = _compiled_reason()
     if reason:
-        return Backend("triton", _DESC, reason=reason)
+        return Backend(name, desc, reason=reason)
     import torch
-    name = torch.cuda.get_device_name(0)
-    return Backend("triton", f"{_DESC}, compiled on {name}", _ops("cuda"), device="cuda")
+    fused = _fused("cuda") if name == "triton-fused" else {}
+    return Backend(name, f"{desc}, compiled on {torch.cuda.get_device_name(0)}", _ops("cuda"), device="cuda",
+                   fused_pool=fused)
+
+
+def make_fused_backend() -> Backend:
+    return make_backend("triton-fused")
 
 
 def _triton_for_interpreter() -> None:
@@ -90,14 +101,19 @@ def _triton_for_interpreter() -> None:
     import triton.language  # noqa: F401  (re-decorated in interpreter mode)
 
 
-def make_interpreter_backend() -> Backend:
-    desc = DECLARED["triton-interpret"].summary
+def make_interpreter_backend(name: str = "triton-interpret") -> Backend:
+    desc = DECLARED[name].summary
     try:
         import triton  # noqa: F401
     except ImportError as e:
-        return Backend("triton-interpret", desc, reason=f"triton is not importable ({e})")
+        return Backend(name, desc, reason=f"triton is not importable ({e})")
     if _kernels_mode() == "compiled":
-        return Backend("triton-interpret", desc, reason="the kernels are already compiled in this "
+        return Backend(name, desc, reason="the kernels are already compiled in this "
                        "process; start a new one with TRITON_INTERPRET=1")
     _triton_for_interpreter()
-    return Backend("triton-interpret", desc, _ops("cpu"), device="cpu")
+    fused = _fused("cpu") if name == "triton-fused-interpret" else {}
+    return Backend(name, desc, _ops("cpu"), device="cpu", fused_pool=fused)
+
+
+def make_fused_interpreter_backend() -> Backend:
+    return make_interpreter_backend("triton-fused-interpret")

@@ -32,6 +32,66 @@ from .numerics import (
 TILE, BT = tile((32, 8), (512, 128))
 
 
+@triton.jit
+def write_entries(e, o, pos, slot, amask, m, cs_ptr, w_ptr, cache_ptr, page_stride, cs_stride, eps,
+                  D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, PAGE: tl.constexpr,
+                  SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
+                  ROUNDING: tl.constexpr, QUANT_FP8: tl.constexpr, FNUZ: tl.constexpr, FMAX: tl.constexpr,
+                  RULE: tl.constexpr, BT: tl.constexpr, FAST_NORM: tl.constexpr):
+    """Norm -> RoPE -> quantize -> store of BT entries given as (even, odd) halves [BT, D/2]
+    (fp32; already bf16 on the rocm and deepseek paths), at positions `pos`, slots `slot`
+    (rows masked by `amask` [BT, 1]). Shared by the K writer and the fused pool+K kernel, so
+    both write the same bytes from the same row."""
+    TB: tl.constexpr = D // 2
+    NB: tl.constexpr = D // 32
+    NOPE2: tl.constexpr = (D - R) // 2
+    w_e = tl.load(w_ptr + 2 * m)[None, :]
+    w_o = tl.load(w_ptr + 2 * m + 1)[None, :]
+    ne, no = rms_norm_pairs(e, o, w_e, w_o, eps, D, FAST_NORM)
+
+    g = (pos // RATIO) * RATIO                          # RoPE at the group's first position
+    cos, sin, is_rope = rope_cos_sin(cs_ptr, g, cs_stride, m, amask, NOPE2, R)
+    if ROUNDING == 1:      # cuda fused: fp32 through norm and RoPE (NoPE through the formula), one bf16 round
+        ye, yo = rope_pairs(ne, no, cos, sin, is_rope, False, True)
+        ye = bf16_round(ye)
+        yo = bf16_round(yo)
+    else:                  # rocm / deepseek: bf16 after the norm and after RoPE
+        ye, yo = rope_pairs(bf16_round(ne), bf16_round(no), cos, sin, is_rope, True, ROUNDING == 0)
+
+    page = slot // PAGE
+    t = slot % PAGE
+    start = page * page_stride
+    if QUANT_FP8:
+        amax = tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=1)
+        s = pow2_scale(amax, FMAX)
+        ve = tl.minimum(tl.maximum(tl.div_rn(ye, s[:, None]), -FMAX), FMAX)
+        vo = tl.minimum(tl.maximum(tl.div_rn(yo, s[:, None]), -FMAX), FMAX)
+        voff = start[:, None] + t[:, None] * D + 2 * m[None, :]
+        tl.store(cache_ptr + voff, fp8_encode(ve, FNUZ).to(tl.uint8), mask=amask)
+        tl.store(cache_ptr + voff + 1, fp8_encode(vo, FNUZ).to(tl.uint8), mask=amask)
+        sb = s.to(tl.int32, bitcast=True)
+        k4 = tl.arange(0, 4)
+        soff = start[:, None] + PAGE * D + t[:, None] * 4 + k4[None, :]
+        sbytes = (sb[:, None] >> (8 * k4[None, :])) & 0xFF     # little-endian fp32
+        tl.store(cache_ptr + soff, sbytes.to(tl.uint8), mask=amask)
+    else:
+        packed, e8 = mxfp4_encode_pairs(ye, yo, BT, TB, RULE)
+        sidx = tl.arange(0, NB)
+        if SHUF_N == 0:
+            voff = t[:, None] * TB + m[None, :]
+            soff = PAGE * TB + t[:, None] * NB + sidx[None, :]
+        else:
+            grp = t // SHUF_N
+            lane = t % SHUF_N
+            voff = (grp[:, None] * (SHUF_N * TB) + (m[None, :] // SHUF_DT) * (SHUF_N * SHUF_DT)
+                    + lane[:, None] * SHUF_DT + (m[None, :] % SHUF_DT))
+            S_HI: tl.constexpr = NB // SHUF_L
+            soff = (PAGE * TB + grp[:, None] * (SHUF_N * NB) + (sidx[None, :] % SHUF_L) * (SHUF_N * S_HI)
+                    + lane[:, None] * S_HI + sidx[None, :] // SHUF_L)
+        tl.store(cache_ptr + start[:, None] + voff, packed.to(tl.uint8), mask=amask)
+        tl.store(cache_ptr + start[:, None] + soff, e8.to(tl.uint8), mask=amask)
+
+
 @triton.jit(do_not_specialize=["T"])     # one compile for every token count
 def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
                      T, page_stride, cs_stride, eps,
@@ -41,8 +101,6 @@ def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
                      FNUZ: tl.constexpr, FMAX: tl.constexpr, RULE: tl.constexpr,
                      TILE: tl.constexpr, BT: tl.constexpr, FAST_NORM: tl.constexpr):
     TB: tl.constexpr = D // 2
-    NB: tl.constexpr = D // 32
-    NOPE2: tl.constexpr = (D - R) // 2
     pid = tl.program_id(0)
     # The tile's tokens that write are compacted (by rank) into groups of BT, so no lane
     # works for a token that writes nothing (3 of 4 in a prefill chunk).
@@ -71,51 +129,9 @@ def _k_writer_kernel(k_ptr, pos_ptr, cs_ptr, w_ptr, slot_ptr, cache_ptr,
             if ROUNDING == 2:  # deepseek rounds the pooled row to bf16 before the norm
                 e = bf16_round(e)
                 o = bf16_round(o)
-        w_e = tl.load(w_ptr + 2 * m)[None, :]
-        w_o = tl.load(w_ptr + 2 * m + 1)[None, :]
-        ne, no = rms_norm_pairs(e, o, w_e, w_o, eps, D, FAST_NORM)
-
-        g = (pos // RATIO) * RATIO                          # RoPE at the group's first position
-        cos, sin, is_rope = rope_cos_sin(cs_ptr, g, cs_stride, m, amask, NOPE2, R)
-        if ROUNDING == 1:      # cuda fused: fp32 through norm and RoPE (NoPE through the formula), one bf16 round
-            ye, yo = rope_pairs(ne, no, cos, sin, is_rope, False, True)
-            ye = bf16_round(ye)
-            yo = bf16_round(yo)
-        else:                  # rocm / deepseek: bf16 after the norm and after RoPE
-            ye, yo = rope_pairs(bf16_round(ne), bf16_round(no), cos, sin, is_rope, True, ROUNDING == 0)
-
-        page = slot // PAGE
-        t = slot % PAGE
-        start = page * page_stride
-        if QUANT_FP8:
-            amax = tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=1)
-            s = pow2_scale(amax, FMAX)
-            ve = tl.minimum(tl.maximum(tl.div_rn(ye, s[:, None]), -FMAX), FMAX)
-            vo = tl.minimum(tl.maximum(tl.div_rn(yo, s[:, None]), -FMAX), FMAX)
-            voff = start[:, None] + t[:, None] * D + 2 * m[None, :]
-            tl.store(cache_ptr + voff, fp8_encode(ve, FNUZ).to(tl.uint8), mask=amask)
-            tl.store(cache_ptr + voff + 1, fp8_encode(vo, FNUZ).to(tl.uint8), mask=amask)
-            sb = s.to(tl.int32, bitcast=True)
-            k4 = tl.arange(0, 4)
-            soff = start[:, None] + PAGE * D + t[:, None] * 4 + k4[None, :]
-            sbytes = (sb[:, None] >> (8 * k4[None, :])) & 0xFF     # little-endian fp32
-            tl.store(cache_ptr + soff, sbytes.to(tl.uint8), mask=amask)
-        else:
-            packed, e8 = mxfp4_encode_pairs(ye, yo, BT, TB, RULE)
-            sidx = tl.arange(0, NB)
-            if SHUF_N == 0:
-                voff = t[:, None] * TB + m[None, :]
-                soff = PAGE * TB + t[:, None] * NB + sidx[None, :]
-            else:
-                grp = t // SHUF_N
-                lane = t % SHUF_N
-                voff = (grp[:, None] * (SHUF_N * TB) + (m[None, :] // SHUF_DT) * (SHUF_N * SHUF_DT)
-                        + lane[:, None] * SHUF_DT + (m[None, :] % SHUF_DT))
-                S_HI: tl.constexpr = NB // SHUF_L
-                soff = (PAGE * TB + grp[:, None] * (SHUF_N * NB) + (sidx[None, :] % SHUF_L) * (SHUF_N * S_HI)
-                        + lane[:, None] * S_HI + sidx[None, :] // SHUF_L)
-            tl.store(cache_ptr + start[:, None] + voff, packed.to(tl.uint8), mask=amask)
-            tl.store(cache_ptr + start[:, None] + soff, e8.to(tl.uint8), mask=amask)
+        write_entries(e, o, pos, slot, amask, m, cs_ptr, w_ptr, cache_ptr, page_stride, cs_stride, eps,
+                      D, R, RATIO, PAGE, SHUF_N, SHUF_DT, SHUF_L, ROUNDING, QUANT_FP8, FNUZ, FMAX, RULE, BT,
+                      FAST_NORM)
 
 
 def launch(k, positions, cos_sin_cache, norm_weight, slot_mapping, out_cache, *, norm_eps,

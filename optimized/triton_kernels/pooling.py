@@ -29,6 +29,69 @@ def _exp(x, FAST: tl.constexpr):
         return exp_f64(x)
 
 
+@triton.jit
+def window_offsets(table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride, row_stride, block_stride,
+                   D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr, SPAN2: tl.constexpr):
+    """The state-cache offsets [WP, G, channels] of the `_a`/`_b` kv values of the windows of
+    tokens `tok` at positions `gpos` (the scores lie 2D further), and their mask (window slot
+    valid, row `ok`, channel in range)."""
+    i = tl.arange(0, WP)
+    req = tl.load(req_ptr + tok, mask=ok, other=0).to(tl.int64)
+    tbase = table_ptr + req * table_stride
+    if SPAN2:
+        # the 2r window positions gpos-2r+1 .. gpos lie in gpos's block or the one
+        # before (block_size >= 2r - 1): one division per token, not per slot
+        b1 = gpos // block_size
+        r1 = (gpos - b1 * block_size).to(tl.int32)
+        rr = r1[None, :] - (2 * RATIO - 1) + i[:, None]                 # [WP, G] row in b1
+        valid = ((rr >= 0) | (b1 > 0)[None, :]) & (i < 2 * RATIO)[:, None] & ok[None, :]
+        crosses = ok & (b1 > 0) & (r1 < 2 * RATIO - 1)
+        blk1 = tl.load(tbase + b1, mask=ok, other=0).to(tl.int64) * block_stride
+        blk0 = tl.load(tbase + b1 - 1, mask=crosses, other=0).to(tl.int64) * block_stride
+        row = tl.where(rr >= 0, blk1[None, :] + rr * row_stride,
+                       blk0[None, :] + (rr + block_size) * row_stride)
+    else:
+        qp = gpos[None, :] - (2 * RATIO - 1) + i[:, None]               # [WP, G]
+        valid = (qp >= 0) & (i < 2 * RATIO)[:, None] & ok[None, :]
+        blk = tl.load(tbase[None, :] + qp // block_size, mask=valid, other=0).to(tl.int64)
+        row = blk * block_stride + (qp % block_size) * row_stride
+    half = tl.where(i >= RATIO, D, 0)[:, None]                          # i < r: `_a`, else `_b`
+    off = (row + half)[:, :, None] + d[None, None, :]                   # [WP, G, D]
+    m3 = valid[:, :, None] & dm[None, None, :]
+    return off, m3
+
+
+@triton.jit
+def softmax_pool_f64(state_ptr, off, m3, D: tl.constexpr, FAST_EXP: tl.constexpr):
+    """c (fp32, [G, channels]) of the windows at `off`: the softmax in fp64 in the reference's
+    order (max, exp, sum, divide, weighted sum; fp64 makes the order immaterial), rounded once."""
+    s = tl.load(state_ptr + off + 2 * D, mask=m3, other=float("-inf")).to(tl.float64)
+    kv = tl.load(state_ptr + off, mask=m3, other=0.0).to(tl.float64)
+    mx = tl.max(s, axis=0)
+    e = _exp(s - mx[None, :, :], FAST_EXP)
+    inv = 1.0 / tl.sum(e, axis=0)                                       # one divide per channel
+    terms = (e * inv[None, :, :]) * kv
+    c = tl.sum(terms, axis=0)                                            # [G, D]
+    # IEEE: terms that are all -0.0 sum to -0.0 (compiled reductions do; the
+    # interpreter's numpy sum starts from +0.0): set the sign as the reference does.
+    neg_zero = (terms == 0) & (terms.to(tl.int64, bitcast=True) < 0)
+    all_neg_zero = tl.min(neg_zero.to(tl.int32), axis=0) == 1
+    return tl.where(all_neg_zero, tl.abs(c) * -1.0, c).to(tl.float32)  # unary minus is 0 - x in Triton
+
+
+@triton.jit
+def pool_window(state_ptr, table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride, row_stride,
+                block_stride, D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr, SPAN2: tl.constexpr,
+                FAST_EXP: tl.constexpr):
+    """The pooled rows c (fp32, [G, channels d]) of tokens `tok` at positions `gpos` (rows
+    masked by `ok`): each [2r, channels] window loaded as [WP, G, channels] (the window axis
+    in registers: the reductions stay inside each thread), softmax in fp64 (NUMERICS.md §1).
+    Shared by the pooling kernel and the fused pool+K kernel, so both pool the same bits."""
+    off, m3 = window_offsets(table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride, row_stride,
+                             block_stride, D, RATIO, WP, SPAN2)
+    return softmax_pool_f64(state_ptr, off, m3, D, FAST_EXP)
+
+
 @triton.jit(do_not_specialize=["T", "table_stride"])     # one compile for every token count
 def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr,
                  T, block_size, table_stride, row_stride, block_stride,
@@ -55,46 +118,13 @@ def _pool_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, out_ptr,
     rank = tl.cumsum(act.to(tl.int32), axis=0) - 1
     n_act = tl.sum(act.to(tl.int32), axis=0)
     gi = tl.arange(0, G)
-    i = tl.arange(0, WP)
     for g0 in range(0, n_act, G):
         pick = act[None, :] & (rank[None, :] == (g0 + gi)[:, None])          # [G, BT]
         ok = (g0 + gi) < n_act
         tok = tl.sum(tl.where(pick, toks[None, :], 0), axis=1)              # [G]
         gpos = tl.sum(tl.where(pick, pos[None, :], 0), axis=1)
-        req = tl.load(req_ptr + tok, mask=ok, other=0).to(tl.int64)
-        tbase = table_ptr + req * table_stride
-        if SPAN2:
-            # the 2r window positions gpos-2r+1 .. gpos lie in gpos's block or the one
-            # before (block_size >= 2r - 1): one division per token, not per slot
-            b1 = gpos // block_size
-            r1 = (gpos - b1 * block_size).to(tl.int32)
-            rr = r1[None, :] - (2 * RATIO - 1) + i[:, None]                 # [WP, G] row in b1
-            valid = ((rr >= 0) | (b1 > 0)[None, :]) & (i < 2 * RATIO)[:, None] & ok[None, :]
-            crosses = ok & (b1 > 0) & (r1 < 2 * RATIO - 1)
-            blk1 = tl.load(tbase + b1, mask=ok, other=0).to(tl.int64) * block_stride
-            blk0 = tl.load(tbase + b1 - 1, mask=crosses, other=0).to(tl.int64) * block_stride
-            row = tl.where(rr >= 0, blk1[None, :] + rr * row_stride,
-                           blk0[None, :] + (rr + block_size) * row_stride)
-        else:
-            qp = gpos[None, :] - (2 * RATIO - 1) + i[:, None]               # [WP, G]
-            valid = (qp >= 0) & (i < 2 * RATIO)[:, None] & ok[None, :]
-            blk = tl.load(tbase[None, :] + qp // block_size, mask=valid, other=0).to(tl.int64)
-            row = blk * block_stride + (qp % block_size) * row_stride
-        half = tl.where(i >= RATIO, D, 0)[:, None]                          # i < r: `_a`, else `_b`
-        off = (row + half)[:, :, None] + d[None, None, :]                   # [WP, G, D]
-        m3 = valid[:, :, None] & dm[None, None, :]
-        s = tl.load(state_ptr + off + 2 * D, mask=m3, other=float("-inf")).to(tl.float64)
-        kv = tl.load(state_ptr + off, mask=m3, other=0.0).to(tl.float64)
-        mx = tl.max(s, axis=0)
-        e = _exp(s - mx[None, :, :], FAST_EXP)
-        inv = 1.0 / tl.sum(e, axis=0)                                       # one divide per channel
-        terms = (e * inv[None, :, :]) * kv
-        c = tl.sum(terms, axis=0)                                            # [G, D]
-        # IEEE: terms that are all -0.0 sum to -0.0 (compiled reductions do; the
-        # interpreter's numpy sum starts from +0.0): set the sign as the reference does.
-        neg_zero = (terms == 0) & (terms.to(tl.int64, bitcast=True) < 0)
-        all_neg_zero = tl.min(neg_zero.to(tl.int32), axis=0) == 1
-        c = tl.where(all_neg_zero, tl.abs(c) * -1.0, c).to(tl.float32)  # unary minus is 0 - x in Triton
+        c = pool_window(state_ptr, table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride,
+                        row_stride, block_stride, D, RATIO, WP, SPAN2, FAST_EXP)
         grow = tok.to(tl.int64)[:, None] * D + d[None, :]
         gmask = ok[:, None] & dm[None, :]
         if OUT_BF16:

@@ -1,0 +1,233 @@
+"""The ROCm K path in one launch: pool -> RMS norm -> RoPE -> MXFP4 -> paged store
+(NUMERICS.md §1, §2, §4, §5; docs/fused-k.md).
+
+vLLM's ROCm path runs two kernels per indexer layer: the pooling kernel stores a bf16 row in a
+scratch buffer, aiter's `k_norm_rope_mxfp4_cache` reads it back and writes the pages. This
+kernel does both in registers and writes **the split path's bytes**: it is built from the two
+split kernels' own device functions (`pooling.pool_window`, `k_writer.write_entries`), and the
+pooled row goes through the same bf16 round the scratch store would apply before the norm
+reads it (rocm and deepseek rounding; the cuda rounding keeps fp32, as vLLM's CUDA kernel does).
+Page order is the case's: aiter's preshuffle `[N, Dt, L]` for any page size it accepts
+(`page_size % N == 0`), or natural.
+
+One program per tile of BT tokens; the tokens that write (a boundary with a slot: 1 in 4 of a
+prefill chunk) are compacted by rank on the device, G at a time, so no lane pools or quantizes
+for a token that writes nothing and no host sync is needed. Each writing token's whole row
+(all D channels) is in one program, as the norm's sum needs; the window tile is [2r, G, D] in
+fp64 (the exact softmax the split pooling computes). `STORE_POOLED` additionally stores the
+scratch row (NaN for the tokens that write nothing, as the pooling kernel does): the harness
+asks for it so that the pooling stage is judged on this very launch; in production it is off
+and the row never leaves registers.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import checks, layout
+from reference.formats import ROUNDING_PATHS
+from reference.k_writer import check_mxfp4_k_writer
+from reference.pooling import check_pool_args
+
+from ..common import on_device, reject_hadamard, scale_rule_code
+from .interp import LAUNCH, bf16_bits, bf16_round, exp_f32, tile
+from .k_writer import write_entries
+from .numerics import ROUNDING_CODES, SCALE_RULE_CODES, writing_tokens
+from .pooling import _check_windows, pool_window, softmax_pool_f64, window_offsets
+
+# tokens per program, writing tokens pooled and written at once, warps (compiled; see
+# `make bench-gpu`'s sweep), and the interpreter's wide tile (few programs)
+TILE = tile((16, 1, 1), (256, 32, 4))
+
+# The certified fp32 pooling (`pool_bf16`). With u = 2**-24, window slot i's term
+# t_i = w_i * kv_i computed in fp32 (a_i = s_i - max, e_i = expf(a_i) within 2 ulp, S = sum e,
+# 1/S and w_i = e_i * (1/S) correctly rounded, t_i, c = sum t) is off the exact softmax by at
+# most |t_i| * (28.2 u + 1.01 u |a_i|) summed over i, to first order (the exp 4u, its argument
+# u |a_i|, the sum of the exps 7u + 1.2u (the softmax-weighted mean of |a| is below 1.1 for
+# 8 slots: at most 0.98, with 7 slots 2.1 below the max), the reciprocal and the weight
+# 2u, the product u, the sum of the terms 7u), plus 2**-126 |kv_i| where an exp underflows and
+# at most 2**-126 per operation in the subnormal range (were it flushed to zero). The bound
+# below takes 32u and 2u, 2**-125 |kv_i|, 2**-120, and |c| 2**-22 for the rounding of c -+
+# bound itself. (On the CPU, over 2.4 million random windows with scores spread 0.01 to 50
+# and kv from 1e-30 to 1e30, the fp32 error reached at most 0.22 of this bound.)
+_B_REL: tl.constexpr = tl.constexpr(2.0 ** -19)
+_B_ARG: tl.constexpr = tl.constexpr(2.0 ** -23)
+_B_KV: tl.constexpr = tl.constexpr(2.0 ** -125)
+_B_C: tl.constexpr = tl.constexpr(2.0 ** -22)
+_B_TINY: tl.constexpr = tl.constexpr(2.0 ** -120)
+
+
+@triton.jit
+def pool_bf16(state_ptr, off, m3, D: tl.constexpr, CERTIFY: tl.constexpr):
+    """bf16(c) of the windows at `off` (as fp32 values): the split pooling's bytes, mostly in fp32.
+
+    x -> bf16(fp32(x)) is monotone, so where c - B and c + B (B the bound above on the fp32
+    result's distance to the exact c) round to the same non-zero bf16 value, so does the
+    exact c, and so does the fp64 pooling (within a few fp64 ulps of it): that value is
+    certain. Elsewhere (a value within B of a bf16 rounding boundary, or of zero, whose sign
+    the IEEE sum decides) the split pooling's own fp64 code recomputes the channels of this
+    tile, once per tile that has one (measured in `make bench-gpu`).
+    CERTIFY: 1 as above (the default); 0 fp64 only; 2 fp32 without the check (measurement
+    only: what the bound and its fallback are for)."""
+    if CERTIFY != 0:
+        s = tl.load(state_ptr + off + 2 * D, mask=m3, other=float("-inf"))
+        kv = tl.load(state_ptr + off, mask=m3, other=0.0)
+        mx = tl.max(s, axis=0)
+        a = s - mx[None, :, :]
+        e = exp_f32(a)
+        total = tl.sum(e, axis=0)
+        inv = tl.div_rn(tl.full(total.shape, 1.0, tl.float32), total)
+        t = (e * inv[None, :, :]) * kv
+        c = tl.sum(t, axis=0)
+        arg = tl.where(m3, tl.abs(a), 0.0)
+        bound = (tl.sum(tl.abs(t) * (_B_REL + _B_ARG * arg) + tl.abs(kv) * _B_KV, axis=0)
+                 + tl.abs(c) * _B_C + _B_TINY)
+        lo = bf16_bits(c - bound)
+        hi = bf16_bits(c + bound)
+        # equal, not zero, and finite (an overflowed bound, or inf * 0 in it, decides nothing)
+        certain = (lo == hi) & ((lo & 0x7FFF) != 0) & ((lo & 0x7F80) != 0x7F80)
+        out = bf16_round(c)
+        exists = tl.max(m3.to(tl.int32), axis=0) > 0          # a row that writes, a channel in range
+        if CERTIFY == 1:
+            if tl.max(tl.max((exists & (certain == 0)).to(tl.int32), axis=1), axis=0) > 0:
+                exact = bf16_round(softmax_pool_f64(state_ptr, off, m3, D, False))
+                out = tl.where(certain, out, exact)
+    else:
+        out = bf16_round(softmax_pool_f64(state_ptr, off, m3, D, False))
+    return out
+
+
+@triton.jit(do_not_specialize=["T", "table_stride"])     # one compile for every token count
+def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_ptr, cache_ptr, pooled_ptr,
+                    T, block_size, table_stride, row_stride, block_stride, page_stride, cs_stride, eps,
+                    D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr,
+                    PAGE: tl.constexpr, SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
+                    ROUNDING: tl.constexpr, RULE: tl.constexpr, STORE_POOLED: tl.constexpr,
+                    BT: tl.constexpr, G: tl.constexpr, SPAN2: tl.constexpr, CERTIFY: tl.constexpr):
+    TB: tl.constexpr = D // 2
+    pid = tl.program_id(0)
+    toks = pid * BT + tl.arange(0, BT)
+    inr, pos, act = writing_tokens(pos_ptr, slot_ptr, toks, T, RATIO)
+    d = tl.arange(0, D)
+    dm = d < D
+    if STORE_POOLED:
+        # the scratch rows of the tokens that write nothing are NaN (compress_pool's contract)
+        nan = tl.full([BT, D], float("nan"), tl.float32)
+        orow = toks.to(tl.int64)[:, None] * D + d[None, :]
+        nmask = (inr & (act == 0))[:, None]
+        if ROUNDING == 1:
+            tl.store(pooled_ptr + orow, nan, mask=nmask)
+        else:
+            tl.store(pooled_ptr + orow, bf16_bits(nan), mask=nmask)
+    rank = tl.cumsum(act.to(tl.int32), axis=0) - 1
+    n_act = tl.sum(act.to(tl.int32), axis=0)
+    gi = tl.arange(0, G)
+    m = tl.arange(0, TB)
+    for g0 in range(0, n_act, G):
+        pick = act[None, :] & (rank[None, :] == (g0 + gi)[:, None])          # [G, BT]
+        ok = (g0 + gi) < n_act
+        tok = tl.sum(tl.where(pick, toks[None, :], 0), axis=1)              # [G]
+        gpos = tl.sum(tl.where(pick, pos[None, :], 0), axis=1)
+        # 1. pooling, from the split pooling kernel's own window code
+        if ROUNDING == 1:      # cuda: the fp32 row, exact softmax in fp64
+            c = pool_window(state_ptr, table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride,
+                            row_stride, block_stride, D, RATIO, WP, SPAN2, False)
+        elif D >= 128:
+            # rocm / deepseek: bf16(c), the value the scratch buffer holds, in two halves of
+            # channels (an fp64 window of all D channels in one warp spills)
+            CH: tl.constexpr = D // 2
+            dh = tl.arange(0, CH)
+            off, m3 = window_offsets(table_ptr, req_ptr, tok, gpos, ok, dh, dh < CH, block_size, table_stride,
+                                     row_stride, block_stride, D, RATIO, WP, SPAN2)
+            c0 = pool_bf16(state_ptr, off, m3, D, CERTIFY)
+            c1 = pool_bf16(state_ptr, off + CH, m3, D, CERTIFY)
+            c = tl.reshape(tl.permute(tl.join(c0, c1), (0, 2, 1)), (G, D))     # [c0 | c1]
+        else:
+            off, m3 = window_offsets(table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride,
+                                     row_stride, block_stride, D, RATIO, WP, SPAN2)
+            c = pool_bf16(state_ptr, off, m3, D, CERTIFY)
+        if STORE_POOLED:
+            grow = tok.to(tl.int64)[:, None] * D + d[None, :]
+            if ROUNDING == 1:
+                tl.store(pooled_ptr + grow, c, mask=ok[:, None])
+            else:
+                tl.store(pooled_ptr + grow, bf16_bits(c), mask=ok[:, None])
+        # 2. the row as the K writer reads it: (even, odd) channel pairs; on the rocm and
+        # deepseek paths already bf16(c), the value the scratch buffer holds
+        e, o = tl.split(tl.reshape(c, (G, TB, 2)))
+        # 3. norm -> RoPE -> MXFP4 -> store: the split K writer's own device function
+        slot = tl.load(slot_ptr + tok, mask=ok, other=0).to(tl.int64)
+        write_entries(e, o, gpos, slot, ok[:, None], m, cs_ptr, w_ptr, cache_ptr, page_stride, cs_stride, eps,
+                      D, R, RATIO, PAGE, SHUF_N, SHUF_DT, SHUF_L, ROUNDING, False, False, 0.0, RULE, G, False)
+
+
+def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight,
+           out_cache, *, compress_ratio, norm_eps, page_size, shuffle, rounding="rocm", scale_rule="ceil",
+           pooled=None, tile=None, certify=True):
+    """Write the entries of every boundary token with a slot into `out_cache` in place (all
+    tensors on the kernel's device, checked by the caller). `pooled`: an optional [T, D]
+    output (bf16; fp32 for rounding="cuda") that receives the scratch rows the split path
+    would store. `tile` (measurement only): (tokens per program, tokens at once, warps);
+    `certify` (measurement only): False pools every value in fp64 (the same bytes, slower),
+    "unchecked" in fp32 without the bound's fallback (not the split path's bytes)."""
+    t = positions.shape[0]
+    d = state_cache.shape[-1] // 4
+    if t == 0:
+        return out_cache
+    shuf = layout.as_shuffle(shuffle)
+    bt, g, warps = tile or TILE
+    sc = state_cache
+    store = pooled is not None
+    if store:
+        pooled_arg = pooled.view(torch.int16) if pooled.dtype == torch.bfloat16 else pooled
+    else:
+        pooled_arg = out_cache                      # never written (STORE_POOLED is off)
+    _fused_k_kernel[(triton.cdiv(t, bt),)](
+        sc, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight.float().contiguous(),
+        out_cache, pooled_arg, t, sc.shape[1], block_table.stride(0), sc.stride(1), sc.stride(0),
+        out_cache.shape[1], cos_sin_cache.stride(0), float(norm_eps),
+        D=d, R=cos_sin_cache.shape[1], RATIO=compress_ratio, WP=triton.next_power_of_2(2 * compress_ratio),
+        PAGE=page_size, SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1,
+        SHUF_L=shuf.l if shuf else 1, ROUNDING=ROUNDING_CODES[rounding], RULE=SCALE_RULE_CODES[scale_rule],
+        STORE_POOLED=store, BT=bt, G=g, SPAN2=sc.shape[1] >= 2 * compress_ratio - 1,
+        CERTIFY={True: 1, False: 0, "unchecked": 2}[certify], num_warps=warps, **LAUNCH)
+    return out_cache
+
+
+def make_fused(device: str) -> dict:
+    """{K writer op: the fused launch}: `compress_pool` followed by `k_norm_rope_mxfp4_cache`
+    as one kernel (Backend.fused_pool). It takes both ops' inputs but `k`, and both ops'
+    scalars, checks them as the two ops do, and returns both ops' outputs: the pages and the
+    pooled rows the launch stored (`store_pooled`; without it only the pages)."""
+    def pool_k_mxfp4(*, state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache,
+                     norm_weight, kv_cache, compress_ratio: int = 4, norm_eps: float = 1e-6, page_size: int = 64,
+                     shuffle=(32, 16, 2), rounding: str = "rocm", hadamard: bool = False,
+                     scale_rule: str = "ceil", store_pooled: bool = True) -> dict:
+        reject_hadamard(hadamard)
+        scale_rule_code(scale_rule)
+        check_pool_args(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio)
+        checks.choice("rounding", rounding, ROUNDING_PATHS)
+        _check_windows(state_cache, block_table, positions, req_index, kv_slot_mapping, compress_ratio)
+        d = state_cache.shape[-1] // 4
+        # the writer's checks, on a stand-in for the pooled rows (finite wherever a window is)
+        row = torch.zeros((positions.shape[0], d), device=positions.device,
+                          dtype=torch.float32 if rounding == "cuda" else torch.bfloat16)
+        shuf = check_mxfp4_k_writer(row, positions, cos_sin_cache, norm_weight, kv_slot_mapping, kv_cache,
+                                    norm_eps, compress_ratio, page_size, shuffle, rounding)
+        if d not in (64, 128, 256):
+            raise ValueError(f"state_cache: the fused kernel holds a row as D/2 pairs, D a power of two "
+                             f"from 64 to 256, got D = {d}")
+        args, back = on_device(device, state_cache.contiguous(), block_table.contiguous(), positions.contiguous(),
+                               req_index.contiguous(), kv_slot_mapping.contiguous(), cos_sin_cache.contiguous(),
+                               norm_weight)
+        out = kv_cache.to(device, copy=True)
+        pooled = torch.empty((positions.shape[0], d), dtype=row.dtype, device=device) if store_pooled else None
+        launch(*args, out, compress_ratio=compress_ratio, norm_eps=norm_eps, page_size=page_size, shuffle=shuf,
+               rounding=rounding, scale_rule=scale_rule, pooled=pooled)
+        res = {"kv_cache": back(out, kv_cache)}
+        if store_pooled:
+            res["pooled"] = back(pooled, state_cache)
+        return res
+
+    return {"k_norm_rope_mxfp4_cache": pool_k_mxfp4}
