@@ -52,3 +52,42 @@ def test_logits_with_each_decoder(kernels, decode, words, page_size, shuffle, bn
                          shuffle=shuf, clean_logits=True, config=(config[0], bn, config[2], config[3]),
                          decode=decode, words=words)
     assert compare("paged_mxfp4_mqa_logits", {"logits": out}, kw) == []
+
+
+@pytest.mark.parametrize("shuffle", [(32, 16, 2), (16, 16, 4), None])
+def test_extreme_scale_codes_are_scaled_after_the_block_dot(kernels, shuffle):
+    """Keys whose e8m0 code is 254 (6 * 2^127 is past fp32) or 0 (2^-127 against a huge
+    query block): decoding each value to fp32 before the product overflows, as the fast path
+    does; the call is routed to the path that scales each block's dot (as scaled-MMA
+    instructions do), which meets the reference."""
+    from reference import layout
+    kw = dict(logits_case(seqs=((3, 170), (1, 33)), page_size=32, pad=8, shuffle=shuffle), clean_logits=True)
+    sh = list(shuffle) if shuffle else None
+    slots = torch.arange(kw["kv_cache"].shape[0] * 32)
+    packed, scales = layout.read_entries(kw["kv_cache"], slots, page_size=32, head_dim=128, shuffle=sh)
+    packed, scales = packed.clone(), scales.clone()
+    packed[::7, :16] = 0x77                                    # block 0: every element 6 ...
+    scales[::7, 0] = 254                                       # ... times 2^127
+    scales[3::7, 3] = 0                                        # block 3: 2^-127
+    kw["kv_cache"] = layout.write_entries(kw["kv_cache"], slots, packed, scales, page_size=32, shuffle=sh)
+    kw["q_scale"] = torch.full_like(kw["q_scale"], 60)
+    kw["q_scale"][..., 3] = 200                                # lifts the 2^-127 blocks into view
+    from reference.scoring import check_mxfp4_scorer
+    shuf, _, width, _ = check_mxfp4_scorer(kw["q_fp4"], kw["q_scale"], kw["weights"], kw["kv_cache"],
+                                        kw["query_start_loc"], kw["context_lens"], kw["block_table"],
+                                        kw["row_ends"], 32, kw["shuffle"], None)
+    (qv, qs, w, kc, bt, ends), tiles, config, _ = kernels.prepare(
+        "cpu", kw["query_start_loc"], kw["row_ends"], kw["weights"].shape[1], kw["q_fp4"], kw["q_scale"],
+        kw["weights"], kw["kv_cache"], kw["block_table"])
+    assert kernels.extreme_codes(qs, kc, 32, 128)
+
+    def run(after):
+        return kernels.launch(qv, qs, w, kc, bt, tiles, ends, width=width, page_size=32, shuffle=shuf,
+                              clean_logits=True, config=config, scale_after=after)
+    assert compare("paged_mxfp4_mqa_logits", {"logits": run(True)}, kw) == []
+    assert compare("paged_mxfp4_mqa_logits", {"logits": run(False)}, kw) != []       # the fast path's overflow
+
+
+def test_ordinary_codes_take_the_fast_path(kernels):
+    kw = logits_case(seqs=((3, 70),))
+    assert not kernels.extreme_codes(kw["q_scale"], kw["kv_cache"], 32, 128)

@@ -17,7 +17,11 @@ Exactness: every k16 step of the tensor-core dot covers 16 elements of one 32-el
 block, so its products share one power-of-two scale and their sum (an integer below
 2**15 in units of that scale) is exact; steps and blocks are combined by the fp32
 accumulator, and heads by fp32 adds, within a few fp32 ulps of the reference's fp64
-logits (the contract's metric allows ~1e-6 relative).
+logits (the contract's metric allows ~1e-6 relative). That holds while every decoded value
+is a normal fp32: a call whose query or key scale bytes hold code 253 or 254 (e2m1 *
+2**(e - 127) reaches 2**128) or 0 (a bf16 subnormal) is scored by `_scaled_after`, which
+applies each 32-element block's two scales after the block's dot, as scaled-MMA
+instructions do (the host picks it: `extreme_codes`).
 """
 from __future__ import annotations
 
@@ -123,6 +127,58 @@ def _k_block_mxfp4(cache_ptr, start, t, jm, PAGE: tl.constexpr, TB: tl.constexpr
         return mma_operand(ke), mma_operand(ko)
 
 
+@triton.jit
+def _pow2(e):
+    """2**e for integer e in [-126, 127], exact (built from the fp32 bits)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled_after(qv_ptr, qs_ptr, row0, nrows, H, cache_ptr, start, t, jm, BM: tl.constexpr, HP: tl.constexpr,
+                  TB: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr, SHUF_N: tl.constexpr,
+                  SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr, BN: tl.constexpr):
+    """S^T [BN, BM*HP] with each 32-element block's scales applied after its dot, as
+    scaled-MMA instructions do: the block's e2m1 dot (even and odd halves, 16 products each,
+    an exact multiple of 1/4 below 2**11) times 2**(e_k + e_q - 254), the power built from
+    three exact factors. Exact where the decoded values are not: an e8m0 code of 253 or 254
+    (e2m1 * 2**(e - 127) past fp32's range) or 0 (a bf16 subnormal operand). The host picks
+    it for a call holding such a code (`extreme_codes`); q is decoded again each block of
+    entries (this path is for rare inputs, not for speed)."""
+    mi = tl.arange(0, BM * HP)
+    qrow = (row0 + mi // HP).to(tl.int64) * H + mi % HP
+    qok = ((mi // HP) < nrows) & ((mi % HP) < H)
+    ones = tl.full((16, BM * HP), 1.0, tl.float32)
+    kones = tl.full((BN, 16), 1.0, tl.float32)
+    m16 = tl.arange(0, 16)
+    acc = tl.zeros((BN, BM * HP), tl.float32)
+    for b in tl.static_range(NB):
+        mm = b * 16 + m16                                              # this block's value bytes
+        qb = tl.load(qv_ptr + qrow[None, :] * TB + mm[:, None], mask=qok[None, :], other=0).to(tl.int32)
+        qe, qo = e2m1_scaled_pair(qb, ones, False)
+        qx = tl.load(qs_ptr + qrow * NB + b, mask=qok, other=127).to(tl.int32)
+        if SHUF_N == 0:
+            voff = t[:, None] * TB + mm[None, :]
+            soff = PAGE * TB + t[:, None] * NB + b
+        else:
+            S_HI: tl.constexpr = NB // SHUF_L
+            grp = (t // SHUF_N)[:, None]
+            lane = (t % SHUF_N)[:, None]
+            voff = (grp * (SHUF_N * TB) + (mm[None, :] // SHUF_DT) * (SHUF_N * SHUF_DT)
+                    + lane * SHUF_DT + mm[None, :] % SHUF_DT)
+            soff = (PAGE * TB + grp * (SHUF_N * NB) + (b % SHUF_L) * (SHUF_N * S_HI)
+                    + lane * S_HI + b // SHUF_L)
+        kb = tl.load(cache_ptr + start + voff, mask=jm[:, None], other=0).to(tl.int32)
+        ke, ko = e2m1_scaled_pair(kb, kones, False)
+        kx = tl.reshape(tl.load(cache_ptr + start + soff, mask=jm[:, None], other=127).to(tl.int32), (BN,))
+        sb = tl.dot(mma_operand(ke), mma_operand(qe), out_dtype=tl.float32)
+        sb = tl.dot(mma_operand(ko), mma_operand(qo), acc=sb, out_dtype=tl.float32)
+        e = kx[:, None] + qx[None, :] - 254                            # in [-254, 254]
+        e1 = e // 3
+        e2 = (e - e1) // 2
+        acc += ((sb * _pow2(e1)) * _pow2(e2)) * _pow2(e - e1 - e2)
+    return acc
+
+
 # Sizes that vary from call to call are not specialized on (one compile serves them all);
 # the strides that align vector loads and stores are.
 @triton.jit(do_not_specialize=["H", "W", "table_stride", "NSPLIT"])
@@ -131,7 +187,7 @@ def _logits_kernel(qv_ptr, qs_ptr, w_ptr, cache_ptr, table_ptr, tile_ptr, end_pt
                    BM: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                    SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
                    FP8: tl.constexpr, FNUZ: tl.constexpr, BN: tl.constexpr, NSPLIT,
-                   DECODE: tl.constexpr, WORDS: tl.constexpr):
+                   DECODE: tl.constexpr, WORDS: tl.constexpr, SCALE_AFTER: tl.constexpr):
     TB: tl.constexpr = D // 2
     NB: tl.constexpr = D // 32
     # a block of BN entries lies in one page: one table read, and the gathered bytes are
@@ -148,9 +204,10 @@ def _logits_kernel(qv_ptr, qs_ptr, w_ptr, cache_ptr, table_ptr, tile_ptr, end_pt
     last = tl.max(ends, axis=0)
     nblocks = tl.cdiv(last, BN)
     if split < nblocks:
-        qe, qo = _decode_qt(qv_ptr, qs_ptr, row0, nrows, H, BM, HP, TB, FP8, FNUZ, DECODE)
-        qe = mma_operand(qe)
-        qo = mma_operand(qo)
+        if not SCALE_AFTER:
+            qe, qo = _decode_qt(qv_ptr, qs_ptr, row0, nrows, H, BM, HP, TB, FP8, FNUZ, DECODE)
+            qe = mma_operand(qe)
+            qo = mma_operand(qo)
         ni = tl.arange(0, BM * HP)
         wm = ((ni // HP) < nrows) & ((ni % HP) < H)
         w = tl.load(w_ptr + (row0 + ni // HP).to(tl.int64) * H + ni % HP, mask=wm, other=0.0)
@@ -178,11 +235,15 @@ def _logits_kernel(qv_ptr, qs_ptr, w_ptr, cache_ptr, table_ptr, tile_ptr, end_pt
                 s_k = tl.sum(sb << (8 * k4[None, :]), axis=1).to(tl.float32, bitcast=True)
                 ke = mma_operand(ke)
                 ko = mma_operand(ko)
-            else:
+            elif not SCALE_AFTER:
                 ke, ko = _k_block_mxfp4(cache_ptr, start, t, jm, PAGE, TB, NB, SHUF_N, SHUF_DT, SHUF_L, DECODE,
                                         WORDS)
-            s = tl.dot(ke, qe, out_dtype=tl.float32)                           # [BN, BM*HP]
-            s = tl.dot(ko, qo, acc=s, out_dtype=tl.float32)
+            if SCALE_AFTER:
+                s = _scaled_after(qv_ptr, qs_ptr, row0, nrows, H, cache_ptr, start, t, jm, BM, HP, TB, NB, PAGE,
+                                  SHUF_N, SHUF_DT, SHUF_L, BN)
+            else:
+                s = tl.dot(ke, qe, out_dtype=tl.float32)                       # [BN, BM*HP]
+                s = tl.dot(ko, qo, acc=s, out_dtype=tl.float32)
             if FP8:
                 s = s * s_k[:, None]
             p = tl.maximum(s, 0.0) * w[None, :]
@@ -250,7 +311,8 @@ def pick_config(rows_per_seq: int, heads: int) -> tuple[int, int, int, int]:
 
 
 def launch(q_vals, q_scales, weights, kv_cache, block_table, tiles, row_ends, *, width, page_size,
-           shuffle, clean_logits, fp8_dtype=None, config=None, nsplit=None, decode=None, words=None):
+           shuffle, clean_logits, fp8_dtype=None, config=None, nsplit=None, decode=None, words=None,
+           scale_after=False):
     """fp32 logits [Rw, width]; past each row's end -inf when clean_logits, else unwritten.
     `tiles` from row_tiles(query_start_loc, config[0]). `decode` (measurement only): the
     e2m1 decoder, default `decode_mode()`; `words` (measurement only): load the scale
@@ -281,8 +343,21 @@ def launch(q_vals, q_scales, weights, kv_cache, block_table, tiles, row_ends, *,
         SHUF_L=shuf.l if shuf else 1, FP8=fp8_dtype is not None, FNUZ=fp8_dtype == "e4m3fnuz",
         BN=bn, NSPLIT=nsplit, DECODE=decode_mode() if decode is None else decode,
         WORDS=bool(words and not fp8_dtype and scale_words(kv_cache, page_size, d, bn, shuf)),
-        num_warps=warps, num_stages=stages, **regs)
+        SCALE_AFTER=bool(scale_after and not fp8_dtype), num_warps=warps, num_stages=stages, **regs)
     return out
+
+
+EXTREME_CODES = (0, 253, 254)    # e8m0 codes whose decoded values leave fp32's normal range
+
+
+def extreme_codes(q_scale: torch.Tensor, kv_cache: torch.Tensor, page_size: int, d: int) -> bool:
+    """Whether a call's query scales or the pool's scale bytes hold a code whose e2m1 values
+    decode outside fp32's normal range (NUMERICS.md §4): the kernel then applies each block's
+    scales after its dot (`_scaled_after`). One pass over the scale bytes (1/17 of the pool)."""
+    tb, nb = d // 2, d // 32
+    codes = torch.tensor(EXTREME_CODES, dtype=torch.uint8, device=kv_cache.device)
+    kscales = kv_cache[:, page_size * tb:page_size * (tb + nb)]
+    return bool(torch.isin(q_scale, codes.to(q_scale.device)).any()) or bool(torch.isin(kscales, codes).any())
 
 
 def prepare(device, query_start_loc, row_ends, heads, *tensors):
@@ -302,8 +377,9 @@ def make_op(device: str):
                                             context_lens, block_table, row_ends, page_size, shuffle, width)
         (qv, qs, w, kc, bt, ends), tiles, config, back = prepare(
             device, query_start_loc, row_ends, weights.shape[1], q_fp4, q_scale, weights, kv_cache, block_table)
-        out = launch(qv, qs, w, kc, bt, tiles, ends, width=width,
-                     page_size=page_size, shuffle=shuf, clean_logits=clean_logits, config=config)
+        out = launch(qv, qs, w, kc, bt, tiles, ends, width=width, page_size=page_size, shuffle=shuf,
+                     clean_logits=clean_logits, config=config,
+                     scale_after=extreme_codes(qs, kc, page_size, q_fp4.shape[2] * 2))
         return {"logits": back(out, weights)}
 
     return {"paged_mxfp4_mqa_logits": paged_mxfp4_mqa_logits}
