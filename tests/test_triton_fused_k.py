@@ -119,7 +119,8 @@ def test_runner_judges_the_fused_launch(be):
 def _k_path_faults():
     from optimized import faults as F
     k_ops = {"compress_pool", "k_norm_rope_mxfp4_cache"}
-    return [n for n, f in F.FAULTS.items() if set(f.ops) & k_ops and not f.large]
+    # graph-only faults are correct eagerly by design (tests/test_graph.py catches them replayed)
+    return [n for n, f in F.FAULTS.items() if set(f.ops) & k_ops and not f.large and not f.graph]
 
 
 @pytest.mark.parametrize("name", _k_path_faults())
