@@ -892,3 +892,223 @@ def test_a_failing_row_rewritten_as_expected_nonfinite_input_is_refused(tmp_path
     row = json.loads((honest / "report.json").read_text())["cases"][0]
     assert row["status"] == "nonfinite_input" and row["ok"] is True
     assert run(capsys, "report", honest, "-q")[0] == 0
+
+
+# --- round four: untrusted fields, full disks, environment, consoles, API arguments -------------
+
+from test_upstream import fake_index  # noqa: E402,F401  (a fixture)
+
+def test_a_cached_upstream_manifest_is_untrusted(fake_index, capsys):
+    """Every field of a cached manifest is input: a wrong type means "not cached", and the tree
+    is fetched again, never an internal error."""
+    import harness.commands.upstream_cmd as uc
+    assert main(["upstream", "fetch", "--vllm", "0.33.0"]) == 0
+    manifest = uc.tree_dir("0.33.0") / ".mxval-manifest.json"
+    good = json.loads(manifest.read_text())
+    for field, value in (("files", 5), ("files", [5]), ("modules", "x"), ("sha256", []), ("files", ["../../x"])):
+        manifest.write_text(json.dumps({**good, field: value}))
+        capsys.readouterr()
+        rc = main(["upstream", "fetch", "--vllm", "0.33.0"])
+        out, err = capsys.readouterr()
+        assert rc == 0, (field, value, out, err)
+        assert "downloading" in out or "source files" in out
+
+
+@pytest.mark.parametrize("label, damage", [
+    ("meta a list", lambda s: s.update(meta=[1, 2])),
+    ("rows not a list", lambda s: s.update(rows={"a": 1})),
+    ("a row not an object", lambda s: s.update(rows=[1, 2])),
+    ("a row of the wrong keys", lambda s: s.update(rows=[{"x": [1]}])),
+    ("a row value an object", lambda s: s["rows"][0].update(recall={"a": 1})),
+    ("needles a string", lambda s: s.update(needles="x")),
+    ("a metric a string", lambda s: s["rows"][0].update(recall="x")),
+    ("a context a float", lambda s: s["rows"][0].update(context_tokens=1.5)),
+])
+def test_study_from_json_of_the_wrong_shape_is_one_line(tmp_path, capsys, study_json, label, damage):
+    saved = json.loads(study_json.read_text())
+    damage(saved)
+    bad = tmp_path / "study.json"
+    bad.write_text(json.dumps(saved))
+    rc, out, err = run(capsys, "study", "--from-json", bad, "--report-dir", tmp_path / "out")
+    assert rc == 2, (label, out, err)
+    one_line(err, bad)
+
+
+@pytest.fixture(scope="module")
+def study_json(tmp_path_factory):
+    d = tmp_path_factory.mktemp("study")
+    (d / "s.toml").write_text('[distribution.normal]\n[study.s]\nvariants = ["exact", "mxfp4"]\n'
+                              'context_tokens = [512]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
+                              'needle_margins = []\nheads = 2\n')
+    assert main(["study", "--study", "s", "--study-file", str(d / "s.toml"), "--device", "cpu",
+                 "--report-dir", str(d / "r")]) == 0
+    return d / "r" / "study.json"
+
+
+def _enospc_save(real):
+    """safetensors' save_file on a disk that fills up half way: part of the file, then its error."""
+    def save(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        from safetensors import SafetensorError
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+    return save
+
+
+def test_a_dump_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import safetensors.torch
+    monkeypatch.setattr(safetensors.torch, "save_file", _enospc_save(safetensors.torch.save_file))
+    out = tmp_path / "d.safetensors"
+    rc, o, err = run(capsys, "dump", "--case", "smoke-rowend-k", "--backend", "reference", "-o", out)
+    assert rc == 2, (o, err)
+    one_line(err, out, "No space left on device")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_suite_file_whose_defaults_is_not_a_table_is_named(tmp_path, capsys):
+    (tmp_path / "s.toml").write_text('defaults = "x"\n')
+    rc, out, err = run(capsys, "cases", "--cases-dir", tmp_path)
+    assert rc == 2, (out, err)
+    one_line(err, tmp_path / "s.toml", "defaults")
+    (tmp_path / "s.toml").write_text('defaults = "x"\n[[case]]\nname = "a"\nops = ["topk"]\n')
+    rc, out, err = run(capsys, "validate", "--suite", "s", "--cases-dir", tmp_path, "--report-dir", tmp_path / "r")
+    assert rc == 2, (out, err)
+    one_line(err, tmp_path / "s.toml", "defaults")
+
+
+@pytest.mark.parametrize("line", ["chain.page_bytes_mismatched_frac = 1.5",
+                                  "chain.topk_recall_min = -0.5"])
+def test_a_limit_outside_its_metrics_range_is_refused(tmp_path, capsys, dumps, line):
+    key = line.split(" = ")[0].split(".")[1]
+    text = "\n".join(x for x in CONTRACT.splitlines() if not x.startswith(f"chain.{key}"))
+    b = tmp_path / "b.toml"
+    b.write_text(text.replace("[default]", f"[default]\n{line}", 1))
+    rc, out, err = run(capsys, "validate", "--case", "smoke-rowend-k", "--backend", "reference", "--budgets", b,
+                       "--report-dir", tmp_path / "r", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, b, key, "range")
+
+
+@pytest.mark.parametrize("env, value, argv, needle", [
+    ("MXVAL_STAGE_TIMES", "yes", ["dump", "--case", "smoke-rowend-k", "--backend", "reference", "-o", "{tmp}/d"],
+     "MXVAL_STAGE_TIMES"),
+    ("MXVAL_STAGE_TIMES", "1" * 5000, ["validate", "--case", "smoke-rowend-k", "--report-dir", "{tmp}/r"],
+     "MXVAL_STAGE_TIMES"),
+    ("MXVAL_GPU_MEMORY_FRACTION", "1" * 5000, ["validate", "--case", "smoke-rowend-k", "--report-dir", "{tmp}/r"],
+     "MXVAL_GPU_MEMORY_FRACTION"),
+    ("MXVAL_DEBUG", "maybe", ["cases", "--suite", "smoke"], "MXVAL_DEBUG"),
+])
+def test_an_environment_variable_is_read_with_bounds_and_named(tmp_path, capsys, monkeypatch, env, value, argv,
+                                                                needle):
+    monkeypatch.setenv(env, value)
+    rc, out, err = run(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert rc == 2, (out, err)
+    one_line(err, needle)
+    assert len(one_line(err)) < 300
+
+
+def test_capture_variables_are_bounded_and_named(monkeypatch):
+    from harness.capture import hook
+    for env, value in ((hook.ENV_LAYERS, "1" * 5000), (hook.ENV_RING, "9" * 5000), (hook.ENV_STEPS, "x,1")):
+        monkeypatch.setenv(env, value)
+        with pytest.raises(ValueError) as e:
+            hook._Config.from_env()
+        assert str(e.value).startswith(env) and len(str(e.value)) < 300, str(e.value)
+        monkeypatch.delenv(env)
+
+
+def test_mxval_debug_0_means_off(tmp_path, capsys, monkeypatch):
+    from harness.commands import cli
+    monkeypatch.setattr(cli, "cmd_cases", lambda args: 1 // 0)
+    monkeypatch.setitem(cli.BUILTIN, "cases", cli.cmd_cases)
+    monkeypatch.setenv("MXVAL_DEBUG", "0")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    rc, out, err = run(capsys, "cases")
+    assert rc == 3 and "ZeroDivisionError" in err and "Traceback" not in err, err
+    monkeypatch.setenv("MXVAL_DEBUG", "1")
+    with pytest.raises(ZeroDivisionError):
+        main(["cases"])
+
+
+def _ascii_run(*argv, env=None):
+    import os
+    import subprocess
+    import sys
+    e = dict(os.environ, PYTHONIOENCODING="ascii", PYTHONUTF8="0", LC_ALL="C", LANG="C", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "harness", *map(str, argv)], cwd=ROOT, env=e,
+                          capture_output=True, timeout=120)
+
+
+def test_a_stdout_that_cannot_encode_utf8_gets_an_ascii_console(tmp_path, a_report):
+    d = _report_dir(tmp_path, _renamed(a_report, "caf\u00e9-\u2260-\u0434"))
+    p = _ascii_run("report", d)
+    assert p.returncode == 0, p.stderr.decode()
+    out = p.stdout.decode("ascii")                          # nothing but ASCII reached it
+    assert "caf" in out and "\\u2260" in out or "!=" in out
+    assert "caf\u00e9-\u2260-\u0434" in (d / "report.md").read_text(encoding="utf-8")
+
+
+def test_a_report_json_of_too_many_rows_is_refused_at_once(tmp_path, capsys, a_report):
+    import time
+
+    from harness.io import report_shape
+    data = json.loads(json.dumps(a_report))
+    row = {"case": "x", "status": "pass", "ok": True}
+    data["cases"] = [row] * (report_shape.MAX_CASES + 1)
+    d = _report_dir(tmp_path, data)
+    t = time.time()
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "cases", str(report_shape.MAX_CASES))
+    assert time.time() - t < 30
+
+
+def test_the_reference_refuses_a_tensor_that_requires_grad():
+    from helpers import k_writer_case
+    kw = k_writer_case()
+    kw["k"] = kw["k"].clone().requires_grad_(True)
+    with pytest.raises(ValueError) as e:
+        reference.k_norm_rope_mxfp4_cache(**kw)
+    assert str(e.value).startswith("k:") and "grad" in str(e.value)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: reference.k_norm_rope_mxfp4_cache(**{**__import__("helpers").k_writer_case(), "compress_ratio": 2 ** 70}),
+     "compress_ratio"),
+    (lambda: reference.topk(**{**__import__("helpers").topk_case(), "k": 2 ** 70}), "k"),
+    (lambda: reference.topk(**{**__import__("helpers").topk_case(), "k": -2 ** 70}), "k"),
+])
+def test_the_reference_refuses_integers_past_int64(call, arg):
+    with pytest.raises(ValueError) as e:
+        call()
+    assert str(e.value).startswith(f"{arg}:"), str(e.value)
+
+
+def _raw_meta_dump(dumps, name, meta_text, tensors=None):
+    path = dumps["dir"] / name
+    save_file(tensors or dumps["tensors"], str(path), metadata={"mxval": meta_text})
+    return path
+
+
+def test_dump_metadata_with_a_key_given_twice_is_refused(tmp_path, capsys, dumps):
+    text = json.dumps(dumps["meta"])
+    k = dumps["meta"]["ops"]["topk"]["k"]
+    twice_scalar = text.replace(f'"k": {k}', f'"k": {k}, "k": {k + 1}', 1)
+    assert twice_scalar != text
+    twice_format = text.replace('"format": ', '"format": "x", "format": ', 1)
+    for i, t in enumerate((twice_scalar, twice_format)):
+        p = _raw_meta_dump(dumps, f"twice{i}.safetensors", t)
+        rc, out, err = run(capsys, "diff", p, "--report-dir", tmp_path / f"r{i}", "-q")
+        assert rc == 2, (out, err)
+        one_line(err, p, "twice")
+
+
+def test_a_zero_row_op_of_a_huge_declared_width_is_refused(tmp_path, capsys, dumps):
+    k = dumps["meta"]["ops"]["topk"]["k"]
+    p = _variant(dumps, "wide.safetensors", ops=["topk"],
+                 tensors={"topk/in/logits": torch.zeros(0, 2 ** 40), "topk/in/lengths": torch.zeros(0, dtype=torch.int32),
+                          "topk/out/indices": torch.zeros(0, k, dtype=torch.int32)})
+    rc, out, err = run(capsys, "diff", p, "--report-dir", tmp_path / "r", "-q")
+    assert rc in (0, 2), (out, err)
+    if rc == 2:
+        one_line(err, p)

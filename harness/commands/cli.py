@@ -43,7 +43,7 @@ from harness.errors import (
     InputError,
     UsageError,
 )
-from harness.io import atomic, escape
+from harness.io import atomic, env, escape
 from harness.run.signals import catch_sigterm, hold, release_all, restore_sigterm, stopped_by
 
 __all__ = ["build_parser", "main"]
@@ -419,6 +419,7 @@ def _main(argv: Optional[list[str]]) -> int:
     args = None
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
+        env.flag(DEBUG_ENV)                  # a malformed switch is a usage error before any work
         ap, run = build_parser(argv)
         args = ap.parse_args(argv)
         check_args(ap, args)
@@ -440,9 +441,20 @@ def _main(argv: Optional[list[str]]) -> int:
         return _internal_error(e, args)
 
 
+DEBUG_ENV = "MXVAL_DEBUG"
+
+
+def _debug() -> bool:
+    """MXVAL_DEBUG=1: show the traceback (0 or unset: off; anything else was refused at start)."""
+    try:
+        return env.flag(DEBUG_ENV)
+    except InputError:
+        return False
+
+
 def _internal_error(e: Exception, args) -> int:
     """A bug in mxval or in a backend, never the user's input: one line, the traceback saved."""
-    if os.environ.get("MXVAL_DEBUG"):
+    if _debug():
         raise e
     tb = e.__traceback__
     while tb and tb.tb_next:

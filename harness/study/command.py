@@ -12,7 +12,7 @@ import torch
 from rich.progress import Progress
 
 from harness.errors import EXIT_INTERRUPTED, EXIT_OK, StudyConfigError
-from harness.io import atomic, escape, safe_input
+from harness.io import atomic, escape, report_shape, safe_input
 from harness.run.record import machine
 from harness.run.signals import hold, release, stopped_by
 from harness.study import report
@@ -115,13 +115,13 @@ def execute(*, study: str = "default", study_file: str | Path = STUDY_FILE, dump
 
 
 def rerender(from_json: str, *, report_dir: str | None = None, readme: str | None = None) -> int:
+    """A saved study.json re-rendered: read through the bounds of every input file and checked
+    for study.json's shape (harness/io/report_shape.py) before anything renders it."""
     try:
         saved = safe_input.load_json(from_json, error=StudyConfigError)
     except StudyConfigError as e:
         raise StudyConfigError(f"--from-json: not a study.json ({e})") from None
-    try:
-        meta = saved["meta"]
-        result = {k: saved[k] for k in ("rows", "needles", "inputs", "merges")}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise StudyConfigError(f"--from-json: {from_json}: not a study.json ({e})") from None
+    report_shape.check_study(saved, f"--from-json: {from_json}", error=StudyConfigError)
+    meta = saved["meta"]
+    result = {k: saved[k] for k in ("rows", "needles", "inputs", "merges")}
     return _write(result, meta, Path(report_dir or Path(from_json).parent), readme)
