@@ -10,6 +10,7 @@ import torch
 from helpers import one_line_error as one_line
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_upstream import fake_index  # noqa: F401  (a fixture)
 
 import reference
 from harness.commands.cli import main
@@ -801,8 +802,13 @@ def test_a_signal_while_the_reports_are_written_leaves_them_whole(tmp_path, caps
                        "--report-dir", tmp_path / "r", "-q")
     assert rc == 130, err
     assert {p.name for p in (tmp_path / "r").iterdir()} >= {"report.json", "report.md", "junit.xml", "metrics.csv"}
+    # every format says what the exit status says: the run was interrupted (after its last case)
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert data["run"]["interrupted"]["signal"] == "SIGINT" and data["run"]["interrupted"]["cancelled"] == []
+    assert "interrupted" in (tmp_path / "r" / "report.md").read_text().lower()
+    assert "interrupted" in (tmp_path / "r" / "report.html").read_text().lower()
     monkeypatch.setattr(report, "markdown", real)
-    assert run(capsys, "report", tmp_path / "r", "-q")[0] == 0
+    assert run(capsys, "report", tmp_path / "r", "-q")[0] == 130
 
 
 def test_study_interrupted_keeps_the_contexts_that_finished(tmp_path, capsys, monkeypatch):
@@ -896,9 +902,7 @@ def test_a_failing_row_rewritten_as_expected_nonfinite_input_is_refused(tmp_path
 
 # --- round four: untrusted fields, full disks, environment, consoles, API arguments -------------
 
-from test_upstream import fake_index  # noqa: E402,F401  (a fixture)
-
-def test_a_cached_upstream_manifest_is_untrusted(fake_index, capsys):
+def test_a_cached_upstream_manifest_is_untrusted(fake_index, capsys):  # noqa: F811
     """Every field of a cached manifest is input: a wrong type means "not cached", and the tree
     is fetched again, never an internal error."""
     import harness.commands.upstream_cmd as uc

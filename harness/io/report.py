@@ -851,28 +851,47 @@ def junit(df: pd.DataFrame, meta: dict) -> str:
 REPORT_FILES = {"md": "report.md", "html": "report.html", "junit": "junit.xml", "csv": "metrics.csv",
                 "json": "report.json"}
 # A directory holding one of these holds another run's report.
-RUN_MARKERS = ("report.json", "selftest.json")
+RUN_MARKERS = ("report.json", "selftest.json", "study.json")
+# Files of an earlier run's set that a new set replacing it removes when it has none of its own.
+STALE = ("selftest.md", "selftest.json")
 
 
-def write_all(df: pd.DataFrame, meta: dict, out_dir, *, json_source: Optional[Path] = None) -> dict[str, str]:
-    """Every format into `out_dir`, each file written to a temporary name and renamed;
-    report.json last, so a report.json is only ever next to the files rendered from it.
-    `json_source`: the report.json these rows were read from (`mxval report`): it is
-    never rewritten, and copied byte for byte when `out_dir` is another directory."""
+def render_all(df: pd.DataFrame, meta: dict, *, json_source: Optional[Path] = None, same_json: bool = False,
+               extra: Optional[dict] = None) -> dict[str, str | bytes]:
+    """{file name: content} of every format, report.json last (it vouches for the rest).
+    `json_source`: the report.json these rows were read from (`mxval report`), copied byte for
+    byte (left out when `same_json`: it is never rewritten). `extra`: more files of the set
+    (selftest.md, selftest.json), written before report.json."""
+    files: dict[str, str | bytes] = {
+        REPORT_FILES["md"]: markdown(df, meta), REPORT_FILES["html"]: html(df, meta),
+        REPORT_FILES["junit"]: junit(df, meta),
+        REPORT_FILES["csv"]: escape.csv_frame(df[[c for c in COLUMNS if c in df.columns]
+                                                 + metric_columns(df)]).to_csv(index=False)}
+    files.update(extra or {})
+    if json_source is None:
+        files[REPORT_FILES["json"]] = json.dumps(to_json(df, meta), indent=1, default=str)
+    elif not same_json:
+        files[REPORT_FILES["json"]] = safe_input.read_bytes(json_source, safe_input.MAX_JSON_BYTES, error=ReportError)
+    return files
+
+
+def write_all(df: pd.DataFrame, meta: dict, out_dir, *, json_source: Optional[Path] = None,
+              extra: Optional[dict] = None, again=None) -> dict[str, str]:
+    """Every format into `out_dir`, replaced as one set (harness/io/atomic.py `write_set`):
+    all are written beside the old ones and swapped in only once every one is whole, so the
+    formats a run leaves always agree; a full disk leaves the old set as it was (OSError).
+    `again()`: asked once the set is rendered; True (the run's metadata changed: a signal
+    came) renders it again before it is written. {format: path}."""
     from harness.io import atomic
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {k: out / v for k, v in REPORT_FILES.items()}
-    atomic.write_text(paths["md"], markdown(df, meta))
-    atomic.write_text(paths["html"], html(df, meta))
-    atomic.write_text(paths["junit"], junit(df, meta))
-    atomic.write_text(paths["csv"], escape.csv_frame(df[[c for c in COLUMNS if c in df.columns]
-                                                       + metric_columns(df)]).to_csv(index=False))
-    if json_source is None:
-        atomic.write_text(paths["json"], json.dumps(to_json(df, meta), indent=1, default=str))
-    elif not _same_file(json_source, paths["json"]):
-        atomic.write_bytes(paths["json"], safe_input.read_bytes(json_source, safe_input.MAX_JSON_BYTES, error=ReportError))
-    return {k: str(v) for k, v in paths.items()}
+    same = json_source is not None and _same_file(json_source, out / REPORT_FILES["json"])
+    files = render_all(df, meta, json_source=json_source, same_json=same, extra=extra)
+    if again is not None and again():
+        files = render_all(df, meta, json_source=json_source, same_json=same, extra=extra)
+    atomic.write_set(out, files, remove=STALE if json_source is None else ())
+    paths = {k: str(out / v) for k, v in REPORT_FILES.items()}
+    return paths
 
 
 def _same_file(a, b) -> bool:
@@ -920,6 +939,7 @@ def claim_dir(path, *, force: bool = False, arg: str = "--report-dir") -> Path:
     except OSError as e:
         raise ReportError(f"{arg}: {p}: cannot write there: {e.strerror or e}") from None
     _lock(p, arg)
+    atomic.hold_dir(p)                    # written through this descriptor from now on
     return p
 
 
@@ -971,6 +991,8 @@ def _lock(d: Path, arg: str) -> None:
 
 
 def release_locks() -> None:
+    from harness.io import atomic
+    atomic.release_dirs()
     while _held:
         p = _held.pop()
         try:

@@ -59,6 +59,11 @@ def hold() -> None:
         signal.signal(s, held)
 
 
+def pending() -> list[str]:
+    """The signals held so far (still held: `release` returns them)."""
+    return list(_HOLD["got"])
+
+
 def release() -> list[str]:
     """End a `hold`: the handlers restored; the signals that came while held (for the
     caller to honour: exit 130 with the report whole), from the outermost release."""
