@@ -949,19 +949,21 @@ def study_json(tmp_path_factory):
     return d / "r" / "study.json"
 
 
-def _enospc_save(real):
+def _enospc_save(message):
     """safetensors' save_file on a disk that fills up half way: part of the file, then its error."""
     def save(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"\0" * 100)
         from safetensors import SafetensorError
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                              'message: "No space left on device" })')
+        raise SafetensorError(message)
     return save
 
 
-def test_a_dump_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("message", [
+    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })',
+    "Error while serializing: I/O error: No space left on device (os error 28)"])
+def test_a_dump_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, message):
     import safetensors.torch
-    monkeypatch.setattr(safetensors.torch, "save_file", _enospc_save(safetensors.torch.save_file))
+    monkeypatch.setattr(safetensors.torch, "save_file", _enospc_save(message))
     out = tmp_path / "d.safetensors"
     rc, o, err = run(capsys, "dump", "--case", "smoke-rowend-k", "--backend", "reference", "-o", out)
     assert rc == 2, (o, err)
@@ -1116,3 +1118,85 @@ def test_a_zero_row_op_of_a_huge_declared_width_is_refused(tmp_path, capsys, dum
     assert rc in (0, 2), (out, err)
     if rc == 2:
         one_line(err, p)
+
+
+# --- round four: reports as a set, signals, consoles that go away ---------------------------------
+
+def _full_after(n):
+    """atomic's file writer on a disk that fills after `n` whole files."""
+    import errno
+
+    from harness.io import atomic
+    real, calls = atomic._write_fd, []
+
+    def write(fd, blob):
+        calls.append(1)
+        if len(calls) > n:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, blob)
+    return write
+
+
+def _snapshot(d: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_a_full_disk_under_force_leaves_the_old_reports_whole(tmp_path, capsys, monkeypatch, dumps):
+    """A passing report overwritten (--force) by a failing run on a disk that fills after two
+    files: the old set stays whole, not one file of the new run replaces it."""
+    from harness.io import atomic
+    d = tmp_path / "r"
+    rc, out, err = run(capsys, "diff", dumps["good"], "--report-dir", d, "-q")
+    assert rc == 0, err
+    before = _snapshot(d)
+    monkeypatch.setattr(atomic, "_write_fd", _full_after(2))
+    rc, out, err = run(capsys, "diff", dumps["flipped"], "--report-dir", d, "--force", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, d, "No space left on device", "verdict: FAIL")
+    assert _snapshot(d) == before                          # not one file of the failing run
+    monkeypatch.undo()
+    assert run(capsys, "report", d, "-q")[0] == 0
+
+
+def test_a_selftest_into_a_full_disk_gives_its_verdict(tmp_path, capsys, monkeypatch):
+    from harness.io import atomic
+    monkeypatch.setattr(atomic, "_write_fd", _full_after(1))
+    rc, out, err = run(capsys, "selftest", "--fault", "nibbles-swapped", "--seeds", "1", "--backend", "reference",
+                       "--shard", "1/64", "--report-dir", tmp_path / "r", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "No space left on device", "verdict:")
+    left = list((tmp_path / "r").iterdir()) if (tmp_path / "r").exists() else []
+    assert not any(p.name.startswith(("report", "selftest", ".mxval-staging")) for p in left), left
+
+
+def test_a_study_claims_its_report_directory(tmp_path, capsys):
+    s = tmp_path / "s.toml"
+    s.write_text('[distribution.normal]\n[study.s]\nvariants = ["exact", "mxfp4"]\ncontext_tokens = [512]\n'
+                 'rows = 1\nseeds = 1\nneedle_depths = []\nneedle_margins = []\nheads = 2\n')
+    v = tmp_path / "v"
+    assert main(["validate", "--case", "smoke-rowend-k", "--backend", "reference", "--report-dir", str(v), "-q"]) == 0
+    argv = ["study", "--study", "s", "--study-file", s, "--device", "cpu"]
+    rc, out, err = run(capsys, *argv, "--report-dir", v)
+    assert rc == 2, (out, err)
+    one_line(err, v, "report.json", "--force")
+    assert not (v / "study.json").exists()
+    st = tmp_path / "st"
+    assert run(capsys, *argv, "--report-dir", st)[0] == 0
+    first = (st / "study.json").read_bytes()
+    rc, out, err = run(capsys, *argv, "--report-dir", st)
+    assert rc == 2, (out, err)
+    one_line(err, st, "study.json", "--force")
+    assert (st / "study.json").read_bytes() == first
+    assert run(capsys, *argv, "--report-dir", st, "--force")[0] == 0
+    rc, out, err = run(capsys, "validate", "--case", "smoke-rowend-k", "--backend", "reference", "--report-dir", st, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "study.json")
+
+
+def test_a_merge_refuses_a_shard_listing_a_case_twice(tmp_path, capsys, shards):
+    def edit(k, data):
+        data["run"]["shard"]["all_cases"].append(data["run"]["shard"]["all_cases"][0])
+    dirs = _copy_shards(shards, tmp_path, edit)
+    rc, out, err = run(capsys, "report", "--merge", *dirs, "--report-dir", tmp_path / "m", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "twice")

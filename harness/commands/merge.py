@@ -65,6 +65,15 @@ def check(shards: list[tuple[Path, object, dict]]) -> None:
             if meta["shard"].get(key) != f.get(key):
                 raise MergeError(f"--merge: shards from different {what}: {first_dir} has "
                                  f"{f.get(key)!r}, {d} has {meta['shard'].get(key)!r}")
+    for d, _, meta in shards:                  # a list naming a case twice is no run's list
+        for key in ("all_cases", "cases"):
+            names = meta["shard"].get(key) or []
+            if not (isinstance(names, list) and all(isinstance(c, str) for c in names)):
+                raise MergeError(f"{d / 'report.json'}: run.shard.{key}: expected a list of case names")
+            seen_names: set = set()
+            twice = next((c for c in names if c in seen_names or seen_names.add(c)), None)
+            if twice is not None:
+                raise MergeError(f"{d / 'report.json'}: run.shard.{key} lists case {twice!r} twice")
     n = int(f["n"])
     seen: dict[int, Path] = {}
     for d, _, meta in shards:

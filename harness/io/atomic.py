@@ -129,9 +129,11 @@ def write_via(path: PathLike, fill: Callable[[str], None], *, within: Optional[P
         check_target(path, within=within)       # nothing swapped in while it was written
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as e:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):          # a full disk, a quota, an I/O error: bad luck, not a bug
+            raise OutputError(f"{path}: cannot write: {e.strerror or e}; nothing written") from None
         raise
     return str(path)
 
@@ -224,6 +226,13 @@ def _refuse_non_file(dir_fd: int, name: str, label: str) -> None:
                           "or written through)")
 
 
+def _write_fd(fd: int, blob: bytes) -> None:
+    view = memoryview(blob)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
 def write_set(directory: PathLike, files: dict, *, remove: tuple = ()) -> dict[str, str]:
     """Replace files of `directory` as a set: `files` ({name: bytes or str}) are all written
     and synced in a staging directory beside them first; only when every one is whole are they
@@ -247,10 +256,7 @@ def write_set(directory: PathLike, files: dict, *, remove: tuple = ()) -> dict[s
                 f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666,
                             dir_fd=sfd)
                 try:
-                    view = memoryview(blob)
-                    while view:
-                        view = view[os.write(f, view):]
-                    os.fsync(f)
+                    _write_fd(f, blob)
                 finally:
                     os.close(f)
             for name in files:                       # the swap: every file is whole by now

@@ -360,6 +360,16 @@ def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "dee
         if meta[key] is not None and not (_is_int(meta[key]) and 0 <= meta[key] < MAX_INDEX):
             _fail(path, f"{key}: expected an integer in [0, {MAX_INDEX}) or None, got {meta[key]!r}")
     text = json.dumps(meta)
-    atomic.write_via(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: text}), within=within,
-                     make_parent=True)
+    def fill(tmp: str) -> None:
+        try:
+            save_file(tensors, tmp, metadata={META_KEY: text})
+        except OSError:
+            raise
+        except Exception as e:          # safetensors' own error for an I/O failure: the OSError it wraps
+            code = re.search(r"IoError\(Os \{ code: (\d+)|\(os error (\d+)\)", str(e))
+            if code is None:
+                raise
+            n = int(code[1] or code[2])
+            raise OSError(n, os.strerror(n)) from None
+    atomic.write_via(path, fill, within=within, make_parent=True)
     return path
