@@ -982,17 +982,17 @@ def test_a_suite_file_whose_defaults_is_not_a_table_is_named(tmp_path, capsys):
     one_line(err, tmp_path / "s.toml", "defaults")
 
 
-@pytest.mark.parametrize("line", ["chain.page_bytes_mismatched_frac = 1.5",
-                                  "chain.topk_recall_min = -0.5"])
-def test_a_limit_outside_its_metrics_range_is_refused(tmp_path, capsys, dumps, line):
-    key = line.split(" = ")[0].split(".")[1]
-    text = "\n".join(x for x in CONTRACT.splitlines() if not x.startswith(f"chain.{key}"))
+@pytest.mark.parametrize("key, value", [("chain.page_bytes_mismatched_frac", 1.5), ("chain.topk_recall_min", -0.5),
+                                        ("topk_rows_not_exact_frac", 2)])
+def test_a_limit_outside_its_metrics_range_is_refused(tmp_path, capsys, key, value):
+    """A fraction bounded by 1.5 (or a recall by -0.5) passes anything: refused, never silently useless."""
+    text = "\n".join(x for x in CONTRACT.splitlines() if not x.startswith((f'"{key}"', f"{key} ")))
     b = tmp_path / "b.toml"
-    b.write_text(text.replace("[default]", f"[default]\n{line}", 1))
+    b.write_text(text.replace("\n[default]\n", f'\n[default]\n"{key}" = {value}\n', 1))
     rc, out, err = run(capsys, "validate", "--case", "smoke-rowend-k", "--backend", "reference", "--budgets", b,
                        "--report-dir", tmp_path / "r", "-q")
     assert rc == 2, (out, err)
-    one_line(err, b, key, "range")
+    one_line(err, b, key.split(".")[-1], "range", "checks nothing")
 
 
 @pytest.mark.parametrize("env, value, argv, needle", [

@@ -319,6 +319,11 @@ class Limit:
             raise ValueError("an infinite limit checks nothing: say \"off\" (every report shows it)")
         if lim.max is not None and lim.min is not None and lim.min > lim.max:
             raise ValueError(f"min {fmt(lim.min)} > max {fmt(lim.max)}, no value can pass")
+        for bound, v, useless in (("max", lim.max, lim.max is not None and lim.max > m.hi),
+                                  ("min", lim.min, lim.min is not None and lim.min < m.lo)):
+            if useless:                       # past the metric's range: every value it can take passes
+                raise ValueError(f"{bound} {fmt(v)} is outside {name}'s range [{fmt(m.lo)}, {fmt(m.hi)}]: it checks "
+                                 "nothing (say \"off\" to drop the check, and every report shows it)")
         if lim.max is not None and lim.max < m.lo:
             raise ValueError(f"max {fmt(lim.max)} is below {fmt(m.lo)}, the least {name} can be: no value can pass")
         if lim.min is not None and lim.min > m.hi:
