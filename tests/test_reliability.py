@@ -1050,7 +1050,7 @@ def test_a_stdout_that_cannot_encode_utf8_gets_an_ascii_console(tmp_path, a_repo
     p = _ascii_run("report", d)
     assert p.returncode == 0, p.stderr.decode()
     out = p.stdout.decode("ascii")                          # nothing but ASCII reached it
-    assert "caf" in out and "\\u2260" in out or "!=" in out
+    assert "caf\\xe9-!=-\\u0434" in out and "pages!=" in out and "+----" in out, out
     assert "caf\u00e9-\u2260-\u0434" in (d / "report.md").read_text(encoding="utf-8")
 
 
@@ -1200,3 +1200,36 @@ def test_a_merge_refuses_a_shard_listing_a_case_twice(tmp_path, capsys, shards):
     rc, out, err = run(capsys, "report", "--merge", *dirs, "--report-dir", tmp_path / "m", "-q")
     assert rc == 2, (out, err)
     one_line(err, "twice")
+
+
+class _GoneStdout:
+    """A stdout whose reader went away after the first line: a closed pipe or /dev/full."""
+
+    def __init__(self, error):
+        self.error, self.lines, self.encoding = error, 0, "utf-8"
+
+    def write(self, text):
+        if "\n" in text:
+            self.lines += 1
+        if self.lines > 1:
+            raise self.error
+        return len(text)
+
+    def flush(self):
+        if self.lines > 1:
+            raise self.error
+
+    def isatty(self):
+        return False
+
+
+@pytest.mark.parametrize("error", [BrokenPipeError(32, "Broken pipe"), OSError(28, "No space left on device")],
+                         ids=["closed pipe", "dev full"])
+def test_a_console_that_goes_away_does_not_stop_the_run(tmp_path, capsys, monkeypatch, dumps, error):
+    import sys
+    monkeypatch.setattr(sys, "stdout", _GoneStdout(error))
+    rc = main(["diff", str(dumps["flipped"]), str(dumps["good"]), "--report-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 1, err                                  # the verdict: the flipped byte fails
+    assert (tmp_path / "r" / "report.json").is_file() and (tmp_path / "r" / "report.md").is_file()
+    one_line(err, "stdout", error.strerror)

@@ -43,7 +43,7 @@ from harness.errors import (
     InputError,
     UsageError,
 )
-from harness.io import atomic, env, escape
+from harness.io import atomic, console, env, escape
 from harness.run.signals import catch_sigterm, hold, release_all, restore_sigterm, stopped_by
 
 __all__ = ["build_parser", "main"]
@@ -416,6 +416,22 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _main(argv: Optional[list[str]]) -> int:
+    """The command with its console guarded (harness/io/console.py): an ASCII-only stdout gets
+    ASCII, and a stdout that goes away (a closed pipe, /dev/full) stops the console only,
+    never the run: its reports are written and its exit status is its verdict's."""
+    out = console.guard()
+    try:
+        code = _command(argv)
+    finally:
+        why = console.lost(out)
+        console.unguard(out)
+    if why:
+        print(f"mxval: stdout: {why}: the console output stopped there; the run went on (its reports are "
+              "written, the exit status is its own)", file=sys.stderr)
+    return code
+
+
+def _command(argv: Optional[list[str]]) -> int:
     args = None
     try:
         argv = sys.argv[1:] if argv is None else list(argv)

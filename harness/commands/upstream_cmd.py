@@ -782,8 +782,8 @@ def add_parser(sub) -> None:
 
 
 def _console():
-    from rich.console import Console
-    return Console(stderr=False, highlight=False)
+    from harness.io.console import rich_console
+    return rich_console(stderr=False, highlight=False)
 
 
 def _newest_fetched() -> Optional[str]:

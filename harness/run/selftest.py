@@ -21,7 +21,6 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from harness.diff import higher_is_better
@@ -29,6 +28,7 @@ from harness.diff.metrics import CHAIN_PREFIX, is_chain
 from harness.diff.ops import label as op_label
 from harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from harness.io import atomic, escape, report
+from harness.io.console import rich_console
 from harness.run import recheck
 from harness.run import shard as S
 from harness.run.pipeline import Run
@@ -362,9 +362,9 @@ def _status(res: FaultResult) -> str:
 
 
 def print_matrix(results, budgets, verdict, backends, correct_rows, console=None) -> None:
-    con = console or Console()
+    con = console or rich_console()
     if not con.is_terminal:
-        con = Console(width=max(con.width, 200))        # CI logs: keep the matrix on one line per fault
+        con = rich_console(width=max(con.width, 200))        # CI logs: keep the matrix on one line per fault
     cols = matrix_columns(results)
     t = Table(title="mxval selftest: fault x metric (worst value over the fault's runs; "
                     "red = past its budget)", show_lines=False)
