@@ -104,7 +104,7 @@ def headline(row, suffix: str, how: str) -> Optional[float]:
 def chain_value(row, metric: str) -> Optional[float]:
     from harness.diff.metrics import chain_key  # (see _chain_frac)
     key = chain_key(metric)
-    return _num(row[key]) if key in row.index else None
+    return _num(row.get(key))
 
 
 def _proxy() -> str:

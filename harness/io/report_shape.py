@@ -16,6 +16,7 @@ from harness.errors import InputError, ReportError
 STATUSES = ("pass", "fail", "error", "nonfinite_input", "skipped")
 MAX_TEXT = 1 << 20                 # characters of one text field
 MAX_ITEMS = 1 << 20                # entries of one list or object
+MAX_CASES = 1 << 14                # rows of one report (re-rendered in minutes, not hours)
 MAX_SECONDS = 1e9                  # a run's or a case's seconds (about 31 years)
 MAX_INT = 2 ** 63                  # an integer field (counts, context, k, n)
 NUMBER_WORDS = ("inf", "-inf", "nan", "Infinity", "-Infinity", "NaN")
@@ -200,6 +201,8 @@ def check(data, path, *, error: Type[InputError] = ReportError) -> Optional[dict
             raise _Bad(f"expected a JSON object, got {_kind(data)}")
         check_run(data.get("run", {}))
         cases = _list("cases", data.get("cases"), none=False)
+        if len(cases) > MAX_CASES:
+            raise _Bad(f"cases: {len(cases)} rows, at most {MAX_CASES}")
         for i, c in enumerate(cases):
             check_case(f"cases[{i}]", c)
     except _Bad as e:
