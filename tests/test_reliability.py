@@ -1069,12 +1069,13 @@ def test_a_report_json_of_too_many_rows_is_refused_at_once(tmp_path, capsys, a_r
     assert time.time() - t < 30
 
 
-def test_the_reference_refuses_a_tensor_that_requires_grad():
+@pytest.mark.parametrize("backend", ["reference", "triton-interpret"])
+def test_the_ops_refuse_a_tensor_that_requires_grad(backend):
     from helpers import k_writer_case
     kw = k_writer_case()
     kw["k"] = kw["k"].clone().requires_grad_(True)
     with pytest.raises(ValueError) as e:
-        reference.k_norm_rope_mxfp4_cache(**kw)
+        get_backend(backend).k_norm_rope_mxfp4_cache(**kw)
     assert str(e.value).startswith("k:") and "grad" in str(e.value)
 
 
