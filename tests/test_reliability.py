@@ -1233,3 +1233,19 @@ def test_a_console_that_goes_away_does_not_stop_the_run(tmp_path, capsys, monkey
     assert rc == 1, err                                  # the verdict: the flipped byte fails
     assert (tmp_path / "r" / "report.json").is_file() and (tmp_path / "r" / "report.md").is_file()
     one_line(err, "stdout", error.strerror)
+
+
+def test_sighup_stops_a_run_as_sigterm_does(tmp_path):
+    """A closed terminal (SIGHUP) stops `validate -j 2` as SIGTERM does: a partial report
+    naming the signal, exit 130, every worker gone and the directory's lock released."""
+    import signal
+
+    from test_interrupt import CASES, _alive, _run_and_interrupt
+    rc, out, err, took, kids, d = _run_and_interrupt(tmp_path, 2, 2, signal.SIGHUP)
+    assert rc == 130, (out, err)
+    data = json.loads((d / "report.json").read_text())
+    stopped = data["run"]["interrupted"]
+    assert stopped["signal"] == "SIGHUP" and stopped["cancelled"]
+    assert sorted([c["case"] for c in data["cases"]] + stopped["cancelled"]) == sorted(CASES)
+    assert not [k for k in kids if _alive(k)]
+    assert not (d / ".mxval-run.lock").exists()
