@@ -1249,3 +1249,33 @@ def test_sighup_stops_a_run_as_sigterm_does(tmp_path):
     assert sorted([c["case"] for c in data["cases"]] + stopped["cancelled"]) == sorted(CASES)
     assert not [k for k in kids if _alive(k)]
     assert not (d / ".mxval-run.lock").exists()
+
+
+@pytest.mark.parametrize("label", ["violated metrics deleted", "every metric deleted"])
+def test_a_pass_row_missing_its_metrics_is_refused(tmp_path, capsys, a_report, label):
+    """A failing row stored as a pass once its violated metrics were deleted, or a pass row with
+    no metric at all: the metrics its ops always report and the budgets bound are required."""
+    data = _failing(a_report)
+    c = data["cases"][0]
+    if label == "every metric deleted":
+        c["metrics"] = {}
+    else:
+        for v in c["violations"]:
+            c["metrics"].pop(v["metric"], None)
+    c.update(status="pass", ok=True, violations=[], reason="")
+    data["summary"]["ok"] = True
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "smoke-rowend-k", "without")
+
+
+def test_a_diff_row_missing_its_metrics_is_refused(tmp_path, capsys, dumps):
+    d = tmp_path / "r"
+    assert run(capsys, "diff", dumps["good"], "--report-dir", d, "-q")[0] == 0
+    data = json.loads((d / "report.json").read_text())
+    data["cases"][0]["metrics"] = {k: v for k, v in data["cases"][0]["metrics"].items() if not k.startswith("topk.")}
+    (d / "report.json").write_text(json.dumps(data))
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "without topk.")
