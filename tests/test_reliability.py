@@ -1279,3 +1279,29 @@ def test_a_diff_row_missing_its_metrics_is_refused(tmp_path, capsys, dumps):
     rc, out, err = run(capsys, "report", d, "-q")
     assert rc == 2, (out, err)
     one_line(err, "without topk.")
+
+
+def test_html_ids_are_unique_per_case(tmp_path, capsys, a_report):
+    import re
+    data = json.loads(json.dumps(a_report))
+    names = ["x y", "x_y", "x.y", "x/y"]
+    data["cases"] = [dict(data["cases"][0], case=n) for n in names]
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 0, err
+    page = (d / "report.html").read_text()
+    ids = re.findall(r"<section class='case[^']*' id='([^']+)'><h3>([^<]+?) —", page)
+    assert sorted(h for _, h in ids) == sorted(names) and len({i for i, _ in ids}) == len(names), ids
+    for sid, name in ids:                                 # each overview link leads to its own case
+        assert f"<a href='#{sid}'>{name}</a>" in page
+
+
+def test_the_closing_reports_line_escapes_the_directory(tmp_path, capsys, a_report):
+    d = _report_dir(tmp_path, a_report, "r\x1b]0;owned\x07")
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 0, err
+    assert "reports: " in out and "\x1b" not in out + err and "\x07" not in out + err
+    rc, out, err = run(capsys, "validate", "--case", "smoke-rowend-k", "--backend", "reference", "-q",
+                       "--report-dir", tmp_path / "v\x1b[31mred")
+    assert rc == 0, err
+    assert "reports: " in out and "\x1b" not in out + err

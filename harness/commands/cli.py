@@ -279,7 +279,7 @@ def cmd_report(args) -> int:
     paths = report.write_all(df, meta, out, json_source=src)
     if not args.quiet:
         report.console_table(df, meta)
-    print(f"reports: {out}/ ({', '.join(Path(p).name for p in paths.values())})")
+    print(f"reports: {escape.terminal(str(out))}/ ({', '.join(Path(p).name for p in paths.values())})")
     if meta.get("interrupted"):
         return EXIT_INTERRUPTED
     return EXIT_OK if report.summary(df, meta)["ok"] else EXIT_FAIL

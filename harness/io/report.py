@@ -605,7 +605,26 @@ def _recall_plot(df: pd.DataFrame, plt) -> list:
 
 
 def _slug(name) -> str:
-    return "case-" + re.sub(r"[^A-Za-z0-9_-]", "_", str(name))
+    """A case's HTML id: its name reduced to `[A-Za-z0-9_-]`, and, when that changed it, a
+    digest of the exact name after a `.` (which no reduced name holds): `x y`, `x_y`, `x.y`
+    and `x/y` get four ids."""
+    import hashlib
+    text = str(name)
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", text)
+    if safe != text:
+        safe += "." + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return "case-" + safe
+
+
+def _slugs(df: pd.DataFrame) -> list[str]:
+    """Every row's id, unique within the page (a name given twice gets `.2`, `.3`, ...)."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in df["case"]:
+        slug = _slug(name)
+        seen[slug] = seen.get(slug, 0) + 1
+        out.append(slug if seen[slug] == 1 else f"{slug}.{seen[slug]}")
+    return out
 
 
 def case_order(df: pd.DataFrame) -> list[int]:
@@ -744,12 +763,13 @@ def html(df: pd.DataFrame, meta: dict) -> str:
     s = summary(df, meta)
     e = _html.escape
     order = case_order(df)
+    slugs = _slugs(df)
     mem = has_memory(df)
     cols = ["case", "status", *OVERVIEW, *([MEMORY_HEAD] if mem else []), "seconds", "reason"]
     rows = []
     for i in order:
         r = df.iloc[i]
-        slug = _slug(r["case"])
+        slug = slugs[i]
         st = str(r["status"])
         nums = [*overview_values(r), _num(r["seconds"]) or 0.0]
         cells = [f"<td data-v='{e(str(r['case']))}'><a href='#{slug}'>{e(str(r['case']))}</a></td>",
@@ -772,7 +792,7 @@ def html(df: pd.DataFrame, meta: dict) -> str:
     sections = []
     for i in order:
         r = df.iloc[i]
-        slug = _slug(r["case"])
+        slug = slugs[i]
         bad = not bool(r["ok"])
         viol = "".join(f"<li><code>{e(v['metric'])}</code> = {e(_fmt(v['value']))} (budget {e(v['limit'])})</li>"
                        for v in r["violations"] or [])

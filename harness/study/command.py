@@ -58,7 +58,7 @@ def _write(result: dict, meta: dict, out: Path, readme: str | None, *, stopped=N
     md = report.summary_markdown(result, meta)
     late = release()
     print(escape.terminal(md, lines=True))
-    print(f"\nreports: {', '.join(paths.values())}")
+    print(f"\nreports: {escape.terminal(', '.join(paths.values()))}")
     if stopped or late:
         print(f"mxval: interrupted: partial study report ({len(result['rows'])} row(s) kept; re-render with "
               f"`mxval study --from-json {out / 'study.json'}`)", file=sys.stderr)
