@@ -1305,3 +1305,25 @@ def test_the_closing_reports_line_escapes_the_directory(tmp_path, capsys, a_repo
                        "--report-dir", tmp_path / "v\x1b[31mred")
     assert rc == 0, err
     assert "reports: " in out and "\x1b" not in out + err
+
+
+def test_a_stale_lock_is_taken_over_and_a_live_one_named(tmp_path, capsys):
+    """A lock whose pid now belongs to a later process (pid 1, started long before that run) is
+    stale: taken over. One held by a live mxval is refused naming the lock file and how to clear it."""
+    import subprocess
+    import sys
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / ".mxval-run.lock").write_text("1 999999999999")
+    argv = ["validate", "--case", "smoke-rowend-k", "--backend", "reference", "--report-dir", d, "-q"]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, err
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "mxval"])
+    try:
+        (d / ".mxval-run.lock").write_text(str(live.pid))
+        rc, out, err = run(capsys, *argv, "--force")
+        assert rc == 2, (out, err)
+        one_line(err, f"pid {live.pid}", str(d / ".mxval-run.lock"), "delete")
+    finally:
+        live.kill()
+        live.wait()

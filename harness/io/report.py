@@ -977,11 +977,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _started(pid: int) -> Optional[str]:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat), None where unknown:
+    with the pid it names one process, never a later one given the same pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def _lock(d: Path, arg: str) -> None:
     """One running mxval per report directory: a second run started into it while the first
     runs is refused even with --force (it would overwrite the first's report when it ends).
-    The lock is the file `.mxval-run.lock` holding the pid, removed when the process ends;
-    one left by a process that died is taken over."""
+    The lock is the file `.mxval-run.lock` holding the pid and the process's start time,
+    removed when the process ends; one left by a process that died (or whose pid now belongs
+    to a later process) is taken over; a refusal names the lock file and how to clear it."""
     import atexit
     path = d / LOCK
     for _ in range(3):
@@ -989,20 +999,23 @@ def _lock(d: Path, arg: str) -> None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
             try:
-                pid = int(path.read_text().strip() or 0)
+                held = path.read_text().split()
+                pid, started = int(held[0]) if held else 0, (held[1] if len(held) > 1 else None)
             except (OSError, ValueError):
-                pid = 0
+                pid, started = 0, None
             if pid == os.getpid():
                 return
-            if pid and _pid_alive(pid):
-                raise ReportError(f"{arg}: {d} is in use by a running mxval (pid {pid})") from None
+            now = _started(pid) if pid else None
+            if pid and _pid_alive(pid) and (started is None or now is None or now == started):
+                raise ReportError(f"{arg}: {d} is in use by a running mxval (pid {pid}, its lock {path}); if no "
+                                  f"mxval runs there any more, delete {path}") from None
             try:
                 path.unlink()                 # a dead run's lock
             except FileNotFoundError:
                 pass
             continue
         with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
+            f.write(f"{os.getpid()} {_started(os.getpid()) or ''}".strip())
         if not _held:
             atexit.register(release_locks)
         _held.append(path)
@@ -1016,7 +1029,7 @@ def release_locks() -> None:
     while _held:
         p = _held.pop()
         try:
-            if p.read_text().strip() == str(os.getpid()):
+            if p.read_text().split()[:1] == [str(os.getpid())]:
                 p.unlink()
         except OSError:
             pass
