@@ -1327,3 +1327,28 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_named(tmp_path, capsys):
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_report_directory_swapped_for_a_link_mid_run_is_not_written_through(tmp_path, capsys, monkeypatch, dumps):
+    """The directory a run claimed is the one it writes into (held open): swapped for a link to
+    another run's report while the run runs, that other report is left as it was."""
+    import os
+
+    from harness.io import report
+    other = tmp_path / "other"
+    assert run(capsys, "diff", dumps["good"], "--report-dir", other, "-q")[0] == 0
+    before = _snapshot(other)
+    d = tmp_path / "r"
+    real = report.markdown
+
+    def markdown(*a, **kw):
+        if not (tmp_path / "moved").exists():
+            os.rename(d, tmp_path / "moved")
+            os.symlink(other, d)
+        return real(*a, **kw)
+    monkeypatch.setattr(report, "markdown", markdown)
+    rc, out, err = run(capsys, "diff", dumps["flipped"], "--report-dir", d, "-q")
+    assert rc == 1, (out, err)
+    assert _snapshot(other) == before
+    assert json.loads((tmp_path / "moved" / "report.json").read_text())["summary"]["ok"] is False
+    assert "replaced while the run ran" in err
