@@ -941,8 +941,9 @@ def test_study_from_json_of_the_wrong_shape_is_one_line(tmp_path, capsys, study_
 @pytest.fixture(scope="module")
 def study_json(tmp_path_factory):
     d = tmp_path_factory.mktemp("study")
+    # 8192 tokens: past the top-k, so the (empty) needle lists are used, not skipped
     (d / "s.toml").write_text('[distribution.normal]\n[study.s]\nvariants = ["exact", "mxfp4"]\n'
-                              'context_tokens = [512]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
+                              'context_tokens = [512, 8192]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
                               'needle_margins = []\nheads = 2\n')
     assert main(["study", "--study", "s", "--study-file", str(d / "s.toml"), "--device", "cpu",
                  "--report-dir", str(d / "r")]) == 0
@@ -1352,3 +1353,38 @@ def test_a_report_directory_swapped_for_a_link_mid_run_is_not_written_through(tm
     assert _snapshot(other) == before
     assert json.loads((tmp_path / "moved" / "report.json").read_text())["summary"]["ok"] is False
     assert "replaced while the run ran" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gap", [0.05, 0.4])
+def test_study_interrupted_twice_ends_without_a_traceback(tmp_path, gap):
+    """Ctrl-C, then Ctrl-C again while the study winds down its workers: the partial study is
+    announced, exit 130, no traceback, no worker left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    (tmp_path / "s.toml").write_text('[distribution.normal]\n[distribution.wide]\nhead_scale_spread = 1.0\n[study.s]\n'
+                                     'variants = ["exact", "mxfp4"]\ncontext_tokens = [8192, 16384]\nrows = 2\n'
+                                     'seeds = 3\nneedle_depths = []\nneedle_margins = []\nheads = 4\n')
+    d = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "-m", "harness", "study", "--study", "s", "--study-file", str(tmp_path / "s.toml"),
+                          "--device", "cpu", "--jobs", "2", "--report-dir", str(d)], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.time() + 60
+        while not d.is_dir() and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(4)
+        p.send_signal(signal.SIGINT)
+        time.sleep(gap)
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

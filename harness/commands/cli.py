@@ -17,6 +17,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 import time
 import traceback
@@ -44,7 +45,7 @@ from harness.errors import (
     UsageError,
 )
 from harness.io import atomic, console, env, escape
-from harness.run.signals import catch_sigterm, hold, release_all, restore_sigterm, stopped_by
+from harness.run.signals import HELD, catch_sigterm, hold, release_all, restore_sigterm, stopped_by
 
 __all__ = ["build_parser", "main"]
 
@@ -405,13 +406,20 @@ def _run(args, run: dict) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     """The command line's exit status. As the program (`argv` None: `mxval`, `python -m
     harness`), a run stopped by Ctrl-C/SIGTERM that left a case on a worker thread (its
-    report written without it: harness.run.runner.abandoned) ends the process here."""
+    report written without it: harness.run.runner.abandoned) ends the process here; any other
+    stopped run ignores further signals while the interpreter exits."""
     code = _main(argv)
     runner = sys.modules.get("harness.run.runner")
     if argv is None and runner is not None and runner.abandoned():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if argv is None and code == EXIT_INTERRUPTED:
+        # stopped, its report written, its workers told to stop: the interpreter's exit-time
+        # joins (worker pools) are what is left, and a second Ctrl-C there would only print a
+        # KeyboardInterrupt traceback from inside them
+        for s in HELD:
+            signal.signal(s, signal.SIG_IGN)
     return code
 
 
