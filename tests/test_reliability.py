@@ -1402,3 +1402,25 @@ def test_the_interpreter_adds_no_numpy_warnings_to_the_console():
         warnings.simplefilter("always")
         be.compress_pool(**pool_case())
     assert not [w for w in seen if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in seen]
+
+
+def test_a_signal_while_a_study_is_written_is_recorded_in_it(tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    from harness.study import report as study_report
+    real = study_report.full_markdown
+
+    def full_markdown(*a, **kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **kw)
+    monkeypatch.setattr(study_report, "full_markdown", full_markdown)
+    (tmp_path / "s.toml").write_text('[distribution.normal]\n[study.s]\nvariants = ["exact", "mxfp4"]\n'
+                                     'context_tokens = [512]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
+                                     'needle_margins = []\nheads = 2\n')
+    rc, out, err = run(capsys, "study", "--study", "s", "--study-file", tmp_path / "s.toml", "--device", "cpu",
+                       "--report-dir", tmp_path / "r")
+    assert rc == 130, err
+    saved = json.loads((tmp_path / "r" / "study.json").read_text())
+    assert saved["meta"]["interrupted"]["signal"] == "SIGINT"
+    assert "interrupted" in (tmp_path / "r" / "study.md").read_text().splitlines()[0]

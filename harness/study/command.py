@@ -14,7 +14,7 @@ from rich.progress import Progress
 from harness.errors import EXIT_INTERRUPTED, EXIT_OK, StudyConfigError
 from harness.io import atomic, escape, report_shape, safe_input
 from harness.run.record import machine
-from harness.run.signals import hold, release, stopped_by
+from harness.run.signals import hold, pending, release, stopped_by
 from harness.study import report
 from harness.study.core import STUDY_FILE, load_config, run_study, study_dump
 from reference.formats import preset
@@ -49,20 +49,38 @@ def _claim(report_dir, name: str, force: bool) -> Path:
 
 
 def _write(result: dict, meta: dict, out: Path, readme: str | None, *, stopped=None) -> int:
-    title = f"mxval study: {meta.get('study', '?')}{_partial(meta)}"
-    try:
-        paths = report.render(result, out, title=title, meta=meta)
-    except OSError as e:
-        raise StudyConfigError(f"{escape.terminal(str(out))}: cannot write the study's reports: {e.strerror or e}; "
-                               "nothing replaced") from None
+    """The study's reports as one set. A signal held since the work ended is recorded in them
+    before they are written (or, come during the writing, they are written again, marked): the
+    files and the exit status agree."""
+    def late_signal() -> bool:
+        got = pending()
+        if not got or meta.get("interrupted"):
+            return False
+        done = len({(r.get("distribution"), r.get("seed"), r.get("context_tokens")) for r in result["rows"]})
+        meta["interrupted"] = {"signal": got[0], "cases_done": done, "cancelled": []}
+        return True
+
+    def render() -> dict:
+        title = f"mxval study: {meta.get('study', '?')}{_partial(meta)}"
+        try:
+            return report.render(result, out, title=title, meta=meta)
+        except OSError as e:
+            raise StudyConfigError(f"{escape.terminal(str(out))}: cannot write the study's reports: "
+                                   f"{e.strerror or e}; nothing replaced") from None
+    recorded = late_signal()
+    paths = render()
+    if late_signal():
+        recorded, paths = True, render()
     md = report.summary_markdown(result, meta)
     late = release()
     print(escape.terminal(md, lines=True))
     print(f"\nreports: {escape.terminal(', '.join(paths.values()))}")
-    if stopped or late:
+    if stopped or recorded:
         print(f"mxval: interrupted: partial study report ({len(result['rows'])} row(s) kept; re-render with "
-              f"`mxval study --from-json {out / 'study.json'}`)", file=sys.stderr)
+              f"`mxval study --from-json {escape.terminal(str(out / 'study.json'))}`)", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if late:
+        print(f"mxval: {late[0]} once the reports were written: the study had finished", file=sys.stderr)
     if readme:
         atomic.write_text(readme, md + "\n")
     return EXIT_OK
