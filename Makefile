@@ -86,7 +86,7 @@ bench-gpu: $(ENV_STAMP)
 	$(PY) -m harness.bench.gpu --out $(BENCH_GPU_OUT)
 
 study: $(ENV_STAMP)
-	$(MXVAL) study --report-dir reports/study
+	$(MXVAL) study --report-dir reports/study --force
 
 # The adapters' and the capture hook's upstream targets (optimized/upstream.py) against a
 # vLLM release, read with ast: the wheel is downloaded once (no dependencies) into
@@ -105,7 +105,7 @@ readme-matrix: $(ENV_STAMP)
 	$(PY) tools/splice_readme.py matrix docs/selftest-matrix.md
 
 readme-study: $(ENV_STAMP)
-	$(MXVAL) study --report-dir reports/study --readme docs/study-summary.md
+	$(MXVAL) study --report-dir reports/study --force --readme docs/study-summary.md
 	$(PY) tools/splice_readme.py study docs/study-summary.md
 
 # docs/report-example.png: the HTML report of a failing run (the smoke suite with a K-writer

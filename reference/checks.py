@@ -8,8 +8,9 @@ Conventions, for every caller:
     int32/int64 vLLM passes; bool, uint8, int8 and int16 tensors are refused.
   - A range `(lo, hi)` is half-open, `lo <= v < hi`, as `range()` and tensor indices are;
     messages print it `[lo, hi)`. An upper bound that is a maximum `m` is written `m + 1`.
-  - A tensor is a plain one: strided, with data (not `meta`), not nested, not sparse
-    (`plain`); anything else would fail deep inside torch instead of naming the argument.
+  - A tensor is a plain one: strided, with data (not `meta`), not nested, not sparse, not
+    requiring grad (`plain`); anything else would fail deep inside torch instead of naming
+    the argument. An integer scalar is within int32 (`scalar`).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def plain(name: str, t) -> torch.Tensor:
         raise ValueError(f"{name}: layout {str(t.layout).replace('torch.', '')}, expected a plain strided tensor")
     if t.is_meta:
         raise ValueError(f"{name}: a meta tensor (no data), expected a tensor with values")
+    if t.requires_grad:
+        raise ValueError(f"{name}: requires grad; the ops are not differentiable (pass `{name}.detach()`)")
     return t
 
 

@@ -41,11 +41,18 @@ def _show(v) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
+SCALAR_INT_HI = 2 ** 31          # an integer argument of an op (a size, a ratio, k): int32, as the kernels take it
+
+
 def scalar(name: str, value, kind=(int,), *, positive: bool = False):
+    """A Python scalar of `kind` (a bool is never one); an integer within int32 (a larger one
+    would overflow torch's int64 arithmetic or a kernel's int32 argument)."""
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"{name}: expected {' or '.join(k.__name__ for k in kind)}, got {value!r}")
+        raise ValueError(f"{name}: expected {' or '.join(k.__name__ for k in kind)}, got {_show(value)}")
     if positive and not value > 0:
-        raise ValueError(f"{name}: expected a positive value, got {value!r}")
+        raise ValueError(f"{name}: expected a positive value, got {_show(value)}")
+    if is_int(value) and not -SCALAR_INT_HI <= value < SCALAR_INT_HI:
+        raise ValueError(f"{name}: {_show(value)} is out of range [{-SCALAR_INT_HI}, {SCALAR_INT_HI})")
     return value
 
 

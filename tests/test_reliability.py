@@ -10,6 +10,7 @@ import torch
 from helpers import one_line_error as one_line
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_upstream import fake_index  # noqa: F401  (a fixture)
 
 import reference
 from harness.commands.cli import main
@@ -801,8 +802,13 @@ def test_a_signal_while_the_reports_are_written_leaves_them_whole(tmp_path, caps
                        "--report-dir", tmp_path / "r", "-q")
     assert rc == 130, err
     assert {p.name for p in (tmp_path / "r").iterdir()} >= {"report.json", "report.md", "junit.xml", "metrics.csv"}
+    # every format says what the exit status says: the run was interrupted (after its last case)
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert data["run"]["interrupted"]["signal"] == "SIGINT" and data["run"]["interrupted"]["cancelled"] == []
+    assert "interrupted" in (tmp_path / "r" / "report.md").read_text().lower()
+    assert "interrupted" in (tmp_path / "r" / "report.html").read_text().lower()
     monkeypatch.setattr(report, "markdown", real)
-    assert run(capsys, "report", tmp_path / "r", "-q")[0] == 0
+    assert run(capsys, "report", tmp_path / "r", "-q")[0] == 130
 
 
 def test_study_interrupted_keeps_the_contexts_that_finished(tmp_path, capsys, monkeypatch):
@@ -899,3 +905,528 @@ def test_a_failing_row_rewritten_as_expected_nonfinite_input_is_refused(tmp_path
     rc, out, err = run(capsys, "report", d, "-q")
     assert rc == 2, (out, err)
     one_line(err, d / "report.json", "smoke-inf-q", "invariant_violations")
+
+
+# --- round four: untrusted fields, full disks, environment, consoles, API arguments -------------
+
+def test_a_cached_upstream_manifest_is_untrusted(fake_index, capsys):  # noqa: F811
+    """Every field of a cached manifest is input: a wrong type means "not cached", and the tree
+    is fetched again, never an internal error."""
+    import harness.commands.upstream_cmd as uc
+    assert main(["upstream", "fetch", "--vllm", "0.33.0"]) == 0
+    manifest = uc.tree_dir("0.33.0") / ".mxval-manifest.json"
+    good = json.loads(manifest.read_text())
+    for field, value in (("files", 5), ("files", [5]), ("modules", "x"), ("sha256", []), ("files", ["../../x"])):
+        manifest.write_text(json.dumps({**good, field: value}))
+        capsys.readouterr()
+        rc = main(["upstream", "fetch", "--vllm", "0.33.0"])
+        out, err = capsys.readouterr()
+        assert rc == 0, (field, value, out, err)
+        assert "downloading" in out or "source files" in out
+
+
+@pytest.mark.parametrize("label, damage", [
+    ("meta a list", lambda s: s.update(meta=[1, 2])),
+    ("rows not a list", lambda s: s.update(rows={"a": 1})),
+    ("a row not an object", lambda s: s.update(rows=[1, 2])),
+    ("a row of the wrong keys", lambda s: s.update(rows=[{"x": [1]}])),
+    ("a row value an object", lambda s: s["rows"][0].update(recall={"a": 1})),
+    ("needles a string", lambda s: s.update(needles="x")),
+    ("a metric a string", lambda s: s["rows"][0].update(recall="x")),
+    ("a context a float", lambda s: s["rows"][0].update(context_tokens=1.5)),
+])
+def test_study_from_json_of_the_wrong_shape_is_one_line(tmp_path, capsys, study_json, label, damage):
+    saved = json.loads(study_json.read_text())
+    damage(saved)
+    bad = tmp_path / "study.json"
+    bad.write_text(json.dumps(saved))
+    rc, out, err = run(capsys, "study", "--from-json", bad, "--report-dir", tmp_path / "out")
+    assert rc == 2, (label, out, err)
+    one_line(err, bad)
+
+
+@pytest.fixture(scope="module")
+def study_json(tmp_path_factory):
+    d = tmp_path_factory.mktemp("study")
+    # 8192 tokens: past the top-k, so the (empty) needle lists are used, not skipped
+    (d / "s.toml").write_text('[distribution.normal]\n[study.s]\nvariants = ["exact", "mxfp4"]\n'
+                              'context_tokens = [512, 8192]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
+                              'needle_margins = []\nheads = 2\n')
+    assert main(["study", "--study", "s", "--study-file", str(d / "s.toml"), "--device", "cpu",
+                 "--report-dir", str(d / "r")]) == 0
+    return d / "r" / "study.json"
+
+
+def _enospc_save(message):
+    """safetensors' save_file on a disk that fills up half way: part of the file, then its error."""
+    def save(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        from safetensors import SafetensorError
+        raise SafetensorError(message)
+    return save
+
+
+@pytest.mark.parametrize("message", [
+    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })',
+    "Error while serializing: I/O error: No space left on device (os error 28)"])
+def test_a_dump_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, message):
+    import safetensors.torch
+    monkeypatch.setattr(safetensors.torch, "save_file", _enospc_save(message))
+    out = tmp_path / "d.safetensors"
+    rc, o, err = run(capsys, "dump", "--case", "smoke-rowend-k", "--backend", "reference", "-o", out)
+    assert rc == 2, (o, err)
+    one_line(err, out, "No space left on device")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_suite_file_whose_defaults_is_not_a_table_is_named(tmp_path, capsys):
+    (tmp_path / "s.toml").write_text('defaults = "x"\n')
+    rc, out, err = run(capsys, "cases", "--cases-dir", tmp_path)
+    assert rc == 2, (out, err)
+    one_line(err, tmp_path / "s.toml", "defaults")
+    (tmp_path / "s.toml").write_text('defaults = "x"\n[[case]]\nname = "a"\nops = ["topk"]\n')
+    rc, out, err = run(capsys, "validate", "--suite", "s", "--cases-dir", tmp_path, "--report-dir", tmp_path / "r")
+    assert rc == 2, (out, err)
+    one_line(err, tmp_path / "s.toml", "defaults")
+
+
+@pytest.mark.parametrize("key, value", [("chain.page_bytes_mismatched_frac", 1.5), ("chain.topk_recall_min", -0.5),
+                                        ("topk_rows_not_exact_frac", 2)])
+def test_a_limit_outside_its_metrics_range_is_refused(tmp_path, capsys, key, value):
+    """A fraction bounded by 1.5 (or a recall by -0.5) passes anything: refused, never silently useless."""
+    text = "\n".join(x for x in CONTRACT.splitlines() if not x.startswith((f'"{key}"', f"{key} ")))
+    b = tmp_path / "b.toml"
+    b.write_text(text.replace("\n[default]\n", f'\n[default]\n"{key}" = {value}\n', 1))
+    rc, out, err = run(capsys, "validate", "--case", "smoke-rowend-k", "--backend", "reference", "--budgets", b,
+                       "--report-dir", tmp_path / "r", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, b, key.split(".")[-1], "range", "checks nothing")
+
+
+@pytest.mark.parametrize("env, value, argv, needle", [
+    ("MXVAL_STAGE_TIMES", "yes", ["dump", "--case", "smoke-rowend-k", "--backend", "reference", "-o", "{tmp}/d"],
+     "MXVAL_STAGE_TIMES"),
+    ("MXVAL_STAGE_TIMES", "1" * 5000, ["validate", "--case", "smoke-rowend-k", "--report-dir", "{tmp}/r"],
+     "MXVAL_STAGE_TIMES"),
+    ("MXVAL_GPU_MEMORY_FRACTION", "1" * 5000, ["validate", "--case", "smoke-rowend-k", "--report-dir", "{tmp}/r"],
+     "MXVAL_GPU_MEMORY_FRACTION"),
+    ("MXVAL_DEBUG", "maybe", ["cases", "--suite", "smoke"], "MXVAL_DEBUG"),
+])
+def test_an_environment_variable_is_read_with_bounds_and_named(tmp_path, capsys, monkeypatch, env, value, argv,
+                                                                needle):
+    monkeypatch.setenv(env, value)
+    rc, out, err = run(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert rc == 2, (out, err)
+    one_line(err, needle)
+    assert len(one_line(err)) < 300
+
+
+def test_capture_variables_are_bounded_and_named(monkeypatch):
+    from harness.capture import hook
+    for env, value in ((hook.ENV_LAYERS, "1" * 5000), (hook.ENV_RING, "9" * 5000), (hook.ENV_STEPS, "x,1")):
+        monkeypatch.setenv(env, value)
+        with pytest.raises(ValueError) as e:
+            hook._Config.from_env()
+        assert str(e.value).startswith(env) and len(str(e.value)) < 300, str(e.value)
+        monkeypatch.delenv(env)
+
+
+def test_mxval_debug_0_means_off(tmp_path, capsys, monkeypatch):
+    from harness.commands import cli
+    monkeypatch.setattr(cli, "cmd_cases", lambda args: 1 // 0)
+    monkeypatch.setitem(cli.BUILTIN, "cases", cli.cmd_cases)
+    monkeypatch.setenv("MXVAL_DEBUG", "0")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    rc, out, err = run(capsys, "cases")
+    assert rc == 3 and "ZeroDivisionError" in err and "Traceback" not in err, err
+    monkeypatch.setenv("MXVAL_DEBUG", "1")
+    with pytest.raises(ZeroDivisionError):
+        main(["cases"])
+
+
+def test_a_stdout_that_cannot_encode_utf8_gets_an_ascii_console(tmp_path, capsys, monkeypatch, a_report):
+    """PYTHONIOENCODING=ascii or a C locale: a non-ASCII case name and the table's box
+    characters reach the console as ASCII (never UnicodeEncodeError); the files stay UTF-8."""
+    import io
+    import sys
+    d = _report_dir(tmp_path, _renamed(a_report, "caf\u00e9-\u2260-\u0434"))
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii", errors="strict"))
+    rc = main(["report", str(d)])
+    sys.stdout.flush()
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    out = raw.getvalue().decode("ascii")                    # nothing but ASCII reached it
+    assert "caf\\xe9-!=-\\u0434" in out and "pages!=" in out and "+----" in out, out
+    assert "caf\u00e9-\u2260-\u0434" in (d / "report.md").read_text(encoding="utf-8")
+
+
+def test_a_report_json_of_too_many_rows_is_refused_at_once(tmp_path, capsys, a_report):
+    import time
+
+    from harness.io import report_shape
+    data = json.loads(json.dumps(a_report))
+    row = {"case": "x", "status": "pass", "ok": True}
+    data["cases"] = [row] * (report_shape.MAX_CASES + 1)
+    d = _report_dir(tmp_path, data)
+    t = time.time()
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "cases", str(report_shape.MAX_CASES))
+    assert time.time() - t < 30
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton-interpret"])
+def test_the_ops_refuse_a_tensor_that_requires_grad(backend):
+    from helpers import k_writer_case
+    kw = k_writer_case()
+    kw["k"] = kw["k"].clone().requires_grad_(True)
+    with pytest.raises(ValueError) as e:
+        get_backend(backend).k_norm_rope_mxfp4_cache(**kw)
+    assert str(e.value).startswith("k:") and "grad" in str(e.value)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: reference.k_norm_rope_mxfp4_cache(**{**__import__("helpers").k_writer_case(), "compress_ratio": 2 ** 70}),
+     "compress_ratio"),
+    (lambda: reference.topk(**{**__import__("helpers").topk_case(), "k": 2 ** 70}), "k"),
+    (lambda: reference.topk(**{**__import__("helpers").topk_case(), "k": -2 ** 70}), "k"),
+])
+def test_the_reference_refuses_integers_past_int64(call, arg):
+    with pytest.raises(ValueError) as e:
+        call()
+    assert str(e.value).startswith(f"{arg}:"), str(e.value)
+
+
+def _raw_meta_dump(dumps, name, meta_text, tensors=None):
+    path = dumps["dir"] / name
+    save_file(tensors or dumps["tensors"], str(path), metadata={"mxval": meta_text})
+    return path
+
+
+def test_dump_metadata_with_a_key_given_twice_is_refused(tmp_path, capsys, dumps):
+    text = json.dumps(dumps["meta"])
+    k = dumps["meta"]["ops"]["topk"]["k"]
+    twice_scalar = text.replace(f'"k": {k}', f'"k": {k}, "k": {k + 1}', 1)
+    assert twice_scalar != text
+    twice_format = text.replace('"format": ', '"format": "x", "format": ', 1)
+    for i, t in enumerate((twice_scalar, twice_format)):
+        p = _raw_meta_dump(dumps, f"twice{i}.safetensors", t)
+        rc, out, err = run(capsys, "diff", p, "--report-dir", tmp_path / f"r{i}", "-q")
+        assert rc == 2, (out, err)
+        one_line(err, p, "twice")
+
+
+def test_a_zero_row_op_of_a_huge_declared_width_is_refused(tmp_path, capsys, dumps):
+    k = dumps["meta"]["ops"]["topk"]["k"]
+    p = _variant(dumps, "wide.safetensors", ops=["topk"],
+                 tensors={"topk/in/logits": torch.zeros(0, 2 ** 40), "topk/in/lengths": torch.zeros(0, dtype=torch.int32),
+                          "topk/out/indices": torch.zeros(0, k, dtype=torch.int32)})
+    rc, out, err = run(capsys, "diff", p, "--report-dir", tmp_path / "r", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, p, "topk/in/logits", "no data")
+
+
+# --- round four: reports as a set, signals, consoles that go away ---------------------------------
+
+def _full_after(n):
+    """atomic's file writer on a disk that fills after `n` whole files."""
+    import errno
+
+    from harness.io import atomic
+    real, calls = atomic._write_fd, []
+
+    def write(fd, blob):
+        calls.append(1)
+        if len(calls) > n:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, blob)
+    return write
+
+
+def _snapshot(d: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_a_full_disk_under_force_leaves_the_old_reports_whole(tmp_path, capsys, monkeypatch, dumps):
+    """A passing report overwritten (--force) by a failing run on a disk that fills after two
+    files: the old set stays whole, not one file of the new run replaces it."""
+    from harness.io import atomic
+    d = tmp_path / "r"
+    rc, out, err = run(capsys, "diff", dumps["good"], "--report-dir", d, "-q")
+    assert rc == 0, err
+    before = _snapshot(d)
+    monkeypatch.setattr(atomic, "_write_fd", _full_after(2))
+    rc, out, err = run(capsys, "diff", dumps["flipped"], "--report-dir", d, "--force", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, d, "No space left on device", "verdict: FAIL")
+    assert _snapshot(d) == before                          # not one file of the failing run
+    monkeypatch.undo()
+    assert run(capsys, "report", d, "-q")[0] == 0
+
+
+def test_a_selftest_into_a_full_disk_gives_its_verdict(tmp_path, capsys, monkeypatch):
+    from harness.io import atomic
+    monkeypatch.setattr(atomic, "_write_fd", _full_after(1))
+    rc, out, err = run(capsys, "selftest", "--fault", "nibbles-swapped", "--seeds", "1", "--backend", "reference",
+                       "--shard", "1/64", "--report-dir", tmp_path / "r", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "No space left on device", "verdict:")
+    left = list((tmp_path / "r").iterdir()) if (tmp_path / "r").exists() else []
+    assert not any(p.name.startswith(("report", "selftest", ".mxval-staging")) for p in left), left
+
+
+def test_a_study_claims_its_report_directory(tmp_path, capsys):
+    s = tmp_path / "s.toml"
+    s.write_text('[distribution.normal]\n[study.s]\nvariants = ["exact", "mxfp4"]\ncontext_tokens = [512]\n'
+                 'rows = 1\nseeds = 1\nneedle_depths = []\nneedle_margins = []\nheads = 2\n')
+    v = tmp_path / "v"
+    assert main(["validate", "--case", "smoke-rowend-k", "--backend", "reference", "--report-dir", str(v), "-q"]) == 0
+    argv = ["study", "--study", "s", "--study-file", s, "--device", "cpu"]
+    rc, out, err = run(capsys, *argv, "--report-dir", v)
+    assert rc == 2, (out, err)
+    one_line(err, v, "report.json", "--force")
+    assert not (v / "study.json").exists()
+    st = tmp_path / "st"
+    assert run(capsys, *argv, "--report-dir", st)[0] == 0
+    first = (st / "study.json").read_bytes()
+    rc, out, err = run(capsys, *argv, "--report-dir", st)
+    assert rc == 2, (out, err)
+    one_line(err, st, "study.json", "--force")
+    assert (st / "study.json").read_bytes() == first
+    assert run(capsys, *argv, "--report-dir", st, "--force")[0] == 0
+    rc, out, err = run(capsys, "validate", "--case", "smoke-rowend-k", "--backend", "reference", "--report-dir", st, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "study.json")
+
+
+def test_a_merge_refuses_a_shard_listing_a_case_twice(tmp_path, capsys, shards):
+    def edit(k, data):
+        data["run"]["shard"]["all_cases"].append(data["run"]["shard"]["all_cases"][0])
+    dirs = _copy_shards(shards, tmp_path, edit)
+    rc, out, err = run(capsys, "report", "--merge", *dirs, "--report-dir", tmp_path / "m", "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "twice")
+
+
+class _GoneStdout:
+    """A stdout whose reader went away after the first line: a closed pipe or /dev/full."""
+
+    def __init__(self, error):
+        self.error, self.lines, self.encoding = error, 0, "utf-8"
+
+    def write(self, text):
+        if "\n" in text:
+            self.lines += 1
+        if self.lines > 1:
+            raise self.error
+        return len(text)
+
+    def flush(self):
+        if self.lines > 1:
+            raise self.error
+
+    def isatty(self):
+        return False
+
+
+@pytest.mark.parametrize("error", [BrokenPipeError(32, "Broken pipe"), OSError(28, "No space left on device")],
+                         ids=["closed pipe", "dev full"])
+def test_a_console_that_goes_away_does_not_stop_the_run(tmp_path, capsys, monkeypatch, dumps, error):
+    import sys
+    monkeypatch.setattr(sys, "stdout", _GoneStdout(error))
+    rc = main(["diff", str(dumps["flipped"]), str(dumps["good"]), "--report-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 1, err                                  # the verdict: the flipped byte fails
+    assert (tmp_path / "r" / "report.json").is_file() and (tmp_path / "r" / "report.md").is_file()
+    one_line(err, "stdout", error.strerror)
+
+
+def test_sighup_stops_a_run_as_sigterm_does(tmp_path):
+    """A closed terminal (SIGHUP) stops `validate -j 2` as SIGTERM does: a partial report
+    naming the signal, exit 130, every worker gone and the directory's lock released."""
+    import signal
+
+    from test_interrupt import CASES, _alive, _run_and_interrupt
+    rc, out, err, took, kids, d = _run_and_interrupt(tmp_path, 2, 2, signal.SIGHUP)
+    assert rc == 130, (out, err)
+    data = json.loads((d / "report.json").read_text())
+    stopped = data["run"]["interrupted"]
+    assert stopped["signal"] == "SIGHUP" and stopped["cancelled"]
+    assert sorted([c["case"] for c in data["cases"]] + stopped["cancelled"]) == sorted(CASES)
+    assert not [k for k in kids if _alive(k)]
+    assert not (d / ".mxval-run.lock").exists()
+
+
+@pytest.mark.parametrize("label", ["violated metrics deleted", "every metric deleted"])
+def test_a_pass_row_missing_its_metrics_is_refused(tmp_path, capsys, a_report, label):
+    """A failing row stored as a pass once its violated metrics were deleted, or a pass row with
+    no metric at all: the metrics its ops always report and the budgets bound are required."""
+    data = _failing(a_report)
+    c = data["cases"][0]
+    if label == "every metric deleted":
+        c["metrics"] = {}
+    else:
+        for v in c["violations"]:
+            c["metrics"].pop(v["metric"], None)
+    c.update(status="pass", ok=True, violations=[], reason="")
+    data["summary"]["ok"] = True
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "smoke-rowend-k", "without")
+
+
+def test_a_diff_row_missing_its_metrics_is_refused(tmp_path, capsys, dumps):
+    d = tmp_path / "r"
+    assert run(capsys, "diff", dumps["good"], "--report-dir", d, "-q")[0] == 0
+    data = json.loads((d / "report.json").read_text())
+    data["cases"][0]["metrics"] = {k: v for k, v in data["cases"][0]["metrics"].items() if not k.startswith("topk.")}
+    (d / "report.json").write_text(json.dumps(data))
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 2, (out, err)
+    one_line(err, "without topk.")
+
+
+def test_html_ids_are_unique_per_case(tmp_path, capsys, a_report):
+    import re
+    data = json.loads(json.dumps(a_report))
+    names = ["x y", "x_y", "x.y", "x/y"]
+    data["cases"] = [dict(data["cases"][0], case=n) for n in names]
+    d = _report_dir(tmp_path, data)
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 0, err
+    page = (d / "report.html").read_text()
+    ids = re.findall(r"<section class='case[^']*' id='([^']+)'><h3>([^<]+?) —", page)
+    assert sorted(h for _, h in ids) == sorted(names) and len({i for i, _ in ids}) == len(names), ids
+    for sid, name in ids:                                 # each overview link leads to its own case
+        assert f"<a href='#{sid}'>{name}</a>" in page
+
+
+def test_the_closing_reports_line_escapes_the_directory(tmp_path, capsys, a_report):
+    d = _report_dir(tmp_path, a_report, "r\x1b]0;owned\x07")
+    rc, out, err = run(capsys, "report", d, "-q")
+    assert rc == 0, err
+    assert "reports: " in out and "\x1b" not in out + err and "\x07" not in out + err
+    rc, out, err = run(capsys, "validate", "--case", "smoke-rowend-k", "--backend", "reference", "-q",
+                       "--report-dir", tmp_path / "v\x1b[31mred")
+    assert rc == 0, err
+    assert "reports: " in out and "\x1b" not in out + err
+
+
+def test_a_stale_lock_is_taken_over_and_a_live_one_named(tmp_path, capsys):
+    """A lock whose pid now belongs to a later process (pid 1, started long before that run) is
+    stale: taken over. One held by a live mxval is refused naming the lock file and how to clear it."""
+    import subprocess
+    import sys
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / ".mxval-run.lock").write_text("1 999999999999")
+    argv = ["validate", "--case", "smoke-rowend-k", "--backend", "reference", "--report-dir", d, "-q"]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, err
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "mxval"])
+    try:
+        (d / ".mxval-run.lock").write_text(str(live.pid))
+        rc, out, err = run(capsys, *argv, "--force")
+        assert rc == 2, (out, err)
+        one_line(err, f"pid {live.pid}", str(d / ".mxval-run.lock"), "delete")
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_report_directory_swapped_for_a_link_mid_run_is_not_written_through(tmp_path, capsys, monkeypatch, dumps):
+    """The directory a run claimed is the one it writes into (held open): swapped for a link to
+    another run's report while the run runs, that other report is left as it was."""
+    import os
+
+    from harness.io import report
+    other = tmp_path / "other"
+    assert run(capsys, "diff", dumps["good"], "--report-dir", other, "-q")[0] == 0
+    before = _snapshot(other)
+    d = tmp_path / "r"
+    real = report.markdown
+
+    def markdown(*a, **kw):
+        if not (tmp_path / "moved").exists():
+            os.rename(d, tmp_path / "moved")
+            os.symlink(other, d)
+        return real(*a, **kw)
+    monkeypatch.setattr(report, "markdown", markdown)
+    rc, out, err = run(capsys, "diff", dumps["flipped"], "--report-dir", d, "-q")
+    assert rc == 1, (out, err)
+    assert _snapshot(other) == before
+    assert json.loads((tmp_path / "moved" / "report.json").read_text())["summary"]["ok"] is False
+    assert "replaced while the run ran" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gap", [0.05, 0.4])
+def test_study_interrupted_twice_ends_without_a_traceback(tmp_path, gap):
+    """Ctrl-C, then Ctrl-C again while the study winds down its workers: the partial study is
+    announced, exit 130, no traceback, no worker left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    (tmp_path / "s.toml").write_text('[distribution.normal]\n[distribution.wide]\nhead_scale_spread = 1.0\n[study.s]\n'
+                                     'variants = ["exact", "mxfp4"]\ncontext_tokens = [8192, 16384]\nrows = 2\n'
+                                     'seeds = 3\nneedle_depths = []\nneedle_margins = []\nheads = 4\n')
+    d = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "-m", "harness", "study", "--study", "s", "--study-file", str(tmp_path / "s.toml"),
+                          "--device", "cpu", "--jobs", "2", "--report-dir", str(d)], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.time() + 60
+        while not d.is_dir() and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(4)
+        p.send_signal(signal.SIGINT)
+        time.sleep(gap)
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_the_interpreter_adds_no_numpy_warnings_to_the_console():
+    """The Triton interpreter runs masked lanes through numpy (a softmax's -inf - -inf in a
+    pooling window's padding): numpy's "invalid value encountered" says nothing about the
+    kernel, whose output is compared byte for byte, and never reaches the console."""
+    import warnings
+
+    from helpers import pool_case
+    be = get_backend("triton-interpret")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        be.compress_pool(**pool_case())
+    assert not [w for w in seen if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in seen]
+
+
+def test_a_signal_while_a_study_is_written_is_recorded_in_it(tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    from harness.study import report as study_report
+    real = study_report.full_markdown
+
+    def full_markdown(*a, **kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **kw)
+    monkeypatch.setattr(study_report, "full_markdown", full_markdown)
+    (tmp_path / "s.toml").write_text('[distribution.normal]\n[study.s]\nvariants = ["exact", "mxfp4"]\n'
+                                     'context_tokens = [512]\nrows = 1\nseeds = 1\nneedle_depths = []\n'
+                                     'needle_margins = []\nheads = 2\n')
+    rc, out, err = run(capsys, "study", "--study", "s", "--study-file", tmp_path / "s.toml", "--device", "cpu",
+                       "--report-dir", tmp_path / "r")
+    assert rc == 130, err
+    saved = json.loads((tmp_path / "r" / "study.json").read_text())
+    assert saved["meta"]["interrupted"]["signal"] == "SIGINT"
+    assert "interrupted" in (tmp_path / "r" / "study.md").read_text().splitlines()[0]

@@ -172,10 +172,12 @@ def test_a_write_failing_at_the_end_still_shows_the_verdict(tmp_path, capsys, mo
     verdict in it rather than hidden behind the errno."""
     def full(*a, **k):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(atomic, "write_bytes", full)
+    monkeypatch.setattr(atomic, "_write_fd", full)
     rc, out, err = validate(capsys, tmp_path / "r")
     assert rc == 2
     one_line(err, "No space left on device", "verdict: OK", "1 pass")
+    d = tmp_path / "r"
+    assert not [p for p in (d.iterdir() if d.exists() else []) if p.name != report.LOCK]    # nothing half written
 
 
 def test_a_dir_in_use_by_a_running_mxval_is_refused_even_with_force(tmp_path, capsys, no_run):

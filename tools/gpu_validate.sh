@@ -62,7 +62,7 @@ else
 fi
 unset MXVAL_GPU_MEMORY_FRACTION
 step validate-graph "$LIMIT_A" $mx validate --suite full --graph --backend triton --report-dir "$out/validate-graph" --force
-step study "${LIMIT_STUDY:-90}" $mx study --device cuda --report-dir "$out/study"
+step study "${LIMIT_STUDY:-90}" $mx study --device cuda --report-dir "$out/study" --force
 [ "${BENCH:-1}" = 1 ] && step bench-gpu "${LIMIT_BENCH:-240}" $py -m harness.bench.gpu --quick --out "$out/bench-gpu.md"
 cat "$out/machine.txt" "$out/steps.txt"
 for f in test-gpu validate-triton validate-vllm-cuda validate-vllm-rocm selftest validate-graph study; do

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from harness.io import env
 from harness.io.dumps import write_dump
 from harness.run.replay import record_op
 from optimized import upstream
@@ -36,16 +37,8 @@ GRAPH_ATTR = "_mxval_capture"          # a captured graph's record set, on the C
 
 # --- state --------------------------------------------------------------------------------
 
-def _positive_int(name: str, text: Optional[str], default: Optional[int]) -> Optional[int]:
-    if text is None or not text.strip():
-        return default
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{name}: expected a positive whole number, got {text!r}")
-    return n
+def _positive_int(name: str, default: Optional[int]) -> Optional[int]:
+    return env.integer(name, default, 1, 2 ** 31)
 
 
 @dataclass
@@ -60,12 +53,12 @@ class _Config:
 
     @classmethod
     def from_env(cls) -> "_Config":
-        return cls(os.environ.get(ENV_DIR) or None, Selection(os.environ.get(ENV_LAYERS, "all")),
-                   Selection(os.environ.get(ENV_STEPS, "all")),
-                   _positive_int(ENV_AUTO, os.environ.get(ENV_AUTO), None),
-                   os.environ.get(ENV_ANCHOR, "compress_pool"),
-                   os.environ.get(ENV_MODEL, "deepseek-v4-pro"),
-                   _positive_int(ENV_RING, os.environ.get(ENV_RING), RING_DEFAULT))
+        return cls(env.text(ENV_DIR) or None, Selection(env.text(ENV_LAYERS, "all"), name=ENV_LAYERS),
+                   Selection(env.text(ENV_STEPS, "all"), name=ENV_STEPS),
+                   _positive_int(ENV_AUTO, None),
+                   env.text(ENV_ANCHOR, "compress_pool") or "compress_pool",
+                   env.text(ENV_MODEL, "deepseek-v4-pro") or "deepseek-v4-pro",
+                   _positive_int(ENV_RING, RING_DEFAULT))
 
 
 @dataclass

@@ -19,22 +19,26 @@ LAST = {"block_scores": None}
 
 # --- selections ---------------------------------------------------------------------------
 
+def _cut(s: str) -> str:
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
 class Selection:
     """A set of non-negative integers from "all" or "12,20" or "0-3,300" (ranges inclusive)."""
 
-    def __init__(self, text: str = "all"):
+    def __init__(self, text: str = "all", name: str = "selection"):
         self.text = text.strip() or "all"
         self.all = self.text.lower() == "all"
         self.ranges: list[tuple[int, int]] = []
         if not self.all:
             for part in self.text.split(","):
-                m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+                m = re.fullmatch(r"\s*(\d{1,12})\s*(?:-\s*(\d{1,12})\s*)?", part)
                 if not m:
-                    raise ValueError(f"selection: cannot read {part.strip()!r} in {text!r} "
-                                     "(expected 'all' or numbers and ranges like 0-3,300)")
+                    raise ValueError(f"{name}: cannot read {_cut(part.strip())!r} in {_cut(text)!r} "
+                                     "(expected 'all' or numbers of at most 12 digits and ranges like 0-3,300)")
                 lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
                 if hi < lo:
-                    raise ValueError(f"selection: range {part.strip()!r} runs backwards")
+                    raise ValueError(f"{name}: range {part.strip()!r} runs backwards")
                 self.ranges.append((lo, hi))
 
     def __contains__(self, n) -> bool:

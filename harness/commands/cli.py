@@ -17,6 +17,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 import time
 import traceback
@@ -43,8 +44,8 @@ from harness.errors import (
     InputError,
     UsageError,
 )
-from harness.io import atomic, escape
-from harness.run.signals import catch_sigterm, hold, release_all, restore_sigterm, stopped_by
+from harness.io import atomic, console, env, escape
+from harness.run.signals import HELD, catch_sigterm, hold, release_all, restore_sigterm, stopped_by
 
 __all__ = ["build_parser", "main"]
 
@@ -302,7 +303,7 @@ def cmd_report(args) -> int:
     paths = report.write_all(df, meta, out, json_source=src)
     if not args.quiet:
         report.console_table(df, meta)
-    print(f"reports: {out}/ ({', '.join(Path(p).name for p in paths.values())})")
+    print(f"reports: {escape.terminal(str(out))}/ ({', '.join(Path(p).name for p in paths.values())})")
     if meta.get("interrupted"):
         return EXIT_INTERRUPTED
     return EXIT_OK if report.summary(df, meta)["ok"] else EXIT_FAIL
@@ -432,20 +433,44 @@ def _run(args, run: dict) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     """The command line's exit status. As the program (`argv` None: `mxval`, `python -m
     harness`), a run stopped by Ctrl-C/SIGTERM that left a case on a worker thread (its
-    report written without it: harness.run.runner.abandoned) ends the process here."""
+    report written without it: harness.run.runner.abandoned) ends the process here; any other
+    stopped run ignores further signals while the interpreter exits."""
     code = _main(argv)
     runner = sys.modules.get("harness.run.runner")
     if argv is None and runner is not None and runner.abandoned():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if argv is None and code == EXIT_INTERRUPTED:
+        # stopped, its report written, its workers told to stop: the interpreter's exit-time
+        # joins (worker pools) are what is left, and a second Ctrl-C there would only print a
+        # KeyboardInterrupt traceback from inside them
+        for s in HELD:
+            signal.signal(s, signal.SIG_IGN)
     return code
 
 
 def _main(argv: Optional[list[str]]) -> int:
+    """The command with its console guarded (harness/io/console.py): an ASCII-only stdout gets
+    ASCII, and a stdout that goes away (a closed pipe, /dev/full) stops the console only,
+    never the run: its reports are written and its exit status is its verdict's."""
+    out = console.guard()
+    try:
+        code = _command(argv)
+    finally:
+        why = console.lost(out)
+        console.unguard(out)
+    if why:
+        print(f"mxval: stdout: {why}: the console output stopped there; the run went on (its reports are "
+              "written, the exit status is its own)", file=sys.stderr)
+    return code
+
+
+def _command(argv: Optional[list[str]]) -> int:
     args = None
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
+        env.flag(DEBUG_ENV)                  # a malformed switch is a usage error before any work
         ap, run = build_parser(argv)
         args = ap.parse_args(argv)
         check_args(ap, args)
@@ -467,9 +492,20 @@ def _main(argv: Optional[list[str]]) -> int:
         return _internal_error(e, args)
 
 
+DEBUG_ENV = "MXVAL_DEBUG"
+
+
+def _debug() -> bool:
+    """MXVAL_DEBUG=1: show the traceback (0 or unset: off; anything else was refused at start)."""
+    try:
+        return env.flag(DEBUG_ENV)
+    except InputError:
+        return False
+
+
 def _internal_error(e: Exception, args) -> int:
     """A bug in mxval or in a backend, never the user's input: one line, the traceback saved."""
-    if os.environ.get("MXVAL_DEBUG"):
+    if _debug():
         raise e
     tb = e.__traceback__
     while tb and tb.tb_next:

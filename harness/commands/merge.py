@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.errors import EXIT_FAIL, EXIT_OK, ReportError, UsageError
-from harness.io import report
+from harness.io import escape, report
 from harness.run import recheck, selftest
 from harness.run.pipeline import Run
 
@@ -65,6 +65,15 @@ def check(shards: list[tuple[Path, object, dict]]) -> None:
             if meta["shard"].get(key) != f.get(key):
                 raise MergeError(f"--merge: shards from different {what}: {first_dir} has "
                                  f"{f.get(key)!r}, {d} has {meta['shard'].get(key)!r}")
+    for d, _, meta in shards:                  # a list naming a case twice is no run's list
+        for key in ("all_cases", "cases"):
+            names = meta["shard"].get(key) or []
+            if not (isinstance(names, list) and all(isinstance(c, str) for c in names)):
+                raise MergeError(f"{d / 'report.json'}: run.shard.{key}: expected a list of case names")
+            seen_names: set = set()
+            twice = next((c for c in names if c in seen_names or seen_names.add(c)), None)
+            if twice is not None:
+                raise MergeError(f"{d / 'report.json'}: run.shard.{key} lists case {twice!r} twice")
     n = int(f["n"])
     seen: dict[int, Path] = {}
     for d, _, meta in shards:
@@ -127,11 +136,11 @@ def run(args) -> int:
     df, meta = merge(shards)
     out = Run("merge", report_dir=args.report_dir, force=args.force, quiet=args.quiet, owner=args)
     out.claim(f"merged-{meta.get('command', 'run')}-{meta.get('suite', '')}")
-    paths = out.write(df, meta)
+    extra = selftest.merged_extras(out.out, df, meta) if meta.get("command") == "selftest" else None
+    paths = out.write(df, meta, extra=extra)
     ok = report.summary(df, meta)["ok"]
     if meta.get("command") == "selftest":
-        selftest.write_merged_extras(out.out, df, meta)
         ok = ok and bool(meta["selftest"].get("ok"))
-    print(f"merged {len(shards)} shard(s), {len(df)} case(s): reports: {out.out}/ "
+    print(f"merged {len(shards)} shard(s), {len(df)} case(s): reports: {escape.terminal(str(out.out))}/ "
           f"({', '.join(Path(p).name for p in paths.values())})")
     return EXIT_OK if ok else EXIT_FAIL

@@ -17,7 +17,10 @@ def add_parser(sub) -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--jobs", type=int, default=None,
                     help="worker processes on the CPU, one thread each (default: 2, or 1 on one core)")
-    ap.add_argument("--report-dir", default=None)
+    ap.add_argument("--report-dir", default=None,
+                    help="where the study's reports go (default: a fresh reports/study-<name>-<time>-<pid>/)")
+    ap.add_argument("--force", action="store_true",
+                    help="replace the report of another run in --report-dir (refused without it)")
     ap.add_argument("--readme", default=None, help="also write the README summary section to this file")
     ap.add_argument("--from-json", default=None, metavar="STUDY_JSON",
                     help="re-render the reports of a saved study.json (its run's numbers and machine) instead of running")
@@ -26,4 +29,4 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     return execute(study=args.study, study_file=args.study_file, dumps=args.dump, device=args.device,
                    report_dir=args.report_dir, readme=args.readme, from_json=args.from_json,
-                   jobs=args.jobs)
+                   jobs=args.jobs, force=args.force)

@@ -583,6 +583,19 @@ def wanted_files(names: set[str], table=upstream.TABLE, package: str = "vllm") -
     return out
 
 
+def _cached(have, root: Path, modules: set) -> bool:
+    """Whether a cached manifest (untrusted: any field may have been edited) names every table
+    module and lists files that are all there, inside the tree. Anything else: not cached."""
+    if not isinstance(have, dict):
+        return False
+    files, mods, digests = have.get("files"), have.get("modules"), have.get("sha256")
+    if not (isinstance(files, list) and isinstance(mods, dict) and isinstance(digests, dict)):
+        return False
+    if not all(isinstance(f, str) and f and not Path(f).is_absolute() and ".." not in Path(f).parts for f in files):
+        return False
+    return modules <= set(mods) and all((root / f).is_file() and not (root / f).is_symlink() for f in files)
+
+
 def fetch(version: str, console, *, pip=None, table=upstream.TABLE) -> Path:
     """The extracted tree of vLLM `version`'s table files (downloading the wheel if needed)."""
     if not upstream.VERSION_RE.fullmatch(version):
@@ -594,8 +607,7 @@ def fetch(version: str, console, *, pip=None, table=upstream.TABLE) -> Path:
         have = safe_input.load_json(manifest) if manifest.is_file() and not manifest.is_symlink() else None
     except InputError:
         have = None
-    if (isinstance(have, dict) and modules <= set(have.get("modules", {})) and "sha256" in have
-            and all((root / f).is_file() for f in have.get("files", []))):
+    if _cached(have, root, modules):
         console.print(f"vllm {version}: cached, {len(have['files'])} source files in {root}")
         return root
     wheel = _wheel(version)
@@ -770,8 +782,8 @@ def add_parser(sub) -> None:
 
 
 def _console():
-    from rich.console import Console
-    return Console(stderr=False, highlight=False)
+    from harness.io.console import rich_console
+    return rich_console(stderr=False, highlight=False)
 
 
 def _newest_fetched() -> Optional[str]:

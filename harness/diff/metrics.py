@@ -43,6 +43,7 @@ class Metric:
     always_fail: bool = False    # fails when non-zero unless a budget says otherwise
     chain: Optional[str] = None  # None: not in the chain; "allowed"; "required"; "only"
     hi: float = math.inf         # largest value the metric can take
+    conditional: bool = False    # reported only when the op is asked for it (clean_logits), not on every run
 
     @property
     def higher_is_better(self) -> bool:
@@ -96,7 +97,7 @@ _TABLE = (
     _m("logits_nonfinite", "scorer", "count", "NaN/inf logits in the valid region", always_fail=True,
        chain="allowed"),
     _m("logits_inf_pattern_mismatch", "scorer", "count", "columns past a row's end that are not -inf (clean)",
-       required=True, chain="allowed"),
+       required=True, chain="allowed", conditional=True),
     _m("logits_rows_differing", "scorer", "count", "rows whose own difference exceeds the row threshold",
        chain="allowed"),
     # top-k (diff_topk)
@@ -234,6 +235,12 @@ def required_keys(keys: Iterable[str]) -> list[str]:
     return sorted(out)
 
 
+def reported_keys(ops: Iterable[str], *, chain: bool = True) -> list[str]:
+    """The keys every run of `ops` reports: the required ones, less those reported only when
+    the op is asked for them (`conditional`). A stored row that lacks one was edited."""
+    return [k for k in required_keys(run_keys(ops, chain=chain)) if not METRICS[bare(k)].conditional]
+
+
 # --- limits and the judge ------------------------------------------------------------
 
 def fmt(v: float) -> str:
@@ -328,6 +335,11 @@ class Limit:
             raise ValueError("an infinite limit checks nothing: say \"off\" (every report shows it)")
         if lim.max is not None and lim.min is not None and lim.min > lim.max:
             raise ValueError(f"min {fmt(lim.min)} > max {fmt(lim.max)}, no value can pass")
+        for bound, v, useless in (("max", lim.max, lim.max is not None and lim.max > m.hi),
+                                  ("min", lim.min, lim.min is not None and lim.min < m.lo)):
+            if useless:                       # past the metric's range: every value it can take passes
+                raise ValueError(f"{bound} {fmt(v)} is outside {name}'s range [{fmt(m.lo)}, {fmt(m.hi)}]: it checks "
+                                 "nothing (say \"off\" to drop the check, and every report shows it)")
         if lim.max is not None and lim.max < m.lo:
             raise ValueError(f"max {fmt(lim.max)} is below {fmt(m.lo)}, the least {name} can be: no value can pass")
         if lim.min is not None and lim.min > m.hi:

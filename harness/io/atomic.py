@@ -129,9 +129,11 @@ def write_via(path: PathLike, fill: Callable[[str], None], *, within: Optional[P
         check_target(path, within=within)       # nothing swapped in while it was written
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as e:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):          # a full disk, a quota, an I/O error: bad luck, not a bug
+            raise OutputError(f"{path}: cannot write: {e.strerror or e}; nothing written") from None
         raise
     return str(path)
 
@@ -171,3 +173,115 @@ def check_writable_dir(directory: PathLike) -> None:
     finally:
         if os.path.exists(probe):
             os.unlink(probe)
+
+
+# --- report directories: held open, their files replaced as a set -------------------------------
+
+_HELD: dict[str, int] = {}          # a claimed directory's absolute path -> its open descriptor
+STAGING_PREFIX = ".mxval-staging-"
+
+
+def _key(directory: PathLike) -> str:
+    return os.path.abspath(os.fspath(directory))
+
+
+def hold_dir(directory: PathLike) -> None:
+    """Open `directory` and keep it open: every later `write_set` into it writes into this very
+    directory, even if its path is swapped for a link (or another directory) meanwhile."""
+    key = _key(directory)
+    if key not in _HELD:
+        _HELD[key] = os.open(key, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
+def release_dirs() -> None:
+    while _HELD:
+        _, fd = _HELD.popitem()
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def moved(directory: PathLike) -> bool:
+    """Whether the path of a held directory no longer leads to the directory it held."""
+    fd = _HELD.get(_key(directory))
+    if fd is None:
+        return False
+    try:
+        a, b = os.stat(_key(directory)), os.fstat(fd)
+    except OSError:
+        return True
+    return (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino)
+
+
+def _refuse_non_file(dir_fd: int, name: str, label: str) -> None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        what = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+                else "not a regular file")
+        raise OutputError(f"{label}: {what}; an output must be a new name or a regular file (never replaced "
+                          "or written through)")
+
+
+def _write_fd(fd: int, blob: bytes) -> None:
+    view = memoryview(blob)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
+def write_set(directory: PathLike, files: dict, *, remove: tuple = ()) -> dict[str, str]:
+    """Replace files of `directory` as a set: `files` ({name: bytes or str}) are all written
+    and synced in a staging directory beside them first; only when every one is whole are they
+    renamed over the old ones, in the order given (put the file that vouches for the others
+    last). A failure while writing (a full disk) leaves the old set untouched and the staging
+    removed: OSError for the caller to report. `remove`: names of the old set that this set
+    does not replace, removed after the swap so that no stale file outlives it. A directory
+    held by `hold_dir` is written through its descriptor. {name: path}."""
+    key = _key(directory)
+    own = key not in _HELD
+    fd = os.open(key, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)) if own else _HELD[key]
+    staging = f"{STAGING_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        for name in files:
+            _refuse_non_file(fd, name, os.path.join(key, name))
+        os.mkdir(staging, 0o700, dir_fd=fd)
+        sfd = os.open(staging, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0), dir_fd=fd)
+        try:
+            for name, data in files.items():
+                blob = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+                f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666,
+                            dir_fd=sfd)
+                try:
+                    _write_fd(f, blob)
+                finally:
+                    os.close(f)
+            for name in files:                       # the swap: every file is whole by now
+                _refuse_non_file(fd, name, os.path.join(key, name))
+                os.rename(name, name, src_dir_fd=sfd, dst_dir_fd=fd)
+            for name in remove:
+                if name not in files:
+                    try:
+                        _refuse_non_file(fd, name, os.path.join(key, name))
+                        os.unlink(name, dir_fd=fd)
+                    except FileNotFoundError:
+                        pass
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+        finally:
+            for left in os.listdir(sfd):
+                try:
+                    os.unlink(left, dir_fd=sfd)
+                except OSError:
+                    pass
+            os.close(sfd)
+            os.rmdir(staging, dir_fd=fd)
+    finally:
+        if own:
+            os.close(fd)
+    return {name: os.path.join(os.fspath(directory), name) for name in files}

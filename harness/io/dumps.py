@@ -33,6 +33,7 @@ META_KEY = "mxval"
 # below 2**31, a safetensors header of at most MAX_HEADER_BYTES (the library's own limit).
 MAX_INT_SCALAR = 2 ** 16
 MAX_INDEX = 2 ** 31
+MAX_EMPTY_DIM = 2 ** 24          # a dimension of a tensor with no elements (the full suite's widest is 2^20)
 MAX_HEADER_BYTES = 100 * 2 ** 20
 
 
@@ -200,6 +201,9 @@ def record_problem(rec: OpRecord) -> Optional[str]:
                 return f"{where}: dtype {_dtype_name(t.dtype)}, expected {' or '.join(f.dtypes)}"
             if t.dim() != len(f.shape):
                 return f"{where}: shape {list(t.shape)}, expected {_shape_str(f.shape)}"
+            if t.numel() == 0 and max(t.shape, default=0) > MAX_EMPTY_DIM:
+                return (f"{where}: shape {list(t.shape)} holds no data, yet declares a dimension of "
+                        f"{max(t.shape)} (an empty tensor's dimensions are at most {MAX_EMPTY_DIM}: no data backs more)")
             for expr, n in zip(f.shape, t.shape):
                 bad = dims.bind(expr, int(n), where)
                 if bad:
@@ -360,6 +364,16 @@ def write_dump(path, ops: dict[str, OpRecord], *, source: str, model: str = "dee
         if meta[key] is not None and not (_is_int(meta[key]) and 0 <= meta[key] < MAX_INDEX):
             _fail(path, f"{key}: expected an integer in [0, {MAX_INDEX}) or None, got {meta[key]!r}")
     text = json.dumps(meta)
-    atomic.write_via(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: text}), within=within,
-                     make_parent=True)
+    def fill(tmp: str) -> None:
+        try:
+            save_file(tensors, tmp, metadata={META_KEY: text})
+        except OSError:
+            raise
+        except Exception as e:          # safetensors' own error for an I/O failure: the OSError it wraps
+            code = re.search(r"IoError\(Os \{ code: (\d+)|\(os error (\d+)\)", str(e))
+            if code is None:
+                raise
+            n = int(code[1] or code[2])
+            raise OSError(n, os.strerror(n)) from None
+    atomic.write_via(path, fill, within=within, make_parent=True)
     return path

@@ -82,6 +82,6 @@ def mathtext(text) -> str:
 
 def wide_console():
     """A terminal's own width; logs and CI get 170 columns instead of 80 folded ones."""
-    from rich.console import Console
-    c = Console()
-    return c if c.is_terminal else Console(width=170)
+    from harness.io.console import rich_console
+    c = rich_console()
+    return c if c.is_terminal else rich_console(width=170)

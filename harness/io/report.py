@@ -105,7 +105,7 @@ def headline(row, suffix: str, how: str) -> Optional[float]:
 def chain_value(row, metric: str) -> Optional[float]:
     from harness.diff.metrics import chain_key  # (see _chain_frac)
     key = chain_key(metric)
-    return _num(row[key]) if key in row.index else None
+    return _num(row.get(key))
 
 
 def _proxy() -> str:
@@ -606,7 +606,26 @@ def _recall_plot(df: pd.DataFrame, plt) -> list:
 
 
 def _slug(name) -> str:
-    return "case-" + re.sub(r"[^A-Za-z0-9_-]", "_", str(name))
+    """A case's HTML id: its name reduced to `[A-Za-z0-9_-]`, and, when that changed it, a
+    digest of the exact name after a `.` (which no reduced name holds): `x y`, `x_y`, `x.y`
+    and `x/y` get four ids."""
+    import hashlib
+    text = str(name)
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", text)
+    if safe != text:
+        safe += "." + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return "case-" + safe
+
+
+def _slugs(df: pd.DataFrame) -> list[str]:
+    """Every row's id, unique within the page (a name given twice gets `.2`, `.3`, ...)."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in df["case"]:
+        slug = _slug(name)
+        seen[slug] = seen.get(slug, 0) + 1
+        out.append(slug if seen[slug] == 1 else f"{slug}.{seen[slug]}")
+    return out
 
 
 def case_order(df: pd.DataFrame) -> list[int]:
@@ -745,12 +764,13 @@ def html(df: pd.DataFrame, meta: dict) -> str:
     s = summary(df, meta)
     e = _html.escape
     order = case_order(df)
+    slugs = _slugs(df)
     mem = has_memory(df)
     cols = ["case", "status", *OVERVIEW, *([MEMORY_HEAD] if mem else []), "seconds", "reason"]
     rows = []
     for i in order:
         r = df.iloc[i]
-        slug = _slug(r["case"])
+        slug = slugs[i]
         st = str(r["status"])
         nums = [*overview_values(r), _num(r["seconds"]) or 0.0]
         cells = [f"<td data-v='{e(str(r['case']))}'><a href='#{slug}'>{e(str(r['case']))}</a></td>",
@@ -773,7 +793,7 @@ def html(df: pd.DataFrame, meta: dict) -> str:
     sections = []
     for i in order:
         r = df.iloc[i]
-        slug = _slug(r["case"])
+        slug = slugs[i]
         bad = not bool(r["ok"])
         viol = "".join(f"<li><code>{e(v['metric'])}</code> = {e(_fmt(v['value']))} (budget {e(v['limit'])})</li>"
                        for v in r["violations"] or [])
@@ -852,28 +872,47 @@ def junit(df: pd.DataFrame, meta: dict) -> str:
 REPORT_FILES = {"md": "report.md", "html": "report.html", "junit": "junit.xml", "csv": "metrics.csv",
                 "json": "report.json"}
 # A directory holding one of these holds another run's report.
-RUN_MARKERS = ("report.json", "selftest.json")
+RUN_MARKERS = ("report.json", "selftest.json", "study.json")
+# Files of an earlier run's set that a new set replacing it removes when it has none of its own.
+STALE = ("selftest.md", "selftest.json")
 
 
-def write_all(df: pd.DataFrame, meta: dict, out_dir, *, json_source: Optional[Path] = None) -> dict[str, str]:
-    """Every format into `out_dir`, each file written to a temporary name and renamed;
-    report.json last, so a report.json is only ever next to the files rendered from it.
-    `json_source`: the report.json these rows were read from (`mxval report`): it is
-    never rewritten, and copied byte for byte when `out_dir` is another directory."""
+def render_all(df: pd.DataFrame, meta: dict, *, json_source: Optional[Path] = None, same_json: bool = False,
+               extra: Optional[dict] = None) -> dict[str, str | bytes]:
+    """{file name: content} of every format, report.json last (it vouches for the rest).
+    `json_source`: the report.json these rows were read from (`mxval report`), copied byte for
+    byte (left out when `same_json`: it is never rewritten). `extra`: more files of the set
+    (selftest.md, selftest.json), written before report.json."""
+    files: dict[str, str | bytes] = {
+        REPORT_FILES["md"]: markdown(df, meta), REPORT_FILES["html"]: html(df, meta),
+        REPORT_FILES["junit"]: junit(df, meta),
+        REPORT_FILES["csv"]: escape.csv_frame(df[[c for c in COLUMNS if c in df.columns]
+                                                 + metric_columns(df)]).to_csv(index=False)}
+    files.update(extra or {})
+    if json_source is None:
+        files[REPORT_FILES["json"]] = json.dumps(to_json(df, meta), indent=1, default=str)
+    elif not same_json:
+        files[REPORT_FILES["json"]] = safe_input.read_bytes(json_source, safe_input.MAX_JSON_BYTES, error=ReportError)
+    return files
+
+
+def write_all(df: pd.DataFrame, meta: dict, out_dir, *, json_source: Optional[Path] = None,
+              extra: Optional[dict] = None, again=None) -> dict[str, str]:
+    """Every format into `out_dir`, replaced as one set (harness/io/atomic.py `write_set`):
+    all are written beside the old ones and swapped in only once every one is whole, so the
+    formats a run leaves always agree; a full disk leaves the old set as it was (OSError).
+    `again()`: asked once the set is rendered; True (the run's metadata changed: a signal
+    came) renders it again before it is written. {format: path}."""
     from harness.io import atomic
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {k: out / v for k, v in REPORT_FILES.items()}
-    atomic.write_text(paths["md"], markdown(df, meta))
-    atomic.write_text(paths["html"], html(df, meta))
-    atomic.write_text(paths["junit"], junit(df, meta))
-    atomic.write_text(paths["csv"], escape.csv_frame(df[[c for c in COLUMNS if c in df.columns]
-                                                       + metric_columns(df)]).to_csv(index=False))
-    if json_source is None:
-        atomic.write_text(paths["json"], json.dumps(to_json(df, meta), indent=1, default=str))
-    elif not _same_file(json_source, paths["json"]):
-        atomic.write_bytes(paths["json"], safe_input.read_bytes(json_source, safe_input.MAX_JSON_BYTES, error=ReportError))
-    return {k: str(v) for k, v in paths.items()}
+    same = json_source is not None and _same_file(json_source, out / REPORT_FILES["json"])
+    files = render_all(df, meta, json_source=json_source, same_json=same, extra=extra)
+    if again is not None and again():
+        files = render_all(df, meta, json_source=json_source, same_json=same, extra=extra)
+    atomic.write_set(out, files, remove=STALE if json_source is None else ())
+    paths = {k: str(out / v) for k, v in REPORT_FILES.items()}
+    return paths
 
 
 def _same_file(a, b) -> bool:
@@ -921,6 +960,7 @@ def claim_dir(path, *, force: bool = False, arg: str = "--report-dir") -> Path:
     except OSError as e:
         raise ReportError(f"{arg}: {p}: cannot write there: {e.strerror or e}") from None
     _lock(p, arg)
+    atomic.hold_dir(p)                    # written through this descriptor from now on
     return p
 
 
@@ -938,11 +978,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _started(pid: int) -> Optional[str]:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat), None where unknown:
+    with the pid it names one process, never a later one given the same pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def _lock(d: Path, arg: str) -> None:
     """One running mxval per report directory: a second run started into it while the first
     runs is refused even with --force (it would overwrite the first's report when it ends).
-    The lock is the file `.mxval-run.lock` holding the pid, removed when the process ends;
-    one left by a process that died is taken over."""
+    The lock is the file `.mxval-run.lock` holding the pid and the process's start time,
+    removed when the process ends; one left by a process that died (or whose pid now belongs
+    to a later process) is taken over; a refusal names the lock file and how to clear it."""
     import atexit
     path = d / LOCK
     for _ in range(3):
@@ -950,20 +1000,23 @@ def _lock(d: Path, arg: str) -> None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
             try:
-                pid = int(path.read_text().strip() or 0)
+                held = path.read_text().split()
+                pid, started = int(held[0]) if held else 0, (held[1] if len(held) > 1 else None)
             except (OSError, ValueError):
-                pid = 0
+                pid, started = 0, None
             if pid == os.getpid():
                 return
-            if pid and _pid_alive(pid):
-                raise ReportError(f"{arg}: {d} is in use by a running mxval (pid {pid})") from None
+            now = _started(pid) if pid else None
+            if pid and _pid_alive(pid) and (started is None or now is None or now == started):
+                raise ReportError(f"{arg}: {d} is in use by a running mxval (pid {pid}, its lock {path}); if no "
+                                  f"mxval runs there any more, delete {path}") from None
             try:
                 path.unlink()                 # a dead run's lock
             except FileNotFoundError:
                 pass
             continue
         with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
+            f.write(f"{os.getpid()} {_started(os.getpid()) or ''}".strip())
         if not _held:
             atexit.register(release_locks)
         _held.append(path)
@@ -972,10 +1025,12 @@ def _lock(d: Path, arg: str) -> None:
 
 
 def release_locks() -> None:
+    from harness.io import atomic
+    atomic.release_dirs()
     while _held:
         p = _held.pop()
         try:
-            if p.read_text().strip() == str(os.getpid()):
+            if p.read_text().split()[:1] == [str(os.getpid())]:
                 p.unlink()
         except OSError:
             pass

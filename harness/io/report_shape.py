@@ -16,6 +16,7 @@ from harness.errors import InputError, ReportError
 STATUSES = ("pass", "fail", "error", "nonfinite_input", "skipped")
 MAX_TEXT = 1 << 20                 # characters of one text field
 MAX_ITEMS = 1 << 20                # entries of one list or object
+MAX_CASES = 1 << 14                # rows of one report (re-rendered in minutes, not hours)
 MAX_SECONDS = 1e9                  # a run's or a case's seconds (about 31 years)
 MAX_INT = 2 ** 63                  # an integer field (counts, context, k, n)
 NUMBER_WORDS = ("inf", "-inf", "nan", "Infinity", "-Infinity", "NaN")
@@ -200,8 +201,78 @@ def check(data, path, *, error: Type[InputError] = ReportError) -> Optional[dict
             raise _Bad(f"expected a JSON object, got {_kind(data)}")
         check_run(data.get("run", {}))
         cases = _list("cases", data.get("cases"), none=False)
+        if len(cases) > MAX_CASES:
+            raise _Bad(f"cases: {len(cases)} rows, at most {MAX_CASES}")
         for i, c in enumerate(cases):
             check_case(f"cases[{i}]", c)
+    except _Bad as e:
+        raise error(f"{path}: {e}") from None
+    return data
+
+
+# --- a study's study.json (`mxval study --from-json`) -------------------------------------------
+
+STUDY_TABLES = ("rows", "needles", "inputs")
+# Every row of a study's table carries these (the keys the renderers select and group by).
+STUDY_ROW_KEYS = {"rows": ("distribution", "seed", "context_tokens", "variant", "kind", "recall", "mass_kept"),
+                  "needles": ("distribution", "seed", "context_tokens", "variant"),
+                  "inputs": ("distribution", "seed")}
+_STUDY_TEXT = ("study", "machine", "device", "when")
+_STUDY_NUMBERS = ("seconds", "cpu_seconds", "threads", "jobs", "load_before", "load_after", "topk", "rows", "heads",
+                  "compress_ratio", "query_spread", "tolerance")
+_STUDY_LISTS = ("seeds", "contexts", "distributions", "needle_depths", "needle_margins")
+
+
+def _flat_value(where: str, v) -> None:
+    """A study table's cell: text, a number, a bool, null, or a flat list of those."""
+    _scalar(where, v)
+
+
+def check_study(data, path, *, error: Type[InputError] = ReportError) -> dict:
+    """`error` (one line: the file and the field) unless `data` has study.json's shape: an
+    object `meta`, the tables `rows`, `needles`, `inputs` (lists of flat objects, each with
+    its table's keys) and `merges` (an object of objects)."""
+    try:
+        if not isinstance(data, dict):
+            raise _Bad(f"expected a JSON object, got {_kind(data)}")
+        for key in ("meta", *STUDY_TABLES, "merges"):
+            if key not in data:
+                raise _Bad(f"no {key!r}")
+        meta = _obj("meta", data["meta"], none=False)
+        for key in _STUDY_TEXT:
+            _text(f"meta.{key}", meta.get(key))
+        for key in _STUDY_NUMBERS:
+            _number(f"meta.{key}", meta.get(key), lo=-MAX_INT, hi=MAX_INT)
+        for key in _STUDY_LISTS:
+            for i, x in enumerate(_list(f"meta.{key}", meta.get(key))):
+                if not (isinstance(x, str) or _is_num(x)):
+                    raise _Bad(f"meta.{key}[{i}]: expected a number or a string, got {_kind(x)}")
+        for k, v in _obj("meta.distribution_fields", meta.get("distribution_fields")).items():
+            for kk, x in _obj(f"meta.distribution_fields.{k}", v, none=False).items():
+                _flat_value(f"meta.distribution_fields.{k}.{kk}", x)
+        i = _obj("meta.interrupted", meta.get("interrupted"))
+        _number("meta.interrupted.cases_done", i.get("cases_done"), lo=0, hi=MAX_INT)
+        _text("meta.interrupted.signal", i.get("signal"))
+        for table in STUDY_TABLES:
+            for j, r in enumerate(_list(table, data[table], none=False)):
+                row = _obj(f"{table}[{j}]", r, none=False)
+                missing = [k for k in STUDY_ROW_KEYS[table] if k not in row]
+                if missing:
+                    raise _Bad(f"{table}[{j}]: no {missing[0]!r}")
+                for k, x in row.items():
+                    _flat_value(f"{table}[{j}].{k}", x)
+                    if k in ("seed", "context_tokens") and not (isinstance(x, int) and not isinstance(x, bool)):
+                        raise _Bad(f"{table}[{j}].{k}: expected an integer, got {_kind(x)}")
+                    if k in ("distribution", "variant", "kind"):
+                        if not isinstance(x, str):
+                            raise _Bad(f"{table}[{j}].{k}: expected a string, got {_kind(x)}")
+                    elif table != "inputs" and not (x is None or isinstance(x, bool) or _is_num(x)):
+                        raise _Bad(f"{table}[{j}].{k}: expected a number, got {_kind(x)}")
+        for k, m in _obj("merges", data["merges"], none=False).items():
+            m = _obj(f"merges.{k}", m, none=False)
+            _text(f"merges.{k}.into", m.get("into"), none=False)
+            _number(f"merges.{k}.values", m.get("values"), none=False, lo=0, hi=MAX_INT)
+            _number(f"merges.{k}.differ", m.get("differ"), none=False, lo=0, hi=MAX_INT)
     except _Bad as e:
         raise error(f"{path}: {e}") from None
     return data

@@ -128,13 +128,30 @@ def _bounded_int(s: str) -> int:
     return int(s)
 
 
+class _Twice(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """An object whose every key is given once: a key given twice is ambiguous (which value
+    did the writer mean?), never silently the last one."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Twice(f"key {k[:60]!r} given twice in one object")
+        out[k] = v
+    return out
+
+
 def loads_json(text: str, where: str, *, error: Type[InputError] = InputError, max_depth: int = MAX_DEPTH,
                unusable: Optional[str] = None):
     """JSON text parsed with its depth and integer sizes bounded first (`where` names it).
     `unusable`: the whole line for text that does not parse (otherwise `where` and why)."""
     check_structure(text, where, toml=False, error=error, max_depth=max_depth)
     try:
-        return json.loads(text, parse_int=_bounded_int)
+        return json.loads(text, parse_int=_bounded_int, object_pairs_hook=_unique_keys)
+    except _Twice as e:
+        raise error(f"{where}: {e}") from None
     except (ValueError, RecursionError) as e:
         if unusable is not None:
             raise error(unusable) from None

@@ -537,7 +537,7 @@ def load_suite_file(path: Path) -> Suite:
 
 def _is_suite_file(path: Path) -> bool:
     data = _read_toml(path)
-    return "suite" in data or "case" in data or "generate" in data
+    return any(k in data for k in FILE_SCHEMA_KEYS)
 
 
 class Catalog:

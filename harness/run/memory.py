@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import weakref
 from typing import Optional
 
 import torch
+
+from harness.io import env
 
 FRACTION_ENV = "MXVAL_GPU_MEMORY_FRACTION"
 _applied: set = set()
@@ -30,16 +31,7 @@ _applied: set = set()
 
 def fraction() -> Optional[float]:
     """The cap from the environment, None when unset; ValueError when it is not in (0, 1]."""
-    raw = os.environ.get(FRACTION_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        f = float(raw)
-    except ValueError:
-        f = float("nan")
-    if not 0.0 < f <= 1.0:
-        raise ValueError(f"{FRACTION_ENV}={raw!r}: expected a number in (0, 1]")
-    return f
+    return env.number(FRACTION_ENV, 0.0, 1.0)
 
 
 def apply_fraction(device) -> None:

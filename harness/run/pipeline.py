@@ -25,14 +25,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from harness.diff.metrics import run_keys
 from harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, InputError, ReportError, UsageError
-from harness.io import escape, report
+from harness.io import atomic, escape, report
 from harness.run import budgets as B
 from harness.run import memory, runner, stagetime
 from harness.run import shard as S
 from harness.run.cases import Catalog, on_path
 from harness.run.geometry import geometry
 from harness.run.record import run_meta
-from harness.run.signals import deferred, hold, release, stopped_by
+from harness.run.signals import deferred, hold, pending, release, stopped_by
 from optimized import BackendUnavailable, get_backend
 
 # --- helpers: what a command resolves before its run, and what a stopped run records ------------
@@ -241,37 +241,60 @@ class Run:
         return {"budgets": self.budgets.as_dict(), "budgets_off": self.budgets.disabled(self.keys, self.suite)}
 
     def record(self, rows: list[dict], meta: dict) -> int:
-        """Judge the rows, write every report format, show the console table: the exit status."""
+        """Judge the rows, write every report format, show the console table: the exit status.
+        A signal that comes before the set is written is recorded in it (`run.interrupted`,
+        every case finished, none cancelled): the formats and the exit status agree."""
         meta.update(self.budgets_meta())
         df = report.frame(self.judge(rows))
         with deferred() as late:                 # a Ctrl-C now waits until the report is whole
             paths = self.write(df, meta)
             late += release()                    # the hold `execute` (or the command) took
-        print(f"reports: {self.out}/ ({', '.join(Path(p).name for p in paths.values())})")
-        if late:
-            print(f"mxval: {late[0]} while the reports were written: they were finished first", file=sys.stderr)
-            return EXIT_INTERRUPTED
+        print(f"reports: {escape.terminal(str(self.out))}/ ({', '.join(Path(p).name for p in paths.values())})")
+        self.note_moved()
+        if late and not meta.get("interrupted"):
+            print(f"mxval: {late[0]} once the reports were written: the run had finished", file=sys.stderr)
         if meta.get("interrupted"):
-            print(f"mxval: interrupted: partial report ({len(rows)} case(s) finished, "
-                  f"{len(meta['interrupted']['cancelled'])} cancelled)", file=sys.stderr)
+            done = meta["interrupted"].get("cancelled")
+            print(f"mxval: interrupted ({meta['interrupted'].get('signal')}): "
+                  + (f"partial report ({len(rows)} case(s) finished, {len(done)} cancelled)" if done
+                     else f"every case had finished; the report says so ({len(rows)} case(s))"), file=sys.stderr)
             return EXIT_INTERRUPTED
         return EXIT_OK if report.summary(df, meta)["ok"] else EXIT_FAIL
 
+    def note_moved(self) -> None:
+        if self.out is not None and atomic.moved(self.out):
+            print(f"mxval: {escape.terminal(str(self.out))}: replaced while the run ran; its reports went into "
+                  "the directory it claimed, wherever that is now", file=sys.stderr)
 
-    def write(self, df, meta: dict) -> dict:
-        """Every report format into the claimed directory, and the console table: {format: path}."""
-        paths = write_reports(df, meta, self.out)
-        if not self.quiet:
+    def write(self, df, meta: dict, *, extra: Optional[dict] = None, on_signal: Optional[Callable] = None,
+              console: bool = True) -> dict:
+        """Every report format into the claimed directory as one set, and the console table:
+        {format: path}. A signal held since the work ended marks `meta` interrupted before the
+        set is written (or, when it came during the writing, the set is written again, marked);
+        `on_signal(meta)` updates `extra` then."""
+        def again() -> bool:
+            got = pending()
+            if not got or meta.get("interrupted"):
+                return False
+            meta["interrupted"] = {"signal": got[0], "cases_done": len(df), "cancelled": []}
+            if on_signal is not None:
+                on_signal(meta)
+            return True
+        paths = write_reports(df, meta, self.out, extra=extra, again=again)
+        if again():                              # a signal during the swap: the set again, marked
+            paths = write_reports(df, meta, self.out, extra=extra)
+        if console and not self.quiet:
             report.console_table(df, meta)
         return paths
 
 
 def write_reports(df, meta: dict, out: Path, **kw) -> dict:
-    """Every format into `out`, checked writable before the run: a full disk still shows the
-    verdict in the one-line error."""
+    """Every format into `out` as one set, checked writable before the run: a full disk leaves
+    the old set whole and still shows the verdict in the one-line error."""
     try:
         return report.write_all(df, meta, out, **kw)
     except OSError as e:
         s = report.summary(df, meta)
-        raise ReportError(f"{out}: cannot write the reports: {e.strerror or e} (verdict: {report.verdict_word(s)}, "
-                          f"{s['pass']} pass, {s['fail']} fail, {s['error']} error)") from None
+        raise ReportError(f"{escape.terminal(str(out))}: cannot write the reports: {e.strerror or e}; nothing "
+                          f"replaced (verdict: {report.verdict_word(s)}, {s['pass']} pass, {s['fail']} fail, "
+                          f"{s['error']} error)") from None

@@ -31,7 +31,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from harness.diff.metrics import Limit
+from harness.diff.metrics import Limit, reported_keys
 from harness.errors import InputError, ReportError
 from harness.io import safe_input
 from harness.run import budgets as B
@@ -103,6 +103,80 @@ def _flat(b: B.Budgets) -> dict:
     return out
 
 
+def _cases_dir(meta: dict) -> Optional[str]:
+    argv = [str(a) for a in meta.get("argv") or []]
+    cases_dir = None
+    for i, a in enumerate(argv):
+        if a == "--cases-dir" and i + 1 < len(argv):
+            cases_dir = argv[i + 1]
+        elif a.startswith("--cases-dir="):
+            cases_dir = a.split("=", 1)[1]
+    return cases_dir
+
+
+def _dump_ops(path: str) -> Optional[tuple]:
+    """The ops a dump holds, from its metadata alone (None when it cannot be read)."""
+    try:
+        from safetensors import safe_open
+
+        from harness.io.dumps import META_KEY
+        with safe_open(path, "pt") as f:
+            ops = safe_input.loads_json((f.metadata() or {})[META_KEY], path).get("ops")
+        return tuple(ops) if isinstance(ops, dict) else None
+    except Exception:                  # a file gone or unreadable: the row's own keys decide
+        return None
+
+
+def row_ops(rows: list, meta: dict) -> dict:
+    """case name -> the ops its run had, from outside the row: the case definition (the run's
+    cases directory and --path) or, for `mxval diff`, the dump's own metadata; absent where
+    neither is found."""
+    names = {str(r.get("case")) for r in rows if r.get("status") == "pass"}
+    if not names:
+        return {}
+    out: dict = {}
+    if meta.get("command") == "diff":
+        files = {Path(str(f)).name: str(f) for f in meta.get("files") or [] if isinstance(f, str)}
+        for n in names:
+            ops = _dump_ops(files[n]) if n in files else None
+            if ops:
+                out[n] = ops
+        return out
+    from harness.run.cases import Catalog, on_path
+    try:
+        by_name = Catalog(_cases_dir(meta)).by_name
+    except (InputError, OSError):
+        return {}
+    path = meta.get("path")
+    for n in names:
+        c = by_name.get(n.split(" [seed ")[0])
+        if c is not None:
+            try:
+                out[n] = tuple((on_path(c, path) if path in ("rocm", "cuda") else c).ops)
+            except (InputError, ValueError):
+                pass
+    return out
+
+
+def missing_metric(row: dict, ops, budgets: B.Budgets, suite: str, *, chain: bool) -> Optional[str]:
+    """A pass row must carry every metric its ops always report that the budgets bound: one
+    deleted from report.json (its violation with it) is never a pass. `ops` None: the ops its
+    own keys name, and at least one metric."""
+    metrics = row.get("metrics") or {}
+    if ops is None:
+        ops = tuple(sorted({k.split(".")[0] for k in metrics if not k.startswith("chain.")}))
+        if not ops:
+            return "stored as pass with no metric at all (a pass needs the metrics its budgets bound)"
+    from reference.ops import OPS
+    ops = [o for o in ops if o in OPS]
+    case = str(row.get("case")).split(" [seed ")[0]
+    for k in reported_keys(ops, chain=chain):
+        lim = budgets.limit(k, suite, case)
+        if k not in metrics and lim is not None and (lim.max is not None or lim.min is not None):
+            return f"stored as pass without {k}, which its ops always report and the budgets bound"
+    return None
+
+
 def case_expectations(rows: list, meta: dict, where: str) -> dict:
     """case name -> whether its definition declares non-finite inputs (expect_nonfinite and a
     plant), for the rows stored as nonfinite_input; None where no definition is found."""
@@ -112,15 +186,8 @@ def case_expectations(rows: list, meta: dict, where: str) -> dict:
     if meta.get("command") == "diff":                    # a dump declares nothing
         return {n: False for n in names}
     from harness.run.cases import Catalog
-    argv = [str(a) for a in meta.get("argv") or []]
-    cases_dir = None
-    for i, a in enumerate(argv):
-        if a == "--cases-dir" and i + 1 < len(argv):
-            cases_dir = argv[i + 1]
-        elif a.startswith("--cases-dir="):
-            cases_dir = a.split("=", 1)[1]
     try:
-        by_name = Catalog(cases_dir).by_name
+        by_name = Catalog(_cases_dir(meta)).by_name
     except (InputError, OSError):
         by_name = {}
     return {n: (bool(by_name[n].expect_nonfinite and by_name[n].plant) if n in by_name else None) for n in names}
@@ -244,8 +311,12 @@ def check_rows(rows: list, meta: dict, where: str, *, budgets: Optional[B.Budget
     suite = str(meta.get("suite") or "")
     selftest = meta.get("command") == "selftest"
     expects = case_expectations(rows, meta, where)
+    ops_of = row_ops(rows, meta)
+    chain = meta.get("command") != "diff"
     for r in rows:
         why = disagreement(r, budgets, suite, selftest=selftest, expects=expects)
+        if why is None and r.get("status") == "pass" and not (selftest and str(r.get("backend", "")).startswith("fault:")):
+            why = missing_metric(r, ops_of.get(str(r.get("case"))), budgets, suite, chain=chain)
         if why:
             raise ReportError(f"{where}: case {str(r.get('case'))!r:.80}: {why}; the verdict is computed, "
                               "never read (refused)")

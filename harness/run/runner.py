@@ -859,6 +859,8 @@ def _worker_main(conn, env: dict, threads: int) -> None:
     it, `memory.FRACTION_ENV`, before any case allocates), then one case per message until
     it gets None (or the parent goes away)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGHUP"):                      # a closed terminal reaches the group: the parent stops us
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)      # the parent's stop (a forked child inherits its handler)
     for k, v in env.items():
         if v is None:

@@ -21,14 +21,14 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from harness.diff import higher_is_better
 from harness.diff.metrics import CHAIN_PREFIX, is_chain
 from harness.diff.ops import label as op_label
 from harness.errors import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, UsageError
-from harness.io import atomic, report
+from harness.io import atomic, escape, report
+from harness.io.console import rich_console
 from harness.run import recheck
 from harness.run import shard as S
 from harness.run.pipeline import Run
@@ -189,16 +189,17 @@ def run(args, *, seeds: int, interpret_seeds: int) -> int:
     if not args.quiet:
         print_matrix(results, run.budgets, verdict, backends, correct_rows)
     md = markdown(results, run.budgets, verdict, meta)
-    write_report(out, results, correct_rows, verdict, meta, md, run)
+    late = write_report(out, results, correct_rows, verdict, meta, md, run)
     for path, text in ((args.json, json.dumps(verdict, indent=1, default=str) + "\n"), (args.markdown, md)):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic.write_text(path, text)
-    late = release()                          # the hold `run.execute` took: the report is whole now
-    print(_summary_line(results, verdict, correct_rows, backends, len(items), len(all_plan), run) + f"; reports: {out}/")
+    late += release()                         # the hold `run.execute` took: the report is whole now
+    print(_summary_line(results, verdict, correct_rows, backends, len(items), len(all_plan), run)
+          + f"; reports: {escape.terminal(str(out))}/")
+    run.note_moved()
     if late and not run.stopped:
-        print(f"mxval: {late[0]} while the reports were written: they were finished first", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        print(f"mxval: {late[0]} once the reports were written: the run had finished", file=sys.stderr)
     if run.stopped:
         print(f"mxval: interrupted: partial selftest report ({run.stopped['cases_done']} run(s) finished, "
               f"{len(run.stopped['cancelled'])} cancelled)", file=sys.stderr)
@@ -391,9 +392,9 @@ def _status(res: FaultResult) -> str:
 
 
 def print_matrix(results, budgets, verdict, backends, correct_rows, console=None) -> None:
-    con = console or Console()
+    con = console or rich_console()
     if not con.is_terminal:
-        con = Console(width=max(con.width, 200))        # CI logs: keep the matrix on one line per fault
+        con = rich_console(width=max(con.width, 200))        # CI logs: keep the matrix on one line per fault
     cols = matrix_columns(results)
     t = Table(title="mxval selftest: fault x metric (worst value over the fault's runs; "
                     "red = past its budget)", show_lines=False)
@@ -529,12 +530,15 @@ def write_report(out: Path, results, correct_rows, verdict, meta, md, run: Run) 
         rows.append(rr)
     df = report.frame(rows)
     meta = dict(meta, budgets=run.budgets.as_dict(), budgets_off=verdict.get("budgets_off", []), selftest=verdict)
+
+    def on_signal(m: dict) -> None:          # a signal before the set was written: it says so
+        verdict["interrupted"] = True
+        extra["selftest.json"] = json.dumps(verdict, indent=1, default=str) + "\n"
+        run.stopped = m["interrupted"]
+    extra = {"selftest.md": md, "selftest.json": json.dumps(verdict, indent=1, default=str) + "\n"}
     with deferred() as late:                  # a Ctrl-C now waits until the report is whole
-        atomic.write_text(out / "selftest.md", md)
-        atomic.write_text(out / "selftest.json", json.dumps(verdict, indent=1, default=str) + "\n")
-        report.write_all(df, meta, out)          # report.json last: only ever next to the rest
-    if late:
-        raise KeyboardInterrupt                   # honoured once the report is whole
+        run.write(df, meta, extra=extra, on_signal=on_signal, console=False)
+    return late
 
 
 # --- merging the verdicts of `--shard K/N` runs (mxval report --merge) ----------------------
@@ -605,11 +609,10 @@ class _MergedResult:
         return self._values
 
 
-def write_merged_extras(out: Path, df, meta: dict) -> None:
-    """selftest.json and selftest.md of a merged selftest report."""
+def merged_extras(out: Path, df, meta: dict) -> dict[str, str]:
+    """selftest.json and selftest.md of a merged selftest report (written with its set)."""
     verdict = meta["selftest"]
     budgets = recheck.recorded_budgets(meta, str(out / "report.json"))     # the limits the run judged by
     results = {f["name"]: _MergedResult(f) for f in verdict["faults"]}
     md = markdown(results, budgets, verdict, {"machine": verdict.get("machine", "")})
-    atomic.write_text(out / "selftest.md", md)
-    atomic.write_text(out / "selftest.json", json.dumps(verdict, indent=1, default=str) + "\n")
+    return {"selftest.md": md, "selftest.json": json.dumps(verdict, indent=1, default=str) + "\n"}

@@ -8,21 +8,19 @@ starts and ends with a device synchronize then, so a GPU's queued work is charge
 that queued it (and the run is a little slower); unset, nothing is timed or recorded."""
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 
 import torch
+
+from harness.io import env
 
 ENV = "MXVAL_STAGE_TIMES"
 
 
 def enabled() -> bool:
     """Whether MXVAL_STAGE_TIMES asks for stage times: 1 on, 0 or unset off; ValueError else."""
-    raw = os.environ.get(ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{ENV}={raw!r}: expected 1 or 0")
-    return raw == "1"
+    return env.flag(ENV)
 
 
 class StageClock:

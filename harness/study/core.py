@@ -197,7 +197,7 @@ def _study_context(cfg, d, names, kside, same_k, tokens, res, merges):
     # needles sit among the entries every row sees
     nd = make_needles(d, int(seen.min()), q, wf, kth, cfg.needle_depths, cfg.needle_margins, scale=gross)
     rows, ndep, nmar = q.shape[0], len(cfg.needle_depths), len(cfg.needle_margins)
-    n_keys = nd["keys"].reshape(rows, ndep * nmar, -1)
+    n_keys = nd["keys"].reshape(rows, ndep * nmar, nd["keys"].shape[-1])        # no needles: [R, 0, D]
     cols = torch.tensor(nd["cols"], device=q.device).repeat_interleave(nmar).expand(rows, -1)
     ok = nd["valid"].reshape(rows, ndep, nmar)
     norm_ratio = (n_keys.norm(dim=-1) / keys.norm(dim=-1).median()).reshape(rows, ndep, nmar)
@@ -318,14 +318,18 @@ def run_study(cfg: StudyConfig, *, device: str = "cpu", progress=None, jobs: int
 def _run_workers(cfg, tasks, device, progress, jobs, res) -> None:
     """The draws in worker processes, assembled in task order; on Ctrl-C the draws that
     finished are kept (in order, up to the first that did not) and the rest cancelled."""
-    ex = ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn"), initializer=_worker_init)
-    futures = [ex.submit(_one_draw, cfg, dist, seed, device) for dist, seed in tasks]
+    ex, futures = None, []
     try:
+        ex = ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn"), initializer=_worker_init)
+        futures = [ex.submit(_one_draw, cfg, dist, seed, device) for dist, seed in tasks]
         for _ in as_completed(futures):
             if progress:
                 progress()
     except KeyboardInterrupt:
-        ex.shutdown(wait=False, cancel_futures=True)
+        if ex is not None:
+            ex.shutdown(wait=False, cancel_futures=True)
+            for proc in list((getattr(ex, "_processes", None) or {}).values()):     # a draw may take minutes
+                proc.terminate()
         for f in futures:
             if not (f.done() and not f.cancelled() and f.exception() is None):
                 break

@@ -918,14 +918,14 @@ def _html(result, meta, title, md) -> str:
 
 
 def render(result: dict, out_dir: Path, *, title: str, meta: dict) -> dict:
-    """Write study.json, study.md, study.html, study.csv, study-needles.csv; return their paths."""
+    """Write study.json, study.md, study.html, study.csv, study-needles.csv as one set
+    (harness/io/atomic.py `write_set`: all or none replaced, study.json last); their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(out_dir / "study.csv", escape.csv_frame(pd.DataFrame(result["rows"])).to_csv(index=False))
-    atomic.write_text(out_dir / "study-needles.csv",
-                      escape.csv_frame(pd.DataFrame(result["needles"])).to_csv(index=False))
     md = full_markdown(result, meta)
-    atomic.write_text(out_dir / "study.md", f"# {title}\n\n{md}\n")
-    atomic.write_text(out_dir / "study.html", _html(result, meta, title, md))
-    atomic.write_text(out_dir / "study.json", json.dumps({"meta": meta, **result}, indent=1, default=str))
+    files = {"study.csv": escape.csv_frame(pd.DataFrame(result["rows"])).to_csv(index=False),
+             "study-needles.csv": escape.csv_frame(pd.DataFrame(result["needles"])).to_csv(index=False),
+             "study.md": f"# {title}\n\n{md}\n", "study.html": _html(result, meta, title, md),
+             "study.json": json.dumps({"meta": meta, **result}, indent=1, default=str)}
+    atomic.write_set(out_dir, files)
     return {n: str(out_dir / n) for n in ("study.json", "study.md", "study.html", "study.csv", "study-needles.csv")}
