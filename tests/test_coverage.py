@@ -262,32 +262,28 @@ def test_coverage_command_bad_input(capsys):
 
 # --- the suites against the model -------------------------------------------------------------------
 
-# `make test` measures the values of the cases up to this footprint and the structure of the
-# rest (the scale-edge cases reach size boundaries; their values cost minutes of reference);
-# `make test-slow` measures every value of every case.
-VALUES_FOOTPRINT = 64 << 20
-
-
-def _suite(name: str, values_up_to: float) -> cov.Coverage:
-    from harness.run.geometry import footprint
-    return cov.Coverage([cov.measure(c, "cpu", values=footprint(c) <= values_up_to)
-                         for c in Catalog().suite_cases(name)])
-
-
 def _unreached(c: cov.Coverage, needs) -> list[str]:
     return [b.name for b in c.unreached(needs)]
 
 
 def test_default_suite_reaches_every_cpu_boundary():
-    assert _unreached(_suite("default", VALUES_FOOTPRINT), ("cpu",)) == []
+    c = cov.suite_coverage(Catalog().suite_cases("default"), "cpu")
+    assert not c.unmeasured() and _unreached(c, ("cpu",)) == []
 
 
-@pytest.mark.slow
-def test_default_suite_reaches_every_cpu_boundary_with_every_value_measured():
-    assert _unreached(_suite("default", float("inf")), ("cpu",)) == []
+def test_a_case_past_the_cpu_footprint_is_measured_for_its_structure(monkeypatch):
+    c = Catalog().case("pool-top-pages")
+    full = cov.measure(c, "cpu")
+    monkeypatch.setattr(cov, "CPU_FOOTPRINT", 1 << 20)          # as if the case needed a GPU
+    m = cov.measure(c, "cpu")
+    assert full.values and not m.values and "structure only" in m.note
+    sc, kw = "paged_mxfp4_mqa_logits", "k_norm_rope_mxfp4_cache"
+    assert m.facts[sc]["pages"] == full.facts[sc]["pages"] and m.facts[sc]["row_len"] == full.facts[sc]["row_len"]
+    assert "codes" in full.facts[kw] and "codes" not in m.facts[kw] and "ties" not in m.facts["topk"]
+    assert set(m.reached()) < set(full.reached())
 
 
 @pytest.mark.gpu
 def test_full_suite_reaches_every_boundary():
-    c = cov.Coverage([cov.measure(x, "cuda") for x in Catalog().suite_cases("full")])
+    c = cov.suite_coverage(Catalog().suite_cases("full"), "cuda")
     assert not c.unmeasured() and _unreached(c, ("cpu", "gpu")) == []

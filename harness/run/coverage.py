@@ -49,7 +49,7 @@ CROWD_ROW = 2048            # a row counts as crowded from this many entries in 
 class Measured:
     case: Case
     facts: dict = field(default_factory=dict)      # op -> fact -> set
-    note: str = ""                                   # why the case was not measured here, if not
+    note: str = ""                                   # why the case's values were not measured here, if not
     values: bool = True                              # value facts measured (else the structure alone)
 
     def add(self, op: str, fact: str, values) -> None:
@@ -124,8 +124,8 @@ def measure(case: Case, device: Optional[str] = None, *, values: bool = True) ->
     m = Measured(case)
     _planted(m)
     if dev == "cpu" and footprint(case) > CPU_FOOTPRINT:
-        m.note = f"not measured on a CPU (about {footprint(case) >> 20} MiB of tensors): run on a GPU"
-        return m
+        m.note = f"structure only on a CPU (about {footprint(case) >> 20} MiB of tensors): values on a GPU"
+        values = False
     m.values = values
     inp = build(case, dev)
     facts = _Facts(m, inp, values)
