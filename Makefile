@@ -20,7 +20,7 @@ else
 endif
 MXVAL := $(PY) -m harness
 
-.PHONY: report-screenshot env lint test test-slow test-upstream test-aiter test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
+.PHONY: readme-coverage report-screenshot env lint test test-slow test-upstream test-aiter test-gpu validate selftest bench bench-reference bench-gpu readme-matrix study readme-study clean check-upstream
 
 env: $(ENV_STAMP)
 
@@ -103,6 +103,13 @@ clean:
 readme-matrix: $(ENV_STAMP)
 	$(MXVAL) selftest --quick --report-dir reports/selftest --force --markdown docs/selftest-matrix.md
 	$(PY) tools/splice_readme.py matrix docs/selftest-matrix.md
+
+# The coverage tables spliced into README.md: the default suite here; the full suite's table
+# (docs/coverage-full.md) comes from `mxval coverage --suite full --markdown` on a GPU.
+readme-coverage: $(ENV_STAMP)
+	$(MXVAL) coverage --suite default -q --markdown docs/coverage-default.md
+	cat docs/coverage-default.md docs/coverage-full.md > reports/coverage-readme.md
+	$(PY) tools/splice_readme.py coverage reports/coverage-readme.md
 
 readme-study: $(ENV_STAMP)
 	$(MXVAL) study --report-dir reports/study --force --readme docs/study-summary.md

@@ -49,7 +49,8 @@ def run(args) -> int:
         if not args.quiet:
             print(escape.terminal(f"  measured {c.name}"), flush=True)
     cov = suite_coverage(cases, progress=progress)
-    doc = coverage_json(cov, suite)
+    from harness.run.record import machine
+    doc = coverage_json(cov, suite, machine("cuda" if on_gpu else "cpu"))
     _print(cov, doc, suite)
     if args.json:
         import json
@@ -63,11 +64,11 @@ def run(args) -> int:
     return EXIT_FAIL if missing or doc["unmeasured"] else EXIT_OK
 
 
-def coverage_json(cov, suite: str) -> dict:
+def coverage_json(cov, suite: str, machine: str = "") -> dict:
     from reference.coverage import BOUNDARIES, FACTS
     by = cov.reached_by()
     return {
-        "schema": "mxval-coverage", "version": 1, "suite": suite,
+        "schema": "mxval-coverage", "version": 1, "suite": suite, "machine": machine,
         "facts": FACTS,
         "boundaries": [{"name": b.name, "ops": list(b.ops), "input": b.input, "dim": b.dim, "fact": b.fact,
                         "point": b.point, "needs": b.needs, "source": b.source, "reached_by": by[b.name]}
@@ -124,7 +125,7 @@ def markdown(doc: dict) -> str:
     groups: dict[str, list] = {}
     for b in doc["boundaries"]:
         groups.setdefault(_group(b), []).append(b)
-    lines = [f"Suite `{doc['suite']}`: {len(doc['cases'])} cases.", "",
+    lines = [f"Suite `{doc['suite']}`: {len(doc['cases'])} cases, measured on {doc.get('machine') or 'this machine'}.", "",
              "| boundaries of | count | reached | unreached |", "|---|---|---|---|"]
     for g, bs in groups.items():
         miss = [f"`{b['name']}`{' (gpu)' if b['needs'] == 'gpu' else ''}" for b in bs if not b["reached_by"]]
