@@ -116,7 +116,7 @@ def summary_lines(doc: dict) -> list[str]:
         out.append(f"{need} boundaries: {len(bs) - len(miss)} of {len(bs)} reached"
                    + (f"; unreached: {', '.join(miss)}" if miss else ""))
     if doc["unmeasured"]:
-        out.append(f"not measured here: {', '.join(doc['unmeasured'])} (they need a GPU)")
+        out.append(f"measured for their structure only here: {', '.join(doc['unmeasured'])} (their values need a GPU)")
     return out
 
 

@@ -138,7 +138,7 @@ def _crowds(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
                 "description": "rows of 65540 and 70000 entries in one radix bin (16-bit counts)"}),
             ("crowd-rows-4097", {
                 "heads": 8, "dist": ["narrow_band"], "ops": ["topk"], "history": "direct", "state_block": 256,
-                "seqs": [{"len": 2100 * R + 4097, "chunks": [4097]}],
+                "seqs": [{"len": 4400 * R + 4097, "chunks": [4097]}],
                 "description": "one call of 4097 crowded rows (the multi-block path)"})]
 
 
