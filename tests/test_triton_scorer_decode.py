@@ -79,7 +79,7 @@ def test_extreme_scale_codes_are_scaled_after_the_block_dot(kernels, shuffle):
     (qv, qs, w, kc, bt, ends), tiles, config, _ = kernels.prepare(
         "cpu", kw["query_start_loc"], kw["row_ends"], kw["weights"].shape[1], kw["q_fp4"], kw["q_scale"],
         kw["weights"], kw["kv_cache"], kw["block_table"])
-    assert kernels.extreme_codes(qs, kc, 32, 128)
+    assert kernels.extreme_codes(qs, kc, bt, kw["context_lens"], 32, 128, shuf)
 
     def run(after):
         return kernels.launch(qv, qs, w, kc, bt, tiles, ends, width=width, page_size=32, shuffle=shuf,
@@ -89,5 +89,15 @@ def test_extreme_scale_codes_are_scaled_after_the_block_dot(kernels, shuffle):
 
 
 def test_ordinary_codes_take_the_fast_path(kernels):
+    """Only the entries a call reads count: a pool's unwritten slots hold random bytes (254s
+    among them), which must not send ordinary calls down the slow path."""
+    from reference import layout
     kw = logits_case(seqs=((3, 70),))
-    assert not kernels.extreme_codes(kw["q_scale"], kw["kv_cache"], 32, 128)
+    sh = list(kw["shuffle"]) if kw["shuffle"] else None
+    args = (kw["q_scale"], kw["kv_cache"], kw["block_table"], kw["context_lens"], 32, 128, sh)
+    assert not kernels.extreme_codes(*args)
+    assert bool((kw["kv_cache"] == 254).any())                     # garbage outside the entries read
+    page = int(kw["block_table"][0, 70 // 32])
+    last = layout.scale_offsets(torch.tensor([70 % 32 - 1]), 32, 128, sh)[0, 0]       # entry 69, block 0
+    kw["kv_cache"][page, last] = 254
+    assert kernels.extreme_codes(*args)

@@ -150,6 +150,7 @@ def _scaled_after(qv_ptr, qs_ptr, row0, nrows, H, cache_ptr, start, t, jm, BM: t
     ones = tl.full((16, BM * HP), 1.0, tl.float32)
     kones = tl.full((BN, 16), 1.0, tl.float32)
     m16 = tl.arange(0, 16)
+    S_HI: tl.constexpr = NB // SHUF_L
     acc = tl.zeros((BN, BM * HP), tl.float32)
     for b in tl.static_range(NB):
         mm = b * 16 + m16                                              # this block's value bytes
@@ -160,7 +161,6 @@ def _scaled_after(qv_ptr, qs_ptr, row0, nrows, H, cache_ptr, start, t, jm, BM: t
             voff = t[:, None] * TB + mm[None, :]
             soff = PAGE * TB + t[:, None] * NB + b
         else:
-            S_HI: tl.constexpr = NB // SHUF_L
             grp = (t // SHUF_N)[:, None]
             lane = (t % SHUF_N)[:, None]
             voff = (grp * (SHUF_N * TB) + (mm[None, :] // SHUF_DT) * (SHUF_N * SHUF_DT)
@@ -350,14 +350,26 @@ def launch(q_vals, q_scales, weights, kv_cache, block_table, tiles, row_ends, *,
 EXTREME_CODES = (0, 253, 254)    # e8m0 codes whose decoded values leave fp32's normal range
 
 
-def extreme_codes(q_scale: torch.Tensor, kv_cache: torch.Tensor, page_size: int, d: int) -> bool:
-    """Whether a call's query scales or the pool's scale bytes hold a code whose e2m1 values
-    decode outside fp32's normal range (NUMERICS.md §4): the kernel then applies each block's
-    scales after its dot (`_scaled_after`). One pass over the scale bytes (1/17 of the pool)."""
-    tb, nb = d // 2, d // 32
+def extreme_codes(q_scale: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  context_lens: torch.Tensor, page_size: int, d: int, shuffle) -> bool:
+    """Whether a call's query scales, or the scale bytes of the entries it reads (each
+    sequence's first context_lens entries, through its block table: never the bytes of a
+    slot no one wrote), hold a code whose e2m1 values decode outside fp32's normal range
+    (NUMERICS.md §4): the kernel then applies each block's scales after its dot
+    (`_scaled_after`). One gather of the entries' scale bytes (1/17 of what the call reads)."""
     codes = torch.tensor(EXTREME_CODES, dtype=torch.uint8, device=kv_cache.device)
-    kscales = kv_cache[:, page_size * tb:page_size * (tb + nb)]
-    return bool(torch.isin(q_scale, codes.to(q_scale.device)).any()) or bool(torch.isin(kscales, codes).any())
+    if bool(torch.isin(q_scale, codes.to(q_scale.device)).any()):
+        return True
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    cnt = (context_lens.long()[:, None] - cols[None, :] * page_size).clamp(0, page_size)     # entries read per page
+    keep = cnt > 0
+    if not bool(keep.any()):
+        return False
+    pages, cnt = block_table[keep].long().to(kv_cache.device), cnt[keep].to(kv_cache.device)
+    t = torch.arange(page_size, device=kv_cache.device)
+    offs = layout.scale_offsets(t, page_size, d, shuffle)                                    # [page, NB]
+    scales = kv_cache[pages][:, offs]                                                        # [pages, page, NB]
+    return bool((torch.isin(scales, codes) & (t[None, :, None] < cnt[:, None, None])).any())
 
 
 def prepare(device, query_start_loc, row_ends, heads, *tensors):
@@ -379,7 +391,7 @@ def make_op(device: str):
             device, query_start_loc, row_ends, weights.shape[1], q_fp4, q_scale, weights, kv_cache, block_table)
         out = launch(qv, qs, w, kc, bt, tiles, ends, width=width, page_size=page_size, shuffle=shuf,
                      clean_logits=clean_logits, config=config,
-                     scale_after=extreme_codes(qs, kc, page_size, q_fp4.shape[2] * 2))
+                     scale_after=extreme_codes(qs, kc, bt, context_lens, page_size, q_fp4.shape[2] * 2, shuf))
         return {"logits": back(out, weights)}
 
     return {"paged_mxfp4_mqa_logits": paged_mxfp4_mqa_logits}
