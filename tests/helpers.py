@@ -137,7 +137,8 @@ def fused_k_case(seed, shuffle, page_size, rounding="rocm", tokens=48, pages=6):
     kw["kv_slot_mapping"] = torch.randperm(pages * page_size, generator=g)[:tokens]
     kw["kv_slot_mapping"][7] = -1                     # a boundary token without a slot
     kw["state_cache"][..., 5] = -0.0                  # a channel of -0.0 values: pooled -0.0 (the sign pin)
-    wk = dict(cos_sin_cache=rope.cos_sin_cache(256, 64, 160000.0, yarn_factor=16.0),
+    max_pos = max(256, int(kw["positions"].max()) + 1)          # every position's row (a long call's too)
+    wk = dict(cos_sin_cache=rope.cos_sin_cache(max_pos, 64, 160000.0, yarn_factor=16.0),
               norm_weight=(1 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16),
               kv_cache=torch.randint(0, 256, (pages, page_size * layout.entry_bytes(128) + 12), generator=g,
                                      dtype=torch.uint8),
