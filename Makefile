@@ -108,7 +108,7 @@ readme-matrix: $(ENV_STAMP)
 # (docs/coverage-full.md) comes from `mxval coverage --suite full --markdown` on a GPU.
 readme-coverage: $(ENV_STAMP)
 	$(MXVAL) coverage --suite default -q --markdown docs/coverage-default.md
-	cat docs/coverage-default.md docs/coverage-full.md > reports/coverage-readme.md
+	{ cat docs/coverage-default.md; echo; cat docs/coverage-full.md; } > reports/coverage-readme.md
 	$(PY) tools/splice_readme.py coverage reports/coverage-readme.md
 
 readme-study: $(ENV_STAMP)
