@@ -150,7 +150,7 @@ def test_env_switches_it_on_with_the_capture_layer_selection(clean, monkeypatch,
 # --- bounds ---------------------------------------------------------------------------------------
 
 def _blocked_shadow(d, ring, gate, seen):
-    def check(records, name):
+    def check(records, name, device):
         seen.append(name)
         gate.wait(30)
         return {"status": "pass", "ok": True, "reason": "", "metrics": {}}, []
@@ -185,7 +185,7 @@ def test_the_ring_bounds_what_is_held_and_the_rate_halves_when_behind(clean, lay
 
 
 def test_adaptive_rate_under_a_slow_checker(clean, layer):
-    def slow(records, name):
+    def slow(records, name, device):
         time.sleep(0.05)
         return {"status": "pass", "ok": True, "reason": "", "metrics": {}}, []
     sh = S.Shadow(clean, 1.0, ring=2, check=slow)
@@ -254,7 +254,7 @@ def test_a_correct_backend_gets_no_alarm_over_many_sampled_steps(clean, layer):
 # --- failures of the shadow itself ------------------------------------------------------------------
 
 def test_a_checker_exception_switches_the_shadow_off_and_serving_goes_on(clean, layer):
-    def broken(records, name):
+    def broken(records, name, device):
         raise RuntimeError("checker broke")
     sh = S.Shadow(clean, 1.0, ring=2, check=broken)
     install([], quiet=True, shadow=sh)
@@ -376,3 +376,56 @@ def test_graph_replays_are_checked_and_the_ring_positions_come_back(clean, monke
     assert bad
     (r,) = replay_dump(read_dump(bad[0]["dump"]))
     assert not r.ok({"topk_below_threshold": 0, "topk_rows_not_exact_frac": 0})
+
+
+KILLED = r"""
+import sys, time
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+import torch, reference
+from helpers import make_layer
+from harness.capture import install, set_context, wrap
+from harness.capture.shadow import Shadow
+from test_shadow import TOPK_MAP
+install([], quiet=True, shadow=Shadow(sys.argv[1], 1.0, ring=64, prom_every=0.05))
+rec = make_layer(4, heads=32)["topk"]
+topk = wrap(lambda logits, lengths, k, out: out.copy_(reference.topk(logits=logits, lengths=lengths, k=k)["indices"]),
+            "topk", TOPK_MAP)
+g = torch.Generator().manual_seed(0)
+step = 0
+while True:
+    set_context(layer=0, step=step)
+    topk(torch.randn(rec.inputs["logits"].shape, generator=g), rec.inputs["lengths"], rec.scalars["k"],
+         torch.empty_like(rec.outputs["indices"]))
+    step += 1
+    time.sleep(0.002)
+"""
+
+
+def test_a_killed_checker_loses_no_recorded_verdict(clean, tmp_path):
+    """The serving process killed (SIGKILL) with its checker mid-run: every verdict the
+    counters counted is in the log, whole, and `mxval shadow report` reads it."""
+    import signal
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.Popen([sys.executable, "-c", KILLED, str(clean), os.path.dirname(here), here],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        end = time.time() + 60
+        while time.time() < end and p.poll() is None:
+            if (clean / S.LOG).exists() and sum(1 for _ in open(clean / S.LOG)) >= 8:
+                break
+            time.sleep(0.05)
+        assert p.poll() is None, p.stderr.read().decode()[-2000:]
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+    entries, problems = S.read_log(clean / S.LOG)
+    assert len(problems) <= 1                       # at most the line the kill cut short
+    verdicts = [e for e in entries if e["event"] == "verdict"]
+    assert len(verdicts) >= 7 and all(e["ok"] for e in verdicts)
+    assert _prom(clean)["mxval_shadow_checked_total"] <= len(verdicts)     # nothing counted is missing
+    out = tmp_path / "report"
+    assert cli.main(["shadow", "report", str(clean), "--report-dir", str(out), "-q"]) == 0
+    assert len(json.load(open(out / "report.json"))["cases"]) == len(verdicts)

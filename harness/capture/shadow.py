@@ -248,9 +248,12 @@ class Shadow:
             self._drop()                           # what it will never check: counted as skipped
             self._safe_prom()
 
-    def _host(self, item: _Item) -> dict:
-        """The item's records on the host (its copies waited for; the side stream copies)."""
+    def _host(self, item: _Item) -> tuple[dict, str]:
+        """(the item's records on the host, the device they came from): its copies waited for,
+        then moved on the side stream."""
         from harness.run.replay import record_op
+        devs = [t.device for _, (i, _, o) in item.calls.items() for t in (*i.values(), *o.values())]
+        device = str(devs[0]) if devs else "cpu"
         if item.event is not None:
             if self._stream is not None:
                 self._stream.wait_event(item.event)
@@ -262,15 +265,18 @@ class Shadow:
         if self._stream is not None:
             self._stream.synchronize()
         item.calls = None                          # the device buffers are free to go
-        return records
+        return records, device
 
-    def _check(self, records: dict, name: str) -> tuple[dict, list]:
-        """The verdict row of one (layer, step): as `mxval diff` judges its dump."""
+    def _check(self, records: dict, name: str, device: str = "cpu") -> tuple[dict, list]:
+        """The verdict row of one (layer, step), the reference run on `device` (on the side
+        stream): as `mxval diff` judges its dump."""
         from harness.run.budgets import verdict
         from harness.run.record import dump_row
         from harness.run.replay import replay_op
         t = time.time()
-        reports = [replay_op(rec, None, path=name, device=self.device) for rec in records.values()]
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None and device.startswith("cuda") else _null()
+        with ctx:
+            reports = [replay_op(rec, None, path=name, device=device) for rec in records.values()]
         row = dump_row(name, reports, "reference", time.time() - t)
         return verdict(row, self.budgets, SUITE), reports
 
@@ -278,8 +284,8 @@ class Shadow:
         from harness.io.dumps import write_dump
         tag = lambda v: "x" if v is None else str(v)
         name = f"layer{tag(item.layer)}_step{tag(item.step)}"
-        records = self._host(item)
-        row, _ = self.check(records, name + ".safetensors")
+        records, device = self._host(item)
+        row, _ = self.check(records, name + ".safetensors", self.device or device)
         entry = {"event": "verdict", "time": round(time.time(), 3), "layer": item.layer, "step": item.step,
                  "mode": item.mode, "status": row["status"], "ok": bool(row["ok"]), "reason": row.get("reason", ""),
                  "row": _jsonable(row)}
