@@ -429,3 +429,32 @@ def test_a_killed_checker_loses_no_recorded_verdict(clean, tmp_path):
     out = tmp_path / "report"
     assert cli.main(["shadow", "report", str(clean), "--report-dir", str(out), "-q"]) == 0
     assert len(json.load(open(out / "report.json"))["cases"]) == len(verdicts)
+
+
+# --- make bench-gpu's shadow part, its logic at tiny sizes (Triton interpreter, eager) -------------
+
+BENCH_SHAPE = dict(layers=1, batch=2, context=64, heads=16, k=16)
+
+
+@pytest.fixture
+def interpreted(clean):
+    optimized.get_backend("triton-interpret")       # the kernel modules in interpreter mode
+    from harness.bench import shadow as bench
+    return bench
+
+
+def test_bench_flags_the_catalogue_fault_and_its_dump_reproduces(interpreted):
+    f = interpreted.fault(BENCH_SHAPE, rate=0.5, max_steps=40, mode="eager", device="cpu")
+    assert f["step"] is not None and f["sampled_until_flagged"] == f["expected_sampled"]
+    assert f["diff_status"] == "fail" and f["diff_same"] and "k_norm_rope_mxfp4_cache" in f["reason"]
+
+
+def test_bench_correct_loop_no_alarm_and_killed_checker(interpreted):
+    a = interpreted.alarms(BENCH_SHAPE, sampled=4, mode="eager", device="cpu", ring=2)
+    assert a["counts"]["checked"] >= 4 and a["counts"]["failed"] == 0 and a["counts"]["skipped"] == 0
+    k = interpreted.killed(BENCH_SHAPE, steps=8, mode="eager", device="cpu")
+    assert k["served"] == 8 and k["stopped_at"] and k["lost"] == 0 and k["logged"] >= 2
+    rows = interpreted.overhead(BENCH_SHAPE, steps=2, rates=(1 / 1000,), modes=("eager",), device="cpu", repeats=1)
+    assert [r["rate"] for r in rows] == [None, 1 / 1000]
+    text = "\n".join(interpreted.table(rows, None, a, k, shape=BENCH_SHAPE, machine="CPU"))
+    assert "eager at 1/1000" in text and "0 alarms" in text and "(0 lost)" in text
