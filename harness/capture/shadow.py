@@ -16,10 +16,12 @@ checker thread takes off the serving path:
 * it appends the verdict to `verdicts.jsonl` (one JSON line, flushed and fsync'd before the
   counters count it: a killed checker loses no verdict it counted), writes a failing step
   as `failures/layer<L>_step<S>.safetensors`, and rewrites `metrics.prom` (Prometheus text
-  format, atomically: a scraper never reads half a file).
+  format, atomically: a scraper never reads half a file; a reporter thread also rewrites it
+  at most once a second when the counts change, so skips show while the checker is busy).
 
-Sampling is deterministic: step S is sampled at rate r when splitmix64(seed ^ S) < r * 2^64
-(the same steps on every rank and every run with the same seed). Bounds: a sampled step
+Sampling is deterministic: step S is sampled at rate r when a splitmix64 hash of (seed, S)
+is below r * 2^64 (the same steps on every rank and every run with the same seed; a halved
+rate keeps a subset of them). Bounds: a sampled step
 that finds the queue full is skipped (counted) and halves the rate (`rate_halvings`,
 `rate` in the counters; it never goes back up by itself); the serving thread never waits
 for the checker. Any exception inside the shadow path (recording, copying, checking,
@@ -201,6 +203,11 @@ class Shadow:
             event = None
             devs = {t.device for _, (i, _, o) in calls.items() for t in (*i.values(), *o.values())}
             if any(d.type == "cuda" for d in devs):
+                if torch.cuda.is_current_stream_capturing():     # no event can be recorded: let it go
+                    self.behind()
+                    if release is not None:
+                        release()
+                    return False
                 event = torch.cuda.Event()
                 event.record()                   # after the copies, on the serving stream
             with self.lock:
@@ -390,10 +397,10 @@ class Shadow:
             self.counts["checker_alive"] = int(self.thread.is_alive())
         self._safe_prom()
 
-    def close(self) -> None:
-        """Check what is queued, stop the checker, close the log."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Check what is queued (for at most `timeout` seconds), stop the checker, close the log."""
         if self.enabled and self.thread.is_alive():
-            self.join()
+            self.join(timeout)
         self.stop()
         try:
             self._append({"event": "stop", "time": round(time.time(), 3), "counts": dict(self.counts)})
