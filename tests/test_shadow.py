@@ -186,13 +186,13 @@ def test_the_ring_bounds_what_is_held_and_the_rate_halves_when_behind(clean, lay
 
 def test_adaptive_rate_under_a_slow_checker(clean, layer):
     def slow(records, name, device):
-        time.sleep(0.05)
+        time.sleep(0.2)
         return {"status": "pass", "ok": True, "reason": "", "metrics": {}}, []
     sh = S.Shadow(clean, 1.0, ring=2, check=slow)
     install([], quiet=True, shadow=sh)
     m = Serving(layer)
     rates = []
-    for step in range(300):
+    for step in range(200):
         m.step(step, k_writer=False)
         rates.append(sh.rate)
     assert rates == sorted(rates, reverse=True) and rates[-1] <= 1 / 8     # only ever halved
@@ -449,12 +449,29 @@ def test_bench_flags_the_catalogue_fault_and_its_dump_reproduces(interpreted):
     assert f["diff_status"] == "fail" and f["diff_same"] and "k_norm_rope_mxfp4_cache" in f["reason"]
 
 
-def test_bench_correct_loop_no_alarm_and_killed_checker(interpreted):
+def test_bench_correct_loop_gets_no_alarm(interpreted):
     a = interpreted.alarms(BENCH_SHAPE, sampled=4, mode="eager", device="cpu", ring=2)
     assert a["counts"]["checked"] >= 4 and a["counts"]["failed"] == 0 and a["counts"]["skipped"] == 0
+    text = "\n".join(interpreted.table([], None, a, None, shape=BENCH_SHAPE, machine="CPU"))
+    assert f"{a['counts']['checked']} sampled steps checked, 0 alarms" in text
+
+
+def test_bench_stopped_checker_and_overhead_rows(interpreted):
     k = interpreted.killed(BENCH_SHAPE, steps=8, mode="eager", device="cpu")
     assert k["served"] == 8 and k["stopped_at"] and k["lost"] == 0 and k["logged"] >= 2
     rows = interpreted.overhead(BENCH_SHAPE, steps=2, rates=(1 / 1000,), modes=("eager",), device="cpu", repeats=1)
     assert [r["rate"] for r in rows] == [None, 1 / 1000]
-    text = "\n".join(interpreted.table(rows, None, a, k, shape=BENCH_SHAPE, machine="CPU"))
-    assert "eager at 1/1000" in text and "0 alarms" in text and "(0 lost)" in text
+    text = "\n".join(interpreted.table(rows, None, None, k, shape=BENCH_SHAPE, machine="CPU"))
+    assert "eager at 1/1000" in text and "(0 lost)" in text
+
+
+def test_shadow_report_bad_input_is_one_line(tmp_path, capsys):
+    assert cli.main(["shadow", "report", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mxval: ") and "verdicts.jsonl" in err[0]
+    assert cli.main(["shadow"]) == 2
+    d = tmp_path / "torn"
+    d.mkdir()
+    (d / S.LOG).write_text('{"event": "verdict", "layer": 1, "step": 2, "row": "nonsense"}\n')
+    assert cli.main(["shadow", "report", str(d), "--report-dir", str(tmp_path / "r")]) == 2
+    assert "no row of metrics" in capsys.readouterr().err

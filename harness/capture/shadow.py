@@ -115,12 +115,16 @@ class Steps:
 
     def __contains__(self, step) -> bool:
         sh = self.shadow
-        if not sh.enabled or step not in self.within or not chosen(step, sh.rate, sh.seed):
+        try:
+            if not sh.enabled or step not in self.within or not chosen(step, sh.rate, sh.seed):
+                return False
+            if step != self._last:             # a new step: counted once, admitted when there is room
+                self._last = step
+                self._taken = sh.admit()
+            return self._taken
+        except Exception as e:                 # never into the serving path
+            sh.fail(f"sampling: {type(e).__name__}: {e}")
             return False
-        if step != self._last:                 # a new step: counted once, admitted when there is room
-            self._last = step
-            self._taken = sh.admit()
-        return self._taken
 
 
 class _Item:
@@ -292,6 +296,9 @@ class Shadow:
         tag = lambda v: "x" if v is None else str(v)
         name = f"layer{tag(item.layer)}_step{tag(item.step)}"
         records, device = self._host(item)
+        if item.release is not None:               # the ring position is free once copied out
+            release, item.release = item.release, None
+            release()
         row, _ = self.check(records, name + ".safetensors", self.device or device)
         entry = {"event": "verdict", "time": round(time.time(), 3), "layer": item.layer, "step": item.step,
                  "mode": item.mode, "status": row["status"], "ok": bool(row["ok"]), "reason": row.get("reason", ""),
