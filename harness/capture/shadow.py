@@ -161,7 +161,7 @@ class Shadow:
         self._log = open(self.log_path, "a", encoding="utf-8")
         self._stop = threading.Event()
         self._accepting = True                 # the checker takes items (False once it stops)
-        self._stream = None
+        self._streams: dict = {}               # device -> the checker's low-priority stream there
         self.thread = threading.Thread(target=self._run, name="mxval-shadow", daemon=True)
         self._closed = threading.Event()
         self._prom_every = prom_every
@@ -231,12 +231,6 @@ class Shadow:
 
     def _run(self) -> None:
         try:
-            if self.device and self.device.startswith("cuda") or self.device is None and torch.cuda.is_available():
-                try:
-                    low = torch.cuda.Stream.priority_range()[0]
-                    self._stream = torch.cuda.Stream(priority=low)
-                except Exception:
-                    self._stream = torch.cuda.Stream()
             while not self._stop.is_set():
                 try:
                     item = self.items.get(timeout=0.05)
@@ -259,22 +253,35 @@ class Shadow:
             self._drop()                           # what it will never check: counted as skipped
             self._safe_prom()
 
+    def _on(self, device: str):
+        """A context running torch work on `device` and, on a GPU, on the checker's stream
+        there (the lowest priority the device offers; made once per device, on that device:
+        the checker thread does not inherit the serving thread's current device)."""
+        if not device.startswith("cuda"):
+            return _null()
+        dev = torch.device(device)
+        stream = self._streams.get(dev)
+        if stream is None:
+            with torch.cuda.device(dev):
+                try:
+                    stream = torch.cuda.Stream(device=dev, priority=torch.cuda.Stream.priority_range()[0])
+                except Exception:
+                    stream = torch.cuda.Stream(device=dev)
+            self._streams[dev] = stream
+        return _cuda_on(dev, stream)
+
     def _host(self, item: _Item) -> tuple[dict, str]:
-        """(the item's records on the host, the device they came from): its copies waited for,
-        then moved on the side stream."""
+        """(the item's records on the host, the device they came from): its copies waited for
+        (on the checker's stream, never the serving thread), then moved to the host there."""
         from harness.run.replay import record_op
         devs = [t.device for _, (i, _, o) in item.calls.items() for t in (*i.values(), *o.values())]
         device = str(devs[0]) if devs else "cpu"
-        if item.event is not None:
-            if self._stream is not None:
-                self._stream.wait_event(item.event)
-            else:
-                item.event.synchronize()
-        ctx = torch.cuda.stream(self._stream) if self._stream is not None else _null()
-        with ctx:
+        with self._on(device) as stream:
+            if item.event is not None:
+                stream.wait_event(item.event)
             records = {op: record_op(op, ins, scalars, outs) for op, (ins, scalars, outs) in item.calls.items()}
-        if self._stream is not None:
-            self._stream.synchronize()
+            if stream is not None:
+                stream.synchronize()
         item.calls = None                          # the device buffers are free to go
         return records, device
 
@@ -285,8 +292,7 @@ class Shadow:
         from harness.run.record import dump_row
         from harness.run.replay import replay_op
         t = time.time()
-        ctx = torch.cuda.stream(self._stream) if self._stream is not None and device.startswith("cuda") else _null()
-        with ctx:
+        with self._on(device):
             reports = [replay_op(rec, None, path=name, device=device) for rec in records.values()]
         row = dump_row(name, reports, "reference", time.time() - t)
         return verdict(row, self.budgets, SUITE), reports
@@ -427,9 +433,27 @@ class Shadow:
 
 class _null:
     def __enter__(self):
-        return self
+        return None
 
     def __exit__(self, *a):
+        return False
+
+
+class _cuda_on:
+    """torch.cuda.device(dev) and torch.cuda.stream(stream) together; yields the stream."""
+
+    def __init__(self, dev, stream):
+        self.dev, self.stream = torch.cuda.device(dev), torch.cuda.stream(stream)
+        self.s = stream
+
+    def __enter__(self):
+        self.dev.__enter__()
+        self.stream.__enter__()
+        return self.s
+
+    def __exit__(self, *a):
+        self.stream.__exit__(*a)
+        self.dev.__exit__(*a)
         return False
 
 
