@@ -129,6 +129,12 @@ def test_bad_environment_is_one_line(clean, monkeypatch):
         install([], quiet=True)
 
 
+def test_bad_api_arguments_are_refused(tmp_path):
+    for rate, ring in ((0, 4), (1.5, 4), (0.1, 0), (float("nan"), 4)):
+        with pytest.raises(ValueError, match="rate must be in"):
+            S.Shadow(tmp_path, rate, ring=ring)
+
+
 def test_env_switches_it_on_with_the_capture_layer_selection(clean, monkeypatch, layer):
     monkeypatch.setenv(S.ENV_RATE, "1")
     monkeypatch.setenv(S.ENV_DIR, str(clean))

@@ -144,6 +144,9 @@ class Shadow:
                  device: Optional[str] = None, budgets=None, model: str = "deepseek-v4-pro",
                  source: str = "mxval shadow", check=None, prom_every: float = PROM_EVERY):
         from harness.run import budgets as B
+        if not (isinstance(rate, (int, float)) and 0 < rate <= 1) or not (isinstance(ring, int) and ring >= 1):
+            raise ValueError(f"mxval shadow: rate must be in (0, 1] and ring a whole number >= 1 (got rate {rate!r}, "
+                             f"ring {ring!r})")
         self.directory = os.fspath(directory)
         os.makedirs(os.path.join(self.directory, FAILURES), exist_ok=True)
         self.rate, self.ring, self.seed, self.device = float(rate), int(ring), int(seed), device
@@ -203,6 +206,8 @@ class Shadow:
         False (and counted as skipped) when the queue is full or the shadow is off."""
         try:
             if not self.enabled:
+                if release is not None:
+                    release()
                 return False
             event = None
             devs = {t.device for _, (i, _, o) in calls.items() for t in (*i.values(), *o.values())}
