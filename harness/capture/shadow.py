@@ -156,6 +156,8 @@ class Shadow:
         self.enabled = True
         self.lock = threading.Lock()
         self._log_lock = threading.Lock()
+        self._prom_lock = threading.Lock()
+        self._prom_text: Optional[str] = None
         self.counts = {name: 0 for name, _, _ in COUNTERS}
         self.counts.update(rate=self.rate, enabled=1)
         self.items: queue.Queue = queue.Queue(maxsize=self.ring)
@@ -337,12 +339,13 @@ class Shadow:
             os.fsync(self._log.fileno())
 
     def _write_prom(self) -> None:
-        with self.lock:
-            text = prometheus(self.counts)
-            if text == getattr(self, "_prom_text", None):
+        with self._prom_lock:                # one writer at a time: the newest counts land last
+            with self.lock:
+                text = prometheus(self.counts)
+            if text == self._prom_text:
                 return
+            atomic.write_text(self.prom_path, text)
             self._prom_text = text
-        atomic.write_text(self.prom_path, text)
 
     def _report(self) -> None:
         """The counters file, rewritten every `prom_every` seconds when the counts changed
