@@ -481,3 +481,13 @@ def test_shadow_report_bad_input_is_one_line(tmp_path, capsys):
     (d / S.LOG).write_text('{"event": "verdict", "layer": 1, "step": 2, "row": "nonsense"}\n')
     assert cli.main(["shadow", "report", str(d), "--report-dir", str(tmp_path / "r")]) == 2
     assert "no row of metrics" in capsys.readouterr().err
+
+
+def test_logged_non_finite_metrics_come_back_as_numbers():
+    from harness.commands.shadow_cmd import _rows
+    row = {"case": "x", "metrics": {"topk.a": float("inf"), "topk.b": float("nan"), "topk.c": 1.5}}
+    entry = json.loads(json.dumps({"event": "verdict", "layer": 3, "step": 9, "row": S._jsonable(row)}))
+    (back,), _ = _rows([entry])
+    m = back["metrics"]
+    assert m["topk.a"] == float("inf") and m["topk.b"] != m["topk.b"] and m["topk.c"] == 1.5
+    assert back["case"] == "layer3_step9"

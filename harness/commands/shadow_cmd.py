@@ -45,9 +45,21 @@ def _rows(entries: list[dict]) -> tuple[list[dict], list[dict]]:
             row["description"] = f"kept as {e['dump']}"
         for k in ("status", "ok", "violations"):
             row.pop(k, None)
-        row["metrics"] = {k: float(v) for k, v in row["metrics"].items() if isinstance(v, (int, float))}
+        row["metrics"] = {k: _number(v) for k, v in row["metrics"].items()}
         rows.append(row)
     return rows, events
+
+
+def _number(v) -> float:
+    """A logged metric back to a float: the log writes NaN as null and ±inf as "inf"/"-inf"."""
+    if v is None:
+        return float("nan")
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise InputError(f"a metric value {str(v)[:40]!r} is not a number")
+    try:
+        return float(v)
+    except ValueError:
+        raise InputError(f"a metric value {v[:40]!r} is not a number") from None
 
 
 def _counters(path: str) -> dict:
