@@ -29,6 +29,7 @@ import sys
 import torch
 
 from harness.bench import capture as capture_bench
+from harness.bench import shadow as shadow_bench
 from harness.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 from harness.io import atomic
 from reference import layout
@@ -708,6 +709,13 @@ def _capture(b: Bench):
     capture_bench.section_for(b.extra)()
 
 
+def _shadow(b: Bench):
+    """Shadow mode (harness.bench.shadow): the added time per step at 1/1000 and 1/100, eager
+    and graph; a catalogue fault flagged and its dump replayed on the CPU; 0 alarms over
+    10,000 checked steps of a correct loop (2,000 with --quick); the checker stopped mid-run."""
+    shadow_bench.section_for(b.extra, alarm_steps=2000 if b.quick else 10000)()
+
+
 # the parts of a run, in order (a new section is a function of the Bench, added here)
 SUITE_TARGET_S = 60.0        # `mxval validate --suite full --backend triton`, wall clock
 PEAK_RATIO_TARGET = 3.0      # each case's GPU peak against its tensors
@@ -759,7 +767,8 @@ def _suite(b: Bench):
 
 
 PARTS = {"k-path": _k_path, "fused-k": _fused_k, "q-quant": _q_quant, "scorers": _scorers, "top-k": _top_k, "peers": _peers,
-         "shortcuts": _variants, "capture": _capture, "suite": _suite}
+         "shortcuts": _variants, "capture": _capture, "shadow": _shadow,
+         "suite": _suite}
 
 
 if __name__ == "__main__":

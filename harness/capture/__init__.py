@@ -72,6 +72,11 @@ through unrecorded, with one warning: DeepSeek-V4.1's candidate gather (`use_gat
 block-score-only launches and the top-k over block scores, pooling without overlap, fused
 K launches with MX-scaled FP8 or a head size that is not a power of two. For another
 version, pass your own targets: `install([Target(module, attr, op, ArgMap(...))])`.
+
+Shadow mode (harness.capture.shadow): `MXVAL_SHADOW=0.001` with `MXVAL_SHADOW_DIR=DIR`
+(or `install(shadow=Shadow(DIR, 0.001))`) checks a sampled share of the chosen layers'
+steps against the reference off the serving path, instead of writing dumps: a verdict log,
+Prometheus counters and the failing steps as dumps in DIR.
 """
 from __future__ import annotations
 
@@ -84,6 +89,7 @@ from .hook import (
     ENV_RING,
     ENV_STEPS,
     context,
+    current_shadow,
     drain,
     flush,
     install,
@@ -113,7 +119,7 @@ from .maps import (
 )
 
 __all__ = ["ENV_ANCHOR", "ENV_AUTO", "ENV_DIR", "ENV_LAYERS", "ENV_MODEL", "ENV_RING", "ENV_STEPS", "context",
-           "drain", "flush", "install", "set_context", "uninstall", "wrap", "wrap_launcher", "written",
+           "drain", "flush", "install", "set_context", "current_shadow", "uninstall", "wrap", "wrap_launcher", "written",
            "AITER_K_WRITER", "AITER_Q_QUANT", "AITER_SCORER", "AITER_TOPK", "CACHED_LOOKUPS", "HOOKS", "TARGETS",
            "VLLM_COMPRESS_POOL", "VLLM_COMPRESS_POOL_KERNEL", "VLLM_FUSED_K_FP8", "VLLM_FUSED_K_MXFP4", "VLLM_TOPK",
            "ArgMap", "Hook", "Selection", "Target"]

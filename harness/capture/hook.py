@@ -22,6 +22,7 @@ from harness.io.dumps import write_dump
 from harness.run.replay import record_op
 from optimized import upstream
 
+from . import shadow as shadow_mode
 from .maps import CACHED_LOOKUPS, LAST, TARGETS, ArgMap, Selection, _get
 
 ENV_DIR = "MXVAL_CAPTURE_DIR"
@@ -81,6 +82,7 @@ class _GraphRecord:
     calls: list = field(default_factory=list)
     anchor_calls: int = 0
     layer: Optional[int] = None                         # auto counting inside the capture
+    busy: set = field(default_factory=set)              # shadow mode: ring positions not yet checked
 
 
 class _State:
@@ -103,6 +105,7 @@ class _State:
         self.ring: list[dict] = []                     # position -> {"step", "records"}
         self.replays = 0                               # replays of recording graphs (step without context)
         self.atexit = False
+        self.shadow: Optional[shadow_mode.Shadow] = None   # shadow mode: records go to its checker
 
 
 _S = _State()
@@ -112,6 +115,15 @@ def _warn_once(key: str, msg: str) -> None:
     if key not in _S.warned:
         _S.warned.add(key)
         warnings.warn(f"mxval capture: {msg}", RuntimeWarning, stacklevel=3)
+
+
+def _trouble(key: str, msg: str) -> None:
+    """A failure inside the recording path: warned once; in shadow mode it switches the
+    shadow off (serving goes on)."""
+    _warn_once(key, msg)
+    sh = _S.shadow
+    if sh is not None:
+        sh.fail(msg)
 
 
 def _move_to(layer: Optional[int], step: Optional[int]) -> None:
@@ -190,6 +202,9 @@ def _source() -> str:
 
 def _write(key: tuple, calls: dict) -> None:
     layer, step = key
+    if _S.shadow is not None:                 # shadow mode: checked off the serving path, not written
+        _S.shadow.submit(layer, step, calls)
+        return
     records = {}
     for op, (ins, scalars, outs) in calls.items():
         try:
@@ -322,14 +337,32 @@ def _replay(orig):
         rec = getattr(self, GRAPH_ATTR, None)
         if rec is None or _S.config is None:
             return orig(self, *args, **kwargs)
-        with _S.lock:
-            pos = _ring_position(rec)
+        try:
+            with _S.lock:
+                pos = _ring_position(rec)
+        except Exception as e:
+            if _S.shadow is None:
+                raise
+            _trouble("shadow:replay", f"shadow: replay not recorded ({type(e).__name__}: {e})")
+            pos = None
         out = orig(self, *args, **kwargs)
-        if pos is not None:                   # after the replay, in its stream's order
+        if pos is None:
+            return out
+        step = None
+        if isinstance(pos, tuple):            # shadow mode: (position, step)
+            pos, step = pos
+        try:                                  # after the replay, in its stream's order
             for c in rec.calls:
                 for stages, rings in ((c.inputs, c.ring_inputs), (c.outputs, c.ring_outputs)):
                     for name, t in stages.items():
                         rings[name][pos].copy_(t)
+            if _S.shadow is not None:
+                _shadow_submit(rec, pos, step)
+        except Exception as e:
+            if _S.shadow is None:
+                raise
+            rec.busy.discard(pos)
+            _trouble("shadow:replay", f"shadow: replay not recorded ({type(e).__name__}: {e})")
         return out
     return replay
 
@@ -360,6 +393,8 @@ def _ring_position(rec: _GraphRecord) -> Optional[int]:
     cfg = _S.config
     step = _graph_step(cfg)
     pos = None
+    if _S.shadow is not None:
+        return _shadow_position(rec, step, cfg)
     if step in cfg.steps:
         last = _S.ring[-1] if _S.ring else None
         if last is not None and last["step"] == step and all(r is not rec for r in last["records"]):
@@ -370,6 +405,48 @@ def _ring_position(rec: _GraphRecord) -> Optional[int]:
             _S.ring.append({"step": step, "records": [rec]})
         pos = len(_S.ring) - 1
     return pos
+
+
+def _shadow_position(rec: _GraphRecord, step, cfg: _Config):
+    """Shadow mode: (position, step) of a free ring position of `rec` for a sampled step
+    (held until the checker has copied it out), None when the step is not sampled or the
+    ring is full (counted as skipped; the serving thread never waits)."""
+    if step not in cfg.steps:
+        return None
+    free = next((p for p in range(cfg.ring) if p not in rec.busy), None)
+    if free is None:
+        _S.shadow.behind()
+        return None
+    rec.busy.add(free)
+    return free, step
+
+
+def _shadow_submit(rec: _GraphRecord, pos: int, step) -> None:
+    """Hand a replayed step's ring position to the checker, one item per (layer, op set);
+    the position is free again when every item of it is checked (or dropped)."""
+    items = []
+    for layer in dict.fromkeys(c.layer for c in rec.calls):
+        calls: dict = {}
+        for c in rec.calls:
+            if c.layer != layer:
+                continue
+            if c.op in calls:
+                items.append((layer, calls))
+                calls = {}
+            calls[c.op] = ({n: b[pos] for n, b in c.ring_inputs.items()}, c.scalars,
+                           {n: b[pos] for n, b in c.ring_outputs.items()})
+        if calls:
+            items.append((layer, calls))
+    left = [len(items)]
+    lock = threading.Lock()
+
+    def release():
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                rec.busy.discard(pos)
+    for layer, calls in items:
+        _S.shadow.submit(layer, step, calls, release=release, mode="graph")
 
 
 def _drain_locked() -> None:
@@ -461,7 +538,7 @@ def _capture_call(fn, op: str, arg_map: ArgMap, bind, args, kwargs, extra: Optio
         scalars = {name: (_get(g, bound) if callable(g) or isinstance(g, str) and g in bound else g)
                    for name, g in arg_map.scalars.items()}
     except Exception as e:
-        _warn_once(f"in:{op}", f"{op}: cannot read the call's inputs ({type(e).__name__}: {e}); not captured")
+        _trouble(f"in:{op}", f"{op}: cannot read the call's inputs ({type(e).__name__}: {e}); not captured")
         return fn(*args, **kwargs)
     result = fn(*args, **kwargs)
     try:
@@ -478,7 +555,7 @@ def _capture_call(fn, op: str, arg_map: ArgMap, bind, args, kwargs, extra: Optio
                     calls = _S.pending.setdefault(where, {})
                 calls[op] = (ins, scalars, outs)
     except Exception as e:
-        _warn_once(f"out:{op}", f"{op}: cannot read the call's outputs ({type(e).__name__}: {e}); not captured")
+        _trouble(f"out:{op}", f"{op}: cannot read the call's outputs ({type(e).__name__}: {e}); not captured")
     return result
 
 
@@ -575,19 +652,28 @@ def _wrap_graphs() -> None:
 
 
 def install(targets: Optional[list] = None, *, quiet: bool = False,
-            rebind_prefixes: tuple = REBIND_PREFIXES) -> list[str]:
-    """Wrap every importable target when MXVAL_CAPTURE_DIR is set (else do nothing).
+            rebind_prefixes: tuple = REBIND_PREFIXES, shadow: Optional[shadow_mode.Shadow] = None) -> list[str]:
+    """Wrap every importable target when MXVAL_CAPTURE_DIR is set, or in shadow mode
+    (`shadow`, or MXVAL_SHADOW=RATE: harness.capture.shadow) (else do nothing). In shadow
+    mode the chosen layers' sampled steps go to the shadow's checker instead of dumps.
     `targets`: Targets, or tuples of alternative Targets of which the first that imports is
     wrapped (default: TARGETS, read from optimized.upstream). Returns the `module.attr`
     names wrapped; targets that cannot be imported are skipped. Loaded modules under
     `rebind_prefixes` that imported a target by name get the wrapper too."""
     cfg = _Config.from_env()
-    if cfg.directory is None:
+    if shadow is None:
+        shadow = shadow_mode.from_env(model=cfg.model, source=_source())
+    if cfg.directory is None and shadow is None:
         return []
-    os.makedirs(cfg.directory, exist_ok=True)
+    if shadow is not None:
+        cfg.steps = shadow_mode.Steps(shadow, cfg.steps)
+        cfg.ring = shadow.ring
+    else:
+        os.makedirs(cfg.directory, exist_ok=True)
     done, skipped = [], []
     with _S.lock:
         _S.config = cfg
+        _S.shadow = shadow
         _S.written = []
         for alts in TARGETS if targets is None else targets:
             alts = alts if isinstance(alts, (tuple, list)) else (alts,)
@@ -614,13 +700,29 @@ def install(targets: Optional[list] = None, *, quiet: bool = False,
         _wrap_graphs()
         _move_to(_S.layer, _S.step)
     if not _S.atexit:
-        atexit.register(flush)
+        atexit.register(_at_exit)
         _S.atexit = True
     if not quiet:
-        print(f"mxval capture: {len(done)} op(s) wrapped ({', '.join(done) or 'none'}); "
-              f"layers {cfg.layers.text}, steps {cfg.steps.text} -> {cfg.directory}"
+        print(f"mxval {'shadow' if shadow else 'capture'}: {len(done)} op(s) wrapped ({', '.join(done) or 'none'}); "
+              f"layers {cfg.layers.text}, steps {cfg.steps.text} -> {shadow.directory if shadow else cfg.directory}"
               + (f"; skipped {', '.join(skipped)}" if skipped else ""), file=sys.stderr)
     return done
+
+
+def _at_exit() -> None:
+    flush()
+    _close_shadow()
+
+
+def _close_shadow() -> None:
+    sh, _S.shadow = _S.shadow, None
+    if sh is not None:
+        sh.close()
+
+
+def current_shadow() -> Optional[shadow_mode.Shadow]:
+    """The running shadow (its counters: `.snapshot()`), or None."""
+    return _S.shadow
 
 
 def uninstall() -> None:
@@ -630,6 +732,7 @@ def uninstall() -> None:
         if _S.config is not None:
             _drain_locked()
             _flush_except(None)
+        _close_shadow()
         for mod, name, orig in reversed(_S.rebound + _S.installed):
             if orig is INHERITED:
                 delattr(mod, name)

@@ -58,6 +58,7 @@ PLUGIN_COMMANDS = {
                        "the ranks of the keys lost, over-selection, per distribution, with bootstrap intervals"),
     "upstream": ("upstream_cmd", "fetch upstream sources and check the adapters' targets against them"),
     "coverage": ("coverage", "which boundaries of the coverage model each case of a suite reaches (no backend runs)"),
+    "shadow": ("shadow_cmd", "validate while serving: summarise a shadow run's verdict log (`mxval shadow report DIR`)"),
 }
 
 

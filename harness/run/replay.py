@@ -69,16 +69,17 @@ def _unsupported(op: str, why: str) -> DiffReport:
                       [f"{why}: not compared"])
 
 
-def replay_op(rec: OpRecord, backend=None, *, path: Optional[str] = None) -> DiffReport:
+def replay_op(rec: OpRecord, backend=None, *, path: Optional[str] = None, device=None) -> DiffReport:
     """Replay one record; see the module docstring. `backend`: None (the reference), a
-    backend name, or an optimized.Backend."""
+    backend name, or an optimized.Backend. `device`: where the reference runs (default the
+    CPU; the same bytes anywhere, NUMERICS.md); the diff runs on the host."""
     op = rec.op
     extra = {"width": rec.outputs["logits"].shape[1]} if reference.OPS[op].fp64 else {}
     where = f"{path or '<dump>'}: {op}"
     try:
         if backend is None:
             fn = (reference.OPS[op].fp64 or reference.OPS[op].fn)
-            expected = _call(fn, rec, "cpu", extra)
+            expected = _call(fn, rec, device or "cpu", extra)
             actual, label = rec.outputs, "recorded output vs the reference"
         else:
             be = backend

@@ -1,0 +1,331 @@
+"""What shadow mode costs a serving loop, and whether it catches what it should (`make bench-gpu`).
+
+The synthetic decode loop of harness.bench.capture (vLLM-shaped wrappers over mxval's Triton
+kernels, eager and under a CUDA graph) with the capture hook in shadow mode: one chosen
+indexer layer, its sampled steps checked against the reference by the checker thread. Four
+measurements, each a function that also runs on the CPU at tiny sizes (eager only, through
+the Triton interpreter: the logic, not the figures):
+
+* `overhead`: steps/s with nothing installed against the shadow at each rate (1/1000 and
+  1/100 by default), the added time per step in %, and the counters at the end (a checker
+  that fell behind halves the rate: the row says so). Target: at most 3 % at 1/1000.
+* `fault`: the K writer with the OCP floor scale rule (the catalogue's `scale-ocp-floor`)
+  put into the serving ops: the steps and sampled steps until the first failing verdict
+  (expected: the first sampled step, since every step writes K entries), and its kept dump
+  replayed through the reference on the CPU (`mxval diff`'s verdict) against the logged one.
+* `alarms`: a correct loop checked on N sampled steps (rate 1, the loop waiting for the
+  checker every ring's worth of steps, so none is skipped): failing verdicts (target 0).
+* `killed`: the checker stopped mid-run: serving goes on, every counted verdict is in the
+  log, later sampled steps are counted as skipped.
+
+    python -m harness.bench.shadow [--steps N] [--alarm-steps N] [--layers L] [--batch B] [--context T]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import torch
+
+import harness.capture as capture
+from harness.bench.capture import RATIO, DecodeLoop, make_wrappers, upstream_modules
+from harness.capture import shadow as S
+
+RATES = (1 / 1000, 1 / 100)
+OVERHEAD_TARGET = 3.0                     # % added per serving step at 1/1000
+CHOSEN_LAYER = "0"
+ENV_KEYS = (capture.ENV_DIR, capture.ENV_LAYERS, capture.ENV_STEPS, capture.ENV_AUTO, capture.ENV_ANCHOR,
+            capture.ENV_RING, S.ENV_RATE, S.ENV_DIR)
+
+
+@contextlib.contextmanager
+def shadowed(directory: str, rate: float, *, layers: int, ring: int = 4, seed: int = 0, check=None):
+    """The hook installed in shadow mode on CHOSEN_LAYER (auto layer counting over `layers`
+    indexer layers); yields the Shadow; uninstalled (the queue checked first) afterwards."""
+    saved = {k: os.environ.get(k) for k in ENV_KEYS}
+    for k in ENV_KEYS:
+        os.environ.pop(k, None)
+    os.environ.update({capture.ENV_LAYERS: CHOSEN_LAYER, capture.ENV_AUTO: str(layers),
+                       capture.ENV_ANCHOR: "compress_pool"})
+    sh = S.Shadow(directory, rate, ring=ring, seed=seed, check=check)
+    try:
+        capture.install(quiet=True, shadow=sh)
+        yield sh
+    finally:
+        capture.uninstall()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+REWIND = 1024                            # steps before the positions go back to the start
+
+
+def _loop(shape: dict, device: str) -> DecodeLoop:
+    """A decode loop with room for REWIND steps; `rewind(loop)` takes it back to its start
+    (the static position buffer a graph reads), so a run of any length stays in its pool."""
+    loop = DecodeLoop(**{"headroom": REWIND + 8, **shape}, device=device)
+    loop.start = loop.positions.clone()
+    return loop
+
+
+def _step(loop: DecodeLoop, run, i: int) -> None:
+    """Step i of a long run (rewound every REWIND steps, outside the timed work's graph)."""
+    if i and i % REWIND == 0:
+        loop.positions.copy_(loop.start)
+    run()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _runner(loop: DecodeLoop, mode: str, device: str):
+    """The step function of `mode` (compiled and warmed up)."""
+    if mode == "eager":
+        loop.step()
+        return loop.step
+    g = loop.capture()
+    g.replay()
+    return g.replay
+
+
+def _time(loop, run, n: int, device: str) -> float:
+    """Seconds per step over `n` steps."""
+    _sync(device)
+    t = time.perf_counter()
+    for i in range(n):
+        _step(loop, run, i)
+    _sync(device)
+    return (time.perf_counter() - t) / n
+
+
+def overhead(shape: dict, *, steps: int, rates=RATES, modes=("eager", "graph"), device: str = "cuda",
+             repeats: int = 3) -> list[dict]:
+    """[{mode, rate, s_per_step, added_pct, counts}]: the median of `repeats` timings of
+    `steps` steps, with nothing installed (rate None) and at each rate."""
+    rows = []
+    with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-") as tmp:
+        for mode in modes:
+            base = None
+            for rate in (None, *rates):
+                loop = _loop(shape, device)
+                times, counts = [], {}
+                for r in range(repeats):
+                    if rate is None:
+                        run = _runner(loop, mode, device)
+                        times.append(_time(loop, run, steps, device))
+                        continue
+                    with shadowed(os.path.join(tmp, f"{mode}-{rate}-{r}"), rate, layers=shape["layers"],
+                                  seed=r) as sh:
+                        run = _runner(loop, mode, device)
+                        times.append(_time(loop, run, steps, device))
+                        counts = sh.snapshot()        # before the queue is checked at uninstall
+                t = sorted(times)[len(times) // 2]
+                if rate is None:
+                    base = t
+                rows.append({"mode": mode, "rate": rate, "s_per_step": t,
+                             "added_pct": None if rate is None else (t - base) / base * 100, "counts": counts})
+                print(f"shadow overhead: {mode:5s} rate {rate if rate else 'off':>6} "
+                      f"{t * 1e3:9.3f} ms/step" + ("" if rate is None else f" ({rows[-1]['added_pct']:+.2f} %, "
+                                                   f"{counts.get('sampled', 0)} sampled, "
+                                                   f"{counts.get('skipped', 0)} skipped)"), flush=True)
+                del loop
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def fault(shape: dict, *, rate: float = 1 / 100, max_steps: int = 2000, mode: str = "graph",
+          device: str = "cuda", seed: int = 0) -> dict:
+    """The catalogue's `scale-ocp-floor` K writer in the serving loop: when the first failing
+    verdict came, and whether its dump gives the same verdict through the reference on the CPU."""
+    from harness.io.dumps import read_dump
+    from harness.run.budgets import verdict
+    from harness.run.record import dump_row
+    from harness.run.replay import replay_dump
+    out = {"mode": mode, "rate": rate}
+    with upstream_modules(make_wrappers(scale_rule="ocp-floor")), \
+            tempfile.TemporaryDirectory(prefix="mxval-shadow-fault-") as tmp:
+        loop = _loop(shape, device)
+        with shadowed(tmp, rate, layers=shape["layers"], seed=seed, ring=4) as sh:
+            run = _runner(loop, mode, device)
+            steps, writes = 0, {}
+            while steps < max_steps:
+                if steps and steps % REWIND == 0:
+                    loop.positions.copy_(loop.start)
+                pos = loop.positions.cpu()          # before the step (a synchronization: not timed here)
+                run()
+                writes[capture.context()[1]] = bool(((pos + 1) % RATIO == 0).any())
+                steps += 1
+                if sh.snapshot()["sampled"] and steps % 8 == 0:
+                    _sync(device)
+                    sh.join(300)
+                    if sh.snapshot()["failed"]:
+                        break
+            _sync(device)
+            sh.join(300)
+            counts = sh.snapshot()
+        verdicts = [e for e in S.read_log(os.path.join(tmp, S.LOG))[0] if e.get("event") == "verdict"]
+        first = next((e for e in verdicts if not e["ok"]), None)
+        before = [e for e in verdicts if first is not None and e["step"] < first["step"]]
+        # the expected count: the first sampled step that writes a K entry (a sequence at a
+        # pooling boundary); steps that write none cannot show a K-writer fault
+        out.update(steps=steps, counts=counts, sampled_until_flagged=None if first is None else 1 + len(before),
+                   expected_sampled=None if first is None else
+                   1 + sum(1 for e in before if not writes.get(e["step"], _writes(loop, e["step"]))))
+        if first is not None:
+            d = read_dump(first["dump"])
+            row = verdict(dump_row(first["dump"], replay_dump(d), "reference", 0.0), sh.budgets, S.SUITE)
+            out.update(step=first["step"], reason=first["reason"], diff_status=row["status"],
+                       diff_same=row["status"] == first["status"] and row["metrics"] == first["row"]["metrics"],
+                       dump_bytes=os.path.getsize(first["dump"]))
+    return out
+
+
+def _writes(loop: DecodeLoop, step: int) -> bool:
+    """Whether the loop's step `step` writes a K entry, for the steps before any rewind (the
+    warm-up steps: the hook's step s runs at the start positions + s)."""
+    pos = loop.start.cpu() + step
+    return bool(((pos + 1) % RATIO == 0).any())
+
+
+def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cuda", ring: int = 4) -> dict:
+    """A correct loop, `sampled` steps each checked (rate 1; the loop waits for the checker
+    every `ring` steps, so nothing is skipped): the failing verdicts (target 0)."""
+    with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-alarms-") as tmp:
+        loop = _loop(shape, device)
+        t = time.perf_counter()
+        with shadowed(tmp, 1.0, layers=shape["layers"], ring=ring) as sh:
+            run = _runner(loop, mode, device)
+            for i in range(sampled):
+                _step(loop, run, i)
+                if (i + 1) % ring == 0:
+                    _sync(device)
+                    sh.join(600)
+            _sync(device)
+            sh.join(600)
+            counts = sh.snapshot()
+        reasons = [e["reason"] for e in S.read_log(os.path.join(tmp, S.LOG))[0]
+                   if e.get("event") == "verdict" and not e["ok"]]
+    return {"mode": mode, "sampled": sampled, "counts": counts, "reasons": reasons[:3],
+            "seconds": time.perf_counter() - t}
+
+
+def killed(shape: dict, *, steps: int = 64, mode: str = "graph", device: str = "cuda") -> dict:
+    """The checker stopped after a few verdicts, mid-run: serving goes on; every verdict
+    counted is in the log."""
+    with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-kill-") as tmp:
+        loop = _loop(shape, device)
+        with shadowed(tmp, 1.0, layers=shape["layers"], ring=4) as sh:
+            run = _runner(loop, mode, device)
+            served = stopped_at = 0
+            for i in range(steps):
+                _step(loop, run, i)
+                served += 1
+                if stopped_at == 0 and sh.snapshot()["checked"] >= 2:
+                    sh.stop(wait=False)           # mid-run: the serving loop does not wait for it
+                    stopped_at = i + 1
+                elif stopped_at == 0:
+                    _sync(device)
+                    time.sleep(0.01)
+            _sync(device)
+            sh.thread.join(300)
+            counts = sh.snapshot()
+        logged = sum(1 for e in S.read_log(os.path.join(tmp, S.LOG))[0] if e.get("event") == "verdict")
+    return {"mode": mode, "served": served, "stopped_at": stopped_at, "counts": counts, "logged": logged,
+            "lost": counts["checked"] - logged}
+
+
+def table(rows: list[dict], fault_r: Optional[dict], alarm_r: Optional[dict], kill_r: Optional[dict], *,
+          shape: dict, machine: str) -> list[str]:
+    out = ["", "## Shadow mode (synthetic decode loop)", "",
+           f"Machine: {machine}. {shape['layers']} indexer layers, {shape['batch']} sequences decoding from "
+           f"{shape['context']} tokens; layer {CHOSEN_LAYER} chosen, sampled steps checked by the checker thread "
+           f"(reference on the serving GPU, low-priority stream), ring of 4. Target: at most "
+           f"{OVERHEAD_TARGET:g} % added per step at 1/1000.", "",
+           "| mode | rate | ms/step | added per step | sampled | checked | skipped | rate at the end |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["counts"]
+        added = "-" if r["rate"] is None else f"{r['added_pct']:+.2f} %"
+        label = "off" if r["rate"] is None else f"1/{round(1 / r['rate'])}"
+        out.append(f"| {r['mode']} | {label} | "
+                   f"{r['s_per_step'] * 1e3:.3f} | {added} | {c.get('sampled', '-')} | {c.get('checked', '-')} | "
+                   f"{c.get('skipped', '-')} | {c.get('rate', '-') if c else '-'} |")
+    for r in rows:
+        if r["rate"] is not None and abs(r["rate"] - 1 / 1000) < 1e-12:
+            ok = r["added_pct"] <= OVERHEAD_TARGET
+            out.append(f"* {r['mode']} at 1/1000: {r['added_pct']:+.2f} % per step (target <= "
+                       f"{OVERHEAD_TARGET:g} %: {'met' if ok else 'NOT met'})")
+    if fault_r is not None:
+        f = fault_r
+        out.append(f"* fault `scale-ocp-floor` ({f['mode']}, rate 1/{round(1 / f['rate'])}): "
+                   + (f"flagged at step {f['step']}, sampled step {f['sampled_until_flagged']} (expected "
+                      f"{f['expected_sampled']}: the first sampled step that writes a K entry); its dump ({f['dump_bytes']} bytes) through the reference on "
+                      f"the CPU: {f['diff_status']} ({'the same verdict and metrics' if f['diff_same'] else 'NOT the same'})"
+                      if f.get("step") is not None else f"NOT flagged in {f['steps']} steps ({f['counts']})"))
+    if alarm_r is not None:
+        a = alarm_r
+        out.append(f"* correct loop ({a['mode']}): {a['counts']['checked']} sampled steps checked, "
+                   f"{a['counts']['failed']} alarms (target 0), {a['counts']['skipped']} skipped, "
+                   f"{a['seconds']:.0f} s" + (f"; first: {a['reasons'][0]}" if a["reasons"] else ""))
+    if kill_r is not None:
+        k = kill_r
+        out.append(f"* checker stopped after step {k['stopped_at']} ({k['mode']}): serving ran {k['served']} "
+                   f"steps; {k['counts']['checked']} verdicts counted, {k['logged']} in the log ({k['lost']} lost), "
+                   f"{k['counts']['skipped']} sampled steps skipped afterwards")
+    return out
+
+
+def section_for(lines: list, **kw):
+    """For harness.bench.gpu: a part that appends the shadow rows to `lines`."""
+    def shadow_mode():
+        lines.extend(run_all(**kw))
+    return shadow_mode
+
+
+def run_all(*, layers=4, batch=32, context=8192, steps=5000, alarm_steps=10000, device="cuda",
+            modes=("eager", "graph"), repeats=3) -> list[str]:
+    shape = dict(layers=layers, batch=batch, context=context)
+    graph = "graph" if "graph" in modes else modes[0]
+    rows = overhead(shape, steps=steps, modes=modes, device=device, repeats=repeats)
+    f = fault(shape, mode=graph, device=device)
+    a = alarms(shape, sampled=alarm_steps, mode=graph, device=device)
+    k = killed(shape, mode=graph, device=device)
+    machine = (f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}" if device.startswith("cuda")
+               else f"CPU (Triton interpreter); torch {torch.__version__}")
+    return table(rows, f, a, k, shape=shape, machine=machine)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5000, help="steps per timing (1/1000 samples about 5 of 5000)")
+    ap.add_argument("--alarm-steps", type=int, default=10000, help="sampled steps of the correct loop")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--out", default=None, help="append the table to this Markdown file")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("mxval: bench shadow: no CUDA/ROCm GPU visible to torch", file=sys.stderr)
+        return 2
+    lines = run_all(layers=a.layers, batch=a.batch, context=a.context, steps=a.steps, alarm_steps=a.alarm_steps)
+    print("\n".join(lines))
+    if a.out:
+        from harness.io import atomic
+        old = open(a.out).read() if os.path.exists(a.out) else ""
+        atomic.write_text(a.out, old + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,514 @@
+"""Shadow mode: a sampled share of live steps checked against the reference while serving.
+
+The capture hook (harness.capture.hook) chooses the layers and records a sampled step's op
+inputs and outputs exactly as it does for a dump (eager calls cloned at the call, graph
+replays copied after the replay into a ring allocated outside the graph's pool). In shadow
+mode the records are not written: each (layer, step) becomes one item of a bounded queue
+(at most RING items; a graph step also holds its ring position until it is checked) that a
+checker thread takes off the serving path:
+
+* it waits for the item's copies (a CUDA event recorded on the serving stream after them;
+  the wait blocks the checker only) and moves them to the host on a low-priority side stream;
+* it replays every op through the reference (harness.run.replay, on the serving GPU by
+  default, `MXVAL_SHADOW_DEVICE=cpu` on the host), builds the row `mxval diff` builds
+  (harness.run.record.dump_row) and judges it with the same budgets (harness.run.budgets,
+  suite "diff"), so a dump of the step replayed by `mxval diff` gives the same verdict;
+* it appends the verdict to `verdicts.jsonl` (one JSON line, flushed and fsync'd before the
+  counters count it: a killed checker loses no verdict it counted), writes a failing step
+  as `failures/layer<L>_step<S>.safetensors`, and rewrites `metrics.prom` (Prometheus text
+  format, atomically: a scraper never reads half a file; a reporter thread also rewrites it
+  at most once a second when the counts change, so skips show while the checker is busy).
+
+Sampling is deterministic: step S is sampled at rate r when a splitmix64 hash of (seed, S)
+is below r * 2^64 (the same steps on every rank and every run with the same seed; a halved
+rate keeps a subset of them). Bounds: a sampled step
+that finds the queue full is skipped (counted) and halves the rate (`rate_halvings`,
+`rate` in the counters; it never goes back up by itself); the serving thread never waits
+for the checker. Any exception inside the shadow path (recording, copying, checking,
+writing) is logged once, recorded in the log, and switches the shadow off; serving goes on
+untouched. A checker that stops (killed, or `stop()`) leaves every verdict already counted
+in the log; later sampled steps are counted as skipped.
+
+Why a thread on the serving process and not a worker process: the recorded fields of a
+graph replay live in device buffers of the serving process (a ring allocated next to the
+graph); a worker process would need CUDA/HIP IPC handles for each of them or a host copy on
+the serving path. A thread reads them where they are, on its own low-priority stream, and
+the reference launches release the GIL while the GPU works. The cost of the checker's
+Python on the serving process's GIL is what `make bench-gpu`'s shadow rows measure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+import traceback
+import warnings
+from typing import Optional
+
+import torch
+
+from harness.io import atomic, env
+
+ENV_RATE = "MXVAL_SHADOW"
+ENV_DIR = "MXVAL_SHADOW_DIR"
+ENV_RING = "MXVAL_SHADOW_RING"
+ENV_SEED = "MXVAL_SHADOW_SEED"
+ENV_DEVICE = "MXVAL_SHADOW_DEVICE"
+ENV_BUDGETS = "MXVAL_SHADOW_BUDGETS"
+RING_DEFAULT = 4
+PROM_EVERY = 1.0                   # seconds between rewrites of the counters file (when they changed)
+LOG, PROM, FAILURES = "verdicts.jsonl", "metrics.prom", "failures"
+SUITE = "diff"                     # the budgets scope `mxval diff` judges a dump under
+MASK = (1 << 64) - 1
+
+COUNTERS = (
+    ("sampled", "counter", "steps sampled for checking"),
+    ("checked", "counter", "(layer, step) items checked against the reference"),
+    ("passed", "counter", "items within every budget"),
+    ("failed", "counter", "items that broke a budget (each kept as a dump)"),
+    ("skipped", "counter", "sampled steps or items dropped for lack of budget (queue full)"),
+    ("rate_halvings", "counter", "times the sampling rate was halved because the checker fell behind"),
+    ("queued", "gauge", "items waiting for the checker"),
+    ("rate", "gauge", "sampling rate now (steps checked per step served)"),
+    ("enabled", "gauge", "1 while the shadow runs, 0 once switched off"),
+    ("checker_alive", "gauge", "1 while the checker thread runs"),
+)
+
+
+def mix(seed: int, step: int) -> int:
+    """splitmix64 of seed ^ step: a 64-bit hash, the same on every machine."""
+    z = (seed ^ (step * 0x9E3779B97F4A7C15)) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def chosen(step: Optional[int], rate: float, seed: int = 0) -> bool:
+    """Whether step `step` is sampled at `rate` (deterministic)."""
+    if step is None or rate <= 0:
+        return False
+    return rate >= 1 or mix(seed, int(step)) < rate * 2.0 ** 64
+
+
+def prometheus(counts: dict) -> str:
+    """The counters in Prometheus text exposition format."""
+    out = []
+    for name, kind, help_ in COUNTERS:
+        full = f"mxval_shadow_{name}" + ("_total" if kind == "counter" else "")
+        v = counts.get(name, 0)
+        out += [f"# HELP {full} {help_}", f"# TYPE {full} {kind}",
+                f"{full} {float(v):.9g}" if isinstance(v, float) else f"{full} {int(v)}"]
+    return "\n".join(out) + "\n"
+
+
+class Steps:
+    """The capture's step selection in shadow mode: a step is chosen when the capture's own
+    selection holds it, it is sampled at the current rate, and the checker has room."""
+
+    def __init__(self, shadow: "Shadow", within):
+        self.shadow, self.within = shadow, within
+        self.text = f"sampled at {shadow.rate:g}"
+        self._last: Optional[int] = None
+        self._taken = False
+
+    def __contains__(self, step) -> bool:
+        sh = self.shadow
+        try:
+            if not sh.enabled or step not in self.within or not chosen(step, sh.rate, sh.seed):
+                return False
+            if step != self._last:             # a new step: counted once, admitted when there is room
+                self._last = step
+                self._taken = sh.admit()
+            return self._taken
+        except Exception as e:                 # never into the serving path
+            sh.fail(f"sampling: {type(e).__name__}: {e}")
+            return False
+
+
+class _Item:
+    __slots__ = ("layer", "step", "calls", "event", "release", "mode")
+
+    def __init__(self, layer, step, calls, event, release, mode):
+        self.layer, self.step, self.calls, self.event, self.release, self.mode = \
+            layer, step, calls, event, release, mode
+
+
+class Shadow:
+    """The checker and its counters. `directory`: where the log, the counters and the failing
+    dumps go; `rate`: the share of steps sampled; `ring`: items in flight at most;
+    `device`: where the reference runs (None: where the records are)."""
+
+    def __init__(self, directory, rate: float, *, ring: int = RING_DEFAULT, seed: int = 0,
+                 device: Optional[str] = None, budgets=None, model: str = "deepseek-v4-pro",
+                 source: str = "mxval shadow", check=None, prom_every: float = PROM_EVERY):
+        from harness.run import budgets as B
+        if not (isinstance(rate, (int, float)) and 0 < rate <= 1) or not (isinstance(ring, int) and ring >= 1):
+            raise ValueError(f"mxval shadow: rate must be in (0, 1] and ring a whole number >= 1 (got rate {rate!r}, "
+                             f"ring {ring!r})")
+        self.directory = os.fspath(directory)
+        os.makedirs(os.path.join(self.directory, FAILURES), exist_ok=True)
+        self.rate, self.ring, self.seed, self.device = float(rate), int(ring), int(seed), device
+        self.budgets = budgets if isinstance(budgets, B.Budgets) else B.load(budgets)
+        self.model, self.source = model, source
+        self.check = check if check is not None else self._check
+        self.enabled = True
+        self.lock = threading.Lock()
+        self._log_lock = threading.Lock()
+        self._prom_lock = threading.Lock()
+        self._prom_text: Optional[str] = None
+        self.counts = {name: 0 for name, _, _ in COUNTERS}
+        self.counts.update(rate=self.rate, enabled=1)
+        self.items: queue.Queue = queue.Queue(maxsize=self.ring)
+        self.log_path = os.path.join(self.directory, LOG)
+        self.prom_path = os.path.join(self.directory, PROM)
+        self._log = open(self.log_path, "a", encoding="utf-8")
+        self._stop = threading.Event()
+        self._accepting = True                 # the checker takes items (False once it stops)
+        self._streams: dict = {}               # device -> the checker's low-priority stream there
+        self.thread = threading.Thread(target=self._run, name="mxval-shadow", daemon=True)
+        self._closed = threading.Event()
+        self._prom_every = prom_every
+        self._reporter = threading.Thread(target=self._report, name="mxval-shadow-counters", daemon=True)
+        self._append({"event": "start", "rate": self.rate, "ring": self.ring, "seed": self.seed,
+                      "device": device or "records", "budgets": self.budgets.path, "pid": os.getpid()})
+        self.thread.start()
+        self.counts["checker_alive"] = 1
+        self._write_prom()
+        self._reporter.start()
+
+    # --- the serving side: never waits, never raises -------------------------------------
+
+    def admit(self) -> bool:
+        """A sampled step: True when the checker has room for it (counted as sampled), else
+        counted as skipped and the rate halved."""
+        with self.lock:
+            if not self._accepting or self.items.qsize() >= self.ring:
+                self._behind_locked()
+                return False
+            self.counts["sampled"] += 1
+            return True
+
+    def behind(self) -> None:
+        """A sampled step with no room (the graph ring is full): skipped, the rate halved."""
+        with self.lock:
+            self._behind_locked()
+
+    def _behind_locked(self) -> None:
+        self.counts["skipped"] += 1
+        if self._accepting:                    # a stopped checker is not slow: nothing to adapt
+            self.rate /= 2
+            self.counts["rate_halvings"] += 1
+            self.counts["rate"] = self.rate
+
+    def submit(self, layer, step, calls: dict, *, release=None, mode: str = "eager") -> bool:
+        """Hand one (layer, step)'s records ({op: (inputs, scalars, outputs)}, device tensors
+        the caller no longer writes, or ring views it keeps until `release()`) to the checker.
+        False (and counted as skipped) when the queue is full or the shadow is off."""
+        try:
+            if not self.enabled:
+                if release is not None:
+                    release()
+                return False
+            event = None
+            devs = {t.device for _, (i, _, o) in calls.items() for t in (*i.values(), *o.values())}
+            if any(d.type == "cuda" for d in devs):
+                if torch.cuda.is_current_stream_capturing():     # no event can be recorded: let it go
+                    self.behind()
+                    if release is not None:
+                        release()
+                    return False
+                event = torch.cuda.Event()
+                event.record()                   # after the copies, on the serving stream
+            with self.lock:
+                if self.items.full() or not self._accepting:
+                    self._behind_locked()
+                    if release is not None:
+                        release()
+                    return False
+                self.items.put_nowait(_Item(layer, step, calls, event, release, mode))
+                self.counts["queued"] = self.items.qsize()
+            return True
+        except Exception as e:
+            self.fail(f"submit: {type(e).__name__}: {e}", traceback.format_exc())
+            return False
+
+    # --- the checker ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    item = self.items.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                try:
+                    self._one(item)
+                finally:
+                    self.items.task_done()
+                    with self.lock:
+                        self.counts["queued"] = self.items.qsize()
+                    if item.release is not None:
+                        item.release()
+        except BaseException as e:                # the checker's own failure: the shadow goes off
+            self.fail(f"checker: {type(e).__name__}: {e}", traceback.format_exc())
+        finally:
+            with self.lock:
+                self.counts["checker_alive"] = 0
+                self._accepting = False            # under the lock: no item comes in after the drop
+            self._drop()                           # what it will never check: counted as skipped
+            self._safe_prom()
+
+    def _on(self, device: str):
+        """A context running torch work on `device` and, on a GPU, on the checker's stream
+        there (the lowest priority the device offers; made once per device, on that device:
+        the checker thread does not inherit the serving thread's current device)."""
+        if not device.startswith("cuda"):
+            return _null()
+        dev = torch.device(device)
+        stream = self._streams.get(dev)
+        if stream is None:
+            with torch.cuda.device(dev):
+                try:
+                    stream = torch.cuda.Stream(device=dev, priority=torch.cuda.Stream.priority_range()[0])
+                except Exception:
+                    stream = torch.cuda.Stream(device=dev)
+            self._streams[dev] = stream
+        return _cuda_on(dev, stream)
+
+    def _host(self, item: _Item) -> tuple[dict, str]:
+        """(the item's records on the host, the device they came from): its copies waited for
+        (on the checker's stream, never the serving thread), then moved to the host there."""
+        from harness.run.replay import record_op
+        devs = [t.device for _, (i, _, o) in item.calls.items() for t in (*i.values(), *o.values())]
+        device = str(devs[0]) if devs else "cpu"
+        with self._on(device) as stream:
+            if item.event is not None:
+                stream.wait_event(item.event)
+            records = {op: record_op(op, ins, scalars, outs) for op, (ins, scalars, outs) in item.calls.items()}
+            if stream is not None:
+                stream.synchronize()
+        item.calls = None                          # the device buffers are free to go
+        return records, device
+
+    def _check(self, records: dict, name: str, device: str = "cpu") -> tuple[dict, list]:
+        """The verdict row of one (layer, step), the reference run on `device` (on the side
+        stream): as `mxval diff` judges its dump."""
+        from harness.run.budgets import verdict
+        from harness.run.record import dump_row
+        from harness.run.replay import replay_op
+        t = time.time()
+        with self._on(device):
+            reports = [replay_op(rec, None, path=name, device=device) for rec in records.values()]
+        row = dump_row(name, reports, "reference", time.time() - t)
+        return verdict(row, self.budgets, SUITE), reports
+
+    def _one(self, item: _Item) -> None:
+        from harness.io.dumps import write_dump
+        tag = lambda v: "x" if v is None else str(v)
+        name = f"layer{tag(item.layer)}_step{tag(item.step)}"
+        records, device = self._host(item)
+        if item.release is not None:               # the ring position is free once copied out
+            release, item.release = item.release, None
+            release()
+        row, _ = self.check(records, name + ".safetensors", self.device or device)
+        entry = {"event": "verdict", "time": round(time.time(), 3), "layer": item.layer, "step": item.step,
+                 "mode": item.mode, "status": row["status"], "ok": bool(row["ok"]), "reason": row.get("reason", ""),
+                 "row": _jsonable(row)}
+        if not row["ok"]:
+            base = os.path.join(self.directory, FAILURES, name)
+            path, n = base + ".safetensors", 1
+            while os.path.exists(path):
+                path, n = f"{base}_{n}.safetensors", n + 1
+            entry["dump"] = write_dump(path, records, source=self.source, model=self.model, layer=item.layer,
+                                       step=item.step)
+        self._append(entry)                        # durable before it is counted
+        with self.lock:
+            self.counts["checked"] += 1
+            self.counts["passed" if row["ok"] else "failed"] += 1
+        self._write_prom()
+
+    # --- records -------------------------------------------------------------------------
+
+    def _append(self, entry: dict) -> None:
+        line = json.dumps(entry, sort_keys=True, allow_nan=False, default=str) + "\n"
+        with self._log_lock:                 # one whole line at a time, durable before it returns
+            self._log.write(line)
+            self._log.flush()
+            os.fsync(self._log.fileno())
+
+    def _write_prom(self) -> None:
+        with self._prom_lock:                # one writer at a time: the newest counts land last
+            with self.lock:
+                text = prometheus(self.counts)
+            if text == self._prom_text:
+                return
+            atomic.write_text(self.prom_path, text)
+            self._prom_text = text
+
+    def _report(self) -> None:
+        """The counters file, rewritten every `prom_every` seconds when the counts changed
+        (the serving thread only counts; a busy checker does not hold the file back)."""
+        while not self._closed.wait(self._prom_every):
+            with self.lock:
+                self.counts["checker_alive"] = int(self.thread.is_alive())
+            self._safe_prom()
+
+    def _safe_prom(self) -> None:
+        try:
+            self._write_prom()
+        except Exception:
+            pass
+
+    def fail(self, why: str, trace: str = "") -> None:
+        """Switch the shadow off: logged once (a warning and a log entry); never raises."""
+        with self.lock:
+            was, self.enabled = self.enabled, False
+            self.counts["enabled"] = 0
+        self._stop.set()
+        if not was:
+            return
+        try:
+            warnings.warn(f"mxval shadow: switched off: {why}", RuntimeWarning, stacklevel=2)
+        except Exception:
+            pass
+        try:
+            self._append({"event": "off", "time": round(time.time(), 3), "why": why, "traceback": trace[-4000:]})
+        except Exception:
+            pass
+        self._drop()
+        self._safe_prom()
+
+    def _drop(self) -> None:
+        while True:
+            try:
+                item = self.items.get_nowait()
+            except queue.Empty:
+                return
+            self.items.task_done()
+            with self.lock:
+                self.counts["skipped"] += 1
+                self.counts["queued"] = self.items.qsize()
+            if item.release is not None:
+                try:
+                    item.release()
+                except Exception:
+                    pass
+
+    def join(self, timeout: float = 60.0) -> bool:
+        """Wait until every queued item is checked (True), or `timeout` seconds."""
+        end = time.time() + timeout
+        while time.time() < end:
+            if self.items.unfinished_tasks == 0:
+                return True
+            if not self.thread.is_alive():
+                return self.items.empty()
+            time.sleep(0.01)
+        return False
+
+    def stop(self, *, wait: bool = True) -> None:
+        """Stop the checker (after the item it is checking; queued items are dropped and
+        released). The log keeps every verdict counted."""
+        self._stop.set()
+        if wait and self.thread is not threading.current_thread():
+            self.thread.join()
+        self._drop()
+        with self.lock:
+            self.counts["checker_alive"] = int(self.thread.is_alive())
+        self._safe_prom()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Check what is queued (for at most `timeout` seconds), stop the checker, close the log."""
+        if self.enabled and self.thread.is_alive():
+            self.join(timeout)
+        self.stop()
+        try:
+            self._append({"event": "stop", "time": round(time.time(), 3), "counts": dict(self.counts)})
+            self._log.close()
+        except Exception:
+            pass
+        self._closed.set()
+        try:
+            self._write_prom()
+        except Exception:
+            pass
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return dict(self.counts)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+class _cuda_on:
+    """torch.cuda.device(dev) and torch.cuda.stream(stream) together; yields the stream."""
+
+    def __init__(self, dev, stream):
+        self.dev, self.stream = torch.cuda.device(dev), torch.cuda.stream(stream)
+        self.s = stream
+
+    def __enter__(self):
+        self.dev.__enter__()
+        self.stream.__enter__()
+        return self.s
+
+    def __exit__(self, *a):
+        self.stream.__exit__(*a)
+        self.dev.__exit__(*a)
+        return False
+
+
+def _jsonable(v):
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float) and v != v:
+        return None
+    if isinstance(v, float) and v in (float("inf"), float("-inf")):
+        return str(v)
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    return str(v)
+
+
+def from_env(*, model: str = "deepseek-v4-pro", source: str = "mxval shadow") -> Optional[Shadow]:
+    """A Shadow configured from MXVAL_SHADOW* (None when MXVAL_SHADOW is unset or 0)."""
+    raw = env.text(ENV_RATE)
+    if raw in ("", "0"):
+        return None
+    rate = env.number(ENV_RATE, 0.0, 1.0)
+    directory = env.text(ENV_DIR) or env.text("MXVAL_CAPTURE_DIR")
+    if not directory:
+        raise env.EnvError(f"{ENV_RATE}={env.show(raw)}: set {ENV_DIR} (the verdict log, counters and failing dumps)")
+    ring = env.integer(ENV_RING, RING_DEFAULT, 1, 2 ** 16)
+    seed = env.integer(ENV_SEED, 0, 0, 2 ** 63)
+    device = env.text(ENV_DEVICE) or None
+    return Shadow(directory, rate, ring=ring, seed=seed, device=device, budgets=env.text(ENV_BUDGETS) or None,
+                  model=model, source=source)
+
+
+def read_log(path) -> tuple[list[dict], list[str]]:
+    """(entries, problems) of a verdict log; a torn last line (a write cut short by a kill)
+    is a problem, never an error."""
+    entries, problems = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            e = json.loads(line)
+            if not isinstance(e, dict):
+                raise ValueError("not an object")
+            entries.append(e)
+        except ValueError as ex:
+            problems.append(f"line {n}: not a JSON object ({ex})"[:200])
+    return entries, problems

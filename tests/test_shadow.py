@@ -1,0 +1,493 @@
+"""Shadow mode (harness.capture.shadow): sampled live steps checked against the reference off
+the serving path, at tiny sizes on the CPU (eager calls, and graph replays with the graph
+faked as in test_capture)."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+from helpers import make_layer
+
+import optimized
+import reference
+from harness import capture
+from harness.capture import ArgMap, hook, install, set_context, uninstall, wrap
+from harness.capture import shadow as S
+from harness.commands import cli
+from harness.io.dumps import read_dump
+from harness.run.replay import replay_dump
+
+K_FIELDS = ("k", "positions", "cos_sin_cache", "norm_weight", "slot_mapping", "kv_cache")
+K_SCALARS = ("norm_eps", "compress_ratio", "page_size", "shuffle")
+K_MAP = ArgMap({f: f for f in K_FIELDS}, {"kv_cache": "kv_cache"}, {s: s for s in K_SCALARS})
+TOPK_MAP = ArgMap({"logits": "logits", "lengths": "lengths"}, {"indices": "out"}, {"k": "k"})
+
+
+@pytest.fixture
+def clean(monkeypatch, tmp_path):
+    for name in ("MXVAL_CAPTURE_DIR", "MXVAL_CAPTURE_LAYERS", "MXVAL_CAPTURE_STEPS", "MXVAL_CAPTURE_AUTO_LAYERS",
+                 "MXVAL_CAPTURE_RING", "MXVAL_CAPTURE_ANCHOR", "RANK", "LOCAL_RANK", S.ENV_RATE, S.ENV_DIR,
+                 S.ENV_RING, S.ENV_SEED, S.ENV_DEVICE, S.ENV_BUDGETS):
+        monkeypatch.delenv(name, raising=False)
+    yield tmp_path / "shadow"
+    uninstall()
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return make_layer(4, heads=32)
+
+
+class Serving:
+    """A tiny serving loop: per step and layer, a K-writer call (a backend's op writing the
+    pool in place, as aiter's does) and a top-k call, both through the capture's wrap()."""
+
+    def __init__(self, layer, backend="reference", layers=1, seed=0):
+        be = optimized.get_backend(backend)
+        rec = layer["k_norm_rope_mxfp4_cache"]
+        self.base, self.scalars = rec.inputs, rec.scalars
+        self.pools = [rec.inputs["kv_cache"].clone() for _ in range(layers)]
+        self.g = torch.Generator().manual_seed(seed)
+        self.layers = layers
+        self.topk_rec = layer["topk"]
+
+        def k_store(k, positions, cos_sin_cache, norm_weight, slot_mapping, kv_cache, norm_eps, compress_ratio,
+                    page_size, shuffle):
+            out = be.k_norm_rope_mxfp4_cache(k=k, positions=positions, cos_sin_cache=cos_sin_cache,
+                                             norm_weight=norm_weight, slot_mapping=slot_mapping,
+                                             kv_cache=kv_cache.clone(), norm_eps=norm_eps,
+                                             compress_ratio=compress_ratio, page_size=page_size, shuffle=shuffle)
+            kv_cache.copy_(out["kv_cache"])
+
+        def topk_into(logits, lengths, k, out):
+            out.copy_(reference.topk(logits=logits, lengths=lengths, k=k)["indices"])
+
+        self.k_store = wrap(k_store, "k_norm_rope_mxfp4_cache", K_MAP)
+        self.topk = wrap(topk_into, "topk", TOPK_MAP)
+
+    def step(self, step, *, k_writer=True):
+        results = []
+        for layer in range(self.layers):
+            set_context(layer=layer, step=step)
+            if k_writer:
+                k = (torch.randn(self.base["k"].shape, generator=self.g) * 3).to(torch.bfloat16)
+                self.k_store(k, self.base["positions"], self.base["cos_sin_cache"], self.base["norm_weight"],
+                             self.base["slot_mapping"], self.pools[layer], **self.scalars)
+            t = self.topk_rec
+            logits = torch.randn(t.inputs["logits"].shape, generator=self.g)
+            out = torch.full_like(t.outputs["indices"], -7)
+            self.topk(logits, t.inputs["lengths"], t.scalars["k"], out)
+            results.append((logits, out))
+        set_context(layer=None, step=step + 1)          # the step's records go to the checker
+        return results
+
+
+def _log(d):
+    return [json.loads(line) for line in open(d / S.LOG)]
+
+
+def _verdicts(d):
+    return [e for e in _log(d) if e["event"] == "verdict"]
+
+
+def _prom(d):
+    out = {}
+    for line in open(d / S.PROM):
+        if line.startswith("mxval_shadow_"):
+            k, v = line.split()
+            out[k] = float(v)
+    return out
+
+
+# --- sampling -------------------------------------------------------------------------------------
+
+def test_sampling_is_deterministic_and_at_the_rate():
+    picked = [s for s in range(20000) if S.chosen(s, 0.01, seed=3)]
+    assert picked == [s for s in range(20000) if S.chosen(s, 0.01, seed=3)]      # the same steps every time
+    assert 150 <= len(picked) <= 250                                                  # about 1 in 100
+    other = [s for s in range(20000) if S.chosen(s, 0.01, seed=4)]
+    assert other != picked                                                            # the seed moves them
+    assert all(S.chosen(s, 1.0) for s in range(50)) and not any(S.chosen(s, 0.0) for s in range(50))
+    assert not S.chosen(None, 1.0)
+    half = {s for s in range(20000) if S.chosen(s, 0.005, seed=3)}
+    assert half <= set(picked)                        # a halved rate keeps a subset: halving only drops steps
+
+
+def test_bad_environment_is_one_line(clean, monkeypatch):
+    monkeypatch.setenv(S.ENV_RATE, "2")
+    monkeypatch.setenv(S.ENV_DIR, str(clean))
+    with pytest.raises(ValueError, match="MXVAL_SHADOW=.*expected a number in"):
+        install([], quiet=True)
+    monkeypatch.setenv(S.ENV_RATE, "0.5")
+    monkeypatch.delenv(S.ENV_DIR)
+    with pytest.raises(ValueError, match="MXVAL_SHADOW_DIR"):
+        install([], quiet=True)
+
+
+def test_bad_api_arguments_are_refused(tmp_path):
+    for rate, ring in ((0, 4), (1.5, 4), (0.1, 0), (float("nan"), 4)):
+        with pytest.raises(ValueError, match="rate must be in"):
+            S.Shadow(tmp_path, rate, ring=ring)
+
+
+def test_env_switches_it_on_with_the_capture_layer_selection(clean, monkeypatch, layer):
+    monkeypatch.setenv(S.ENV_RATE, "1")
+    monkeypatch.setenv(S.ENV_DIR, str(clean))
+    monkeypatch.setenv("MXVAL_CAPTURE_LAYERS", "1")
+    install([], quiet=True)
+    sh = capture.current_shadow()
+    assert sh is not None and sh.rate == 1.0
+    m = Serving(layer, layers=2)
+    for step in range(3):
+        m.step(step, k_writer=False)
+    assert sh.join(20)
+    v = _verdicts(clean)
+    assert sorted((e["layer"], e["step"]) for e in v) == [(1, 0), (1, 1), (1, 2)]    # layer 1 only
+    assert all(e["ok"] for e in v) and not os.listdir(clean / S.FAILURES)
+    uninstall()
+    assert _log(clean)[-1]["event"] == "stop"
+
+
+# --- bounds ---------------------------------------------------------------------------------------
+
+def _blocked_shadow(d, ring, gate, seen):
+    def check(records, name, device):
+        seen.append(name)
+        gate.wait(30)
+        return {"status": "pass", "ok": True, "reason": "", "metrics": {}}, []
+    return S.Shadow(d, 1.0, ring=ring, check=check, prom_every=0.05)
+
+
+def test_the_ring_bounds_what_is_held_and_the_rate_halves_when_behind(clean, layer):
+    gate, seen = threading.Event(), []
+    sh = _blocked_shadow(clean, 3, gate, seen)
+    install([], quiet=True, shadow=sh)
+    m = Serving(layer)
+    live = []
+    try:
+        t0 = time.perf_counter()
+        for step in range(40):
+            m.step(step, k_writer=False)
+            live.append(sh.items.qsize())
+        served = time.perf_counter() - t0
+        assert max(live) <= 3                           # never more than the ring in flight
+        c = sh.snapshot()
+        assert c["sampled"] <= 4                        # 3 queued + the one being checked
+        assert c["skipped"] >= 1 and c["rate_halvings"] == c["skipped"] and c["rate"] < 1.0
+        assert served < 5                               # the serving loop never waited for the checker
+        time.sleep(0.3)                                 # the counters file, while the checker is still stuck
+        prom = _prom(clean)
+        assert prom["mxval_shadow_rate"] == c["rate"] and prom["mxval_shadow_skipped_total"] == c["skipped"]
+        assert prom["mxval_shadow_rate_halvings_total"] == c["rate_halvings"] and prom["mxval_shadow_queued"] >= 2
+    finally:
+        gate.set()
+    assert sh.join(20)
+    assert sh.snapshot()["checked"] == c["sampled"]
+
+
+def test_adaptive_rate_under_a_slow_checker(clean, layer):
+    def slow(records, name, device):
+        time.sleep(0.2)
+        return {"status": "pass", "ok": True, "reason": "", "metrics": {}}, []
+    sh = S.Shadow(clean, 1.0, ring=2, check=slow)
+    install([], quiet=True, shadow=sh)
+    m = Serving(layer)
+    rates = []
+    for step in range(200):
+        m.step(step, k_writer=False)
+        rates.append(sh.rate)
+    assert rates == sorted(rates, reverse=True) and rates[-1] <= 1 / 8     # only ever halved
+    assert sh.join(20)
+    c = sh.snapshot()
+    assert c["checked"] == c["sampled"] > 0 and c["rate_halvings"] >= 3
+    assert len(_verdicts(clean)) == c["checked"]
+    assert "mxval_shadow_rate_halvings_total" in open(clean / S.PROM).read()
+
+
+# --- verdicts -------------------------------------------------------------------------------------
+
+def test_a_catalogue_fault_is_flagged_and_its_dump_reproduces_with_mxval_diff(clean, layer, tmp_path, capsys):
+    sh = S.Shadow(clean, 0.5, ring=4, seed=1)
+    install([], quiet=True, shadow=sh)
+    m = Serving(layer, backend="fault:nibbles-swapped")
+    sampled = [s for s in range(6) if S.chosen(s, 0.5, seed=1)]
+    assert sampled                                  # the expected number of sampled steps: all of these
+    for step in range(6):
+        m.step(step)
+    assert sh.join(60)
+    v = _verdicts(clean)
+    assert sorted(e["step"] for e in v) == sampled and all(not e["ok"] for e in v)
+    assert all(e["reason"].startswith("k_norm_rope_mxfp4_cache fails") for e in v)
+    dump = v[0]["dump"]
+    assert os.path.dirname(dump) == str(clean / S.FAILURES)
+    assert _prom(clean)["mxval_shadow_failed_total"] == len(sampled)
+    # mxval diff gives the same verdict from the dump alone
+    out = tmp_path / "diff"
+    assert cli.main(["diff", dump, "--report-dir", str(out), "-q"]) == 1
+    (row,) = json.load(open(out / "report.json"))["cases"]
+    assert row["status"] == "fail" and row["reason"] == v[0]["reason"]
+    assert row["metrics"] == v[0]["row"]["metrics"]
+    assert not all(r.ok({"page_bytes_mismatched": 0}) for r in replay_dump(read_dump(dump)))
+    # mxval shadow report: the log in every format, failing
+    rep = tmp_path / "report"
+    assert cli.main(["shadow", "report", str(clean), "--report-dir", str(rep), "-q"]) == 1
+    doc = json.load(open(rep / "report.json"))
+    assert [r["status"] for r in doc["cases"]] == ["fail"] * len(sampled)
+    assert {"report.json", "report.md", "report.html"} <= set(os.listdir(rep))
+
+
+def test_a_correct_backend_gets_no_alarm_over_many_sampled_steps(clean, layer):
+    sh = S.Shadow(clean, 1.0, ring=8)
+    install([], quiet=True, shadow=sh)
+    m = Serving(layer, layers=2)
+    m.step(0)                                       # one step with the K writer too
+    for step in range(1, 80):
+        m.step(step, k_writer=False)
+        if step % 2 == 0:
+            sh.join(20)                             # keep the checker in step: nothing skipped
+    assert sh.join(20)
+    c = sh.snapshot()
+    assert c["checked"] == 160 and c["skipped"] == 0 and c["failed"] == 0 and c["passed"] == c["checked"]
+    assert not os.listdir(clean / S.FAILURES)
+    assert all(e["ok"] for e in _verdicts(clean))
+
+
+# --- failures of the shadow itself ------------------------------------------------------------------
+
+def test_a_checker_exception_switches_the_shadow_off_and_serving_goes_on(clean, layer):
+    def broken(records, name, device):
+        raise RuntimeError("checker broke")
+    sh = S.Shadow(clean, 1.0, ring=2, check=broken)
+    install([], quiet=True, shadow=sh)
+    m = Serving(layer)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for step in range(10):
+            for logits, out in m.step(step, k_writer=False):       # serving's results are untouched
+                t = m.topk_rec
+                assert torch.equal(out, reference.topk(logits=logits, lengths=t.inputs["lengths"],
+                                                       k=t.scalars["k"])["indices"])
+            time.sleep(0.01)
+    assert not sh.enabled and sh.snapshot()["enabled"] == 0
+    assert sum("switched off" in str(x.message) for x in w) == 1             # logged once
+    off = [e for e in _log(clean) if e["event"] == "off"]
+    assert len(off) == 1 and "checker broke" in off[0]["why"]
+    assert _prom(clean)["mxval_shadow_enabled"] == 0
+
+
+def test_a_recording_failure_switches_the_shadow_off(clean, layer):
+    sh = S.Shadow(clean, 1.0, ring=2)
+    install([], quiet=True, shadow=sh)
+    bad = wrap(lambda logits, lengths, k, out: None, "topk",
+               ArgMap({"logits": "logits", "lengths": lambda b: b["nope"]}, {"indices": "out"}, {"k": "k"}))
+    set_context(layer=0, step=0)
+    out = torch.zeros(2, 3, dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert bad(torch.zeros(2, 8), torch.ones(2, dtype=torch.int32), 3, out) is None    # the call still ran
+    assert not sh.enabled and [e["event"] for e in _log(clean)][-1] == "off"
+
+
+def test_a_stopped_checker_loses_no_recorded_verdict_and_serving_goes_on(clean, layer):
+    sh = S.Shadow(clean, 1.0, ring=16)
+    install([], quiet=True, shadow=sh)
+    m = Serving(layer)
+    for step in range(12):
+        m.step(step, k_writer=False)
+        if step == 5:
+            sh.stop(wait=False)                     # the checker goes away mid-run
+    sh.thread.join(20)
+    for step in range(12, 20):                      # serving goes on, its sampled steps skipped
+        m.step(step, k_writer=False)
+    c = sh.snapshot()
+    assert c["checker_alive"] == 0 and c["skipped"] >= 8 and c["queued"] == 0, c
+    assert len(_verdicts(clean)) == c["checked"] > 0             # every counted verdict is in the log
+    assert _prom(clean)["mxval_shadow_checked_total"] == c["checked"]
+
+
+# --- graph replays --------------------------------------------------------------------------------
+
+class FakeGraph:
+    capturing = None
+
+    def __init__(self):
+        self.work = []
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        FakeGraph.capturing = self
+
+    def capture_end(self):
+        FakeGraph.capturing = None
+
+    def replay(self):
+        for w in self.work:
+            w()
+
+
+def _emit(work):
+    if FakeGraph.capturing is not None:
+        FakeGraph.capturing.work.append(work)
+    else:
+        work()
+
+
+def test_graph_replays_are_checked_and_the_ring_positions_come_back(clean, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph, raising=False)
+    monkeypatch.setattr(hook, "_graph_capturing", lambda: FakeGraph.capturing is not None)
+    real = hook._stage_copy
+    monkeypatch.setattr(hook, "_stage_copy", lambda stage, src: _emit(lambda: real(stage, src)))
+    monkeypatch.setattr(FakeGraph, "capturing", None)
+    monkeypatch.setenv("MXVAL_CAPTURE_AUTO_LAYERS", "1")
+    monkeypatch.setenv("MXVAL_CAPTURE_ANCHOR", "topk")
+    sh = S.Shadow(clean, 1.0, ring=2)
+    install([], quiet=True, shadow=sh)
+
+    def fault_topk(logits, lengths, out, k):
+        def work():
+            idx = reference.topk(logits=logits, lengths=lengths, k=k)["indices"]
+            if int(lengths[0]) > 30:                # a fault on long rows only
+                idx[0, -1] = logits[0, :int(lengths[0])].argmin()
+            out.copy_(idx)
+        _emit(work)
+    topk = wrap(fault_topk, "topk", capture.VLLM_TOPK)
+    g0 = torch.Generator().manual_seed(0)
+    logits, lengths = torch.zeros(3, 40), torch.zeros(3, dtype=torch.int32)
+    out = torch.full((3, 7), -1, dtype=torch.int32)
+    g = torch.cuda.CUDAGraph()
+    g.capture_begin()
+    topk(logits, lengths, out[:, :5], 5)
+    g.capture_end()
+    rec = getattr(g, hook.GRAPH_ATTR)
+    long = []
+    for step in range(24):
+        logits.copy_(torch.randn(3, 40, generator=g0))
+        lengths.copy_(torch.randint(6, 41, (3,), generator=g0))
+        long.append(int(lengths[0]) > 30)
+        g.replay()
+        assert len(rec.busy) <= 2
+        if step % 2:
+            sh.join(20)
+    assert sh.join(20)
+    assert not rec.busy                              # every position back once checked
+    v = _verdicts(clean)
+    assert v and all(e["mode"] == "graph" for e in v)
+    for e in v:
+        assert e["ok"] == (not long[e["step"]])            # flagged exactly where the fault acts
+    bad = [e for e in v if not e["ok"]]
+    assert bad
+    (r,) = replay_dump(read_dump(bad[0]["dump"]))
+    assert not r.ok({"topk_below_threshold": 0, "topk_rows_not_exact_frac": 0})
+
+
+KILLED = r"""
+import sys, time
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+import torch, reference
+from helpers import make_layer
+from harness.capture import install, set_context, wrap
+from harness.capture.shadow import Shadow
+from test_shadow import TOPK_MAP
+install([], quiet=True, shadow=Shadow(sys.argv[1], 1.0, ring=64, prom_every=0.05))
+rec = make_layer(4, heads=32)["topk"]
+topk = wrap(lambda logits, lengths, k, out: out.copy_(reference.topk(logits=logits, lengths=lengths, k=k)["indices"]),
+            "topk", TOPK_MAP)
+g = torch.Generator().manual_seed(0)
+step = 0
+while True:
+    set_context(layer=0, step=step)
+    topk(torch.randn(rec.inputs["logits"].shape, generator=g), rec.inputs["lengths"], rec.scalars["k"],
+         torch.empty_like(rec.outputs["indices"]))
+    step += 1
+    time.sleep(0.002)
+"""
+
+
+def test_a_killed_checker_loses_no_recorded_verdict(clean, tmp_path):
+    """The serving process killed (SIGKILL) with its checker mid-run: every verdict the
+    counters counted is in the log, whole, and `mxval shadow report` reads it."""
+    import signal
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.Popen([sys.executable, "-c", KILLED, str(clean), os.path.dirname(here), here],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        end = time.time() + 60
+        while time.time() < end and p.poll() is None:
+            if (clean / S.LOG).exists() and sum(1 for _ in open(clean / S.LOG)) >= 8:
+                break
+            time.sleep(0.05)
+        assert p.poll() is None, p.stderr.read().decode()[-2000:]
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+    entries, problems = S.read_log(clean / S.LOG)
+    assert len(problems) <= 1                       # at most the line the kill cut short
+    verdicts = [e for e in entries if e["event"] == "verdict"]
+    assert len(verdicts) >= 7 and all(e["ok"] for e in verdicts)
+    assert _prom(clean)["mxval_shadow_checked_total"] <= len(verdicts)     # nothing counted is missing
+    out = tmp_path / "report"
+    assert cli.main(["shadow", "report", str(clean), "--report-dir", str(out), "-q"]) == 0
+    assert len(json.load(open(out / "report.json"))["cases"]) == len(verdicts)
+
+
+# --- make bench-gpu's shadow part, its logic at tiny sizes (Triton interpreter, eager) -------------
+
+BENCH_SHAPE = dict(layers=1, batch=2, context=64, heads=16, k=16)
+
+
+@pytest.fixture
+def interpreted(clean):
+    optimized.get_backend("triton-interpret")       # the kernel modules in interpreter mode
+    from harness.bench import shadow as bench
+    return bench
+
+
+def test_bench_flags_the_catalogue_fault_and_its_dump_reproduces(interpreted):
+    f = interpreted.fault(BENCH_SHAPE, rate=0.5, max_steps=40, mode="eager", device="cpu")
+    assert f["step"] is not None and f["sampled_until_flagged"] == f["expected_sampled"]
+    assert f["diff_status"] == "fail" and f["diff_same"] and "k_norm_rope_mxfp4_cache" in f["reason"]
+
+
+def test_bench_correct_loop_gets_no_alarm(interpreted):
+    a = interpreted.alarms(BENCH_SHAPE, sampled=4, mode="eager", device="cpu", ring=2)
+    assert a["counts"]["checked"] >= 4 and a["counts"]["failed"] == 0 and a["counts"]["skipped"] == 0
+    text = "\n".join(interpreted.table([], None, a, None, shape=BENCH_SHAPE, machine="CPU"))
+    assert f"{a['counts']['checked']} sampled steps checked, 0 alarms" in text
+
+
+def test_bench_stopped_checker_and_overhead_rows(interpreted):
+    k = interpreted.killed(BENCH_SHAPE, steps=8, mode="eager", device="cpu")
+    assert k["served"] == 8 and k["stopped_at"] and k["lost"] == 0 and k["logged"] >= 2
+    rows = interpreted.overhead(BENCH_SHAPE, steps=2, rates=(1 / 1000,), modes=("eager",), device="cpu", repeats=1)
+    assert [r["rate"] for r in rows] == [None, 1 / 1000]
+    text = "\n".join(interpreted.table(rows, None, None, k, shape=BENCH_SHAPE, machine="CPU"))
+    assert "eager at 1/1000" in text and "(0 lost)" in text
+
+
+def test_shadow_report_bad_input_is_one_line(tmp_path, capsys):
+    assert cli.main(["shadow", "report", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mxval: ") and "verdicts.jsonl" in err[0]
+    assert cli.main(["shadow"]) == 2
+    d = tmp_path / "torn"
+    d.mkdir()
+    (d / S.LOG).write_text('{"event": "verdict", "layer": 1, "step": 2, "row": "nonsense"}\n')
+    assert cli.main(["shadow", "report", str(d), "--report-dir", str(tmp_path / "r")]) == 2
+    assert "no row of metrics" in capsys.readouterr().err
+
+
+def test_logged_non_finite_metrics_come_back_as_numbers():
+    from harness.commands.shadow_cmd import _rows
+    row = {"case": "x", "metrics": {"topk.a": float("inf"), "topk.b": float("nan"), "topk.c": 1.5}}
+    entry = json.loads(json.dumps({"event": "verdict", "layer": 3, "step": 9, "row": S._jsonable(row)}))
+    (back,), _ = _rows([entry])
+    m = back["metrics"]
+    assert m["topk.a"] == float("inf") and m["topk.b"] != m["topk.b"] and m["topk.c"] == 1.5
+    assert back["case"] == "layer3_step9"
