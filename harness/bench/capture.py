@@ -197,26 +197,35 @@ class DecodeLoop:
 
 
 @contextlib.contextmanager
+def environ(values: dict, clear=()):
+    """os.environ with `clear` removed and `values` set, as it was again afterwards."""
+    saved = {k: os.environ.get(k) for k in [*values, *clear]}
+    for k in clear:
+        os.environ.pop(k, None)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def capture_env(directory: str, *, layers: str, steps: str = "all", auto: Optional[int] = None, ring: int = 4):
     """The hook installed with this configuration (and uninstalled afterwards)."""
     env = {capture.ENV_DIR: directory, capture.ENV_LAYERS: layers, capture.ENV_STEPS: steps,
            capture.ENV_RING: str(ring), capture.ENV_ANCHOR: "compress_pool"}
     if auto:
         env[capture.ENV_AUTO] = str(auto)
-    saved = {k: os.environ.get(k) for k in [*env, capture.ENV_AUTO]}
-    os.environ.update(env)
-    if not auto:
-        os.environ.pop(capture.ENV_AUTO, None)
-    try:
-        capture.install(quiet=True)
-        yield
-    finally:
-        capture.uninstall()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with environ(env, clear=() if auto else (capture.ENV_AUTO,)):
+        try:
+            capture.install(quiet=True)
+            yield
+        finally:
+            capture.uninstall()
 
 
 # --- measurement --------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 import harness.capture as capture
-from harness.bench.capture import RATIO, DecodeLoop, make_wrappers, upstream_modules
+from harness.bench.capture import RATIO, DecodeLoop, environ, make_wrappers, upstream_modules
 from harness.capture import shadow as S
 
 RATES = (1 / 1000, 1 / 100)
@@ -47,22 +47,14 @@ ENV_KEYS = (capture.ENV_DIR, capture.ENV_LAYERS, capture.ENV_STEPS, capture.ENV_
 def shadowed(directory: str, rate: float, *, layers: int, ring: int = 4, seed: int = 0, check=None):
     """The hook installed in shadow mode on CHOSEN_LAYER (auto layer counting over `layers`
     indexer layers); yields the Shadow; uninstalled (the queue checked first) afterwards."""
-    saved = {k: os.environ.get(k) for k in ENV_KEYS}
-    for k in ENV_KEYS:
-        os.environ.pop(k, None)
-    os.environ.update({capture.ENV_LAYERS: CHOSEN_LAYER, capture.ENV_AUTO: str(layers),
-                       capture.ENV_ANCHOR: "compress_pool"})
-    sh = S.Shadow(directory, rate, ring=ring, seed=seed, check=check)
-    try:
-        capture.install(quiet=True, shadow=sh)
-        yield sh
-    finally:
-        capture.uninstall()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    env = {capture.ENV_LAYERS: CHOSEN_LAYER, capture.ENV_AUTO: str(layers), capture.ENV_ANCHOR: "compress_pool"}
+    with environ(env, clear=ENV_KEYS):
+        sh = S.Shadow(directory, rate, ring=ring, seed=seed, check=check)
+        try:
+            capture.install(quiet=True, shadow=sh)
+            yield sh
+        finally:
+            capture.uninstall()
 
 
 REWIND = 1024                            # steps before the positions go back to the start
