@@ -27,6 +27,7 @@ from reference.k_writer import check_mxfp4_k_writer, group_start, k_values, rms_
 from reference.pooling import SOFTMAX_MODES, boundary_mask, gather_windows
 from reference.q_quant import check_scale_pair, fold_weights
 from reference.rope import cos_sin_at, rope_gptj_tail
+from reference.topk import packed_row_starts
 
 from . import Backend, get_backend, register
 from .fault_table import (
@@ -502,26 +503,6 @@ def fp8_token_interleaved_op() -> Callable:
     """paged_fp8_mqa_logits reading block-planar pages (all values, then all scales) as
     token-interleaved [page_size, D + 4] rows: the same bytes per page, so nothing asserts."""
     return _fp8_scorer_reading(_token_interleaved_keys)
-
-
-def packed_row_starts(lengths: torch.Tensor) -> torch.Tensor:
-    """vLLM packs a prefill call's sequences along the logits columns and hands the top-k
-    each row's start (the packed offset of its sequence); mxval's op gives per-sequence
-    columns. The rows' sequences are recovered from their ends: inside a chunk consecutive
-    rows' ends differ by 0 or 1, so any other step starts a sequence, whose packed start is
-    the sum of the previous sequences' last ends."""
-    n = lengths.long()
-    if n.numel() == 0:
-        return n
-    new = torch.ones_like(n, dtype=torch.bool)
-    step = n[1:] - n[:-1]
-    new[1:] = (step < 0) | (step > 1)
-    seg = torch.cumsum(new.long(), 0) - 1
-    ends = torch.ones_like(new)                          # a segment's last row: the final row,
-    ends[:-1] = new[1:]                                  # or one whose next row starts a segment
-    last = n[ends]                                       # one per segment, in segment order
-    starts = torch.cumsum(last, 0) - last
-    return starts[seg]
 
 
 def _row_start_ignored(idx, lengths, k, logits):

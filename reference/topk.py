@@ -47,3 +47,23 @@ def check_topk_args(logits, lengths, k: int) -> None:
 def topk(*, logits, lengths, k: int) -> dict:
     check_topk_args(logits, lengths, k)
     return {"indices": topk_indices(logits, lengths, k)}
+
+
+def packed_row_starts(lengths: torch.Tensor) -> torch.Tensor:
+    """vLLM packs a prefill call's sequences along the logits columns and hands the top-k
+    each row's start (the packed offset of its sequence); mxval's op gives per-sequence
+    columns. The rows' sequences are recovered from their ends: inside a chunk consecutive
+    rows' ends differ by 0 or 1, so any other step starts a sequence, whose packed start is
+    the sum of the previous sequences' last ends."""
+    n = lengths.long()
+    if n.numel() == 0:
+        return n
+    new = torch.ones_like(n, dtype=torch.bool)
+    step = n[1:] - n[:-1]
+    new[1:] = (step < 0) | (step > 1)
+    seg = torch.cumsum(new.long(), 0) - 1
+    ends = torch.ones_like(new)                          # a segment's last row: the final row,
+    ends[:-1] = new[1:]                                  # or one whose next row starts a segment
+    last = n[ends]                                       # one per segment, in segment order
+    starts = torch.cumsum(last, 0) - last
+    return starts[seg]

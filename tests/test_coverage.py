@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import mxval, one_line_error
+from helpers import mxval, needs_gpu, one_line_error
 
 from harness.run import coverage as cov
 from harness.run import generate
@@ -283,7 +283,7 @@ def test_a_case_past_the_cpu_footprint_is_measured_for_its_structure(monkeypatch
     assert set(m.reached()) < set(full.reached())
 
 
-@pytest.mark.gpu
+@needs_gpu
 def test_full_suite_reaches_every_boundary():
     c = cov.suite_coverage(Catalog().suite_cases("full"), "cuda")
     assert not c.unmeasured() and _unreached(c, ("cpu", "gpu")) == []

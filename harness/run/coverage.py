@@ -34,6 +34,7 @@ from reference.checks import NonFiniteInput
 from reference.coverage import _PLANTS, BOUNDARIES, Boundary
 from reference.formats import E2M1_MIDPOINTS, E8M0_BIAS, MX_BLOCK
 from reference.op_table import DECLARED
+from reference.topk import packed_row_starts
 
 # A CPU measures the cases whose estimated footprint fits this; larger ones need a GPU (their
 # boundaries are then reported as not measured here, never as unreached).
@@ -414,7 +415,6 @@ class _Facts:
         rows = logits.shape[0]
         if rows == 0:
             return
-        from optimized.faults import packed_row_starts
         if bool(((packed_row_starts(lengths) > 0) & (lengths > k)).any()):
             add("seqs", {"packed-start"})
         if bool((lengths == 0).any()):
