@@ -283,6 +283,7 @@ def test_a_case_past_the_cpu_footprint_is_measured_for_its_structure(monkeypatch
     assert set(m.reached()) < set(full.reached())
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_full_suite_reaches_every_boundary():
     c = cov.suite_coverage(Catalog().suite_cases("full"), "cuda")
