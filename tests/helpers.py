@@ -453,3 +453,30 @@ def one_line_error(err: str, *needles) -> str:
         assert str(n) in lines[0], (n, lines[0])
     return lines[0]
 
+
+# --- CUDA graphs faked on the CPU (the capture hook's and the shadow's tests) ---------------------
+
+class FakeGraph:
+    """torch.cuda.CUDAGraph's methods, on the CPU: while capturing, emit() keeps the work
+    (the model's and the hook's device copies) instead of running it; replay() runs it."""
+    capturing = None
+
+    def __init__(self):
+        self.work = []
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        FakeGraph.capturing = self
+
+    def capture_end(self):
+        FakeGraph.capturing = None
+
+    def replay(self):
+        for w in self.work:
+            w()
+
+
+def emit(work):
+    if FakeGraph.capturing is not None:
+        FakeGraph.capturing.work.append(work)
+    else:
+        work()

@@ -8,7 +8,7 @@ import warnings
 import fake_upstream as fk
 import pytest
 import torch
-from helpers import make_layer
+from helpers import FakeGraph, emit, make_layer
 
 import reference
 from harness import capture
@@ -426,32 +426,6 @@ def test_fused_launches_that_are_not_the_indexers_pass_through(monkeypatch, env)
 
 
 # --- under CUDA graphs (the graph faked on the CPU: captured work replays as thunks) ---------------
-
-class FakeGraph:
-    """torch.cuda.CUDAGraph's methods, on the CPU: while capturing, emit() keeps the work
-    (the model's and the hook's device copies) instead of running it; replay() runs it."""
-    capturing = None
-
-    def __init__(self):
-        self.work = []
-
-    def capture_begin(self, pool=None, capture_error_mode="global"):
-        FakeGraph.capturing = self
-
-    def capture_end(self):
-        FakeGraph.capturing = None
-
-    def replay(self):
-        for w in self.work:
-            w()
-
-
-def emit(work):
-    if FakeGraph.capturing is not None:
-        FakeGraph.capturing.work.append(work)
-    else:
-        work()
-
 
 @pytest.fixture
 def graphs(monkeypatch, env):

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import make_layer
+from helpers import FakeGraph, emit, make_layer
 
 import optimized
 import reference
@@ -312,35 +312,11 @@ def test_a_stopped_checker_loses_no_recorded_verdict_and_serving_goes_on(clean, 
 
 # --- graph replays --------------------------------------------------------------------------------
 
-class FakeGraph:
-    capturing = None
-
-    def __init__(self):
-        self.work = []
-
-    def capture_begin(self, pool=None, capture_error_mode="global"):
-        FakeGraph.capturing = self
-
-    def capture_end(self):
-        FakeGraph.capturing = None
-
-    def replay(self):
-        for w in self.work:
-            w()
-
-
-def _emit(work):
-    if FakeGraph.capturing is not None:
-        FakeGraph.capturing.work.append(work)
-    else:
-        work()
-
-
 def test_graph_replays_are_checked_and_the_ring_positions_come_back(clean, monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph, raising=False)
     monkeypatch.setattr(hook, "_graph_capturing", lambda: FakeGraph.capturing is not None)
     real = hook._stage_copy
-    monkeypatch.setattr(hook, "_stage_copy", lambda stage, src: _emit(lambda: real(stage, src)))
+    monkeypatch.setattr(hook, "_stage_copy", lambda stage, src: emit(lambda: real(stage, src)))
     monkeypatch.setattr(FakeGraph, "capturing", None)
     monkeypatch.setenv("MXVAL_CAPTURE_AUTO_LAYERS", "1")
     monkeypatch.setenv("MXVAL_CAPTURE_ANCHOR", "topk")
@@ -353,7 +329,7 @@ def test_graph_replays_are_checked_and_the_ring_positions_come_back(clean, monke
             if int(lengths[0]) > 30:                # a fault on long rows only
                 idx[0, -1] = logits[0, :int(lengths[0])].argmin()
             out.copy_(idx)
-        _emit(work)
+        emit(work)
     topk = wrap(fault_topk, "topk", capture.VLLM_TOPK)
     g0 = torch.Generator().manual_seed(0)
     logits, lengths = torch.zeros(3, 40), torch.zeros(3, dtype=torch.int32)
