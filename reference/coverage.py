@@ -29,7 +29,9 @@ from reference.formats import E8M0_BIAS, E8M0_NAN, E8M0_ZERO_BLOCK
 # --- who reads and writes ---------------------------------------------------------------------
 
 POOL = ("compress_pool", "compress_norm_rope_mxfp4_cache", "compress_norm_rope_fp8_cache")
-K_MX = ("k_norm_rope_mxfp4_cache", "compress_norm_rope_mxfp4_cache")
+K_ROCM = ("k_norm_rope_mxfp4_cache",)
+K_CUDA = ("compress_norm_rope_mxfp4_cache",)
+K_MX = K_ROCM + K_CUDA
 WRITERS = K_MX + ("k_norm_rope_fp8_cache", "compress_norm_rope_fp8_cache")
 Q_MX = ("q_rope_mxfp4_quant",)
 QUANTS = Q_MX + ("q_rope_fp8_quant",)
@@ -224,9 +226,11 @@ def _structure(b: list) -> None:
                     ("ge", 2 ** 31), _I31, "gpu"))
     b.append(_B("scorer.logits_bytes.2^31", SCORERS, "logits", "logits byte offsets", "logits_bytes",
                 ("ge", 2 ** 31), "aiter-4244: int32 logits row offsets", "gpu"))
-    for ops, stage in ((K_MX, "k"), (SCORER_MX, "scorer")):
-        for lay in ("natural/16", "natural/32", "natural/64", "32,16,2/32", "32,16,2/64", "16,16,4/16",
-                    "16,16,4/32", "16,16,4/64"):
+    every_layout = ("natural/16", "natural/32", "natural/64", "32,16,2/32", "32,16,2/64", "16,16,4/16",
+                    "16,16,4/32", "16,16,4/64")
+    for ops, stage, layouts in ((K_ROCM, "k", every_layout), (K_CUDA, "pool_k", every_layout[:3]),
+                                (SCORER_MX, "scorer", every_layout)):     # vLLM's fused K kernel: natural pages
+        for lay in layouts:
             b.append(_B(f"{stage}.layout.{lay}", ops, "kv_cache", "page layout / page size", "layout",
                         ("has", lay), _PG + ": every layout and page size for every reader and writer"))
         for tag in ("pad0", "pad-odd", "pad-even"):
@@ -245,13 +249,17 @@ def _structure(b: list) -> None:
 
 def _values(b: list) -> None:
     # --- values: scale codes, elements
-    for ops, stage, fact in ((K_MX, "k", "codes"), (Q_MX, "q", "codes")):
-        b.append(_B(f"{stage}.codes.every", ops, "values", "e8m0 scale codes of non-zero blocks", fact,
+    # each writer on its own (the ROCm path's K writer, the CUDA path's fused pool+K op) and the Q
+    # quant; the fused op takes no K row, so its input-side classes (midpoints, subnormals) are the writer's
+    every_element = ("midpoint", "neg-zero", "saturated", "zero-block", "subnormal")
+    for ops, stage, elements in ((K_ROCM, "k", every_element), (K_CUDA, "pool_k", every_element[1:4]),
+                                 (Q_MX, "q", every_element)):
+        b.append(_B(f"{stage}.codes.every", ops, "values", "e8m0 scale codes of non-zero blocks", "codes",
                     ("every", E8M0_ZERO_BLOCK, E8M0_NAN - 1),
                     _MX + ": the ceil rule stores 1..253 from finite fp32"))
         for c in (E8M0_ZERO_BLOCK, 2, E8M0_BIAS, E8M0_NAN - 2):
-            b.append(_B(f"{stage}.codes.{c}", ops, "values", "e8m0 scale code", fact, ("has", c), _MX))
-        for tag in ("midpoint", "neg-zero", "saturated", "zero-block", "subnormal"):
+            b.append(_B(f"{stage}.codes.{c}", ops, "values", "e8m0 scale code", "codes", ("has", c), _MX))
+        for tag in elements:
             b.append(_B(f"{stage}.elements.{tag}", ops, "values", "e2m1 elements", "elements", ("has", tag), _MX))
     b.append(_B("scorer.codes_read.every", SCORER_MX, "kv_cache", "key scale codes visible in the logits",
                 "codes_read", ("every", 0, E8M0_NAN), _MX + ": every code the format holds, read"))

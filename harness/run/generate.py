@@ -235,7 +235,29 @@ def _sizes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     ]
 
 
-FAMILIES = (("layout", _layouts), ("ties", _ties), ("crowd", _crowds), ("codes", _codes),
+def _cuda(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
+    """vLLM's CUDA path: its fused pool+K op writes natural pages of every size with every scale
+    code, zero blocks and signed zeros, as the ROCm writer does (the coverage model holds each
+    writer to them on its own)."""
+    if tier != "cpu":
+        return []
+    pads = _cycle(rng, PADS, 3)
+    out = []
+    for i, ps in enumerate((16, 32, 64)):
+        h = 2 * ps * R - ps // 4 * R + rng.randrange(R)              # the chunk crosses a page edge
+        out.append((f"cuda-natural-{ps}", {
+            "path": "cuda", "heads": 4, "topk": 8, "page_size": ps, "page_stride_pad": pads[i],
+            "dist": ["normal", "zero_rows", "neg_zero"], "page_order": "permuted",
+            "seqs": [{"len": h + ps * R // 2, "chunks": [ps * R // 2]}, {"len": (ps + 9) * R, "decode": 2}],
+            "description": f"vLLM's fused pool+K op on natural pages of {ps} entries, stride padded by "
+                           f"{pads[i]} bytes; zero windows and signed zeros"}))
+    out.append(("cuda-codes", {
+        "path": "cuda", "heads": 4, "topk": 8, "dist": ["scale_codes"], "seqs": [{"len": 1100, "chunks": [1024]}],
+        "description": "vLLM's fused pool+K op writing every e8m0 code 1..253 in non-zero blocks"}))
+    return out
+
+
+FAMILIES = (("layout", _layouts), ("cuda", _cuda), ("ties", _ties), ("crowd", _crowds), ("codes", _codes),
             ("nonfinite", _nonfinite), ("sizes", _sizes))
 
 
