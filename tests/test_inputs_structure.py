@@ -164,3 +164,50 @@ def test_coverage_facts_name_what_the_selftest_cases_reach():
     inp, m = build(c), measure(c, "cpu")
     top = (inp.kv_cache.shape[0] - 1) * inp.kv_cache.shape[1]
     assert max(m.facts[sc]["page_bytes"]) == top == max(m.facts["k_norm_rope_mxfp4_cache"]["page_bytes"])
+
+
+def test_a_plant_only_its_own_path_reads_keeps_the_case_on_that_path():
+    """`--path cuda` turns the K writer into the fused pool+K op, which takes no K row: a case
+    planting one stays on its path (a backend without that op skips it, saying so), while a
+    plant both paths read moves with the case."""
+    from harness.run.cases import on_path
+    cat = Catalog()
+    k_plant = cat.case("gen-nonfinite-k-nan")
+    assert on_path(k_plant, "cuda") is k_plant
+    moved = on_path(cat.case("gen-nonfinite-normweight-inf"), "cuda")
+    assert moved.path == "cuda" and "compress_norm_rope_mxfp4_cache" in moved.ops
+
+
+def test_downstream_of_a_refused_stage_only_the_invariants_judge():
+    """A planted NaN in q: the Q quant's reference refuses it, so the scorer and top-k after it
+    run on the backend's outputs and are judged by the invariants alone. A scorer whose finite
+    logits differ from the reference's is then no failure, but one whose top-k breaks an
+    invariant is."""
+    import reference
+    from optimized import Backend, register
+
+    def quant(**kw):                # a kernel that reads NaN as 0 (the reference would refuse it)
+        return reference.q_rope_mxfp4_quant(**{**kw, "q": torch.nan_to_num(kw["q"], nan=0.0)})
+
+    def make(scorer=None, topk=None):
+        ops = dict(reference.FUNCTIONS, q_rope_mxfp4_quant=quant)
+        if scorer:
+            ops["paged_mxfp4_mqa_logits"] = scorer
+        if topk:
+            ops["topk"] = topk
+        return Backend("t-downstream", "test", ops)
+
+    def shifted(**kw):
+        out = reference.paged_mxfp4_mqa_logits(**{**kw, "weights": torch.nan_to_num(kw["weights"])})
+        return {"logits": out["logits"] + 1.0}
+
+    def past_end(**kw):
+        idx = reference.topk(logits=torch.nan_to_num(kw["logits"]), lengths=kw["lengths"], k=kw["k"])["indices"]
+        return {"indices": torch.where(idx >= 0, idx, kw["lengths"][:, None].to(idx.dtype))}
+
+    case = Catalog().case("gen-nonfinite-q-nan")
+    register("t-downstream", lambda: make(scorer=shifted))
+    assert run_case(case, "t-downstream")["outcome"] == "nonfinite_input"
+    register("t-downstream", lambda: make(scorer=shifted, topk=past_end))
+    row = run_case(case, "t-downstream")
+    assert row["metrics"]["topk.invariant_violations"] > 0

@@ -610,7 +610,9 @@ def on_path(case: Case, path: str) -> Case:
     """The same case on another path (`mxval validate --path`): each op replaced by the op
     of its stage on that path (the rocm path's pooling and K writer <-> the cuda path's fused
     pool+K op), and natural pages on the cuda path (vLLM's fused K kernel writes no other
-    layout). Inputs are drawn from the same seed, so a case compares the two paths' bytes."""
+    layout). Inputs are drawn from the same seed, so a case compares the two paths' bytes. A
+    case whose plant no op of the other path reads (a K row, where pooling is not run) stays
+    on its own path."""
     if path not in PATHS:
         raise CaseError(f"--path: expected one of {', '.join(PATHS)}, got {path!r}")
     if case.path == path:
@@ -622,6 +624,8 @@ def on_path(case: Case, path: str) -> Case:
     elif path == "rocm" and "pool_k" in stages:
         stages = (stages - {"pool_k"}) | {"pooling", "k_writer"}
     ops = tuple(o for o in chain(fmt, path) if OPS[o].stage in stages)
+    if any(_plant_unread(p.tensor, ops, path) for p in case.plant):
+        return case           # its plant exists on its own path only (a K row where pooling is not run)
     layout = "natural" if path == "cuda" else case.layout
     return dataclasses.replace(case, path=path, ops=ops, layout=layout)
 
