@@ -427,19 +427,18 @@ def entry_keys(req: torch.Tensor, j: torch.Tensor, ctx: ValueContext, gen: torch
 
 def entry_queries(q: torch.Tensor, positions: torch.Tensor, ctx: ValueContext,
                   gen: torch.Generator) -> torch.Tensor:
-    """Queries [T, H, D] for the structured dist (`q`: the normal draw, reused where a dist keeps
-    random values). relu_zero: every head's NoPE part along +u, RoPE kept; duplicate_keys: NoPE
+    """Queries [T, H, D] for the structured dist (`q`: the normal draw, for its shape; the case's
+    scale is not applied). relu_zero: every head's NoPE part along +u, RoPE dims N(0, 1); duplicate_keys: NoPE
     along u at DUP_QUERY_NOPE times the RoPE RMS; coarse: one {0, +-1, +-2} NoPE vector per token
     times a power of two per head, RoPE dims 0; scale_codes: values only in the token's focus
     block, at a code of QUERY_CODES, heads in pairs +v, -v (relu keeps one of each pair)."""
     t, h, d = q.shape
     nope = ctx.nope
-    q = q.clone()
     if ctx.dist in ("relu_zero", "duplicate_keys"):
         mag = 0.5 + torch.rand(t, h, 1, generator=gen)
         unit = ctx.u / ctx.u.pow(2).mean().sqrt()
-        q[..., :nope] = unit * mag * (DUP_QUERY_NOPE if ctx.dist == "duplicate_keys" else 1.0)
-        return q
+        nope_part = unit * mag * (DUP_QUERY_NOPE if ctx.dist == "duplicate_keys" else 1.0)
+        return torch.cat((nope_part, torch.randn(t, h, d - nope, generator=gen)), -1)
     if ctx.dist == "coarse":
         base = _coarse_rows(t, nope, gen)
         e = torch.randint(-2, 3, (t, h, 1), generator=gen).float()
