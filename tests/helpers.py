@@ -480,3 +480,13 @@ def emit(work):
         FakeGraph.capturing.work.append(work)
     else:
         work()
+
+
+def fake_graphs(monkeypatch, hook) -> None:
+    """torch.cuda.CUDAGraph replaced by FakeGraph, and the capture hook's device copies
+    emitted into the graph being captured (the hook module `hook` is the caller's import)."""
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph, raising=False)
+    monkeypatch.setattr(hook, "_graph_capturing", lambda: FakeGraph.capturing is not None)
+    real = hook._stage_copy
+    monkeypatch.setattr(hook, "_stage_copy", lambda stage, src: emit(lambda: real(stage, src)))
+    monkeypatch.setattr(FakeGraph, "capturing", None)

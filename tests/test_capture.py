@@ -8,7 +8,7 @@ import warnings
 import fake_upstream as fk
 import pytest
 import torch
-from helpers import FakeGraph, emit, make_layer
+from helpers import FakeGraph, emit, fake_graphs, make_layer
 
 import reference
 from harness import capture
@@ -429,11 +429,7 @@ def test_fused_launches_that_are_not_the_indexers_pass_through(monkeypatch, env)
 
 @pytest.fixture
 def graphs(monkeypatch, env):
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph, raising=False)
-    monkeypatch.setattr(hook, "_graph_capturing", lambda: FakeGraph.capturing is not None)
-    real = hook._stage_copy
-    monkeypatch.setattr(hook, "_stage_copy", lambda stage, src: emit(lambda: real(stage, src)))
-    monkeypatch.setattr(FakeGraph, "capturing", None)
+    fake_graphs(monkeypatch, hook)
     return env
 
 

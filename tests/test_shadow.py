@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import FakeGraph, emit, make_layer
+from helpers import emit, fake_graphs, make_layer
 
 import optimized
 import reference
@@ -313,11 +313,7 @@ def test_a_stopped_checker_loses_no_recorded_verdict_and_serving_goes_on(clean, 
 # --- graph replays --------------------------------------------------------------------------------
 
 def test_graph_replays_are_checked_and_the_ring_positions_come_back(clean, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph, raising=False)
-    monkeypatch.setattr(hook, "_graph_capturing", lambda: FakeGraph.capturing is not None)
-    real = hook._stage_copy
-    monkeypatch.setattr(hook, "_stage_copy", lambda stage, src: emit(lambda: real(stage, src)))
-    monkeypatch.setattr(FakeGraph, "capturing", None)
+    fake_graphs(monkeypatch, hook)
     monkeypatch.setenv("MXVAL_CAPTURE_AUTO_LAYERS", "1")
     monkeypatch.setenv("MXVAL_CAPTURE_ANCHOR", "topk")
     sh = S.Shadow(clean, 1.0, ring=2)

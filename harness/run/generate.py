@@ -23,7 +23,6 @@ import random
 from reference.formats import PRESETS
 from reference.page_shape import page_bytes
 
-GENERATE_KEYS = ("seed", "tier")
 TIERS = ("cpu", "gpu")
 R = PRESETS["deepseek-v4-pro"].compress_ratio
 HEAD_DIM = PRESETS["deepseek-v4-pro"].head_dim
