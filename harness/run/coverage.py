@@ -163,7 +163,7 @@ def _len_class(n: int, k: int) -> str:
 
 class _Facts:
     def __init__(self, m: Measured, inp, values: bool = True):
-        self.m, self.inp, self.geo, self.values = m, inp, getattr(inp, "geo", None), values
+        self.m, self.geo, self.values = m, getattr(inp, "geo", None), values
 
     def observe(self, op: str, ins: dict, scalars: dict, out: dict) -> None:
         stage = DECLARED[op].stage
