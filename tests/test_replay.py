@@ -70,6 +70,40 @@ def test_nonfinite_input_is_its_own_class(layer):
     assert not rep.ok({}) and not rep.ok(EXACT)                 # never a pass, whatever the budgets
 
 
+def test_recorded_topk_on_a_nan_row_is_held_to_the_invariants(layer, tmp_path):
+    """A captured top-k whose logits hold a NaN row: no reference judges that row, but the
+    recorded indices are held to the invariants. In-row indices are no alarm; an index past
+    the row (what a top-k does with a NaN key it mis-orders) is an invariant violation, in
+    `mxval diff`'s verdict too."""
+    from harness.run.budgets import load, verdict
+    from harness.run.record import dump_row
+    rec = layer["topk"]
+    logits = rec.inputs["logits"].clone()
+    logits[0, :3] = float("nan")
+    good = replay_op(OpRecord(rec.op, rec.scalars, {**rec.inputs, "logits": logits}, rec.outputs))
+    assert good.metrics["nonfinite_inputs"] > 0 and good.metrics["invariant_violations"] == 0
+    idx = rec.outputs["indices"].clone()
+    idx[0, 0] = int(rec.inputs["lengths"][0]) + 5                  # past row 0's end
+    p = write_dump(tmp_path / "nan-topk.safetensors",
+                   {rec.op: OpRecord(rec.op, rec.scalars, {**rec.inputs, "logits": logits}, {"indices": idx})},
+                   source="t")
+    (bad,) = replay_file(p)
+    assert bad.metrics["invariant_violations"] >= 1
+    assert any(f["class"] == "invariant" and f["invariant"] == "topk_range" for f in bad.findings), bad.findings
+    row = verdict(dump_row(str(p), [bad], "reference", 0.0), load(), "diff")
+    assert row["status"] == "fail" and not row["ok"], row
+
+
+def test_recorded_outputs_are_held_to_the_invariants_on_finite_inputs_too(layer):
+    """A recorded page that changed a byte outside every written slot: the diff finds the
+    byte, and the page invariant names it as a write outside owned slots."""
+    rec = layer["k_norm_rope_mxfp4_cache"]
+    out = rec.outputs["kv_cache"].clone()
+    out[-1, -1] ^= 0xFF                                           # the last page's last byte
+    rep = replay_op(OpRecord(rec.op, rec.scalars, rec.inputs, {"kv_cache": out}))
+    assert rep.metrics["invariant_violations"] >= 1, rep.summary()
+
+
 def test_rejected_inputs_are_a_dump_error(layer):
     rec = layer["k_norm_rope_mxfp4_cache"]
     slots = rec.inputs["slot_mapping"].clone()

@@ -11,6 +11,11 @@ The scorer is compared on each row's valid region (the -inf pattern too when the
 recorded logits are the reference scores. Non-finite inputs are their own result
 (`nonfinite_inputs` > 0, class `nonfinite_input`), never a pass. A recorded input the
 reference rejects (a slot past the pool, a bad shuffle...) is a broken dump: DumpError.
+
+The output a kernel produced (the recorded one; the backend's when one replays) is also held
+to the invariants that need no reference (harness/diff/invariants.py, metric
+`invariant_violations`), non-finite inputs included: a top-k that turns a NaN row of live
+traffic into out-of-row indices is caught although no reference judges that row.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from typing import Optional, Union
 import torch
 
 import reference
-from harness.diff import DiffReport, diff_op
+from harness.diff import DiffReport, diff_op, invariants
 from harness.io.dumps import Dump, DumpError, OpRecord, json_scalar, read_dump, record_problem
 from reference.checks import NonFiniteInput
 
@@ -76,6 +81,7 @@ def replay_op(rec: OpRecord, backend=None, *, path: Optional[str] = None, device
     op = rec.op
     extra = {"width": rec.outputs["logits"].shape[1]} if reference.OPS[op].fp64 else {}
     where = f"{path or '<dump>'}: {op}"
+    actual = None
     try:
         if backend is None:
             fn = (reference.OPS[op].fp64 or reference.OPS[op].fn)
@@ -96,7 +102,12 @@ def replay_op(rec: OpRecord, backend=None, *, path: Optional[str] = None, device
             actual = _call(fn, rec, be.device, extra)
             expected, label = rec.outputs, f"backend {be.name!r} vs the recorded output"
     except NonFiniteInput as e:
-        return _nonfinite_report(op, e)
+        # the kernel's output on inputs outside the contract: the invariants alone judge it
+        # (the recorded output; a backend that refused the inputs has none)
+        out = rec.outputs if backend is None else actual
+        rep = _nonfinite_report(op, e)
+        return rep if out is None else invariants.merge(
+            rep, invariants.check(op, rec.inputs, rec.scalars, out, declared_nonfinite=True))
     except TypeError as e:
         if backend is not None:           # a backend that does not take the interface's arguments
             raise
@@ -105,7 +116,7 @@ def replay_op(rec: OpRecord, backend=None, *, path: Optional[str] = None, device
         raise DumpError(f"{where}: {e}") from None
     rep = diff_op(op, rec.inputs, rec.scalars, actual, expected)
     rep.notes.append(label)
-    return rep
+    return invariants.merge(rep, invariants.check(op, rec.inputs, rec.scalars, actual))
 
 
 def replay_dump(dump: Dump, backend: Union[None, str, object] = None) -> list[DiffReport]:
