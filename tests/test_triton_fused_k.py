@@ -206,3 +206,15 @@ def test_fused_extreme_scores(be):
     assert not same_bits(plain[sel], pooled[sel])                 # the windows read the changed rows
     assert same_bits(got["pooled"][sel], pooled[sel])
     assert torch.equal(got["kv_cache"], pages)
+
+
+@pytest.mark.parametrize("name", ["gen-nonfinite-normweight-inf", "gen-nonfinite-cossincache-nan"])
+def test_fused_launch_takes_nonfinite_inputs_as_the_split_kernels_do(be, name):
+    """A planted non-finite norm weight or RoPE table reaches the fused kernel (as it reaches
+    the split Triton ops): the case is judged `nonfinite_input` with the invariants on what
+    the launch wrote, never an error from a wrapper that refused the value."""
+    from harness.run.cases import Catalog
+    case = Catalog().case(name)
+    row = _run(case, be)
+    assert row["status"] == "nonfinite_input" and row["ok"], row.get("reason")
+    assert row["metrics"]["k_norm_rope_mxfp4_cache.invariant_violations"] == 0

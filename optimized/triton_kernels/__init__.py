@@ -64,7 +64,7 @@ def _compiled_reason() -> str | None:
 
 def _fused(device: str) -> dict:
     from . import fused_k
-    return fused_k.make_fused(device)
+    return {name: _kernel_like(fn) for name, fn in fused_k.make_fused(device).items()}
 
 
 def make_backend(name: str = "triton") -> Backend:
