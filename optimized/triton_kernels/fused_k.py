@@ -145,8 +145,9 @@ def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_
             tl.store(pooled_ptr + orow, bf16_bits(nan), mask=nmask)
     if tl.max(act.to(tl.int32), axis=0) != 0:       # 3 in 4 programs of a prefill chunk end here
         # 1. pooling: the row the split pooling stores (window slots in registers)
-        if ROUNDING == 1 or CERTIFY == 0:
-            # cuda: the fp32 row, exact softmax in fp64 (as is every value when CERTIFY = 0)
+        if CERTIFY == 0:
+            # every value by the split pooling's fp64 code: the cuda path (its fp32 row) and
+            # the measurement of what the certified pooling saves
             c = pool_window(state_ptr, table_ptr, req_ptr, toks, pos, act, d, dm, block_size, table_stride,
                             row_stride, block_stride, D, RATIO, WP, SPAN2, False)
             if ROUNDING != 1:
@@ -208,7 +209,8 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_
         PAGE=page_size, SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1,
         SHUF_L=shuf.l if shuf else 1, ROUNDING=ROUNDING_CODES[rounding], RULE=SCALE_RULE_CODES[scale_rule],
         STORE_POOLED=store, BT=bt, U=u, SPAN2=sc.shape[1] >= 2 * compress_ratio - 1,
-        CERTIFY={True: 1, False: 0, "unchecked": 2}[certify], num_warps=warps, **LAUNCH)
+        CERTIFY=0 if rounding == "cuda" else {True: 1, False: 0, "unchecked": 2}[certify], num_warps=warps,
+        **LAUNCH)
     return out_cache
 
 
