@@ -41,7 +41,7 @@ from .pooling import _check_windows, pool_window, softmax_pool_f64, window_offse
 # (tokens per program, uncertain values recomputed in fp64 at once, warps): compiled, one
 # token per program as vLLM's fused CUDA-path kernel (the 3 in 4 that write nothing exit at
 # once; see `make bench-gpu`'s sweep); the interpreter's wide tile (few programs)
-TILE = tile((1, 8, 1), (256, 32, 4))
+TILE = tile((1, 4, 1), (256, 32, 4))
 
 # The certified fp32 pooling (`pool_bf16`). With u = 2**-24, the kernel computes, in fp32,
 # a_i = s_i - max, e_i = expf(a_i) (within 2 ulp), S = sum e, 1/S and w_i = e_i * (1/S)
