@@ -463,3 +463,77 @@ def test_logged_non_finite_metrics_come_back_as_numbers():
     m = back["metrics"]
     assert m["topk.a"] == float("inf") and m["topk.b"] != m["topk.b"] and m["topk.c"] == 1.5
     assert back["case"] == "layer3_step9"
+
+
+# --- graph captures, inputs outside the contract, the bench's loop ------------------------------
+
+def test_no_checker_device_work_during_a_graph_capture(clean, monkeypatch):
+    """CUDA's global capture mode fails on any other thread's device call: a capture begun
+    through torch.cuda.CUDAGraph first waits for the checker's device work in flight, and the
+    checker starts none until the capture ends (the copies out of the item are device work)."""
+    fake_graphs(monkeypatch, hook)
+    sh = S.Shadow(clean, 1.0, ring=4, check=lambda r, n, d: ({"status": "pass", "ok": True, "reason": "",
+                                                                 "metrics": {}}, []))
+    install([], quiet=True, shadow=sh)
+    spans, entered, hold = [], threading.Event(), [0.3]
+
+    def host(item):
+        t0 = time.perf_counter()
+        entered.set()
+        time.sleep(hold[0])
+        spans.append((t0, time.perf_counter()))
+        return {}, "cpu"
+    monkeypatch.setattr(sh, "_host", host)
+    x = torch.zeros(1)
+    assert sh.submit(0, 0, {"topk": ({"x": x}, {}, {"y": x})})
+    assert entered.wait(10)
+    g = torch.cuda.CUDAGraph()
+    g.capture_begin()                                   # waits for the item's copies to end
+    began = time.perf_counter()
+    assert len(spans) == 1 and spans[0][1] <= began
+    hold[0] = 0.0
+    assert sh.submit(0, 1, {"topk": ({"x": x}, {}, {"y": x})})
+    time.sleep(0.3)
+    assert len(spans) == 1                              # nothing started while capturing
+    g.capture_end()
+    ended = time.perf_counter()
+    assert sh.join(10) and len(spans) == 2 and spans[1][0] >= ended
+    assert sh.snapshot()["checked"] == 2 and sh.enabled
+    uninstall()
+
+
+def test_inputs_outside_the_contract_are_a_failing_verdict_not_a_shadow_failure(clean):
+    """A sampled step whose recorded inputs the ops' checks reject (a block table past the
+    pool: a serving bug, or a loop run past its pool) is flagged, with its dump kept; the
+    shadow stays on."""
+    from harness.io.dumps import DumpError
+
+    def refuses(records, name, device):
+        raise DumpError(f"{name}: compress_pool: block_table (window blocks): value 158 out of range [0, 145)")
+    sh = S.Shadow(clean, 1.0, ring=2, check=refuses)
+    layer = make_layer(2)
+    calls = {op: (r.inputs, r.scalars, r.outputs) for op, r in layer.items()}
+    assert sh.submit(0, 7, calls) and sh.join(20)
+    c = sh.snapshot()
+    assert c["checked"] == 1 and c["failed"] == 1 and sh.enabled
+    (v,) = _verdicts(clean)
+    assert v["status"] == "error" and not v["ok"] and "out of range" in v["reason"] and os.path.exists(v["dump"])
+    sh.close()
+
+
+def test_bench_loop_stays_in_its_pool_over_many_timings():
+    """The decode loop is rewound by the steps it ran, not per timing: timed three times
+    for 1,000 steps, its positions never pass REWIND steps from the start."""
+    from harness.bench import shadow as bench
+
+    class Loop:
+        positions = torch.zeros(2, dtype=torch.long)
+        start, taken = torch.zeros(2, dtype=torch.long), 0
+    loop, seen = Loop(), []
+
+    def run():
+        loop.positions += 1
+        seen.append(int(loop.positions.max()))
+    for _ in range(3):
+        bench._time(loop, run, 1000, "cpu")
+    assert max(seen) <= bench.REWIND and len(seen) == 3000

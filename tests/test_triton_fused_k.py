@@ -48,7 +48,7 @@ def test_fused_other_rounding_paths(be, rounding):
     assert torch.equal(got["kv_cache"], pages)
 
 
-@pytest.mark.parametrize("tile", [(16, 1, 2), (8, 2, 4), (64, 8, 4)])
+@pytest.mark.parametrize("tile", [(1, 8, 1), (16, 1, 2), (8, 2, 4), (64, 8, 4)])
 def test_fused_tilings_and_no_scratch_row(be, tile):
     """The compiled tilings (interpreted) and the production form (no pooled row stored)
     write the same pages; bytes the call does not own keep their values."""

@@ -408,7 +408,7 @@ def _k_path(b: Bench):
 
 
 INDEXER_LAYERS = 30          # V4-Pro's ratio-4 layers, each with one indexer K path per step
-FUSED_TILES = [(16, 1, 1), (32, 1, 1), (16, 1, 2)]
+FUSED_TILES = [(1, 4, 1), (1, 8, 1), (1, 16, 1), (1, 8, 2), (2, 8, 1)]      # (tokens per program, refined at once, warps)
 
 
 def _vllm_fused_k(pool_kw, k_kw):

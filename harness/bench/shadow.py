@@ -61,18 +61,28 @@ REWIND = 1024                            # steps before the positions go back to
 
 
 def _loop(shape: dict, device: str) -> DecodeLoop:
-    """A decode loop with room for REWIND steps; `rewind(loop)` takes it back to its start
-    (the static position buffer a graph reads), so a run of any length stays in its pool."""
+    """A decode loop with room for REWIND steps (and a few warm-up steps); `_step` takes it
+    back to its start every REWIND steps it ran (the static position buffer a graph reads),
+    so a run of any length, in any number of timings, stays in its pool."""
     loop = DecodeLoop(**{"headroom": REWIND + 8, **shape}, device=device)
     loop.start = loop.positions.clone()
+    loop.taken = 0
     return loop
 
 
-def _step(loop: DecodeLoop, run, i: int) -> None:
-    """Step i of a long run (rewound every REWIND steps, outside the timed work's graph)."""
-    if i and i % REWIND == 0:
-        loop.positions.copy_(loop.start)
+def _rewind(loop: DecodeLoop) -> None:
+    loop.positions.copy_(loop.start)
+    loop.taken = 0
+
+
+def _step(loop: DecodeLoop, run) -> None:
+    """One step of a long run, the loop rewound first when it has run REWIND steps since its
+    start (outside the timed work's graph). Counted on the loop, not per timing: a loop timed
+    several times would otherwise run past its pool (block tables past the pool's pages)."""
+    if loop.taken >= REWIND:
+        _rewind(loop)
     run()
+    loop.taken += 1
 
 
 def _sync(device: str) -> None:
@@ -84,9 +94,11 @@ def _runner(loop: DecodeLoop, mode: str, device: str):
     """The step function of `mode` (compiled and warmed up)."""
     if mode == "eager":
         loop.step()
+        _rewind(loop)
         return loop.step
     g = loop.capture()
     g.replay()
+    _rewind(loop)
     return g.replay
 
 
@@ -94,8 +106,8 @@ def _time(loop, run, n: int, device: str) -> float:
     """Seconds per step over `n` steps."""
     _sync(device)
     t = time.perf_counter()
-    for i in range(n):
-        _step(loop, run, i)
+    for _ in range(n):
+        _step(loop, run)
     _sync(device)
     return (time.perf_counter() - t) / n
 
@@ -152,10 +164,11 @@ def fault(shape: dict, *, rate: float = 1 / 100, max_steps: int = 2000, mode: st
             run = _runner(loop, mode, device)
             steps, writes = 0, {}
             while steps < max_steps:
-                if steps and steps % REWIND == 0:
-                    loop.positions.copy_(loop.start)
-                pos = loop.positions.cpu()          # before the step (a synchronization: not timed here)
+                if loop.taken >= REWIND:
+                    _rewind(loop)
+                pos = loop.positions.to("cpu", copy=True)     # before the step (a sync: not timed here)
                 run()
+                loop.taken += 1
                 writes[capture.context()[1]] = bool(((pos + 1) % RATIO == 0).any())
                 steps += 1
                 if sh.snapshot()["sampled"] and steps % 8 == 0:
@@ -199,7 +212,7 @@ def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cud
         with shadowed(tmp, 1.0, layers=shape["layers"], ring=ring) as sh:
             run = _runner(loop, mode, device)
             for i in range(sampled):
-                _step(loop, run, i)
+                _step(loop, run)
                 if (i + 1) % ring == 0:
                     _sync(device)
                     sh.join(600)
@@ -221,7 +234,7 @@ def killed(shape: dict, *, steps: int = 64, mode: str = "graph", device: str = "
             run = _runner(loop, mode, device)
             served = stopped_at = 0
             for i in range(steps):
-                _step(loop, run, i)
+                _step(loop, run)
                 served += 1
                 if stopped_at == 0 and sh.snapshot()["checked"] >= 2:
                     sh.stop(wait=False)           # mid-run: the serving loop does not wait for it

@@ -299,8 +299,27 @@ def _capture_begin(orig):
         with _S.lock:
             _S.capture = _GraphRecord() if _S.config is not None else None
             _refresh()
-        return orig(self, *args, **kwargs)
+            sh = _S.shadow
+        gated = _shadow_gate(sh, "capture_begins")   # no checker device call during the capture
+        try:
+            return orig(self, *args, **kwargs)
+        except BaseException:
+            if gated:
+                _shadow_gate(sh, "capture_ends")
+            raise
     return capture_begin
+
+
+def _shadow_gate(sh, what: str) -> bool:
+    """Tell the shadow a capture begins or ends (never raises: a failure switches it off)."""
+    if sh is None:
+        return False
+    try:
+        getattr(sh, what)()
+        return True
+    except Exception as e:
+        _trouble(f"shadow:{what}", f"shadow: {what} failed ({type(e).__name__}: {e})")
+        return False
 
 
 def _ring_buffers(rec: _GraphRecord, ring: int) -> None:
@@ -320,6 +339,8 @@ def _capture_end(orig):
             with _S.lock:
                 rec, _S.capture = _S.capture, None
                 _refresh()
+                sh = _S.shadow
+            _shadow_gate(sh, "capture_ends")
         with _S.lock:
             if rec is not None and rec.calls and _S.config is not None:
                 try:

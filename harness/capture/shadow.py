@@ -27,7 +27,18 @@ that finds the queue full is skipped (counted) and halves the rate (`rate_halvin
 for the checker. Any exception inside the shadow path (recording, copying, checking,
 writing) is logged once, recorded in the log, and switches the shadow off; serving goes on
 untouched. A checker that stops (killed, or `stop()`) leaves every verdict already counted
-in the log; later sampled steps are counted as skipped.
+in the log; later sampled steps are counted as skipped. A sampled step whose recorded inputs
+the reference's op checks reject (a block table past the pool, a position past the RoPE
+table) is no shadow failure but a finding about the served inputs: a failing verdict
+(status `error`, the reason the checks give) with its dump kept, and the shadow goes on.
+
+Graph captures: a CUDA graph captured in CUDA's global capture mode (torch's default, and
+vLLM's) fails when any other thread of the process makes a device call meanwhile. The hook
+tells the shadow when a capture begins and ends (`capture_begins`, `capture_ends`, from
+torch.cuda.CUDAGraph.capture_begin / capture_end): the capture first waits for the device
+work of the item being checked, if any, to finish (one item's copy or reference run: vLLM
+captures at start-up, not while serving), and the checker starts no device work until the
+capture ends.
 
 Why a thread on the serving process and not a worker process: the recorded fields of a
 graph replay live in device buffers of the serving process (a ring allocated next to the
@@ -38,6 +49,7 @@ Python on the serving process's GIL is what `make bench-gpu`'s shadow rows measu
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -167,6 +179,9 @@ class Shadow:
         self._stop = threading.Event()
         self._accepting = True                 # the checker takes items (False once it stops)
         self._streams: dict = {}               # device -> the checker's low-priority stream there
+        self._gate = threading.Condition()     # graph captures against the checker's device work
+        self._captures = 0                     # captures in progress (the serving thread's)
+        self._in_device = False                # the checker is in its device work
         self.thread = threading.Thread(target=self._run, name="mxval-shadow", daemon=True)
         self._closed = threading.Event()
         self._prom_every = prom_every
@@ -233,6 +248,41 @@ class Shadow:
         except Exception as e:
             self.fail(f"submit: {type(e).__name__}: {e}", traceback.format_exc())
             return False
+
+    # --- graph captures ------------------------------------------------------------------
+
+    def capture_begins(self) -> None:
+        """A graph capture is about to begin on the serving thread: wait for the checker's
+        device work in flight, if any, to end; the checker starts none until `capture_ends`
+        (a capture in CUDA's global mode fails on another thread's device call)."""
+        with self._gate:
+            self._captures += 1
+            while self._in_device and self.thread.is_alive():
+                self._gate.wait(0.05)
+
+    def capture_ends(self) -> None:
+        with self._gate:
+            self._captures = max(0, self._captures - 1)
+            self._gate.notify_all()
+
+    @contextlib.contextmanager
+    def _device_work(self):
+        """The checker's device work (copies, the reference on the GPU): never during a
+        capture. Yields False, doing nothing, when the shadow stops while it waits."""
+        with self._gate:
+            while self._captures and not self._stop.is_set():
+                self._gate.wait(0.05)
+            if self._stop.is_set() and self._captures:
+                ok = False
+            else:
+                ok, self._in_device = True, True
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self._gate:
+                    self._in_device = False
+                    self._gate.notify_all()
 
     # --- the checker ---------------------------------------------------------------------
 
@@ -305,14 +355,29 @@ class Shadow:
         return verdict(row, self.budgets, SUITE), reports
 
     def _one(self, item: _Item) -> None:
-        from harness.io.dumps import write_dump
+        from harness.io.dumps import DumpError, write_dump
         tag = lambda v: "x" if v is None else str(v)
         name = f"layer{tag(item.layer)}_step{tag(item.step)}"
-        records, device = self._host(item)
+        with self._device_work() as ok:
+            if not ok:                             # stopped during a capture: dropped, as queued items are
+                with self.lock:
+                    self.counts["skipped"] += 1
+                return
+            records, device = self._host(item)
         if item.release is not None:               # the ring position is free once copied out
             release, item.release = item.release, None
             release()
-        row, _ = self.check(records, name + ".safetensors", self.device or device)
+        where = self.device or device
+        with self._device_work() if where.startswith("cuda") else contextlib.nullcontext(True) as ok:
+            if not ok:
+                with self.lock:
+                    self.counts["skipped"] += 1
+                return
+            try:
+                row, _ = self.check(records, name + ".safetensors", where)
+            except DumpError as e:                 # the served inputs break the ops' contract
+                row = {"status": "error", "ok": False,
+                       "reason": f"the recorded inputs are outside the ops' contract: {e}"}
         entry = {"event": "verdict", "time": round(time.time(), 3), "layer": item.layer, "step": item.step,
                  "mode": item.mode, "status": row["status"], "ok": bool(row["ok"]), "reason": row.get("reason", ""),
                  "row": _jsonable(row)}

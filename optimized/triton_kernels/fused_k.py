@@ -10,14 +10,16 @@ reads it (rocm and deepseek rounding; the cuda rounding keeps fp32, as vLLM's CU
 Page order is the case's: aiter's preshuffle `[N, Dt, L]` for any page size it accepts
 (`page_size % N == 0`), or natural.
 
-One program per tile of BT tokens; the tokens that write (a boundary with a slot: 1 in 4 of a
-prefill chunk) are compacted by rank on the device, G at a time, so no lane pools or quantizes
-for a token that writes nothing and no host sync is needed. Each writing token's whole row
-(all D channels) is in one program, as the norm's sum needs; the window tile is [2r, G, D] in
-fp64 (the exact softmax the split pooling computes). `STORE_POOLED` additionally stores the
-scratch row (NaN for the tokens that write nothing, as the pooling kernel does): the harness
-asks for it so that the pooling stage is judged on this very launch; in production it is off
-and the row never leaves registers.
+One program per token, as vLLM's fused CUDA-path kernel (the tokens that write nothing, 3 in 4
+of a prefill chunk, end at once; the interpreter takes BT tokens per program). A writing
+token's whole row (all D channels) is in its program, as the norm's sum needs; the window
+tile is [2r, BT, D], its slot axis in registers. The pooled row is computed in fp32 with a
+certified error bound, and only the values the bound cannot decide (about 1 in 200 on normal
+data) are recomputed, gathered U at a time, with the split pooling's own fp64 code: the row
+is always the split path's bf16 row. `STORE_POOLED` additionally stores the scratch row (NaN
+for the tokens that write nothing, as the pooling kernel does): the harness asks for it so
+that the pooling stage is judged on this very launch; in production it is off and the row
+never leaves registers.
 """
 from __future__ import annotations
 
@@ -36,66 +38,93 @@ from .k_writer import write_entries
 from .numerics import ROUNDING_CODES, SCALE_RULE_CODES, writing_tokens
 from .pooling import _check_windows, pool_window, softmax_pool_f64, window_offsets
 
-# tokens per program, writing tokens pooled and written at once, warps (compiled; see
-# `make bench-gpu`'s sweep), and the interpreter's wide tile (few programs)
-TILE = tile((16, 1, 1), (256, 32, 4))
+# (tokens per program, uncertain values recomputed in fp64 at once, warps): compiled, one
+# token per program as vLLM's fused CUDA-path kernel (the 3 in 4 that write nothing exit at
+# once; see `make bench-gpu`'s sweep); the interpreter's wide tile (few programs)
+TILE = tile((1, 4, 1), (256, 32, 4))
 
-# The certified fp32 pooling (`pool_bf16`). With u = 2**-24, window slot i's term
-# t_i = w_i * kv_i computed in fp32 (a_i = s_i - max, e_i = expf(a_i) within 2 ulp, S = sum e,
-# 1/S and w_i = e_i * (1/S) correctly rounded, t_i, c = sum t) is off the exact softmax by at
-# most |t_i| * (28.2 u + 1.01 u |a_i|) summed over i, to first order (the exp 4u, its argument
-# u |a_i|, the sum of the exps 7u + 1.2u (the softmax-weighted mean of |a| is below 1.1 for
-# 8 slots: at most 0.98, with 7 slots 2.1 below the max), the reciprocal and the weight
-# 2u, the product u, the sum of the terms 7u), plus 2**-126 |kv_i| where an exp underflows and
-# at most 2**-126 per operation in the subnormal range (were it flushed to zero). The bound
-# below takes 32u and 2u, 2**-125 |kv_i|, 2**-120, and |c| 2**-22 for the rounding of c -+
-# bound itself. (On the CPU, over 2.4 million random windows with scores spread 0.01 to 50
-# and kv from 1e-30 to 1e30, the fp32 error reached at most 0.22 of this bound.)
-_B_REL: tl.constexpr = tl.constexpr(2.0 ** -19)
+# The certified fp32 pooling (`pool_bf16`). With u = 2**-24, the kernel computes, in fp32,
+# a_i = s_i - max, e_i = expf(a_i) (within 2 ulp), S = sum e, 1/S and w_i = e_i * (1/S)
+# correctly rounded, t_i = w_i * kv_i and c = sum t (any order). To first order, with E_i, S*,
+# t*_i, c* the exact values: e_i = E_i (1 + eta_i), |eta_i| <= 4u + u |a_i| (the exp and
+# the rounding of its argument); S = sum_i E_i (1 + eta_i + theta_i), |theta_i| <= 7u (8
+# positive terms); so every t_i carries the same factor S*/S (1 + rho), whose error is at most
+# u + sum_i w*_i (11u + u |a_i|) <= 13.1u (the softmax-weighted mean of |a| is below 1.1 for 8
+# slots: at most 0.98, with 7 slots 2.1 below the max), and its own errors eta_i and two
+# roundings (the weight, the product): 6u + u |a_i|; the sum of the terms adds 7u sum |t_i|.
+# So |c - c*| <= sum_i |t_i| (13u + u |a_i|) + 13.1u |c|: the error common to every term
+# scales with |c|, and only the per-term errors with sum |t| (large where the terms cancel).
+# Plus 2**-126 |kv_i| where an exp underflows and at most 2**-126 per operation in the
+# subnormal range (were it flushed to zero). The bound below takes 16u and 2u per term,
+# 16u |c| and |c| 2**-22 for the rounding of c -+ bound itself, 2**-125 |kv_i| and 2**-120.
+# (On the CPU, over 8 million random windows with scores spread 0.1 to 50 and kv from 1e-20
+# to 1e20, the fp32 error reached at most 0.24 of this bound; the bound leaves 0.2 % to 0.6 %
+# of the values of normal data undecided.)
+_B_TERM: tl.constexpr = tl.constexpr(2.0 ** -20)
 _B_ARG: tl.constexpr = tl.constexpr(2.0 ** -23)
 _B_KV: tl.constexpr = tl.constexpr(2.0 ** -125)
-_B_C: tl.constexpr = tl.constexpr(2.0 ** -22)
+_B_C: tl.constexpr = tl.constexpr(2.0 ** -20 + 2.0 ** -22)
 _B_TINY: tl.constexpr = tl.constexpr(2.0 ** -120)
 
 
 @triton.jit
-def pool_bf16(state_ptr, off, m3, D: tl.constexpr, CERTIFY: tl.constexpr):
-    """bf16(c) of the windows at `off` (as fp32 values): the split pooling's bytes, mostly in fp32.
+def pool_bf16(state_ptr, off, m3, D: tl.constexpr):
+    """(bf16(c) as fp32, certain) of the windows at `off` [WP, BT, D]: c pooled in fp32, and
+    where that value is certain to be the split pooling's.
 
     x -> bf16(fp32(x)) is monotone, so where c - B and c + B (B the bound above on the fp32
     result's distance to the exact c) round to the same non-zero bf16 value, so does the
     exact c, and so does the fp64 pooling (within a few fp64 ulps of it): that value is
     certain. Elsewhere (a value within B of a bf16 rounding boundary, or of zero, whose sign
-    the IEEE sum decides) the split pooling's own fp64 code recomputes the channels of this
-    tile, once per tile that has one (measured in `make bench-gpu`).
-    CERTIFY: 1 as above (the default); 0 fp64 only; 2 fp32 without the check (measurement
-    only: what the bound and its fallback are for)."""
-    if CERTIFY != 0:
-        s = tl.load(state_ptr + off + 2 * D, mask=m3, other=float("-inf"))
-        kv = tl.load(state_ptr + off, mask=m3, other=0.0)
-        mx = tl.max(s, axis=0)
-        a = s - mx[None, :, :]
-        e = exp_f32(a)
-        total = tl.sum(e, axis=0)
-        inv = tl.div_rn(tl.full(total.shape, 1.0, tl.float32), total)
-        t = (e * inv[None, :, :]) * kv
-        c = tl.sum(t, axis=0)
-        arg = tl.where(m3, tl.abs(a), 0.0)
-        bound = (tl.sum(tl.abs(t) * (_B_REL + _B_ARG * arg) + tl.abs(kv) * _B_KV, axis=0)
-                 + tl.abs(c) * _B_C + _B_TINY)
-        lo = bf16_bits(c - bound)
-        hi = bf16_bits(c + bound)
-        # equal, not zero, and finite (an overflowed bound, or inf * 0 in it, decides nothing)
-        certain = (lo == hi) & ((lo & 0x7FFF) != 0) & ((lo & 0x7F80) != 0x7F80)
-        out = bf16_round(c)
-        exists = tl.max(m3.to(tl.int32), axis=0) > 0          # a row that writes, a channel in range
-        if CERTIFY == 1:
-            if tl.max(tl.max((exists & (certain == 0)).to(tl.int32), axis=1), axis=0) > 0:
-                exact = bf16_round(softmax_pool_f64(state_ptr, off, m3, D, False))
-                out = tl.where(certain, out, exact)
-    else:
-        out = bf16_round(softmax_pool_f64(state_ptr, off, m3, D, False))
-    return out
+    the IEEE sum decides, or not finite) `refine_f64` recomputes it."""
+    s = tl.load(state_ptr + off + 2 * D, mask=m3, other=float("-inf"))
+    kv = tl.load(state_ptr + off, mask=m3, other=0.0)
+    mx = tl.max(s, axis=0)
+    a = s - mx[None, :, :]
+    e = exp_f32(a)
+    total = tl.sum(e, axis=0)
+    inv = tl.div_rn(tl.full(total.shape, 1.0, tl.float32), total)
+    t = (e * inv[None, :, :]) * kv
+    c = tl.sum(t, axis=0)
+    arg = tl.where(m3, tl.abs(a), 0.0)
+    bound = (tl.sum(tl.abs(t) * (_B_TERM + _B_ARG * arg) + tl.abs(kv) * _B_KV, axis=0)
+             + tl.abs(c) * _B_C + _B_TINY)
+    lo = bf16_bits(c - bound)
+    hi = bf16_bits(c + bound)
+    # equal, not zero, and finite (an overflowed bound, or inf * 0 in it, decides nothing)
+    certain = (lo == hi) & ((lo & 0x7FFF) != 0) & ((lo & 0x7F80) != 0x7F80)
+    return bf16_round(c), certain
+
+
+@triton.jit
+def refine_f64(state_ptr, table_ptr, req_ptr, pos_ptr, first, unc, out, block_size, table_stride, row_stride,
+               block_stride, D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr, SPAN2: tl.constexpr,
+               BT: tl.constexpr, U: tl.constexpr):
+    """`out` [BT, D] (tokens first.., channels) with the values `unc` marks replaced by the
+    split pooling's own fp64 code (`pooling.softmax_pool_f64`) on those (token, channel)
+    windows alone, U of them at a time: the fp64 work is per undecided value, not per row."""
+    N: tl.constexpr = BT * D
+    flag = tl.reshape(unc.to(tl.int32), (N,))
+    bits = tl.reshape(out, (N,)).to(tl.int32, bitcast=True)
+    idx = tl.arange(0, N)
+    rank = tl.cumsum(flag, axis=0) - 1
+    n = tl.sum(flag, axis=0)
+    ui = tl.arange(0, U)
+    c1 = tl.zeros([1], tl.int32)                  # one channel: the window's row offsets
+    for j in range(0, n, U):
+        match = (flag[None, :] != 0) & (rank[None, :] == (j + ui)[:, None])         # [U, N]
+        at = tl.sum(tl.where(match, idx[None, :], 0), axis=1)                       # [U]
+        ok = (j + ui) < n
+        tok = first + at // D
+        gpos = tl.load(pos_ptr + tok, mask=ok, other=0).to(tl.int64)
+        off, m3 = window_offsets(table_ptr, req_ptr, tok, gpos, ok, c1, c1 == 0, block_size, table_stride,
+                                 row_stride, block_stride, D, RATIO, WP, SPAN2)     # [WP, U, 1]
+        v = bf16_round(softmax_pool_f64(state_ptr, off + (at % D)[None, :, None], m3, D, False))
+        vb = tl.reshape(v, (U,)).to(tl.int32, bitcast=True)
+        # scattered as bits: a -0.0 keeps its sign
+        hit = tl.max(match.to(tl.int32), axis=0) != 0
+        bits = tl.where(hit, tl.sum(tl.where(match, vb[:, None], 0), axis=0), bits)
+    return tl.reshape(bits.to(tl.float32, bitcast=True), (BT, D))
 
 
 @triton.jit(do_not_specialize=["T", "table_stride"])     # one compile for every token count
@@ -104,10 +133,10 @@ def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_
                     D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr,
                     PAGE: tl.constexpr, SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
                     ROUNDING: tl.constexpr, RULE: tl.constexpr, STORE_POOLED: tl.constexpr,
-                    BT: tl.constexpr, G: tl.constexpr, SPAN2: tl.constexpr, CERTIFY: tl.constexpr):
+                    BT: tl.constexpr, U: tl.constexpr, SPAN2: tl.constexpr, CERTIFY: tl.constexpr):
     TB: tl.constexpr = D // 2
-    pid = tl.program_id(0)
-    toks = pid * BT + tl.arange(0, BT)
+    first = tl.program_id(0) * BT
+    toks = first + tl.arange(0, BT)
     inr, pos, act = writing_tokens(pos_ptr, slot_ptr, toks, T, RATIO)
     d = tl.arange(0, D)
     dm = d < D
@@ -120,46 +149,39 @@ def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_
             tl.store(pooled_ptr + orow, nan, mask=nmask)
         else:
             tl.store(pooled_ptr + orow, bf16_bits(nan), mask=nmask)
-    rank = tl.cumsum(act.to(tl.int32), axis=0) - 1
-    n_act = tl.sum(act.to(tl.int32), axis=0)
-    gi = tl.arange(0, G)
-    m = tl.arange(0, TB)
-    for g0 in range(0, n_act, G):
-        pick = act[None, :] & (rank[None, :] == (g0 + gi)[:, None])          # [G, BT]
-        ok = (g0 + gi) < n_act
-        tok = tl.sum(tl.where(pick, toks[None, :], 0), axis=1)              # [G]
-        gpos = tl.sum(tl.where(pick, pos[None, :], 0), axis=1)
-        # 1. pooling, from the split pooling kernel's own window code
-        if ROUNDING == 1:      # cuda: the fp32 row, exact softmax in fp64
-            c = pool_window(state_ptr, table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride,
+    if tl.max(act.to(tl.int32), axis=0) != 0:       # 3 in 4 programs of a prefill chunk end here
+        # 1. pooling: the row the split pooling stores (window slots in registers)
+        if CERTIFY == 0:
+            # every value by the split pooling's fp64 code: the cuda path (its fp32 row) and
+            # the measurement of what the certified pooling saves
+            c = pool_window(state_ptr, table_ptr, req_ptr, toks, pos, act, d, dm, block_size, table_stride,
                             row_stride, block_stride, D, RATIO, WP, SPAN2, False)
-        elif D >= 128:
-            # rocm / deepseek: bf16(c), the value the scratch buffer holds, in two halves of
-            # channels (an fp64 window of all D channels in one warp spills)
-            CH: tl.constexpr = D // 2
-            dh = tl.arange(0, CH)
-            off, m3 = window_offsets(table_ptr, req_ptr, tok, gpos, ok, dh, dh < CH, block_size, table_stride,
-                                     row_stride, block_stride, D, RATIO, WP, SPAN2)
-            c0 = pool_bf16(state_ptr, off, m3, D, CERTIFY)
-            c1 = pool_bf16(state_ptr, off + CH, m3, D, CERTIFY)
-            c = tl.reshape(tl.permute(tl.join(c0, c1), (0, 2, 1)), (G, D))     # [c0 | c1]
+            if ROUNDING != 1:
+                c = bf16_round(c)
         else:
-            off, m3 = window_offsets(table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride,
+            # rocm / deepseek: bf16(c), the value the scratch buffer holds, in fp32 where the
+            # bound decides it; CERTIFY = 2 (measurement only) skips the fp64 refinement
+            off, m3 = window_offsets(table_ptr, req_ptr, toks, pos, act, d, dm, block_size, table_stride,
                                      row_stride, block_stride, D, RATIO, WP, SPAN2)
-            c = pool_bf16(state_ptr, off, m3, D, CERTIFY)
+            c, certain = pool_bf16(state_ptr, off, m3, D)
+            if CERTIFY == 1:
+                unc = act[:, None] & (certain == 0)
+                if tl.max(tl.max(unc.to(tl.int32), axis=1), axis=0) != 0:
+                    c = refine_f64(state_ptr, table_ptr, req_ptr, pos_ptr, first, unc, c, block_size, table_stride,
+                                   row_stride, block_stride, D, RATIO, WP, SPAN2, BT, U)
         if STORE_POOLED:
-            grow = tok.to(tl.int64)[:, None] * D + d[None, :]
             if ROUNDING == 1:
-                tl.store(pooled_ptr + grow, c, mask=ok[:, None])
+                tl.store(pooled_ptr + toks.to(tl.int64)[:, None] * D + d[None, :], c, mask=act[:, None])
             else:
-                tl.store(pooled_ptr + grow, bf16_bits(c), mask=ok[:, None])
+                tl.store(pooled_ptr + toks.to(tl.int64)[:, None] * D + d[None, :], bf16_bits(c), mask=act[:, None])
         # 2. the row as the K writer reads it: (even, odd) channel pairs; on the rocm and
         # deepseek paths already bf16(c), the value the scratch buffer holds
-        e, o = tl.split(tl.reshape(c, (G, TB, 2)))
+        e, o = tl.split(tl.reshape(c, (BT, TB, 2)))
         # 3. norm -> RoPE -> MXFP4 -> store: the split K writer's own device function
-        slot = tl.load(slot_ptr + tok, mask=ok, other=0).to(tl.int64)
-        write_entries(e, o, gpos, slot, ok[:, None], m, cs_ptr, w_ptr, cache_ptr, page_stride, cs_stride, eps,
-                      D, R, RATIO, PAGE, SHUF_N, SHUF_DT, SHUF_L, ROUNDING, False, False, 0.0, RULE, G, False)
+        slot = tl.load(slot_ptr + toks, mask=act, other=0).to(tl.int64)
+        write_entries(e, o, pos, slot, act[:, None], tl.arange(0, TB), cs_ptr, w_ptr, cache_ptr, page_stride,
+                      cs_stride, eps, D, R, RATIO, PAGE, SHUF_N, SHUF_DT, SHUF_L, ROUNDING, False, False, 0.0, RULE,
+                      BT, False)
 
 
 def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight,
@@ -168,15 +190,17 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_
     """Write the entries of every boundary token with a slot into `out_cache` in place (all
     tensors on the kernel's device, checked by the caller). `pooled`: an optional [T, D]
     output (bf16; fp32 for rounding="cuda") that receives the scratch rows the split path
-    would store. `tile` (measurement only): (tokens per program, tokens at once, warps);
-    `certify` (measurement only): False pools every value in fp64 (the same bytes, slower),
-    "unchecked" in fp32 without the bound's fallback (not the split path's bytes)."""
+    would store. `tile` (measurement only): (tokens per program, undecided values refined at
+    once, warps); `certify` (measurement only): False pools every value in fp64 (the same
+    bytes, slower), "unchecked" in fp32 without the fp64 refinement (not the split path's bytes)."""
     t = positions.shape[0]
     d = state_cache.shape[-1] // 4
     if t == 0:
         return out_cache
     shuf = layout.as_shuffle(shuffle)
-    bt, g, warps = tile or TILE
+    bt, u, warps = tile or TILE
+    if tile is None and bt == 1:
+        warps = max(warps, d // 128)                # a 256-channel row in one warp spills
     sc = state_cache
     store = pooled is not None
     if store:
@@ -190,8 +214,9 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_
         D=d, R=cos_sin_cache.shape[1], RATIO=compress_ratio, WP=triton.next_power_of_2(2 * compress_ratio),
         PAGE=page_size, SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1,
         SHUF_L=shuf.l if shuf else 1, ROUNDING=ROUNDING_CODES[rounding], RULE=SCALE_RULE_CODES[scale_rule],
-        STORE_POOLED=store, BT=bt, G=g, SPAN2=sc.shape[1] >= 2 * compress_ratio - 1,
-        CERTIFY={True: 1, False: 0, "unchecked": 2}[certify], num_warps=warps, **LAUNCH)
+        STORE_POOLED=store, BT=bt, U=u, SPAN2=sc.shape[1] >= 2 * compress_ratio - 1,
+        CERTIFY=0 if rounding == "cuda" else {True: 1, False: 0, "unchecked": 2}[certify], num_warps=warps,
+        **LAUNCH)
     return out_cache
 
 
