@@ -61,7 +61,8 @@ FACTS: dict[str, str] = {
     "dots": "'overflow' (a head's dot beyond fp32's range at more than 32 heads, where aiter's relu is "
             "x + |x|), 'overflow-any' (at any head count); measured, no case generates it yet",
     "entries": "where a writer's entries fall: 'group-edge' (entries e and e+1 across a shuffle group), "
-               "'page-edge' (across a page), 'pool-end' (the pool's last slot)",
+               "'page-edge' (across a page), 'pool-end' (the pool's last slot), 'high-2^16' (in a page "
+               "id >= 65536, past 16 bits)",
     "norm": "a written K row's sum of squares (fp64, rounded to fp32 as the norm takes it) against the "
             "norm's eps: 'eps-dominant' (0 < sum / D <= eps: the eps term sets the row's scale), "
             "'sum-underflow' (a non-zero row whose fp32 sum of squares is 0)",
@@ -69,7 +70,8 @@ FACTS: dict[str, str] = {
                    "'exp-overflow' (the largest above ln(FLT_MAX) = 88.72), 'exp-underflow' (every one "
                    "below ln(2^-150) = -103.97)",
     "pages": "the block table read: 'permuted', 'descending', 'repeated' (one page id in two places), "
-             "'high' (a page id >= 512), 'wide-table' (columns past the longest sequence's pages)",
+             "'high' (a page id >= 512), 'high-2^16' (a page id >= 65536, past 16 bits), 'wide-table' "
+             "(columns past the longest sequence's pages)",
     "page_bytes": "the largest byte offset of a page the op touches (its id times the page stride)",
     "logits_bytes": "the largest byte offset of a logits row the op writes",
     "layout": "page layout and page size: 'natural/64', '32,16,2/64', ...",
@@ -139,6 +141,7 @@ _MX = "OCP MX v1.0 e8m0/e2m1; NUMERICS.md §4"
 _PG = "NUMERICS.md §5 page layouts; aiter's preshuffle; vLLM's block tables"
 _TK = "NUMERICS.md §6 top-k contract; radix/bitonic select in aiter's and vLLM's top-k"
 _NF = "NUMERICS.md §4/§6: non-finite inputs are outside the contract, but no output may break an invariant"
+_I16 = "page ids past 16 bits (a table or a packed page/offset word narrowed to 16 bits)"
 _I31 = "int32 byte offsets (aiter's scorer, the K writers: pid * stride in 32 bits)"
 _PLANTS = {   # input -> (ops taking it, values); `plant` tensors of the case schema
     "state_kv": (POOL, ("nan", "inf", "-inf")),
@@ -221,12 +224,12 @@ def _structure(b: list) -> None:
     b.append(_B("q.heads.16", QUANTS + SCORERS, "q", "heads", "heads", ("has", 16),
                 "under 32 heads aiter picks the N = 16 shuffle"))
     # --- pages: tables, offsets, layouts
-    for tag in ("group-edge", "page-edge", "pool-end"):
+    for tag in ("group-edge", "page-edge", "pool-end", "high-2^16"):
         b.append(_B(f"k.entries.{tag}", WRITERS, "slot_mapping", "entries across shuffle groups and pages",
-                    "entries", ("has", tag), _PG + "; a bounds guard on the pool's slot count"))
-    for tag in ("permuted", "descending", "repeated", "high", "wide-table"):
+                    "entries", ("has", tag), _PG + "; a bounds guard on the pool's slot count; " + _I16))
+    for tag in ("permuted", "descending", "repeated", "high", "high-2^16", "wide-table"):
         b.append(_B(f"scorer.pages.{tag}", READERS, "block_table", "block table page ids", "pages", ("has", tag),
-                    _PG + "; prefix caching shares pages between sequences"))
+                    _PG + "; prefix caching shares pages between sequences; " + _I16))
     for ops, stage in ((WRITERS, "k"), (READERS, "scorer")):
         b.append(_B(f"{stage}.page_bytes.2^31", ops, "kv_cache", "page byte offsets", "page_bytes",
                     ("ge", 2 ** 31), _I31, "gpu"))

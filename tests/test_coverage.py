@@ -220,6 +220,14 @@ def test_pooling_scores_past_exp_range_and_the_pool_end():
     end = cov.measure(_case(seqs=one, page_size=16, layout="natural", page_order="sequential", spare_pages=0), "cpu")
     spare = cov.measure(_case(seqs=one, page_size=16, layout="natural", page_order="sequential", spare_pages=1), "cpu")
     assert "k.entries.pool-end" in end.reached() and "k.entries.pool-end" not in spare.reached()
+    # page ids across 2^16: the decode entry's page is 65536 + 3, the chunk's pages below 2^16
+    two = (SeqSpec(120, (24,), 0), SeqSpec(60, (), 1))
+    high = cov.measure(_case(seqs=two, page_size=4, layout="natural", pool_pages=(1 << 16) + 4, page_order="top"),
+                       "cpu").reached()
+    low = cov.measure(_case(seqs=two, page_size=4, layout="natural", pool_pages=(1 << 16) - 1, page_order="top"),
+                      "cpu").reached()
+    for name in ("k.entries.high-2^16", "scorer.pages.high-2^16"):
+        assert name in high and name not in low
 
 
 def test_planted_inputs_count_for_the_ops_that_take_them():

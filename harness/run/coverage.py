@@ -274,6 +274,8 @@ class _Facts:
             edges.add("page-edge")
         if int(written.max()) == out["kv_cache"].shape[0] * ps - 1:
             edges.add("pool-end")
+        if int(written.max()) // ps >= 1 << 16:
+            edges.add("high-2^16")
         add("entries", edges)
         if fmt != "mxfp4" or not self.values:
             return
@@ -386,6 +388,8 @@ class _Facts:
                 tags.add("repeated")
             if int(ids.max()) >= 512:
                 tags.add("high")
+            if int(ids.max()) >= 1 << 16:
+                tags.add("high-2^16")
             add("page_bytes", {int(ids.max()) * ins["kv_cache"].shape[1]})
         if need.numel() and bt.shape[1] > int(need.max()):
             tags.add("wide-table")

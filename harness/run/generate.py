@@ -220,6 +220,11 @@ def _sizes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             "heads": 4, "topk": 2048, "ops": ["topk"], "history": "direct", "state_block": 64,
             "seqs": _rows_at([2048, 2049, 4100]),
             "description": "k = 2048 (vLLM's routing) over rows of 2048, 2049 and 4100 entries"}),
+        ("sizes-page-ids-65536", {
+            "heads": 4, "topk": 8, "page_size": 4, "layout": "natural", "pool_pages": (1 << 16) + 4,
+            "page_order": "top", "seqs": [{"len": 120, "chunks": [24]}, {"len": 60, "decode": 1}],
+            "description": "K writer and scorer on page ids 65528 .. 65539 (across 2^16), natural pages of "
+                           "4 entries (a 17 MiB pool)"}),
         ("sizes-q-8192", {
             "heads": 64, "ops": ["q_rope_mxfp4_quant"], "seqs": [{"len": 300, "chunks": [128, 129]}],
             "description": "Q quant calls of 128 and 129 tokens at 64 heads: 8192 token-heads and past it"}),
