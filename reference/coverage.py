@@ -61,9 +61,17 @@ FACTS: dict[str, str] = {
     "dots": "'overflow' (a head's dot beyond fp32's range at more than 32 heads, where aiter's relu is "
             "x + |x|), 'overflow-any' (at any head count); measured, no case generates it yet",
     "entries": "where a writer's entries fall: 'group-edge' (entries e and e+1 across a shuffle group), "
-               "'page-edge' (across a page)",
+               "'page-edge' (across a page), 'pool-end' (the pool's last slot), 'high-2^16' (in a page "
+               "id >= 65536, past 16 bits)",
+    "norm": "a written K row's sum of squares (fp64, rounded to fp32 as the norm takes it) against the "
+            "norm's eps: 'eps-dominant' (0 < sum / D <= eps: the eps term sets the row's scale), "
+            "'sum-underflow' (a non-zero row whose fp32 sum of squares is 0)",
+    "pool_scores": "a pooling window's scores (per channel, valid slots) against fp32 exp's range: "
+                   "'exp-overflow' (the largest above ln(FLT_MAX) = 88.72), 'exp-underflow' (every one "
+                   "below ln(2^-150) = -103.97)",
     "pages": "the block table read: 'permuted', 'descending', 'repeated' (one page id in two places), "
-             "'high' (a page id >= 512), 'wide-table' (columns past the longest sequence's pages)",
+             "'high' (a page id >= 512), 'high-2^16' (a page id >= 65536, past 16 bits), 'wide-table' "
+             "(columns past the longest sequence's pages)",
     "page_bytes": "the largest byte offset of a page the op touches (its id times the page stride)",
     "logits_bytes": "the largest byte offset of a logits row the op writes",
     "layout": "page layout and page size: 'natural/64', '32,16,2/64', ...",
@@ -133,6 +141,7 @@ _MX = "OCP MX v1.0 e8m0/e2m1; NUMERICS.md §4"
 _PG = "NUMERICS.md §5 page layouts; aiter's preshuffle; vLLM's block tables"
 _TK = "NUMERICS.md §6 top-k contract; radix/bitonic select in aiter's and vLLM's top-k"
 _NF = "NUMERICS.md §4/§6: non-finite inputs are outside the contract, but no output may break an invariant"
+_I16 = "page ids past 16 bits (a table or a packed page/offset word narrowed to 16 bits)"
 _I31 = "int32 byte offsets (aiter's scorer, the K writers: pid * stride in 32 bits)"
 _PLANTS = {   # input -> (ops taking it, values); `plant` tensors of the case schema
     "state_kv": (POOL, ("nan", "inf", "-inf")),
@@ -215,12 +224,12 @@ def _structure(b: list) -> None:
     b.append(_B("q.heads.16", QUANTS + SCORERS, "q", "heads", "heads", ("has", 16),
                 "under 32 heads aiter picks the N = 16 shuffle"))
     # --- pages: tables, offsets, layouts
-    for tag in ("group-edge", "page-edge"):
+    for tag in ("group-edge", "page-edge", "pool-end", "high-2^16"):
         b.append(_B(f"k.entries.{tag}", WRITERS, "slot_mapping", "entries across shuffle groups and pages",
-                    "entries", ("has", tag), _PG))
-    for tag in ("permuted", "descending", "repeated", "high", "wide-table"):
+                    "entries", ("has", tag), _PG + "; a bounds guard on the pool's slot count; " + _I16))
+    for tag in ("permuted", "descending", "repeated", "high", "high-2^16", "wide-table"):
         b.append(_B(f"scorer.pages.{tag}", READERS, "block_table", "block table page ids", "pages", ("has", tag),
-                    _PG + "; prefix caching shares pages between sequences"))
+                    _PG + "; prefix caching shares pages between sequences; " + _I16))
     for ops, stage in ((WRITERS, "k"), (READERS, "scorer")):
         b.append(_B(f"{stage}.page_bytes.2^31", ops, "kv_cache", "page byte offsets", "page_bytes",
                     ("ge", 2 ** 31), _I31, "gpu"))
@@ -269,6 +278,18 @@ def _values(b: list) -> None:
     for c in (E8M0_ZERO_BLOCK, E8M0_NAN - 2):
         b.append(_B(f"scorer.q_codes_read.{c}", SCORER_MX, "q_scale", "query scale code visible in the logits",
                     "q_codes_read", ("has", c), _MX))
+    # --- values: the norm's eps and the pooling softmax's range
+    for ops, stage in ((K_ROCM, "k"), (K_CUDA, "pool_k")):
+        for tag in ("eps-dominant", "sum-underflow"):
+            b.append(_B(f"{stage}.norm.{tag}", ops, "k", "a K row's mean square against eps", "norm", ("has", tag),
+                        "NUMERICS.md §2 x * rsqrt(sum(x*x)/D + eps): where eps sets the scale, its place (under "
+                        "the root or after it) and the sum's width decide every byte of the row"))
+    for tag in ("exp-overflow", "exp-underflow"):
+        b.append(_B(f"pool.scores.{tag}", POOL, "state_score", "window scores against fp32 exp's range",
+                    "pool_scores", ("has", tag),
+                    "NUMERICS.md §1 softmax over the window: exp(s - max) holds at any score; exp(s) without "
+                    "the max, or a running max started at 0, overflows above 88.72 or empties a window "
+                    "below -103.97"))
     # --- values: ties and crowded bins
     for tag in ("tie-2", "tie-16", "tie-k", "tie-row", "tie-zero", "tie-1024"):
         b.append(_B(f"topk.{tag}", TOPK, "logits", "exact ties at the k-th score", "ties", ("has", tag), _TK))

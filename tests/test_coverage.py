@@ -190,6 +190,46 @@ def test_elements_and_codes_of_a_quantized_block():
     assert scales[2].tolist() == [1, 1]
 
 
+def test_norm_rows_against_eps():
+    m = cov.Measured(_case())
+    f = cov._Facts.__new__(cov._Facts)
+    f.m = m
+    add = lambda fact, v: m.add("k", fact, v)                  # noqa: E731
+    rows = torch.randn(4, 128)
+    f._norm(add, rows, 1e-6)
+    assert "norm" not in m.facts.get("k", {})                # unit rows: eps is far below their mean square
+    f._norm(add, torch.cat((rows[:1] * 2.0 ** -12, torch.zeros(1, 128))), 1e-6)
+    assert m.facts["k"]["norm"] == {"eps-dominant"}          # mean 2^-24 < eps; an all-zero row counts for neither
+    f._norm(add, rows[:1] * 2.0 ** -120, 1e-6)               # squares 2^-240: fp32's sum is 0
+    assert m.facts["k"]["norm"] == {"eps-dominant", "sum-underflow"}
+    m2 = cov.Measured(_case())
+    f.m = m2
+    f._norm(lambda fact, v: m2.add("k", fact, v), rows * 2.0 ** -12, 1e-30)   # a smaller eps: a normal scale
+    assert "norm" not in m2.facts.get("k", {})
+
+
+def test_pooling_scores_past_exp_range_and_the_pool_end():
+    seqs = (SeqSpec(40, (40,), 0), SeqSpec(90, (), 2))
+    plain = cov.measure(_case(seqs=seqs, page_size=16, layout="natural"), "cpu").reached()
+    extreme = cov.measure(_case(seqs=seqs, page_size=16, layout="natural", dist=("normal", "score_extremes")),
+                          "cpu").reached()
+    for tag in ("exp-overflow", "exp-underflow"):
+        assert f"pool.scores.{tag}" in extreme and f"pool.scores.{tag}" not in plain
+    # two pages, both written to their end, and no spare page: the chunk writes the pool's last slot
+    one = (SeqSpec(128, (64,), 0),)
+    end = cov.measure(_case(seqs=one, page_size=16, layout="natural", page_order="sequential", spare_pages=0), "cpu")
+    spare = cov.measure(_case(seqs=one, page_size=16, layout="natural", page_order="sequential", spare_pages=1), "cpu")
+    assert "k.entries.pool-end" in end.reached() and "k.entries.pool-end" not in spare.reached()
+    # page ids across 2^16: the decode entry's page is 65536 + 3, the chunk's pages below 2^16
+    two = (SeqSpec(120, (24,), 0), SeqSpec(60, (), 1))
+    high = cov.measure(_case(seqs=two, page_size=4, layout="natural", pool_pages=(1 << 16) + 4, page_order="top"),
+                       "cpu").reached()
+    low = cov.measure(_case(seqs=two, page_size=4, layout="natural", pool_pages=(1 << 16) - 1, page_order="top"),
+                      "cpu").reached()
+    for name in ("k.entries.high-2^16", "scorer.pages.high-2^16"):
+        assert name in high and name not in low
+
+
 def test_planted_inputs_count_for_the_ops_that_take_them():
     from harness.run.cases import Plant
     c = _case(ops=("q_rope_mxfp4_quant",), plant=(Plant("q", "inf", 2),), expect_nonfinite=True,

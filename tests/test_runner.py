@@ -261,3 +261,21 @@ def test_history_written_in_blocks_is_the_same_pool(name, direct, monkeypatch):
     assert n > 3 * 6 and n % 6, n                               # several blocks, the last one partial
     assert not torch.equal(whole, inp.kv_cache)                 # the history wrote entries
     assert torch.equal(whole, blocks)
+
+
+def test_topk_reading_one_column_past_a_row_end_is_caught(cat):
+    """Without clean_logits the columns past a row's end are unspecified: top-k's input holds
+    the largest fp32 there, so a top-k whose mask is `col <= len` selects column len. With
+    clean_logits the scorer's -inf stays (and is compared at the scorer)."""
+    def mask_le(*, logits, lengths, k):
+        n = lengths.long()
+        long_rows = n > k
+        ln = torch.where(long_rows, (n + 1).clamp(max=logits.shape[1]), n)
+        return reference.topk(logits=torch.nan_to_num(logits, posinf=3e38, neginf=-3e38), lengths=ln, k=k)
+
+    name = backend("test-topk-mask-le", topk=mask_le)
+    row = verdict(run_case(cat.case("smoke-chunks-shuffled"), name), load(), "default")
+    assert not row["ok"] and row["metrics"]["topk.topk_out_of_range"] > 0, row.get("reason")
+    for case in ("smoke-chunks-shuffled", "smoke-clean-logits"):
+        assert verdict(run_case(cat.case(case), "reference"), load(), "default")["ok"]
+    assert verdict(run_case(cat.case("smoke-clean-logits"), name), load(), "default")["ok"]   # -inf past ends

@@ -38,7 +38,7 @@ BUDGETS_FILE = "budgets.toml"
 
 MXFP4_CHAIN = chain("mxfp4")
 DISTRIBUTIONS = ("normal", "outlier_channels", "heavy_tails", "zero_rows", "neg_zero", "tiny",
-                 "e2m1_midpoints", "pow2_boundary", "narrow_band",
+                 "e2m1_midpoints", "pow2_boundary", "narrow_band", "score_extremes",
                  "relu_zero", "duplicate_keys", "coarse", "scale_codes")
 # Value boundaries (harness/run/inputs.py, "value boundaries"): each builds every key and query
 # itself, so it takes at most one of these and only the modifiers listed with it (the ones that

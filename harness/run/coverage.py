@@ -19,6 +19,7 @@ each op under test that takes the planted input.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -44,6 +45,8 @@ VISIBLE_ROWS = 64           # scorer rows per call for the visibility of scale c
 VISIBLE_KEYS = 4096         # keys per sampled row (the row's last ones: the newest entries)
 CROWD_BITS = 12             # a radix select's first pass: sign, exponent and 3 mantissa bits
 CROWD_ROW = 2048            # a row counts as crowded from this many entries in one bin
+EXP_OVERFLOW = math.log(torch.finfo(torch.float32).max)     # fp32 exp(x) is inf above this
+EXP_UNDERFLOW = math.log(2.0 ** -150)                        # ... and 0 below this
 
 
 @dataclass
@@ -175,6 +178,8 @@ class _Facts:
             if stage in ("pooling", "pool_k"):
                 self._chunk_edges(add, pos, ins["req_index"].long())
                 add("state_block", {int(ins["state_cache"].shape[1])})
+                if self.values:
+                    self._pool_scores(add, ins)
         if stage in ("k_writer", "pool_k"):
             self._writer(op, add, ins, scalars, out)
         elif stage == "q_quant":
@@ -208,6 +213,33 @@ class _Facts:
             if bool(((bnd - 2 * r + 1 < p0) & (bnd - 2 * r + 1 >= 0)).any()):
                 add("chunk_edges", {"window-before-call"})
 
+    def _pool_scores(self, add, ins) -> None:
+        """Each pooled window's largest valid score per channel against fp32 exp's range."""
+        from reference.pooling import boundary_mask, gather_windows
+        pos = ins["positions"]
+        sel = boundary_mask(pos, self.geo.ratio) & (ins["kv_slot_mapping"] >= 0)
+        if not bool(sel.any()):
+            return
+        _, score, _ = gather_windows(ins["state_cache"], ins["block_table"], pos[sel], ins["req_index"][sel],
+                                     self.geo.ratio)
+        top = score.amax(dim=1)                  # slots before position 0 hold -inf
+        top = top[torch.isfinite(top)]
+        if bool((top > EXP_OVERFLOW).any()):
+            add("pool_scores", {"exp-overflow"})
+        if bool((top < EXP_UNDERFLOW).any()):
+            add("pool_scores", {"exp-underflow"})
+
+    def _norm(self, add, rows: torch.Tensor, eps: float) -> None:
+        """The written rows' fp32 sum of squares (exact in fp64, then rounded) against eps."""
+        x = rows.double()
+        s = (x * x).sum(dim=-1).float()
+        live = (x != 0).any(dim=-1)
+        mean = s / float(x.shape[-1])
+        if bool((live & (s == 0)).any()):
+            add("norm", {"sum-underflow"})
+        if bool(((mean > 0) & (mean <= eps)).any()):
+            add("norm", {"eps-dominant"})
+
     def _layout(self, add, shuffle, page_size: int, stride: int, fmt: str) -> None:
         if fmt != "mxfp4":
             return
@@ -240,6 +272,10 @@ class _Facts:
         if any(s % ps == ps - 1 and by_pos.get(p + r, -1) % ps == 0 and by_pos.get(p + r, -1) // ps != s // ps
                for p, s in by_pos.items()):
             edges.add("page-edge")
+        if int(written.max()) == out["kv_cache"].shape[0] * ps - 1:
+            edges.add("pool-end")
+        if int(written.max()) // ps >= 1 << 16:
+            edges.add("high-2^16")
         add("entries", edges)
         if fmt != "mxfp4" or not self.values:
             return
@@ -247,6 +283,13 @@ class _Facts:
                                              shuffle=shuffle)
         self._codes(add, packed, scales)
         k_in = ins.get("k")
+        if k_in is None:                         # the fused op: its rows are the pooled ones, unrounded
+            k_rows = reference.compress_pool(state_cache=ins["state_cache"], block_table=ins["block_table"],
+                                             positions=pos, req_index=ins["req_index"], kv_slot_mapping=slots,
+                                             compress_ratio=r, rounding="cuda")["pooled"][sel]
+        else:
+            k_rows = k_in[sel]
+        self._norm(add, k_rows, float(scalars["norm_eps"]))
         if k_in is not None:
             self._subnormal(add, k_in[sel].float(), packed)
             from reference.k_writer import group_start, k_values
@@ -345,6 +388,8 @@ class _Facts:
                 tags.add("repeated")
             if int(ids.max()) >= 512:
                 tags.add("high")
+            if int(ids.max()) >= 1 << 16:
+                tags.add("high-2^16")
             add("page_bytes", {int(ids.max()) * ins["kv_cache"].shape[1]})
         if need.numel() and bt.shape[1] > int(need.max()):
             tags.add("wide-table")

@@ -220,6 +220,11 @@ def _sizes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             "heads": 4, "topk": 2048, "ops": ["topk"], "history": "direct", "state_block": 64,
             "seqs": _rows_at([2048, 2049, 4100]),
             "description": "k = 2048 (vLLM's routing) over rows of 2048, 2049 and 4100 entries"}),
+        ("sizes-page-ids-65536", {
+            "heads": 4, "topk": 8, "page_size": 4, "layout": "natural", "pool_pages": (1 << 16) + 4,
+            "page_order": "top", "seqs": [{"len": 120, "chunks": [24]}, {"len": 60, "decode": 1}],
+            "description": "K writer and scorer on page ids 65528 .. 65539 (across 2^16), natural pages of "
+                           "4 entries (a 17 MiB pool)"}),
         ("sizes-q-8192", {
             "heads": 64, "ops": ["q_rope_mxfp4_quant"], "seqs": [{"len": 300, "chunks": [128, 129]}],
             "description": "Q quant calls of 128 and 129 tokens at 64 heads: 8192 token-heads and past it"}),
@@ -256,8 +261,40 @@ def _cuda(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     return out
 
 
+def _extremes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
+    """Values at the edges of the norm and of the pooling softmax, on both paths: K rows whose
+    mean square is at or below the norm's eps (a small `scale`) or whose fp32 sum of squares
+    underflows (`tiny` rows, or a scale of 2^-90 for the fused op's pooled rows), and pooling
+    scores past fp32 exp's range (`score_extremes`). The bytes hold at any magnitude."""
+    if tier != "cpu":
+        return []
+    chunk = R * (8 + rng.randrange(8))
+    return [
+        ("extremes-pool-norm", {
+            "heads": 4, "topk": 8, "scale": 2.0 ** -12, "dist": ["normal", "score_extremes"],
+            "seqs": [{"len": 40, "chunks": [40]}, {"len": 120 + chunk, "chunks": [chunk]}, {"len": 90, "decode": 2}],
+            "description": "pooling scores past fp32 exp's range (windows above 88.72, windows below -103.97) "
+                           "and K rows 2^-12 small (mean square under eps)"}),
+        ("extremes-k-underflow", {
+            "heads": 4, "topk": 8, "dist": ["normal", "tiny"], "history": "direct",
+            "ops": ["k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"],
+            "seqs": [{"len": 100 + chunk, "chunks": [chunk]}],
+            "description": "K writer rows 2^-120 .. 2^-135 small among normal ones: the fp32 sum of squares "
+                           "underflows, eps alone sets the scale"}),
+        ("extremes-cuda-pool-norm", {
+            "path": "cuda", "heads": 4, "topk": 8, "scale": 2.0 ** -12, "dist": ["normal", "score_extremes"],
+            "seqs": [{"len": 40, "chunks": [40]}, {"len": 90, "decode": 2}],
+            "description": "the fused pool+K op on scores past fp32 exp's range and rows under the norm's eps"}),
+        ("extremes-cuda-underflow", {
+            "path": "cuda", "heads": 4, "topk": 8, "scale": 2.0 ** -90,
+            "ops": ["compress_norm_rope_mxfp4_cache"],           # its logits would be 2^-180: zero in fp32
+            "seqs": [{"len": 36, "chunks": [36]}],
+            "description": "the fused pool+K op on pooled rows 2^-90 small: the fp32 sum of squares underflows"}),
+    ]
+
+
 FAMILIES = (("layout", _layouts), ("cuda", _cuda), ("ties", _ties), ("crowd", _crowds), ("codes", _codes),
-            ("nonfinite", _nonfinite), ("sizes", _sizes))
+            ("nonfinite", _nonfinite), ("sizes", _sizes), ("extremes", _extremes))
 
 
 def _cycle(rng: random.Random, values, n: int) -> list:

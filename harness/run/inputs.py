@@ -222,6 +222,22 @@ def _edge_blocks(x: torch.Tensor, gen: torch.Generator, start: int, values, amax
     return x
 
 
+# Pooling scores past fp32 exp's range: each group of r positions of a sequence moves its
+# scores by one offset, 0 for three groups in seven; a window reads two groups, so windows
+# whose largest score is past ln(FLT_MAX) (88.72) and windows whose every score is below
+# ln(2^-150) (-103.97) both occur. The softmax is the same at any offset.
+SCORE_OFFSETS = (0.0, 0.0, 0.0, 96.0, 1000.0, -128.0, -1000.0)
+
+
+def score_offsets(req: torch.Tensor, pos: torch.Tensor, r: int, gen: torch.Generator) -> torch.Tensor:
+    """The score offset of each (request, position) row: one per group of r positions."""
+    if pos.numel() == 0:
+        return torch.zeros(0)
+    shape = (int(req.max()) + 1, int(pos.max()) // r + 1)
+    table = torch.tensor(SCORE_OFFSETS)[torch.randint(0, len(SCORE_OFFSETS), shape, generator=gen)]
+    return table[req.long(), pos.long() // r]
+
+
 # Narrow band: every key shares one NoPE vector (a positive direction, as a trained
 # indexer's keys share a large common component) and carries a small RoPE part; queries
 # point their NoPE dims along the same direction and head weights are positive. Scores then
@@ -574,6 +590,8 @@ def _state(case: Case, geo, gen: torch.Generator):
     if band is not None:
         kv = narrow_keys(kv, band, d)
     score = torch.randn(len(all_pos), 2 * d, generator=gen) * 2.0
+    if "score_extremes" in case.dist:
+        score += score_offsets(all_req, all_pos, r, gen)[:, None]
     ape = torch.randn(r, 2 * d, generator=gen) * 0.5
     planted: list[str] = []
 

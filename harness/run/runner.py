@@ -225,6 +225,21 @@ def _thin(out: list[list]) -> list[list]:
 
 # --- the chain --------------------------------------------------------------------------
 
+# Without `clean_logits` the columns at and past a row's end are unspecified (NUMERICS.md §6):
+# a scorer may leave anything there, and vLLM's do. Top-k's input holds this value there, above
+# every valid logit, so that a top-k reading one column past a row's end selects it.
+PAST_END_LOGIT = torch.finfo(torch.float32).max
+
+
+def past_ends_outrank(logits: torch.Tensor, row_ends: torch.Tensor) -> None:
+    """Write PAST_END_LOGIT at and past each row's end, in place, a block of rows at a time
+    (the columns are unspecified: the scorer's comparisons read only the valid region)."""
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    ends = row_ends.to(logits.device).long()
+    for r0, r1 in row_blocks(logits.shape[0], logits.shape[1], 1):
+        logits[r0:r1].masked_fill_(cols[None, :] >= ends[r0:r1, None], PAST_END_LOGIT)
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes, flat (uint8), where the tensor is."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -668,6 +683,8 @@ class ChainRun:
         with self.clock("diff"):
             logits_b = self._finite_logits(sc, i, logits_raw, sins, ref_sins, st.row_ends)
         logits_b = inp.plant_logits(i, logits_b)          # top-k's input plants (scorer not under test)
+        if "topk" in ops and not self.scalars(sc).get("clean_logits") and not inp.planted:
+            past_ends_outrank(logits_b, st.row_ends)
         idx_b = self._stage("topk", i, dict(logits=logits_b, lengths=st.row_ends))["indices"]
         if not self.CHAIN:
             return
