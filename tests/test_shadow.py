@@ -519,6 +519,11 @@ def test_inputs_outside_the_contract_are_a_failing_verdict_not_a_shadow_failure(
     (v,) = _verdicts(clean)
     assert v["status"] == "error" and not v["ok"] and "out of range" in v["reason"] and os.path.exists(v["dump"])
     sh.close()
+    # the log renders: the row is an error row, and the report fails as `mxval diff` would
+    out = clean.parent / "report"
+    assert cli.main(["shadow", "report", str(clean), "--report-dir", str(out), "-q"]) == 1
+    rep = json.loads((out / "report.json").read_text())
+    assert [(r["case"], r["status"]) for r in rep["cases"]] == [("layer0_step7", "error")]
 
 
 def test_bench_loop_stays_in_its_pool_over_many_timings():

@@ -354,6 +354,15 @@ class Shadow:
         row = dump_row(name, reports, "reference", time.time() - t)
         return verdict(row, self.budgets, SUITE), reports
 
+    def _refused_row(self, name: str, records: dict, why: str) -> dict:
+        """The verdict row of an item whose inputs the ops' own checks reject: an `error`
+        row (what `mxval diff` calls a broken dump), judged and reported like any other."""
+        from harness.run.budgets import verdict
+        from harness.run.record import row
+        return verdict(row(name, SUITE, "reference", outcome="error", shape=", ".join(records),
+                           reason=f"the recorded inputs are outside the ops' contract: {why}"),
+                       self.budgets, SUITE)
+
     def _one(self, item: _Item) -> None:
         from harness.io.dumps import DumpError, write_dump
         tag = lambda v: "x" if v is None else str(v)
@@ -376,8 +385,7 @@ class Shadow:
             try:
                 row, _ = self.check(records, name + ".safetensors", where)
             except DumpError as e:                 # the served inputs break the ops' contract
-                row = {"status": "error", "ok": False,
-                       "reason": f"the recorded inputs are outside the ops' contract: {e}"}
+                row = self._refused_row(name + ".safetensors", records, str(e))
         entry = {"event": "verdict", "time": round(time.time(), 3), "layer": item.layer, "step": item.step,
                  "mode": item.mode, "status": row["status"], "ok": bool(row["ok"]), "reason": row.get("reason", ""),
                  "row": _jsonable(row)}
