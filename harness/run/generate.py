@@ -303,11 +303,11 @@ def _extremes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             "description": "pooling scores past fp32 exp's range (windows above 88.72, windows below -103.97) "
                            "and K rows 2^-12 small (mean square under eps)"}),
         ("extremes-k-underflow", {
-            "heads": 4, "topk": 8, "dist": ["normal", "tiny"], "history": "direct",
+            "heads": 6, "topk": 8, "dist": ["normal", "tiny"], "history": "direct",
             "ops": ["k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"],
             "seqs": [{"len": 100 + chunk, "chunks": [chunk]}],
             "description": "K writer rows 2^-120 .. 2^-135 small among normal ones: the fp32 sum of squares "
-                           "underflows, eps alone sets the scale"}),
+                           "underflows, eps alone sets the scale; 6 query heads"}),
         ("extremes-fp8-norm", {
             "heads": 4, "topk": 8, "scale": 2.0 ** -12, "dist": ["normal", "tiny"], "history": "direct",
             "fp8_dtype": "e4m3fnuz",
@@ -315,6 +315,11 @@ def _extremes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             "seqs": [{"len": 100 + chunk, "chunks": [chunk]}],
             "description": "the FP8 K writer and Q quant (e4m3fnuz) on rows under the norm's eps, rows whose "
                            "fp32 sum of squares underflows and rows under the scale's 1e-4 amax floor"}),
+        ("extremes-fp8-q", {
+            "heads": 4, "topk": 8, "scale": 2.0 ** -12, "dist": ["normal", "tiny"], "history": "direct",
+            "ops": ["q_rope_fp8_quant", "paged_fp8_mqa_logits", "topk"],
+            "seqs": [{"len": 40, "chunks": [24]}, {"len": 90, "decode": 2}],
+            "description": "the FP8 Q quant (e4m3fn) on queries under the scale's 1e-4 amax floor"}),
         ("extremes-cuda-pool-norm", {
             "path": "cuda", "heads": 4, "topk": 8, "scale": 2.0 ** -12, "dist": ["normal", "score_extremes"],
             "seqs": [{"len": 40, "chunks": [40]}, {"len": 90, "decode": 2}],
