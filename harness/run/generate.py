@@ -303,13 +303,13 @@ def _edges(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     if tier != "cpu":
         return []
     chunk = R * (8 + rng.randrange(8))
-    return [
-        ("edges-codes-raw-read", {
-            "heads": 4, "ops": ["paged_mxfp4_mqa_logits"], "dist": ["scale_codes"], "history": "raw",
-            "seqs": [{"len": 1027, "decode": 3}], "layout": ["natural", "shuffled"][rng.randrange(2)],
-            "description": "raw history entries of every code 0..254 read by three decode queries, the last "
-                           "one's logits from code-0 blocks alone (beside code 254's, code 0 is under the "
-                           "logits budget)"}),
+    raw = [(f"edges-codes-raw-read-{lay}", {
+        "heads": 4, "ops": ["paged_mxfp4_mqa_logits"], "dist": ["scale_codes"], "history": "raw",
+        "seqs": [{"len": 1027, "decode": 3}], "layout": lay,
+        "description": f"raw history entries of every code 0..254 on {lay} pages read by three decode queries, "
+                       "the last one's logits from code-0 blocks alone (beside code 254's, code 0 is under "
+                       "the logits budget)"}) for lay in ("natural", "shuffled")]
+    return raw + [
         ("edges-page-ids-32768", {
             "heads": 4, "topk": 8, "page_size": 4, "layout": "natural", "pool_pages": (1 << 15) + 4,
             "page_order": "top", "seqs": [{"len": 120, "chunks": [24]}, {"len": 60, "decode": 1}],
