@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reference.formats import E8M0_BIAS, E8M0_NAN, E8M0_ZERO_BLOCK
+from reference.formats import E8M0_BIAS, E8M0_NAN, E8M0_ZERO_BLOCK, FP8_AMAX_FLOOR
 
 # --- who reads and writes ---------------------------------------------------------------------
 
@@ -32,8 +32,10 @@ POOL = ("compress_pool", "compress_norm_rope_mxfp4_cache", "compress_norm_rope_f
 K_ROCM = ("k_norm_rope_mxfp4_cache",)
 K_CUDA = ("compress_norm_rope_mxfp4_cache",)
 K_MX = K_ROCM + K_CUDA
+K_FP8 = ("k_norm_rope_fp8_cache",)
 WRITERS = K_MX + ("k_norm_rope_fp8_cache", "compress_norm_rope_fp8_cache")
 Q_MX = ("q_rope_mxfp4_quant",)
+Q_FP8 = ("q_rope_fp8_quant",)
 QUANTS = Q_MX + ("q_rope_fp8_quant",)
 SCORER_MX = ("paged_mxfp4_mqa_logits",)
 SCORERS = SCORER_MX + ("paged_fp8_mqa_logits",)
@@ -48,7 +50,8 @@ FACTS: dict[str, str] = {
     "row_len": "a row's length (row_ends / lengths): the entries it scores or ranks",
     "len_vs_k": "a row's length against k: '0', '<k', '=k', '=k+1', '>k' (k+2 .. 4k), '>>k' (over 4k)",
     "k": "the top-k's k",
-    "heads": "query heads of a call",
+    "heads": "query heads of a call, and 'non-pow2' where the count is not a power of two (a head tile "
+             "of 4, 16 or 64 left partial, a loop bound rounded to a power of two)",
     "positions": "powers of two P with positions P-1 and P in one call; 0 when position 0 is in a call",
     "chunk_edges": "'starts-on-boundary', 'ends-on-boundary', 'window-before-call' (a boundary token's "
                    "pooling window reaches positions before the call's first token)",
@@ -61,8 +64,8 @@ FACTS: dict[str, str] = {
     "dots": "'overflow' (a head's dot beyond fp32's range at more than 32 heads, where aiter's relu is "
             "x + |x|), 'overflow-any' (at any head count); measured, no case generates it yet",
     "entries": "where a writer's entries fall: 'group-edge' (entries e and e+1 across a shuffle group), "
-               "'page-edge' (across a page), 'pool-end' (the pool's last slot), 'high-2^16' (in a page "
-               "id >= 65536, past 16 bits)",
+               "'page-edge' (across a page), 'pool-end' (the pool's last slot), 'high-2^15' (in a page "
+               "id in [32768, 65536): int16's sign bit), 'high-2^16' (in a page id >= 65536, past 16 bits)",
     "norm": "a written K row's sum of squares (fp64, rounded to fp32 as the norm takes it) against the "
             "norm's eps: 'eps-dominant' (0 < sum / D <= eps: the eps term sets the row's scale), "
             "'sum-underflow' (a non-zero row whose fp32 sum of squares is 0)",
@@ -70,7 +73,8 @@ FACTS: dict[str, str] = {
                    "'exp-overflow' (the largest above ln(FLT_MAX) = 88.72), 'exp-underflow' (every one "
                    "below ln(2^-150) = -103.97)",
     "pages": "the block table read: 'permuted', 'descending', 'repeated' (one page id in two places), "
-             "'high' (a page id >= 512), 'high-2^16' (a page id >= 65536, past 16 bits), 'wide-table' "
+             "'high' (a page id >= 512), 'high-2^15' (a page id in [32768, 65536): int16's sign bit), "
+             "'high-2^16' (a page id >= 65536, past 16 bits), 'wide-table' "
              "(columns past the longest sequence's pages)",
     "page_bytes": "the largest byte offset of a page the op touches (its id times the page stride)",
     "logits_bytes": "the largest byte offset of a logits row the op writes",
@@ -80,6 +84,9 @@ FACTS: dict[str, str] = {
     "codes": "e8m0 scale codes of the non-zero blocks the op writes (a writer's K entries, a quant's Q)",
     "codes_read": "e8m0 scale codes of the non-zero key blocks a scorer reads whose product with some "
                   "query block changes that row's fp32 logit",
+    "codes_judged": "the codes_read whose blocks' products are also at least 2^-16 of the call's logits "
+                    "norm (sqrt of the sum of squares over every row's valid columns): a wrong decode of them "
+                    "moves logits_diff, taken over the whole call, past its budget",
     "q_codes_read": "e8m0 scale codes of the non-zero query blocks a scorer reads whose product with "
                     "some key block changes the row's fp32 logit",
     "elements": "'midpoint' (a value exactly at an e2m1 rounding midpoint before rounding), "
@@ -88,6 +95,10 @@ FACTS: dict[str, str] = {
     "ties": "plateaus of exactly equal scores that k cuts (more than k - #greater equal the k-th "
             "score): 'tie-2' (2..15 equal), 'tie-16' (16 .. k-1), 'tie-k' (k or more, not the whole "
             "row), 'tie-row' (the whole row), 'tie-zero' (the plateau is relu's exact 0)",
+    "amax": "an FP8 row's amax against the 1e-4 floor of its scale: 'under-floor' (a non-zero row, a K "
+            "entry or a query head, whose amax is below it: its scale is the floor's, not its own)",
+    "width": "'fills-width' (a top-k row longer than k whose length is the logits width: no column of "
+             "its own past its end, the next row's first column follows)",
     "crowd": "most valid entries of one row sharing the first 12 bits of the order-preserving "
              "float key (one radix bin of the first pass)",
     "crowd_rows": "rows of one call whose largest first-pass bin holds 2048 entries or more",
@@ -141,7 +152,7 @@ _MX = "OCP MX v1.0 e8m0/e2m1; NUMERICS.md §4"
 _PG = "NUMERICS.md §5 page layouts; aiter's preshuffle; vLLM's block tables"
 _TK = "NUMERICS.md §6 top-k contract; radix/bitonic select in aiter's and vLLM's top-k"
 _NF = "NUMERICS.md §4/§6: non-finite inputs are outside the contract, but no output may break an invariant"
-_I16 = "page ids past 16 bits (a table or a packed page/offset word narrowed to 16 bits)"
+_I16 = "page ids past 15 and 16 bits (a table or a packed page/offset word narrowed to int16 or uint16)"
 _I31 = "int32 byte offsets (aiter's scorer, the K writers: pid * stride in 32 bits)"
 _PLANTS = {   # input -> (ops taking it, values); `plant` tensors of the case schema
     "state_kv": (POOL, ("nan", "inf", "-inf")),
@@ -212,6 +223,9 @@ def _structure(b: list) -> None:
                 continue
             b.append(_B(f"{stage}.seqs.{tag}", ops, "query_start_loc", "row starts and sequences", "seqs",
                         ("has", tag), "query_start_loc / row starts: vLLM's metadata, aiter's row-start bugs"))
+    b.append(_B("topk.width.fills-width", TOPK, "lengths", "a row's length against the logits width", "width",
+                ("has", "fills-width"), _TK + "; a read of column len (col <= len, an unmasked tail) past a "
+                "row that fills the width lands in the next row"))
     for ops, stage in ((POOL, "pool"), (ROPE, "rope")):
         for p in (0, 2 ** 15, 2 ** 16, 2 ** 17):
             b.append(_B(f"{stage}.pos.{p}", ops, "positions", "positions (16-bit indices, RoPE tables)",
@@ -223,11 +237,14 @@ def _structure(b: list) -> None:
     b.append(_B("q.heads.32", QUANTS + SCORERS, "q", "heads", "heads", ("has", 32), "V4.1's 32 heads"))
     b.append(_B("q.heads.16", QUANTS + SCORERS, "q", "heads", "heads", ("has", 16),
                 "under 32 heads aiter picks the N = 16 shuffle"))
+    b.append(_B("q.heads.non-pow2", QUANTS + SCORERS, "q", "heads", "heads", ("has", "non-pow2"),
+                "head tiles: aiter's Q quant BLOCK_H 4/16/64, the scorers' head loop (tl.arange needs a power "
+                "of two: the count is masked, or wrongly rounded)"))
     # --- pages: tables, offsets, layouts
-    for tag in ("group-edge", "page-edge", "pool-end", "high-2^16"):
+    for tag in ("group-edge", "page-edge", "pool-end", "high-2^15", "high-2^16"):
         b.append(_B(f"k.entries.{tag}", WRITERS, "slot_mapping", "entries across shuffle groups and pages",
                     "entries", ("has", tag), _PG + "; a bounds guard on the pool's slot count; " + _I16))
-    for tag in ("permuted", "descending", "repeated", "high", "high-2^16", "wide-table"):
+    for tag in ("permuted", "descending", "repeated", "high", "high-2^15", "high-2^16", "wide-table"):
         b.append(_B(f"scorer.pages.{tag}", READERS, "block_table", "block table page ids", "pages", ("has", tag),
                     _PG + "; prefix caching shares pages between sequences; " + _I16))
     for ops, stage in ((WRITERS, "k"), (READERS, "scorer")):
@@ -275,15 +292,25 @@ def _values(b: list) -> None:
     for c in (0, 1, E8M0_NAN - 1):
         b.append(_B(f"scorer.codes_read.{c}", SCORER_MX, "kv_cache", "key scale code visible in the logits",
                     "codes_read", ("has", c), _MX + ": 0 is fp32's 2^-127, 254 makes 6 * 2^127 overflow fp32"))
+    for c in (0, E8M0_NAN - 1):
+        b.append(_B(f"scorer.codes_judged.{c}", SCORER_MX, "kv_cache", "key scale code seen by the logits budget",
+                    "codes_judged", ("has", c), _MX + "; a block of code 0 beside rows of larger logits changes "
+                    "its row by less than logits_diff's budget over the call: the code's decode is judged only "
+                    "where its products carry the call"))
     for c in (E8M0_ZERO_BLOCK, E8M0_NAN - 2):
         b.append(_B(f"scorer.q_codes_read.{c}", SCORER_MX, "q_scale", "query scale code visible in the logits",
                     "q_codes_read", ("has", c), _MX))
     # --- values: the norm's eps and the pooling softmax's range
-    for ops, stage in ((K_ROCM, "k"), (K_CUDA, "pool_k")):
+    for ops, stage in ((K_ROCM, "k"), (K_CUDA, "pool_k"), (K_FP8, "fp8_k")):
         for tag in ("eps-dominant", "sum-underflow"):
             b.append(_B(f"{stage}.norm.{tag}", ops, "k", "a K row's mean square against eps", "norm", ("has", tag),
                         "NUMERICS.md §2 x * rsqrt(sum(x*x)/D + eps): where eps sets the scale, its place (under "
                         "the root or after it) and the sum's width decide every byte of the row"))
+    for ops, stage in ((K_FP8, "fp8_k"), (Q_FP8, "fp8_q")):
+        b.append(_B(f"{stage}.amax.under-floor", ops, "values", "an FP8 row's amax against its scale's floor",
+                    "amax", ("has", "under-floor"),
+                    f"NUMERICS.md §7 scale = 2^ceil(log2(max(amax, {FP8_AMAX_FLOOR}) / max)): a row under the "
+                    "floor takes the floor's scale (its values round to zero), not its own"))
     for tag in ("exp-overflow", "exp-underflow"):
         b.append(_B(f"pool.scores.{tag}", POOL, "state_score", "window scores against fp32 exp's range",
                     "pool_scores", ("has", tag),

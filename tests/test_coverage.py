@@ -149,10 +149,12 @@ class _Geo:
 
 
 def _visible(ins):
+    import reference
     m = cov.Measured(_case())
     f = cov._Facts.__new__(cov._Facts)
     f.m, f.geo = m, _Geo()
-    f._visible(lambda fact, v: m.add("s", fact, v), ins, {"shuffle": None})
+    logits = reference.paged_mxfp4_mqa_logits(**ins, page_size=32, shuffle=None)["logits"]
+    f._visible(lambda fact, v: m.add("s", fact, v), ins, {"shuffle": None}, cov._valid_norm(logits, ins["row_ends"]))
     return m.facts["s"]
 
 
@@ -169,6 +171,18 @@ def test_visibility_of_scale_codes():
     assert f["codes_read"] == {254} and f["dots"] == set()     # 2^-127 is lost beside 2^127
     f = _visible(_entries([[254] * 4], [254] * 4))
     assert f["dots"] == {"overflow-any"}                        # 128 * 2^254 is past fp32's range
+
+
+def test_codes_judged_by_the_calls_logits_diff():
+    n = E8M0_BIAS
+    # a key of code 20 alone: its logit is the call's, a wrong decode of 20 moves logits_diff
+    assert _visible(_entries([[20] * 4], [n] * 4))["codes_judged"] == {20}
+    # beside a key of code n in the same call: 20 changes its own logit, not the call's diff
+    f = _visible(_entries([[20] * 4, [n] * 4], [n] * 4))
+    assert f["codes_read"] == {20, n} and f["codes_judged"] == {n}
+    # the extremes: code 0 judged alone, not beside code 254
+    assert _visible(_entries([[0] * 4], [n + 100] * 4))["codes_judged"] == {0}
+    assert _visible(_entries([[0] * 4, [254] * 4], [n - 100] * 4))["codes_judged"] == {254}
 
 
 def test_elements_and_codes_of_a_quantized_block():
@@ -228,6 +242,39 @@ def test_pooling_scores_past_exp_range_and_the_pool_end():
                       "cpu").reached()
     for name in ("k.entries.high-2^16", "scorer.pages.high-2^16"):
         assert name in high and name not in low
+    # ids 32764 .. 32771: int16's sign bit, below 2^16; 32767 pages stop under it
+    mid = cov.measure(_case(seqs=two, page_size=4, layout="natural", pool_pages=(1 << 15) + 4, page_order="top"),
+                      "cpu").reached()
+    under = cov.measure(_case(seqs=two, page_size=4, layout="natural", pool_pages=(1 << 15) - 1, page_order="top"),
+                        "cpu").reached()
+    for name in ("k.entries.high-2^15", "scorer.pages.high-2^15"):
+        assert name in mid and name not in under
+    assert "k.entries.high-2^15" in low                         # ids 65523 .. 65534
+
+
+def test_heads_width_and_fp8_rows():
+    def reached(**kw):
+        return cov.measure(_case(**kw), "cpu").reached()
+    q_ops = ("q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk")
+    seqs = (SeqSpec(40, (5,), 0),)
+    assert "q.heads.non-pow2" in reached(heads=6, ops=q_ops, seqs=seqs, history="direct")
+    assert "q.heads.non-pow2" not in reached(heads=8, ops=q_ops, seqs=seqs, history="direct")
+    # rows of 32 entries in a table of two 16-entry pages fill the logits width; rows of 31 do not
+    dec = lambda ends: tuple(SeqSpec(e * 4 if e else 2, (), 1) for e in ends)   # noqa: E731
+    full = dict(ops=("topk",), history="direct", page_size=16, layout="natural")
+    assert "topk.width.fills-width" in reached(seqs=dec([32, 0, 5]), **full)
+    assert "topk.width.fills-width" not in reached(seqs=dec([31, 0, 5]), **full)
+    assert "topk.width.fills-width" not in reached(seqs=dec([32, 0, 5]), topk=32, **full)   # not longer than k
+    # the FP8 writer's norm and both FP8 scales' floor: rows 2^-12 small (mean square under eps) and
+    # tiny ones (a sum of squares that underflows, amax under 1e-4)
+    fp8 = dict(ops=("k_norm_rope_fp8_cache", "q_rope_fp8_quant", "paged_fp8_mqa_logits", "topk"),
+               history="direct", seqs=(SeqSpec(60, (12,), 0),))
+    names = ("fp8_k.norm.eps-dominant", "fp8_k.norm.sum-underflow", "fp8_k.amax.under-floor",
+             "fp8_q.amax.under-floor")
+    small = reached(scale=2.0 ** -12, dist=("normal", "tiny"), **fp8)
+    plain = reached(**fp8)
+    for name in names:
+        assert name in small and name not in plain
 
 
 def test_planted_inputs_count_for_the_ops_that_take_them():

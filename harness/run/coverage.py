@@ -33,7 +33,7 @@ from harness.run.inputs import build
 from reference import layout
 from reference.checks import NonFiniteInput
 from reference.coverage import _PLANTS, BOUNDARIES, Boundary
-from reference.formats import E2M1_MIDPOINTS, E8M0_BIAS, MX_BLOCK
+from reference.formats import E2M1_MIDPOINTS, E8M0_BIAS, FP8_AMAX_FLOOR, MX_BLOCK
 from reference.op_table import DECLARED
 from reference.topk import packed_row_starts
 
@@ -45,6 +45,7 @@ VISIBLE_ROWS = 64           # scorer rows per call for the visibility of scale c
 VISIBLE_KEYS = 4096         # keys per sampled row (the row's last ones: the newest entries)
 CROWD_BITS = 12             # a radix select's first pass: sign, exponent and 3 mantissa bits
 CROWD_ROW = 2048            # a row counts as crowded from this many entries in one bin
+JUDGED_SHARE = 2.0 ** -16  # a product's share of the call's logits norm that the logits_diff budget sees
 EXP_OVERFLOW = math.log(torch.finfo(torch.float32).max)     # fp32 exp(x) is inf above this
 EXP_UNDERFLOW = math.log(2.0 ** -150)                        # ... and 0 below this
 
@@ -150,8 +151,25 @@ def _planted(m: Measured) -> None:
 
 # --- the facts of one call ---------------------------------------------------------------------
 
+def _valid_norm(logits: torch.Tensor, ends: torch.Tensor) -> float:
+    """sqrt(sum of squares) of a call's logits over each row's valid columns (as logits_diff sums
+    them), a block of rows at a time; non-finite values (a plant) count as 0."""
+    total = 0.0
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    step = max(1, (1 << 22) // max(1, logits.shape[1]))         # about 32 MiB of fp64 a block
+    for r0 in range(0, logits.shape[0], step):
+        x = logits[r0:r0 + step].double()
+        x = torch.where((cols[None, :] < ends[r0:r0 + step, None]) & torch.isfinite(x), x, 0.0)
+        total += float((x * x).sum())
+    return math.sqrt(total)
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+
+
+def _heads(h: int) -> set:
+    return {h} if h & (h - 1) == 0 else {h, "non-pow2"}
 
 
 def _len_class(n: int, k: int) -> str:
@@ -240,6 +258,12 @@ class _Facts:
         if bool(((mean > 0) & (mean <= eps)).any()):
             add("norm", {"eps-dominant"})
 
+    def _amax(self, add, rows: torch.Tensor) -> None:
+        """FP8 rows (a K entry, a query head) whose amax is under the scale's floor, non-zero."""
+        amax = rows.float().abs().amax(dim=-1)
+        if bool(((amax > 0) & (amax < FP8_AMAX_FLOOR)).any()):
+            add("amax", {"under-floor"})
+
     def _layout(self, add, shuffle, page_size: int, stride: int, fmt: str) -> None:
         if fmt != "mxfp4":
             return
@@ -276,8 +300,19 @@ class _Facts:
             edges.add("pool-end")
         if int(written.max()) // ps >= 1 << 16:
             edges.add("high-2^16")
+        if bool(((written // ps >= 1 << 15) & (written // ps < 1 << 16)).any()):
+            edges.add("high-2^15")
         add("entries", edges)
-        if fmt != "mxfp4" or not self.values:
+        if not self.values:
+            return
+        if fmt != "mxfp4":
+            if "k" in ins:                       # the ROCm FP8 writer: the rows it normalises and scales
+                from reference.k_writer import group_start, k_values
+                self._norm(add, ins["k"][sel], float(scalars["norm_eps"]))
+                y = k_values(ins["k"][sel], group_start(pos[sel], r), ins["cos_sin_cache"], ins["norm_weight"],
+                             scalars["norm_eps"], rounding=scalars.get("rounding", "rocm"),
+                             hadamard=scalars.get("hadamard", False), rope=scalars.get("rope", "separate"))
+                self._amax(add, y)
             return
         packed, scales = layout.read_entries(out["kv_cache"], written, page_size=ps, head_dim=geo.head_dim,
                                              shuffle=shuffle)
@@ -299,18 +334,23 @@ class _Facts:
             self._midpoints(add, y, scales)
 
     def _quant(self, op, add, ins, scalars, out) -> None:
-        add("heads", {int(ins["q"].shape[1])})
+        add("heads", _heads(int(ins["q"].shape[1])))
         add("elements_per_call", {int(ins["q"].shape[0]) * int(ins["q"].shape[1])})
         add("options", {"weights-f32" if ins["weights"].dtype == torch.float32 else "weights-bf16"})
         if "fp8_dtype" in scalars:
             add("options", {scalars["fp8_dtype"]})
-        if DECLARED[op].format != "mxfp4" or ins["q"].shape[0] == 0 or not self.values:
+        if ins["q"].shape[0] == 0 or not self.values:
+            return
+        from reference.q_quant import q_values
+        if DECLARED[op].format != "mxfp4":
+            y = q_values(ins["q"], ins["positions"], ins["cos_sin_cache"], hadamard=scalars.get("hadamard", False),
+                         rope=scalars.get("rope", "separate"))
+            self._amax(add, y.reshape(-1, y.shape[-1]))
             return
         t, h, d = ins["q"].shape
         packed, scales = out["q_fp4"].reshape(t * h, -1), out["q_scale"].reshape(t * h, -1)
         self._codes(add, packed, scales)
         self._subnormal(add, ins["q"].float().reshape(t * h, d), packed)
-        from reference.q_quant import q_values
         y = q_values(ins["q"], ins["positions"], ins["cos_sin_cache"], hadamard=scalars.get("hadamard", False),
                      rope=scalars.get("rope", "separate"))
         self._midpoints(add, y.reshape(t * h, d), scales)
@@ -352,7 +392,7 @@ class _Facts:
         ps = geo.page_size
         q_key = "q_fp4" if "q_fp4" in ins else "q_fp8"
         add("rows", {int(ins[q_key].shape[0])})
-        add("heads", {int(ins[q_key].shape[1])})
+        add("heads", _heads(int(ins[q_key].shape[1])))
         add("row_len", set(ends.tolist()))
         add("len_vs_k", {_len_class(n, k) for n in ends.tolist()})
         add("options", {"clean_logits" if scalars.get("clean_logits") else "dirty_logits"})
@@ -388,6 +428,8 @@ class _Facts:
                 tags.add("repeated")
             if int(ids.max()) >= 512:
                 tags.add("high")
+            if bool(((ids >= 1 << 15) & (ids < 1 << 16)).any()):
+                tags.add("high-2^15")
             if int(ids.max()) >= 1 << 16:
                 tags.add("high-2^16")
             add("page_bytes", {int(ids.max()) * ins["kv_cache"].shape[1]})
@@ -399,12 +441,15 @@ class _Facts:
         if DECLARED[op].format == "mxfp4":
             self._layout(add, scalars.get("shuffle"), ps, ins["kv_cache"].shape[1], "mxfp4")
             if self.values:
-                self._visible(add, ins, scalars)
+                self._visible(add, ins, scalars, _valid_norm(logits, ends))
 
-    def _visible(self, add, ins, scalars) -> None:
+    def _visible(self, add, ins, scalars, norm: float) -> None:
         """Scale codes of the key and query blocks whose products change some row's fp32 logit
         (NUMERICS.md §6: logit = sum_h w_h relu(q_h . k)); sampled rows, each row's last keys,
-        each sequence's keys read once."""
+        each sequence's keys read once. `codes_judged`: those of them whose products are also at
+        least JUDGED_SHARE of the call's logits norm `norm` (halved or doubled, such a product
+        moves logits_diff, a sum over the call, past its 1e-12 budget; a smaller one, beside
+        rows of larger logits, changes its row and no verdict)."""
         ps, d = self.geo.page_size, self.geo.head_dim
         ends, qsl = ins["row_ends"].long(), ins["query_start_loc"].long()
         rows = ends.numel()
@@ -417,7 +462,7 @@ class _Facts:
         pick = torch.cat((even, first)).unique()
         seq = torch.searchsorted(qsl[1:], pick, right=True)
         shuffle = scalars.get("shuffle")
-        kcodes, qcodes, dots = set(), set(), set()
+        kcodes, qcodes, dots, judged = set(), set(), set(), set()
         for b in seq.unique().tolist():
             rs = pick[(seq == b) & (ends[pick] > 0)]
             if rs.numel() == 0:
@@ -445,9 +490,12 @@ class _Facts:
                 seen = (w.abs()[..., None] * part.abs() * on[..., None]) >= ulp[None, :, None]   # [H, n, NB]
                 if bool(seen.any()):
                     kcodes |= set(ks.long()[seen.any(0)].unique().tolist())
+                    big = seen & (w.abs()[..., None] * part.abs() >= JUDGED_SHARE * norm)
+                    judged |= set(ks.long()[big.any(0)].unique().tolist())
                     qcodes |= set(qs.long()[seen.any(1)].unique().tolist())
         add("codes_read", kcodes)
         add("q_codes_read", qcodes)
+        add("codes_judged", judged)
         add("dots", dots)
 
     def _topk(self, add, ins, scalars) -> None:
@@ -464,6 +512,8 @@ class _Facts:
             add("seqs", {"packed-start"})
         if bool((lengths == 0).any()):
             add("seqs", {"no-context"})
+        if bool(((lengths == logits.shape[1]) & (lengths > k)).any()):
+            add("width", {"fills-width"})
         if not self.values:
             return
         ties, crowd, crowded = set(), 0, 0

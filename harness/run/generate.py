@@ -276,11 +276,11 @@ def _extremes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             "description": "pooling scores past fp32 exp's range (windows above 88.72, windows below -103.97) "
                            "and K rows 2^-12 small (mean square under eps)"}),
         ("extremes-k-underflow", {
-            "heads": 4, "topk": 8, "dist": ["normal", "tiny"], "history": "direct",
+            "heads": 6, "topk": 8, "dist": ["normal", "tiny"], "history": "direct",
             "ops": ["k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"],
             "seqs": [{"len": 100 + chunk, "chunks": [chunk]}],
             "description": "K writer rows 2^-120 .. 2^-135 small among normal ones: the fp32 sum of squares "
-                           "underflows, eps alone sets the scale"}),
+                           "underflows, eps alone sets the scale; 6 query heads"}),
         ("extremes-cuda-pool-norm", {
             "path": "cuda", "heads": 4, "topk": 8, "scale": 2.0 ** -12, "dist": ["normal", "score_extremes"],
             "seqs": [{"len": 40, "chunks": [40]}, {"len": 90, "decode": 2}],
@@ -293,8 +293,58 @@ def _extremes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     ]
 
 
+def _edges(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
+    """Narrow edges of page ids, heads, top-k widths, scale codes and the FP8 scales: page ids
+    across 2^15 (int16's sign bit), positions across 2^16 and 2^17 for the K writer and the Q
+    quant, a heads count that is not a power of two, top-k rows that fill the logits width,
+    raw key codes 0 and 254 each carrying a call's logits, and FP8 rows under the norm's eps,
+    with sums of squares that underflow, and under the scale's 1e-4 amax floor. A family of its
+    own, last, so that the seeds of the families before it stay as they were."""
+    if tier != "cpu":
+        return []
+    chunk = R * (8 + rng.randrange(8))
+    raw = [(f"edges-codes-raw-read-{lay}", {
+        "heads": 4, "ops": ["paged_mxfp4_mqa_logits"], "dist": ["scale_codes"], "history": "raw",
+        "seqs": [{"len": 1027, "decode": 3}], "layout": lay,
+        "description": f"raw history entries of every code 0..254 on {lay} pages read by three decode queries, "
+                       "the last one's logits from code-0 blocks alone (beside code 254's, code 0 is under "
+                       "the logits budget)"}) for lay in ("natural", "shuffled")]
+    return raw + [
+        ("edges-page-ids-32768", {
+            "heads": 4, "topk": 8, "page_size": 4, "layout": "natural", "pool_pages": (1 << 15) + 4,
+            "page_order": "top", "seqs": [{"len": 120, "chunks": [24]}, {"len": 60, "decode": 1}],
+            "description": "K writer and scorer on page ids 32760 .. 32771 (across 2^15, int16's sign bit), "
+                           "natural pages of 4 entries"}),
+        ("edges-rope-65536", {
+            "heads": 4, "ops": ["k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant"], "history": "direct",
+            "seqs": [{"len": (1 << 16) + 4, "chunks": [8]}, {"len": (1 << 17) + 4, "chunks": [8]}],
+            "description": "K writer and Q quant at positions across 2^16 and 2^17 (cos/sin rows past 16 bits)"}),
+        ("edges-heads-6", {
+            "heads": 6, "topk": 8, "ops": ["q_rope_mxfp4_quant", "paged_mxfp4_mqa_logits", "topk"],
+            "history": "direct", "seqs": [{"len": 90, "chunks": [5]}, {"len": 70, "decode": 1}],
+            "description": "6 query heads: not a power of two, a partial tile of 4"}),
+        ("edges-topk-fills-width", {
+            "heads": 4, "topk": 8, "ops": ["topk"], "history": "direct", "page_size": 16,
+            "seqs": _rows_at([32, 0, 32, 5]),
+            "description": "rows of 32 entries filling the logits width (two 16-entry pages), each followed "
+                           "by a row: one with no entry (its columns hold the largest fp32), one of 5"}),
+        ("edges-fp8-norm", {
+            "heads": 4, "topk": 8, "scale": 2.0 ** -12, "dist": ["normal", "tiny"], "history": "direct",
+            "fp8_dtype": "e4m3fnuz",
+            "ops": ["k_norm_rope_fp8_cache", "q_rope_fp8_quant", "paged_fp8_mqa_logits", "topk"],
+            "seqs": [{"len": 100 + chunk, "chunks": [chunk]}],
+            "description": "the FP8 K writer and Q quant (e4m3fnuz) on rows under the norm's eps, rows whose "
+                           "fp32 sum of squares underflows and rows under the scale's 1e-4 amax floor"}),
+        ("edges-fp8-q", {
+            "heads": 4, "topk": 8, "scale": 2.0 ** -12, "dist": ["normal", "tiny"], "history": "direct",
+            "ops": ["q_rope_fp8_quant", "paged_fp8_mqa_logits", "topk"],
+            "seqs": [{"len": 40, "chunks": [24]}, {"len": 90, "decode": 2}],
+            "description": "the FP8 Q quant (e4m3fn) on queries under the scale's 1e-4 amax floor"}),
+    ]
+
+
 FAMILIES = (("layout", _layouts), ("cuda", _cuda), ("ties", _ties), ("crowd", _crowds), ("codes", _codes),
-            ("nonfinite", _nonfinite), ("sizes", _sizes), ("extremes", _extremes))
+            ("nonfinite", _nonfinite), ("sizes", _sizes), ("extremes", _extremes), ("edges", _edges))
 
 
 def _cycle(rng: random.Random, values, n: int) -> list:
