@@ -312,9 +312,9 @@ def _edges(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     return raw + [
         ("edges-page-ids-32768", {
             "heads": 4, "topk": 8, "page_size": 4, "layout": "natural", "pool_pages": (1 << 15) + 4,
-            "page_order": "top", "seqs": [{"len": 120, "chunks": [24]}, {"len": 60, "decode": 1}],
+            "page_order": "top", "seqs": [{"len": 120, "chunks": [24]}, {"len": 64, "decode": 1}],
             "description": "K writer and scorer on page ids 32760 .. 32771 (across 2^15, int16's sign bit), "
-                           "natural pages of 4 entries"}),
+                           "natural pages of 4 entries; the decode step writes the pool's last slot"}),
         ("edges-rope-65536", {
             "heads": 4, "ops": ["k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant"], "history": "direct",
             "seqs": [{"len": (1 << 16) + 4, "chunks": [8]}, {"len": (1 << 17) + 4, "chunks": [8]}],
