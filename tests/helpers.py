@@ -146,6 +146,23 @@ def fused_k_case(seed, shuffle, page_size, rounding="rocm", tokens=48, pages=6):
     return kw, wk
 
 
+def fused_wrong_by_certify(kw, wk, pooled, pages, sel=None) -> dict:
+    """{certify mode: (scratch-row values whose bits differ from `pooled`, in rows `sel` or
+    all, page bytes that differ from `pages`)} of the fused K launch on the case (kw, wk),
+    certified and fp32 without the bound's check."""
+    from optimized.triton_kernels import fused_k
+    args = [kw[n] for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
+    opts = dict(compress_ratio=4, norm_eps=1e-6, page_size=64, shuffle=[32, 16, 2])
+    rows = slice(None) if sel is None else sel
+    wrong = {}
+    for mode in (True, "unchecked"):
+        out, p = wk["kv_cache"].clone(), torch.empty_like(pooled)
+        fused_k.launch(*args, wk["cos_sin_cache"], wk["norm_weight"], out, **opts, pooled=p, certify=mode)
+        wrong[mode] = (int((p[rows].view(torch.int16) != pooled[rows].view(torch.int16)).sum()),
+                       int((out != pages).sum()))
+    return wrong
+
+
 def on_bf16_midpoints(kw: dict) -> dict:
     """`kw` (fused_k_case's pooling inputs) with each written row's own kv value (window slot
     2r-1, the token's `_b` half) moved so that its exact pooled value lies on a bf16 rounding

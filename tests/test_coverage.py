@@ -148,11 +148,17 @@ class _Geo:
     page_size, head_dim, topk = 32, 128, 8
 
 
-def _visible(ins):
-    import reference
+def _bare_facts(stage: str):
+    """(the facts' measurer without a case walk, what it measured, its `add` for `stage`)."""
     m = cov.Measured(_case())
     f = cov._Facts.__new__(cov._Facts)
     f.m, f.geo = m, _Geo()
+    return f, m, lambda fact, v: m.add(stage, fact, v)
+
+
+def _visible(ins):
+    import reference
+    f, m, _ = _bare_facts("s")
     logits = reference.paged_mxfp4_mqa_logits(**ins, page_size=32, shuffle=None)["logits"]
     f._visible(lambda fact, v: m.add("s", fact, v), ins, {"shuffle": None}, cov._valid_norm(logits, ins["row_ends"]))
     return m.facts["s"]
@@ -186,10 +192,7 @@ def test_codes_judged_by_the_calls_logits_diff():
 
 
 def test_elements_and_codes_of_a_quantized_block():
-    m = cov.Measured(_case())
-    f = cov._Facts.__new__(cov._Facts)
-    f.m = m
-    add = lambda fact, v: m.add("q", fact, v)                  # noqa: E731
+    f, m, add = _bare_facts("q")
     from reference import mxfp4
     x = torch.zeros(3, 64)
     x[0, :32] = torch.tensor([6.0, -0.1] + [1.0] * 30)        # saturated, a negative that rounds to -0
@@ -205,10 +208,7 @@ def test_elements_and_codes_of_a_quantized_block():
 
 
 def test_norm_rows_against_eps():
-    m = cov.Measured(_case())
-    f = cov._Facts.__new__(cov._Facts)
-    f.m = m
-    add = lambda fact, v: m.add("k", fact, v)                  # noqa: E731
+    f, m, add = _bare_facts("k")
     rows = torch.randn(4, 128)
     f._norm(add, rows, 1e-6)
     assert "norm" not in m.facts.get("k", {})                # unit rows: eps is far below their mean square

@@ -66,20 +66,12 @@ def test_certified_pooling_on_bf16_midpoints_compiled(be):
     """Every pooled value on a bf16 rounding midpoint, compiled (libdevice expf, the GPU's
     sums): the certified pooling gives the split path's rows and pages; fp32 without the
     check does not."""
-    from helpers import on_bf16_midpoints
-
-    from optimized.triton_kernels import fused_k
+    from helpers import fused_wrong_by_certify, on_bf16_midpoints
     kw, wk = fused_k_case(12, [32, 16, 2], 64, tokens=4096, pages=80)
     kw = _cuda(on_bf16_midpoints(kw))
     wk = _cuda(wk)
     pooled = be.compress_pool(**kw)["pooled"]
     pages = be.k_norm_rope_mxfp4_cache(k=pooled, positions=kw["positions"], slot_mapping=kw["kv_slot_mapping"],
                                        compress_ratio=4, **wk)["kv_cache"]
-    args = [kw[n] for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
-    opts = dict(compress_ratio=4, norm_eps=1e-6, page_size=64, shuffle=[32, 16, 2])
-    wrong = {}
-    for mode in (True, "unchecked"):
-        out, p = wk["kv_cache"].clone(), torch.empty_like(pooled)
-        fused_k.launch(*args, wk["cos_sin_cache"], wk["norm_weight"], out, **opts, pooled=p, certify=mode)
-        wrong[mode] = (int((p.view(torch.int16) != pooled.view(torch.int16)).sum()), int((out != pages).sum()))
+    wrong = fused_wrong_by_certify(kw, wk, pooled, pages)
     assert wrong[True] == (0, 0) and wrong["unchecked"][0] > 0, wrong

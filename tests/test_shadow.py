@@ -542,3 +542,21 @@ def test_bench_loop_stays_in_its_pool_over_many_timings():
     for _ in range(3):
         bench._time(loop, run, 1000, "cpu")
     assert max(seen) <= bench.REWIND and len(seen) == 3000
+
+
+def test_a_checker_stopped_during_a_capture_drops_its_item(clean):
+    """The checker waiting for a capture to end, then stopped: its item is counted as skipped
+    (as queued items are), no device work starts, nothing is logged as checked."""
+    sh = S.Shadow(clean, 1.0, ring=2, check=lambda r, n, d: ({"status": "pass", "ok": True, "reason": "",
+                                                                 "metrics": {}}, []))
+    hosts = []
+    sh._host = lambda item: hosts.append(item) or ({}, "cpu")
+    sh.capture_begins()
+    x = torch.zeros(1)
+    assert sh.submit(0, 0, {"topk": ({"x": x}, {}, {"y": x})})
+    time.sleep(0.2)                                    # the checker holds the item, waiting
+    sh.stop()
+    c = sh.snapshot()
+    assert hosts == [] and c["checked"] == 0 and c["skipped"] == 1
+    sh.capture_ends()
+    sh.close()

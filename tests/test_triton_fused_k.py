@@ -171,23 +171,13 @@ def test_certified_pooling_on_bf16_midpoints(be):
     """Every pooled value on a bf16 rounding midpoint: fp32 pooling without the bound's check
     gets bf16 values wrong there (the check has teeth); with it, the fp64 fallback gives the
     split path's rows and pages exactly."""
-    from helpers import on_bf16_midpoints
-
-    from optimized.triton_kernels import fused_k
+    from helpers import fused_wrong_by_certify, on_bf16_midpoints
     kw, wk = fused_k_case(11, [32, 16, 2], 64, tokens=256, pages=8)
     kw = on_bf16_midpoints(kw)
     pooled, pages = _split(kw, wk)
     sel = ((kw["positions"] + 1) % 4 == 0) & (kw["kv_slot_mapping"] >= 0)
-    args = [kw[n] for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
-    opts = dict(compress_ratio=4, norm_eps=1e-6, page_size=64, shuffle=[32, 16, 2])
-    got = {}
-    for mode in (True, "unchecked"):
-        out, p = wk["kv_cache"].clone(), torch.empty_like(pooled)
-        fused_k.launch(*args, wk["cos_sin_cache"], wk["norm_weight"], out, **opts, pooled=p, certify=mode)
-        got[mode] = (int((p[sel].view(torch.int16) != pooled[sel].view(torch.int16)).sum()),
-                     torch.equal(out, pages))
-    assert got[True] == (0, True), got
-    assert got["unchecked"][0] > 0, got
+    wrong = fused_wrong_by_certify(kw, wk, pooled, pages, sel)
+    assert wrong[True] == (0, 0) and wrong["unchecked"][0] > 0, wrong
 
 
 def test_fused_extreme_scores(be):

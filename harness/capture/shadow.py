@@ -266,18 +266,23 @@ class Shadow:
             self._gate.notify_all()
 
     @contextlib.contextmanager
-    def _device_work(self):
+    def _device_work(self, device: bool = True):
         """The checker's device work (copies, the reference on the GPU): never during a
-        capture. Yields False, doing nothing, when the shadow stops while it waits."""
-        with self._gate:
-            while self._captures and not self._stop.is_set():
-                self._gate.wait(0.05)
-            if self._stop.is_set() and self._captures:
-                ok = False
-            else:
-                ok, self._in_device = True, True
+        capture. Yields False, doing nothing, when the shadow stops while it waits (the item
+        is then counted as skipped, as queued items are). `device=False` (the reference on
+        the host): no wait, yields True."""
+        ok = False
+        if device:
+            with self._gate:
+                while self._captures and not self._stop.is_set():
+                    self._gate.wait(0.05)
+                ok = not self._captures
+                self._in_device = ok
+        if device and not ok:
+            with self.lock:
+                self.counts["skipped"] += 1
         try:
-            yield ok
+            yield ok or not device
         finally:
             if ok:
                 with self._gate:
@@ -368,19 +373,15 @@ class Shadow:
         tag = lambda v: "x" if v is None else str(v)
         name = f"layer{tag(item.layer)}_step{tag(item.step)}"
         with self._device_work() as ok:
-            if not ok:                             # stopped during a capture: dropped, as queued items are
-                with self.lock:
-                    self.counts["skipped"] += 1
+            if not ok:
                 return
             records, device = self._host(item)
         if item.release is not None:               # the ring position is free once copied out
             release, item.release = item.release, None
             release()
         where = self.device or device
-        with self._device_work() if where.startswith("cuda") else contextlib.nullcontext(True) as ok:
+        with self._device_work(where.startswith("cuda")) as ok:
             if not ok:
-                with self.lock:
-                    self.counts["skipped"] += 1
                 return
             try:
                 row, _ = self.check(records, name + ".safetensors", where)

@@ -140,10 +140,10 @@ def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_
     inr, pos, act = writing_tokens(pos_ptr, slot_ptr, toks, T, RATIO)
     d = tl.arange(0, D)
     dm = d < D
+    orow = toks.to(tl.int64)[:, None] * D + d[None, :]          # the scratch row's offsets
     if STORE_POOLED:
         # the scratch rows of the tokens that write nothing are NaN (compress_pool's contract)
         nan = tl.full([BT, D], float("nan"), tl.float32)
-        orow = toks.to(tl.int64)[:, None] * D + d[None, :]
         nmask = (inr & (act == 0))[:, None]
         if ROUNDING == 1:
             tl.store(pooled_ptr + orow, nan, mask=nmask)
@@ -171,9 +171,9 @@ def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_
                                    row_stride, block_stride, D, RATIO, WP, SPAN2, BT, U)
         if STORE_POOLED:
             if ROUNDING == 1:
-                tl.store(pooled_ptr + toks.to(tl.int64)[:, None] * D + d[None, :], c, mask=act[:, None])
+                tl.store(pooled_ptr + orow, c, mask=act[:, None])
             else:
-                tl.store(pooled_ptr + toks.to(tl.int64)[:, None] * D + d[None, :], bf16_bits(c), mask=act[:, None])
+                tl.store(pooled_ptr + orow, bf16_bits(c), mask=act[:, None])
         # 2. the row as the K writer reads it: (even, odd) channel pairs; on the rocm and
         # deepseek paths already bf16(c), the value the scratch buffer holds
         e, o = tl.split(tl.reshape(c, (BT, TB, 2)))
@@ -199,7 +199,7 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_
         return out_cache
     shuf = layout.as_shuffle(shuffle)
     bt, u, warps = tile or TILE
-    if tile is None and bt == 1:
+    if tile is None:
         warps = max(warps, d // 128)                # a 256-channel row in one warp spills
     sc = state_cache
     store = pooled is not None
