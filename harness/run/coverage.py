@@ -305,32 +305,29 @@ class _Facts:
         add("entries", edges)
         if not self.values:
             return
-        if fmt != "mxfp4":
-            if "k" in ins:                       # the ROCm FP8 writer: the rows it normalises and scales
-                from reference.k_writer import group_start, k_values
-                self._norm(add, ins["k"][sel], float(scalars["norm_eps"]))
-                y = k_values(ins["k"][sel], group_start(pos[sel], r), ins["cos_sin_cache"], ins["norm_weight"],
-                             scalars["norm_eps"], rounding=scalars.get("rounding", "rocm"),
-                             hadamard=scalars.get("hadamard", False), rope=scalars.get("rope", "separate"))
-                self._amax(add, y)
-            return
-        packed, scales = layout.read_entries(out["kv_cache"], written, page_size=ps, head_dim=geo.head_dim,
-                                             shuffle=shuffle)
-        self._codes(add, packed, scales)
         k_in = ins.get("k")
-        if k_in is None:                         # the fused op: its rows are the pooled ones, unrounded
+        if k_in is None:                         # the fused ops: their rows are the pooled ones, unrounded
             k_rows = reference.compress_pool(state_cache=ins["state_cache"], block_table=ins["block_table"],
                                              positions=pos, req_index=ins["req_index"], kv_slot_mapping=slots,
                                              compress_ratio=r, rounding="cuda")["pooled"][sel]
         else:
             k_rows = k_in[sel]
         self._norm(add, k_rows, float(scalars["norm_eps"]))
-        if k_in is not None:
-            self._subnormal(add, k_in[sel].float(), packed)
+        y = None
+        if k_in is not None:                     # the values the writer quantizes (normed, rotated)
             from reference.k_writer import group_start, k_values
-            y = k_values(k_in[sel], group_start(pos[sel], r), ins["cos_sin_cache"], ins["norm_weight"],
+            y = k_values(k_rows, group_start(pos[sel], r), ins["cos_sin_cache"], ins["norm_weight"],
                          scalars["norm_eps"], rounding=scalars.get("rounding", "rocm"),
                          hadamard=scalars.get("hadamard", False), rope=scalars.get("rope", "separate"))
+        if fmt != "mxfp4":
+            if y is not None:
+                self._amax(add, y)               # FP8: rows under the scale's amax floor
+            return
+        packed, scales = layout.read_entries(out["kv_cache"], written, page_size=ps, head_dim=geo.head_dim,
+                                             shuffle=shuffle)
+        self._codes(add, packed, scales)
+        if k_in is not None:
+            self._subnormal(add, k_rows.float(), packed)
             self._midpoints(add, y, scales)
 
     def _quant(self, op, add, ins, scalars, out) -> None:
