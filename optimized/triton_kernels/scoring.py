@@ -387,10 +387,10 @@ def make_op(device: str):
                                clean_logits: bool = False, width: int | None = None) -> dict:
         shuf, _, width, _ = check_mxfp4_scorer(q_fp4, q_scale, weights, kv_cache, query_start_loc,
                                             context_lens, block_table, row_ends, page_size, shuffle, width)
-        (qv, qs, w, kc, bt, ends), tiles, config, back = prepare(
-            device, query_start_loc, row_ends, weights.shape[1], q_fp4, q_scale, weights, kv_cache, block_table)
-        # the entries read are the caller's context_lens, wherever it passed them (the op moves the rest)
-        extreme = extreme_codes(qs, kc, bt, context_lens.to(bt.device), page_size, q_fp4.shape[2] * 2, shuf)
+        (qv, qs, w, kc, bt, ctx, ends), tiles, config, back = prepare(
+            device, query_start_loc, row_ends, weights.shape[1], q_fp4, q_scale, weights, kv_cache, block_table,
+            context_lens)
+        extreme = extreme_codes(qs, kc, bt, ctx, page_size, q_fp4.shape[2] * 2, shuf)
         out = launch(qv, qs, w, kc, bt, tiles, ends, width=width, page_size=page_size, shuffle=shuf,
                      clean_logits=clean_logits, config=config, scale_after=extreme)
         return {"logits": back(out, weights)}
