@@ -192,6 +192,17 @@ def _nonfinite(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     return out
 
 
+def _page_ids_across(bits: int) -> dict:
+    """A K writer and a scorer on the pool's top 12 pages, ids across 2^bits (an id narrowed to
+    int16 or uint16 wraps there), natural pages of 4 entries; the decode step's entry fills the
+    last page, so the writer also writes the pool's last slot."""
+    top = (1 << bits) + 4
+    return {"heads": 4, "topk": 8, "page_size": 4, "layout": "natural", "pool_pages": top, "page_order": "top",
+            "seqs": [{"len": 120, "chunks": [24]}, {"len": 64, "decode": 1}],
+            "description": f"K writer and scorer on page ids {top - 12} .. {top - 1} (across 2^{bits}), natural "
+                           "pages of 4 entries, the pool's last slot written"}
+
+
 def _sizes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     """Rows and widths where a kernel changes program, block or path (docs/coverage-sources.md):
     pooling's 16 / 256 tokens per program and a state block smaller than a window, the K
@@ -220,11 +231,7 @@ def _sizes(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             "heads": 4, "topk": 2048, "ops": ["topk"], "history": "direct", "state_block": 64,
             "seqs": _rows_at([2048, 2049, 4100]),
             "description": "k = 2048 (vLLM's routing) over rows of 2048, 2049 and 4100 entries"}),
-        ("sizes-page-ids-65536", {
-            "heads": 4, "topk": 8, "page_size": 4, "layout": "natural", "pool_pages": (1 << 16) + 4,
-            "page_order": "top", "seqs": [{"len": 120, "chunks": [24]}, {"len": 60, "decode": 1}],
-            "description": "K writer and scorer on page ids 65528 .. 65539 (across 2^16), natural pages of "
-                           "4 entries (a 17 MiB pool)"}),
+        ("sizes-page-ids-65536", _page_ids_across(16)),
         ("sizes-q-8192", {
             "heads": 64, "ops": ["q_rope_mxfp4_quant"], "seqs": [{"len": 300, "chunks": [128, 129]}],
             "description": "Q quant calls of 128 and 129 tokens at 64 heads: 8192 token-heads and past it"}),
@@ -310,11 +317,7 @@ def _edges(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
                        "the last one's logits from code-0 blocks alone (beside code 254's, code 0 is under "
                        "the logits budget)"}) for lay in ("natural", "shuffled")]
     return raw + [
-        ("edges-page-ids-32768", {
-            "heads": 4, "topk": 8, "page_size": 4, "layout": "natural", "pool_pages": (1 << 15) + 4,
-            "page_order": "top", "seqs": [{"len": 120, "chunks": [24]}, {"len": 64, "decode": 1}],
-            "description": "K writer and scorer on page ids 32760 .. 32771 (across 2^15, int16's sign bit), "
-                           "natural pages of 4 entries; the decode step writes the pool's last slot"}),
+        ("edges-page-ids-32768", _page_ids_across(15)),
         ("edges-rope-65536", {
             "heads": 4, "ops": ["k_norm_rope_mxfp4_cache", "q_rope_mxfp4_quant"], "history": "direct",
             "seqs": [{"len": (1 << 16) + 4, "chunks": [8]}, {"len": (1 << 17) + 4, "chunks": [8]}],
