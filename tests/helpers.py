@@ -504,6 +504,6 @@ def fake_graphs(monkeypatch, hook) -> None:
     emitted into the graph being captured (the hook module `hook` is the caller's import)."""
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph, raising=False)
     monkeypatch.setattr(hook, "_graph_capturing", lambda: FakeGraph.capturing is not None)
-    real = hook._stage_copy
-    monkeypatch.setattr(hook, "_stage_copy", lambda stage, src: emit(lambda: real(stage, src)))
+    real = hook._stage_copies
+    monkeypatch.setattr(hook, "_stage_copies", lambda flag, pairs: emit(lambda: real(flag, pairs)))
     monkeypatch.setattr(FakeGraph, "capturing", None)

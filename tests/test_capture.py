@@ -506,6 +506,8 @@ def test_graph_replays_record_the_chosen_steps_into_a_ring(monkeypatch, graphs):
         g.replay()
         assert torch.equal(m.out[1, :, :m.k], reference.topk(logits=fed[step][0][1], lengths=fed[step][1],
                                                               k=m.k)["indices"])    # the graph's own work ran
+        # the recording copies run on chosen replays only (behind the record's device flag)
+        assert all(bool((t == 77).all()) for t in stages) == (step not in (1, 2, 3, 5)), step
         written_at.append(_names(capture.written()))
     assert written_at[1] == [] and written_at[2] == ["layer1_step1.safetensors", "layer1_step2.safetensors"]
     assert [e["step"] for e in hook._S.ring] == [3, 5]     # steps 4 and 6 were not copied out

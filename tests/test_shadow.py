@@ -458,7 +458,7 @@ def test_shadow_report_bad_input_is_one_line(tmp_path, capsys):
 def test_logged_non_finite_metrics_come_back_as_numbers():
     from harness.commands.shadow_cmd import _rows
     row = {"case": "x", "metrics": {"topk.a": float("inf"), "topk.b": float("nan"), "topk.c": 1.5}}
-    entry = json.loads(json.dumps({"event": "verdict", "layer": 3, "step": 9, "row": S._jsonable(row)}))
+    entry = json.loads(json.dumps({"event": "verdict", "layer": 3, "step": 9, "row": S.jsonable(row)}))
     (back,), _ = _rows([entry])
     m = back["metrics"]
     assert m["topk.a"] == float("inf") and m["topk.b"] != m["topk.b"] and m["topk.c"] == 1.5

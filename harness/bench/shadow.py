@@ -35,6 +35,7 @@ import torch
 import harness.capture as capture
 from harness.bench.capture import RATIO, DecodeLoop, environ, make_wrappers, upstream_modules
 from harness.capture import shadow as S
+from harness.capture.shadow import jsonable
 
 RATES = (1 / 1000, 1 / 100)
 OVERHEAD_TARGET = 3.0                     # % added per serving step at 1/1000
@@ -190,8 +191,10 @@ def fault(shape: dict, *, rate: float = 1 / 100, max_steps: int = 2000, mode: st
         if first is not None:
             d = read_dump(first["dump"])
             row = verdict(dump_row(first["dump"], replay_dump(d), "reference", 0.0), sh.budgets, S.SUITE)
+            logged, again = first["row"]["metrics"], jsonable(row["metrics"])
+            differ = {k: (logged.get(k), again.get(k)) for k in sorted({*logged, *again}) if logged.get(k) != again.get(k)}
             out.update(step=first["step"], reason=first["reason"], diff_status=row["status"],
-                       diff_same=row["status"] == first["status"] and row["metrics"] == first["row"]["metrics"],
+                       diff_same=row["status"] == first["status"] and not differ, diff_metrics=differ,
                        dump_bytes=os.path.getsize(first["dump"]))
     return out
 
@@ -276,7 +279,7 @@ def table(rows: list[dict], fault_r: Optional[dict], alarm_r: Optional[dict], ki
         out.append(f"* fault `scale-ocp-floor` ({f['mode']}, rate 1/{round(1 / f['rate'])}): "
                    + (f"flagged at step {f['step']}, sampled step {f['sampled_until_flagged']} (expected "
                       f"{f['expected_sampled']}: the first sampled step that writes a K entry); its dump ({f['dump_bytes']} bytes) through the reference on "
-                      f"the CPU: {f['diff_status']} ({'the same verdict and metrics' if f['diff_same'] else 'NOT the same'})"
+                      f"the CPU: {f['diff_status']} ({'the same verdict and metrics' if f['diff_same'] else 'NOT the same: ' + str(f['diff_metrics'])[:300]})"
                       if f.get("step") is not None else f"NOT flagged in {f['steps']} steps ({f['counts']})"))
     if alarm_r is not None:
         a = alarm_r

@@ -25,8 +25,10 @@ Eager calls (prefill, `--enforce-eager`, piecewise mode's eager attention) are c
 the call. Under CUDA/HIP graphs the Python wrappers run only while vLLM captures a graph:
 install() also wraps `torch.cuda.CUDAGraph.capture_begin`, `capture_end` and `replay`.
 During a capture, a call on a chosen layer records device-to-device copies of its fields
-into staging buffers allocated then, so the copies are part of the graph and run at every
-replay. When the capture ends, the hook preallocates a ring of RING buffers per field,
+into staging buffers allocated then, so the copies are part of the graph; they run only on
+replays whose step is chosen (one launch per recorded call reads a device flag the hook
+sets before such a replay, optimized/triton_kernels/copy_if.py: other replays pay a
+near-empty kernel per recorded call, not the copies). When the capture ends, the hook preallocates a ring of RING buffers per field,
 outside the graph's memory pool (the graph lends a staging buffer's bytes to its earlier
 kernels, so a staged field lives only to the end of a replay). After a replay whose step
 is chosen, the hook copies the staged fields into the step's ring position (device to
@@ -35,8 +37,7 @@ recorded nothing are replayed untouched. When the ring is full, the next chosen 
 first drains it: the ring is moved to the host and written as dumps (this synchronizes
 the device). `drain()` does the same on demand (the model runner can call it between
 requests); flush() and exit drain too. Memory: every recorded field costs RING + 1 buffers
-per captured graph (vLLM captures one graph per batch size), and a chosen layer's staging
-copies run at every replay of its graph, chosen step or not: choose few layers (the K pool
+per captured graph (vLLM captures one graph per batch size): choose few layers (the K pool
 is large).
 
 Layer and step. The model integration says where it is:

@@ -83,6 +83,8 @@ class _GraphRecord:
     anchor_calls: int = 0
     layer: Optional[int] = None                         # auto counting inside the capture
     busy: set = field(default_factory=set)              # shadow mode: ring positions not yet checked
+    flag: Optional[torch.Tensor] = None                 # int32 on the device: the replay's step is chosen
+    flag_on: Optional[bool] = None                      # what the flag holds now (None: not yet set)
 
 
 class _State:
@@ -106,6 +108,7 @@ class _State:
         self.replays = 0                               # replays of recording graphs (step without context)
         self.atexit = False
         self.shadow: Optional[shadow_mode.Shadow] = None   # shadow mode: records go to its checker
+        self.kernels: dict = {}                        # device kernels the hook uses, looked up once
 
 
 _S = _State()
@@ -274,21 +277,59 @@ def _clone(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
-def _stage_copy(stage: torch.Tensor, src: torch.Tensor) -> None:
-    """stage = src, on the device (captured: the graph repeats it at every replay)."""
-    stage.copy_(src.detach())
+def _stage_copies(flag: torch.Tensor, pairs: list) -> None:
+    """stage = src for every (src, stage) pair, on the device, when `flag` is set at the time
+    the copies run (captured: the graph repeats this at every replay, and a replay whose
+    step is not chosen, its flag clear, copies nothing). On a GPU one launch of
+    optimized.triton_kernels.copy_if per call; where that kernel cannot run (no compiled
+    Triton, a field that is not contiguous) plain copies that run at every replay."""
+    if flag.device.type == "cpu":                 # read when it runs (graphs on the host: the tests')
+        if int(flag):
+            for src, stage in pairs:
+                stage.copy_(src)
+        return
+    fast = _copy_if()
+    ok = lambda src: fast is not None and src.is_contiguous() and src.device == flag.device
+    for src, stage in pairs:
+        if not ok(src):
+            stage.copy_(src)
+    if any(ok(src) for src, _ in pairs):
+        fast(flag, [(src, stage) for src, stage in pairs if ok(src)])
 
 
-def _stage(v) -> torch.Tensor:
-    """A staging buffer holding `v` at this point of the graph. It comes from the graph's
-    memory pool, where kernels earlier in the graph may use the same bytes: it holds the
-    field from this point to the end of a replay, which is when the replay hook copies it
-    into the ring (never across replays)."""
-    if not isinstance(v, torch.Tensor):
-        raise TypeError(f"a recorded field is a {type(v).__name__}, not a tensor")
-    stage = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    _stage_copy(stage, v)
-    return stage
+def _copy_if():
+    """optimized.triton_kernels.copy_if.copy_if as a function of (flag, pairs), or None where
+    Triton is missing or this process runs the Triton interpreter."""
+    if "copy_if" not in _S.kernels:
+        fn = None
+        try:
+            if os.environ.get("TRITON_INTERPRET", "0") != "1":
+                from optimized.triton_kernels import _kernels_mode
+                if _kernels_mode() != "interpret":
+                    from optimized.triton_kernels.copy_if import copy_if as fn
+        except Exception:
+            fn = None
+        _S.kernels["copy_if"] = fn
+    return _S.kernels["copy_if"]
+
+
+def _stage_all(values: dict, rec: "_GraphRecord") -> dict:
+    """Staging buffers holding `values` at this point of the graph, filled only on replays
+    whose step is chosen (the record's flag). They come from the graph's memory pool, where
+    kernels earlier in the graph may use the same bytes: each holds its field from this
+    point to the end of a replay, which is when the replay hook copies it into the ring
+    (never across replays)."""
+    pairs, stages = [], {}
+    for name, v in values.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"a recorded field is a {type(v).__name__}, not a tensor")
+        stages[name] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        pairs.append((v.detach(), stages[name]))
+        if rec.flag is None:                   # torch.empty launches nothing into the graph
+            rec.flag = torch.empty(1, dtype=torch.int32, device=v.device)
+    if pairs:
+        _stage_copies(rec.flag, pairs)
+    return stages
 
 
 # --- graphs: capture, replay, drain ----------------------------------------------------------
@@ -366,6 +407,9 @@ def _replay(orig):
                 raise
             _trouble("shadow:replay", f"shadow: replay not recorded ({type(e).__name__}: {e})")
             pos = None
+        if not _set_flag(rec, pos is not None) and pos is not None:
+            rec.busy.discard(pos[0] if isinstance(pos, tuple) else pos)   # the copies would not run
+            pos = None
         out = orig(self, *args, **kwargs)
         if pos is None:
             return out
@@ -386,6 +430,24 @@ def _replay(orig):
             _trouble("shadow:replay", f"shadow: replay not recorded ({type(e).__name__}: {e})")
         return out
     return replay
+
+
+def _set_flag(rec: _GraphRecord, on: bool) -> bool:
+    """The record's flag set for the coming replay (its recording copies run only when on),
+    written on the replay's stream before it, only when it changes; False when it could not
+    be set (in shadow mode: logged, the shadow switched off)."""
+    if rec.flag is None or rec.flag_on is on:
+        return True
+    try:
+        rec.flag.fill_(int(on))
+        rec.flag_on = on
+        return True
+    except Exception as e:
+        rec.flag_on = None
+        if _S.shadow is None:
+            raise
+        _trouble("shadow:replay", f"shadow: replay flag not set ({type(e).__name__}: {e})")
+        return False
 
 
 INHERITED = object()                   # a wrapped method the class had from its base: deleted again
@@ -553,7 +615,7 @@ def _capture_call(fn, op: str, arg_map: ArgMap, bind, args, kwargs, extra: Optio
             _warn_once(f"skip:{op}:{why}", f"{op}: {why}; passed through, not recorded")
             return fn(*args, **kwargs)
         if mode == GRAPH:                      # copies captured into the graph, before the call
-            ins = {name: _stage(_get(g, bound)) for name, g in arg_map.inputs.items()}
+            ins = _stage_all({name: _get(g, bound) for name, g in arg_map.inputs.items()}, _S.capture)
         else:
             ins = {name: _clone(_get(g, bound)) for name, g in arg_map.inputs.items()}
         scalars = {name: (_get(g, bound) if callable(g) or isinstance(g, str) and g in bound else g)
@@ -566,7 +628,7 @@ def _capture_call(fn, op: str, arg_map: ArgMap, bind, args, kwargs, extra: Optio
         got = {name: bound[g] if isinstance(g, str) else g(bound, result) for name, g in arg_map.outputs.items()}
         with _S.lock:
             if mode == GRAPH:
-                outs = {name: _stage(v) for name, v in got.items()}
+                outs = _stage_all(got, _S.capture)
                 _S.capture.calls.append(_GraphCall(op, where, scalars, ins, outs))
             else:
                 outs = {name: _clone(v) for name, v in got.items()}

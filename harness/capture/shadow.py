@@ -389,7 +389,7 @@ class Shadow:
                 row = self._refused_row(name + ".safetensors", records, str(e))
         entry = {"event": "verdict", "time": round(time.time(), 3), "layer": item.layer, "step": item.step,
                  "mode": item.mode, "status": row["status"], "ok": bool(row["ok"]), "reason": row.get("reason", ""),
-                 "row": _jsonable(row)}
+                 "row": jsonable(row)}
         if not row["ok"]:
             base = os.path.join(self.directory, FAILURES, name)
             path, n = base + ".safetensors", 1
@@ -539,11 +539,12 @@ class _cuda_on:
         return False
 
 
-def _jsonable(v):
+def jsonable(v):
+    """v as JSON takes it (NaN as null, infinities as strings, other objects as their str)."""
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     if isinstance(v, float) and v != v:
         return None
     if isinstance(v, float) and v in (float("inf"), float("-inf")):
