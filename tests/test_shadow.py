@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 import warnings
@@ -32,7 +33,7 @@ TOPK_MAP = ArgMap({"logits": "logits", "lengths": "lengths"}, {"indices": "out"}
 def clean(monkeypatch, tmp_path):
     for name in ("MXVAL_CAPTURE_DIR", "MXVAL_CAPTURE_LAYERS", "MXVAL_CAPTURE_STEPS", "MXVAL_CAPTURE_AUTO_LAYERS",
                  "MXVAL_CAPTURE_RING", "MXVAL_CAPTURE_ANCHOR", "RANK", "LOCAL_RANK", S.ENV_RATE, S.ENV_DIR,
-                 S.ENV_RING, S.ENV_SEED, S.ENV_DEVICE, S.ENV_BUDGETS):
+                 S.ENV_RING, S.ENV_SEED, S.ENV_DEVICE, S.ENV_BUDGETS, S.ENV_CHECKER):
         monkeypatch.delenv(name, raising=False)
     yield tmp_path / "shadow"
     uninstall()
@@ -257,6 +258,50 @@ def test_a_correct_backend_gets_no_alarm_over_many_sampled_steps(clean, layer):
     assert all(e["ok"] for e in _verdicts(clean))
 
 
+# --- the worker process ----------------------------------------------------------------------------
+
+def test_the_worker_process_judges_keeps_dumps_and_a_killed_worker_switches_the_shadow_off(clean, layer,
+                                                                                          monkeypatch):
+    monkeypatch.setenv(S.ENV_RATE, "1")
+    monkeypatch.setenv(S.ENV_DIR, str(clean))
+    monkeypatch.setenv(S.ENV_CHECKER, "process")
+    monkeypatch.setenv("MXVAL_CAPTURE_LAYERS", "0")
+    install([], quiet=True)
+    sh = capture.current_shadow()
+    assert sh.checker == "process"
+    m = Serving(layer, backend="fault:nibbles-swapped")
+    m.step(0)
+    assert sh.join(120)
+    (v,) = _verdicts(clean)
+    assert not v["ok"] and os.path.exists(v["dump"])                 # the worker wrote the failing dump
+    (r,) = [x for x in replay_dump(read_dump(v["dump"])) if x.op == "k_norm_rope_mxfp4_cache"]
+    assert r.metrics["page_bytes_mismatched"] == v["row"]["metrics"]["k_norm_rope_mxfp4_cache.page_bytes_mismatched"]
+    assert sh.worker.pid != os.getpid() and sh.worker.is_alive()
+    os.kill(sh.worker.pid, signal.SIGKILL)                         # the checker killed mid-run
+    sh.worker.join(10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(1, 6):
+            for logits, out in m.step(step, k_writer=False):        # serving goes on, its results untouched
+                assert torch.equal(out, reference.topk(logits=logits, lengths=m.topk_rec.inputs["lengths"],
+                                                       k=m.topk_rec.scalars["k"])["indices"])
+            time.sleep(0.05)
+    assert not sh.enabled and [e["event"] for e in _log(clean)].count("off") == 1
+    assert len(_verdicts(clean)) == sh.snapshot()["checked"] == 1    # every verdict counted is in the log
+
+
+def test_the_checker_kind_is_checked(clean, monkeypatch):
+    with pytest.raises(ValueError, match="checker is one of"):
+        S.Shadow(clean, 0.5, checker="fork")
+    with pytest.raises(ValueError, match="thread checker only"):
+        S.Shadow(clean, 0.5, checker="process", check=lambda *a: None)
+    monkeypatch.setenv(S.ENV_RATE, "0.5")
+    monkeypatch.setenv(S.ENV_DIR, str(clean))
+    monkeypatch.setenv(S.ENV_CHECKER, "fork")
+    with pytest.raises(ValueError, match="MXVAL_SHADOW_CHECKER='?fork'?: expected one of process, thread"):
+        install([], quiet=True)
+
+
 # --- failures of the shadow itself ------------------------------------------------------------------
 
 def test_a_checker_exception_switches_the_shadow_off_and_serving_goes_on(clean, layer):
@@ -437,10 +482,12 @@ def test_bench_correct_loop_gets_no_alarm(interpreted):
 def test_bench_stopped_checker_and_overhead_rows(interpreted):
     k = interpreted.killed(BENCH_SHAPE, steps=8, mode="eager", device="cpu")
     assert k["served"] == 8 and k["stopped_at"] and k["lost"] == 0 and k["logged"] >= 2
-    rows = interpreted.overhead(BENCH_SHAPE, steps=2, rates=(1 / 1000,), modes=("eager",), device="cpu", repeats=1)
-    assert [r["rate"] for r in rows] == [None, 1 / 1000]
+    rows = interpreted.overhead(BENCH_SHAPE, steps=2, rates=(1 / 1000,), modes=("eager",), device="cpu", repeats=1,
+                                checkers=(("thread", None), ("process", "cpu")))
+    assert [(r["rate"], r["checker"]) for r in rows] == [(None, None), (1 / 1000, "thread, reference on the serving GPU"),
+                                                         (1 / 1000, "process, reference on cpu")]
     text = "\n".join(interpreted.table(rows, None, None, k, shape=BENCH_SHAPE, machine="CPU"))
-    assert "eager at 1/1000" in text and "(0 lost)" in text
+    assert "eager, process, reference on cpu, at 1/1000" in text and "(0 lost)" in text
 
 
 def test_shadow_report_bad_input_is_one_line(tmp_path, capsys):

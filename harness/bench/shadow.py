@@ -41,16 +41,23 @@ RATES = (1 / 1000, 1 / 100)
 OVERHEAD_TARGET = 3.0                     # % added per serving step at 1/1000
 CHOSEN_LAYER = "0"
 ENV_KEYS = (capture.ENV_DIR, capture.ENV_LAYERS, capture.ENV_STEPS, capture.ENV_AUTO, capture.ENV_ANCHOR,
-            capture.ENV_RING, S.ENV_RATE, S.ENV_DIR)
+            capture.ENV_RING, S.ENV_RATE, S.ENV_DIR, S.ENV_CHECKER, S.ENV_DEVICE)
+# the checkers measured: (kind, where the reference runs; None: on the records' device, the serving GPU)
+CHECKERS = (("process", None), ("process", "cpu"), ("thread", None))
+
+
+def checker_text(checker: str, ref_device: Optional[str]) -> str:
+    return f"{checker}, reference on {'the serving GPU' if ref_device is None else ref_device}"
 
 
 @contextlib.contextmanager
-def shadowed(directory: str, rate: float, *, layers: int, ring: int = 4, seed: int = 0, check=None):
+def shadowed(directory: str, rate: float, *, layers: int, ring: int = 4, seed: int = 0, check=None,
+             checker: str = "thread", ref_device: Optional[str] = None):
     """The hook installed in shadow mode on CHOSEN_LAYER (auto layer counting over `layers`
     indexer layers); yields the Shadow; uninstalled (the queue checked first) afterwards."""
     env = {capture.ENV_LAYERS: CHOSEN_LAYER, capture.ENV_AUTO: str(layers), capture.ENV_ANCHOR: "compress_pool"}
     with environ(env, clear=ENV_KEYS):
-        sh = S.Shadow(directory, rate, ring=ring, seed=seed, check=check)
+        sh = S.Shadow(directory, rate, ring=ring, seed=seed, check=check, checker=checker, device=ref_device)
         try:
             capture.install(quiet=True, shadow=sh)
             yield sh
@@ -114,43 +121,44 @@ def _time(loop, run, n: int, device: str) -> float:
 
 
 def overhead(shape: dict, *, steps: int, rates=RATES, modes=("eager", "graph"), device: str = "cuda",
-             repeats: int = 3) -> list[dict]:
-    """[{mode, rate, s_per_step, added_pct, counts}]: the median of `repeats` timings of
-    `steps` steps, with nothing installed (rate None) and at each rate."""
+             repeats: int = 3, checkers=CHECKERS) -> list[dict]:
+    """[{mode, checker, rate, s_per_step, added_pct, counts}]: per mode, the median of
+    `repeats` timings of `steps` steps with nothing installed (rate None), then per checker
+    (kind, reference device) and rate the median of `repeats` timings with the shadow on (the
+    worker process started and ready before the timings: a serving process starts it once)."""
     rows = []
     with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-") as tmp:
         for mode in modes:
-            base = None
-            for rate in (None, *rates):
-                loop = _loop(shape, device)
-                times, counts = [], {}
-                for r in range(repeats):
-                    if rate is None:
+            loop = _loop(shape, device)
+            run = _runner(loop, mode, device)
+            base = sorted(_time(loop, run, steps, device) for _ in range(repeats))[repeats // 2]
+            rows.append({"mode": mode, "checker": None, "rate": None, "s_per_step": base, "added_pct": None,
+                         "counts": {}})
+            print(f"shadow overhead: {mode:5s} off {base * 1e3:9.3f} ms/step", flush=True)
+            del run, loop
+            for kind, ref_device in checkers:
+                for rate in rates:
+                    loop = _loop(shape, device)
+                    d = os.path.join(tmp, f"{mode}-{kind}-{ref_device}-{rate}")
+                    with shadowed(d, rate, layers=shape["layers"], checker=kind, ref_device=ref_device) as sh:
+                        sh.ready.wait(120)
                         run = _runner(loop, mode, device)
-                        times.append(_time(loop, run, steps, device))
-                        continue
-                    with shadowed(os.path.join(tmp, f"{mode}-{rate}-{r}"), rate, layers=shape["layers"],
-                                  seed=r) as sh:
-                        run = _runner(loop, mode, device)
-                        times.append(_time(loop, run, steps, device))
+                        times = sorted(_time(loop, run, steps, device) for _ in range(repeats))
                         counts = sh.snapshot()        # before the queue is checked at uninstall
-                t = sorted(times)[len(times) // 2]
-                if rate is None:
-                    base = t
-                rows.append({"mode": mode, "rate": rate, "s_per_step": t,
-                             "added_pct": None if rate is None else (t - base) / base * 100, "counts": counts})
-                print(f"shadow overhead: {mode:5s} rate {rate if rate else 'off':>6} "
-                      f"{t * 1e3:9.3f} ms/step" + ("" if rate is None else f" ({rows[-1]['added_pct']:+.2f} %, "
-                                                   f"{counts.get('sampled', 0)} sampled, "
-                                                   f"{counts.get('skipped', 0)} skipped)"), flush=True)
-                del loop
-                if device.startswith("cuda"):
-                    torch.cuda.empty_cache()
+                    t = times[repeats // 2]
+                    rows.append({"mode": mode, "checker": checker_text(kind, ref_device), "rate": rate,
+                                 "s_per_step": t, "added_pct": (t - base) / base * 100, "counts": counts})
+                    print(f"shadow overhead: {mode:5s} {checker_text(kind, ref_device):40s} rate {rate:g} "
+                          f"{t * 1e3:9.3f} ms/step ({rows[-1]['added_pct']:+.2f} %, {counts.get('sampled', 0)} "
+                          f"sampled, {counts.get('skipped', 0)} skipped)", flush=True)
+                    del run, loop
+                    if device.startswith("cuda"):
+                        torch.cuda.empty_cache()
     return rows
 
 
 def fault(shape: dict, *, rate: float = 1 / 100, max_steps: int = 2000, mode: str = "graph",
-          device: str = "cuda", seed: int = 0) -> dict:
+          device: str = "cuda", seed: int = 0, checker: str = "process") -> dict:
     """The catalogue's `scale-ocp-floor` K writer in the serving loop: when the first failing
     verdict came, and whether its dump gives the same verdict through the reference on the CPU."""
     from harness.io.dumps import read_dump
@@ -161,7 +169,8 @@ def fault(shape: dict, *, rate: float = 1 / 100, max_steps: int = 2000, mode: st
     with upstream_modules(make_wrappers(scale_rule="ocp-floor")), \
             tempfile.TemporaryDirectory(prefix="mxval-shadow-fault-") as tmp:
         loop = _loop(shape, device)
-        with shadowed(tmp, rate, layers=shape["layers"], seed=seed, ring=4) as sh:
+        with shadowed(tmp, rate, layers=shape["layers"], seed=seed, ring=4, checker=checker) as sh:
+            sh.ready.wait(120)
             run = _runner(loop, mode, device)
             steps, writes = 0, {}
             while steps < max_steps:
@@ -206,41 +215,54 @@ def _writes(loop: DecodeLoop, step: int) -> bool:
     return bool(((pos + 1) % RATIO == 0).any())
 
 
-def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cuda", ring: int = 4) -> dict:
+def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cuda", ring: int = 4,
+           checker: str = "process", seconds: Optional[float] = None) -> dict:
     """A correct loop, `sampled` steps each checked (rate 1; the loop waits for the checker
-    every `ring` steps, so nothing is skipped): the failing verdicts (target 0)."""
+    every `ring` steps, so nothing is skipped): the failing verdicts (target 0). `seconds`:
+    a time limit (the result says how many steps ran before it)."""
     with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-alarms-") as tmp:
         loop = _loop(shape, device)
         t = time.perf_counter()
-        with shadowed(tmp, 1.0, layers=shape["layers"], ring=ring) as sh:
+        with shadowed(tmp, 1.0, layers=shape["layers"], ring=ring, checker=checker) as sh:
+            sh.ready.wait(120)
             run = _runner(loop, mode, device)
+            ran = 0
             for i in range(sampled):
                 _step(loop, run)
+                ran += 1
                 if (i + 1) % ring == 0:
                     _sync(device)
                     sh.join(600)
+                    if seconds is not None and time.perf_counter() - t > seconds:
+                        break
             _sync(device)
             sh.join(600)
             counts = sh.snapshot()
         reasons = [e["reason"] for e in S.read_log(os.path.join(tmp, S.LOG))[0]
                    if e.get("event") == "verdict" and not e["ok"]]
-    return {"mode": mode, "sampled": sampled, "counts": counts, "reasons": reasons[:3],
+    return {"mode": mode, "checker": checker, "sampled": sampled, "ran": ran, "counts": counts, "reasons": reasons[:3],
             "seconds": time.perf_counter() - t}
 
 
-def killed(shape: dict, *, steps: int = 64, mode: str = "graph", device: str = "cuda") -> dict:
-    """The checker stopped after a few verdicts, mid-run: serving goes on; every verdict
-    counted is in the log."""
+def killed(shape: dict, *, steps: int = 64, mode: str = "graph", device: str = "cuda",
+           checker: str = "process") -> dict:
+    """The checker killed after a few verdicts, mid-run (checker "process": its worker gets
+    SIGKILL; "thread": it is stopped): serving goes on; every verdict counted is in the log."""
+    import signal
     with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-kill-") as tmp:
         loop = _loop(shape, device)
-        with shadowed(tmp, 1.0, layers=shape["layers"], ring=4) as sh:
+        with shadowed(tmp, 1.0, layers=shape["layers"], ring=4, checker=checker) as sh:
+            sh.ready.wait(120)
             run = _runner(loop, mode, device)
             served = stopped_at = 0
             for i in range(steps):
                 _step(loop, run)
                 served += 1
                 if stopped_at == 0 and sh.snapshot()["checked"] >= 2:
-                    sh.stop(wait=False)           # mid-run: the serving loop does not wait for it
+                    if checker == "process":       # mid-run: the serving loop does not wait for it
+                        os.kill(sh.worker.pid, signal.SIGKILL)
+                    else:
+                        sh.stop(wait=False)
                     stopped_at = i + 1
                 elif stopped_at == 0:
                     _sync(device)
@@ -249,8 +271,8 @@ def killed(shape: dict, *, steps: int = 64, mode: str = "graph", device: str = "
             sh.thread.join(300)
             counts = sh.snapshot()
         logged = sum(1 for e in S.read_log(os.path.join(tmp, S.LOG))[0] if e.get("event") == "verdict")
-    return {"mode": mode, "served": served, "stopped_at": stopped_at, "counts": counts, "logged": logged,
-            "lost": counts["checked"] - logged}
+    return {"mode": mode, "checker": checker, "served": served, "stopped_at": stopped_at, "counts": counts,
+            "logged": logged, "lost": counts["checked"] - logged}
 
 
 def table(rows: list[dict], fault_r: Optional[dict], alarm_r: Optional[dict], kill_r: Optional[dict], *,
@@ -260,19 +282,19 @@ def table(rows: list[dict], fault_r: Optional[dict], alarm_r: Optional[dict], ki
            f"{shape['context']} tokens; layer {CHOSEN_LAYER} chosen, sampled steps checked by the checker thread "
            f"(reference on the serving GPU, low-priority stream), ring of 4. Target: at most "
            f"{OVERHEAD_TARGET:g} % added per step at 1/1000.", "",
-           "| mode | rate | ms/step | added per step | sampled | checked | skipped | rate at the end |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| mode | checker | rate | ms/step | added per step | sampled | checked | skipped | rate at the end |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["counts"]
         added = "-" if r["rate"] is None else f"{r['added_pct']:+.2f} %"
         label = "off" if r["rate"] is None else f"1/{round(1 / r['rate'])}"
-        out.append(f"| {r['mode']} | {label} | "
+        out.append(f"| {r['mode']} | {r.get('checker') or '-'} | {label} | "
                    f"{r['s_per_step'] * 1e3:.3f} | {added} | {c.get('sampled', '-')} | {c.get('checked', '-')} | "
                    f"{c.get('skipped', '-')} | {c.get('rate', '-') if c else '-'} |")
     for r in rows:
         if r["rate"] is not None and abs(r["rate"] - 1 / 1000) < 1e-12:
             ok = r["added_pct"] <= OVERHEAD_TARGET
-            out.append(f"* {r['mode']} at 1/1000: {r['added_pct']:+.2f} % per step (target <= "
+            out.append(f"* {r['mode']}, {r.get('checker')}, at 1/1000: {r['added_pct']:+.2f} % per step (target <= "
                        f"{OVERHEAD_TARGET:g} %: {'met' if ok else 'NOT met'})")
     if fault_r is not None:
         f = fault_r
@@ -283,12 +305,15 @@ def table(rows: list[dict], fault_r: Optional[dict], alarm_r: Optional[dict], ki
                       if f.get("step") is not None else f"NOT flagged in {f['steps']} steps ({f['counts']})"))
     if alarm_r is not None:
         a = alarm_r
-        out.append(f"* correct loop ({a['mode']}): {a['counts']['checked']} sampled steps checked, "
+        out.append(f"* correct loop ({a['mode']}, {a.get('checker')} checker): {a['counts']['checked']} sampled steps checked"
+                   + ("" if a.get("ran", a["sampled"]) >= a["sampled"] else
+                      f" (stopped at the time limit after {a['ran']} of {a['sampled']} steps)") + ", "
                    f"{a['counts']['failed']} alarms (target 0), {a['counts']['skipped']} skipped, "
                    f"{a['seconds']:.0f} s" + (f"; first: {a['reasons'][0]}" if a["reasons"] else ""))
     if kill_r is not None:
         k = kill_r
-        out.append(f"* checker stopped after step {k['stopped_at']} ({k['mode']}): serving ran {k['served']} "
+        how = "worker process killed (SIGKILL)" if k.get("checker") == "process" else "checker thread stopped"
+        out.append(f"* {how} after step {k['stopped_at']} ({k['mode']}): serving ran {k['served']} "
                    f"steps; {k['counts']['checked']} verdicts counted, {k['logged']} in the log ({k['lost']} lost), "
                    f"{k['counts']['skipped']} sampled steps skipped afterwards")
     return out

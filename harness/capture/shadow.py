@@ -69,6 +69,10 @@ ENV_RING = "MXVAL_SHADOW_RING"
 ENV_SEED = "MXVAL_SHADOW_SEED"
 ENV_DEVICE = "MXVAL_SHADOW_DEVICE"
 ENV_BUDGETS = "MXVAL_SHADOW_BUDGETS"
+ENV_CHECKER = "MXVAL_SHADOW_CHECKER"
+CHECKERS = ("process", "thread")    # where the reference and the diff run: a worker process, or a thread here
+CHECKER_DEFAULT = "thread"
+WORKER_START_S = 120.0              # the worker's imports (torch, the reference) and CUDA context at most
 RING_DEFAULT = 4
 PROM_EVERY = 1.0                   # seconds between rewrites of the counters file (when they changed)
 LOG, PROM, FAILURES = "verdicts.jsonl", "metrics.prom", "failures"
@@ -154,17 +158,26 @@ class Shadow:
 
     def __init__(self, directory, rate: float, *, ring: int = RING_DEFAULT, seed: int = 0,
                  device: Optional[str] = None, budgets=None, model: str = "deepseek-v4-pro",
-                 source: str = "mxval shadow", check=None, prom_every: float = PROM_EVERY):
+                 source: str = "mxval shadow", check=None, prom_every: float = PROM_EVERY,
+                 checker: str = CHECKER_DEFAULT):
         from harness.run import budgets as B
         if not (isinstance(rate, (int, float)) and 0 < rate <= 1) or not (isinstance(ring, int) and ring >= 1):
             raise ValueError(f"mxval shadow: rate must be in (0, 1] and ring a whole number >= 1 (got rate {rate!r}, "
                              f"ring {ring!r})")
+        if checker not in CHECKERS:
+            raise ValueError(f"mxval shadow: the checker is one of {', '.join(CHECKERS)} (got {checker!r})")
+        if checker == "process" and check is not None:
+            raise ValueError("mxval shadow: a check function runs in the thread checker only")
         self.directory = os.fspath(directory)
         os.makedirs(os.path.join(self.directory, FAILURES), exist_ok=True)
         self.rate, self.ring, self.seed, self.device = float(rate), int(ring), int(seed), device
         self.budgets = budgets if isinstance(budgets, B.Budgets) else B.load(budgets)
         self.model, self.source = model, source
         self.check = check if check is not None else self._check
+        self.checker = checker
+        self.worker = None                     # the worker process (checker "process"), started by the thread
+        self._conn = None
+        self.ready = threading.Event()         # set once the checker can take an item (its worker started)
         self.enabled = True
         self.lock = threading.Lock()
         self._log_lock = threading.Lock()
@@ -293,6 +306,9 @@ class Shadow:
 
     def _run(self) -> None:
         try:
+            if self.checker == "process":
+                self._worker_conn()                # started before any item: its imports off the first check
+            self.ready.set()
             while not self._stop.is_set():
                 try:
                     item = self.items.get(timeout=0.05)
@@ -313,6 +329,7 @@ class Shadow:
                 self.counts["checker_alive"] = 0
                 self._accepting = False            # under the lock: no item comes in after the drop
             self._drop()                           # what it will never check: counted as skipped
+            self._close_worker()
             self._safe_prom()
 
     def _on(self, device: str):
@@ -341,7 +358,8 @@ class Shadow:
         with self._on(device) as stream:
             if item.event is not None:
                 stream.wait_event(item.event)
-            records = {op: record_op(op, ins, scalars, outs) for op, (ins, scalars, outs) in item.calls.items()}
+            host = shared_empty if self.checker == "process" else None     # a worker reads them in place
+            records = {op: record_op(op, ins, scalars, outs, host) for op, (ins, scalars, outs) in item.calls.items()}
             if stream is not None:
                 stream.synchronize()
         item.calls = None                          # the device buffers are free to go
@@ -350,26 +368,72 @@ class Shadow:
     def _check(self, records: dict, name: str, device: str = "cpu") -> tuple[dict, list]:
         """The verdict row of one (layer, step), the reference run on `device` (on the side
         stream): as `mxval diff` judges its dump."""
-        from harness.run.budgets import verdict
-        from harness.run.record import dump_row
-        from harness.run.replay import replay_op
-        t = time.time()
         with self._on(device):
-            reports = [replay_op(rec, None, path=name, device=device) for rec in records.values()]
-        row = dump_row(name, reports, "reference", time.time() - t)
-        return verdict(row, self.budgets, SUITE), reports
+            return judge(records, name, device, self.budgets)
 
-    def _refused_row(self, name: str, records: dict, why: str) -> dict:
-        """The verdict row of an item whose inputs the ops' own checks reject: an `error`
-        row (what `mxval diff` calls a broken dump), judged and reported like any other."""
-        from harness.run.budgets import verdict
-        from harness.run.record import row
-        return verdict(row(name, SUITE, "reference", outcome="error", shape=", ".join(records),
-                           reason=f"the recorded inputs are outside the ops' contract: {why}"),
-                       self.budgets, SUITE)
+    def _judged(self, records: dict, name: str, where: str, layer=None, step=None) -> tuple[dict, Optional[str]]:
+        """(the verdict row, the dump written or None): in this thread, or in the worker
+        process (checker "process": the reference, the diff and a failing dump's write happen
+        there, off this process's GIL)."""
+        from harness.io.dumps import DumpError
+        if self.checker == "process":
+            conn = self._worker_conn()
+            conn.send((name, records, where, self._dump_path(name),
+                       dict(source=self.source, model=self.model, layer=layer, step=step)))
+            kind, *rest = conn.recv()                  # waits with the GIL released
+            if kind == "error":
+                raise RuntimeError(f"worker: {rest[0]}")
+            return rest[0], rest[1]
+        try:
+            row, _ = self.check(records, name + ".safetensors", where)
+        except DumpError as e:                 # the served inputs break the ops' contract
+            row = refused_row(name + ".safetensors", records, str(e), self.budgets)
+        return row, None
+
+    def _worker_conn(self):
+        """The pipe to the worker process, started on first use (spawned: a fresh
+        interpreter, no CUDA state inherited)."""
+        if self._conn is None:
+            import multiprocessing as mp
+
+            import torch.multiprocessing  # noqa: F401  (tensors travel as shared memory)
+            ctx = mp.get_context("spawn")
+            here, there = ctx.Pipe()
+            warm = torch.cuda.is_available() and (self.device or "cuda").startswith("cuda")
+            self.worker = ctx.Process(target=_worker_main, args=(there, self.budgets.path, warm), daemon=True,
+                                      name="mxval-shadow-worker")
+            self.worker.start()
+            there.close()
+            if not here.poll(WORKER_START_S) or here.recv() != ("ready",):
+                raise RuntimeError(f"the worker process did not start within {WORKER_START_S:g} s")
+            self._conn = here
+        return self._conn
+
+    def _close_worker(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            conn.send(None)
+        except Exception:
+            pass
+        try:
+            self.worker.join(5)
+            if self.worker.is_alive():
+                self.worker.kill()
+            conn.close()
+        except Exception:
+            pass
+
+    def _dump_path(self, name: str) -> str:
+        base = os.path.join(self.directory, FAILURES, name)
+        path, n = base + ".safetensors", 1
+        while os.path.exists(path):
+            path, n = f"{base}_{n}.safetensors", n + 1
+        return path
 
     def _one(self, item: _Item) -> None:
-        from harness.io.dumps import DumpError, write_dump
+        from harness.io.dumps import write_dump
         tag = lambda v: "x" if v is None else str(v)
         name = f"layer{tag(item.layer)}_step{tag(item.step)}"
         with self._device_work() as ok:
@@ -380,23 +444,16 @@ class Shadow:
             release, item.release = item.release, None
             release()
         where = self.device or device
-        with self._device_work(where.startswith("cuda")) as ok:
+        with self._device_work(where.startswith("cuda") and self.checker == "thread") as ok:
             if not ok:
                 return
-            try:
-                row, _ = self.check(records, name + ".safetensors", where)
-            except DumpError as e:                 # the served inputs break the ops' contract
-                row = self._refused_row(name + ".safetensors", records, str(e))
+            row, dump = self._judged(records, name, where, item.layer, item.step)
         entry = {"event": "verdict", "time": round(time.time(), 3), "layer": item.layer, "step": item.step,
                  "mode": item.mode, "status": row["status"], "ok": bool(row["ok"]), "reason": row.get("reason", ""),
                  "row": jsonable(row)}
         if not row["ok"]:
-            base = os.path.join(self.directory, FAILURES, name)
-            path, n = base + ".safetensors", 1
-            while os.path.exists(path):
-                path, n = f"{base}_{n}.safetensors", n + 1
-            entry["dump"] = write_dump(path, records, source=self.source, model=self.model, layer=item.layer,
-                                       step=item.step)
+            entry["dump"] = dump or write_dump(self._dump_path(name), records, source=self.source, model=self.model,
+                                               layer=item.layer, step=item.step)
         self._append(entry)                        # durable before it is counted
         with self.lock:
             self.counts["checked"] += 1
@@ -513,6 +570,67 @@ class Shadow:
             return dict(self.counts)
 
 
+def shared_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """An empty CPU tensor in shared memory: sent to the worker process, only its handle
+    travels (torch.multiprocessing), no copy of its bytes on this process's GIL."""
+    n = 1
+    for d in shape:
+        n *= d
+    storage = torch.UntypedStorage._new_shared(max(1, n) * torch.empty((), dtype=dtype).element_size())
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def judge(records: dict, name: str, device: str, budgets) -> tuple[dict, list]:
+    """(the verdict row, the op reports) of one (layer, step)'s records, the reference run on
+    `device`: the row `mxval diff` builds for its dump, judged with the same budgets."""
+    from harness.run.budgets import verdict
+    from harness.run.record import dump_row
+    from harness.run.replay import replay_op
+    t = time.time()
+    reports = [replay_op(rec, None, path=name, device=device) for rec in records.values()]
+    row = dump_row(name, reports, "reference", time.time() - t)
+    return verdict(row, budgets, SUITE), reports
+
+
+def refused_row(name: str, records: dict, why: str, budgets) -> dict:
+    """The verdict row of an item whose inputs the ops' own checks reject: an `error` row
+    (what `mxval diff` calls a broken dump), judged and reported like any other."""
+    from harness.run.budgets import verdict
+    from harness.run.record import row
+    return verdict(row(name, SUITE, "reference", outcome="error", shape=", ".join(records),
+                       reason=f"the recorded inputs are outside the ops' contract: {why}"), budgets, SUITE)
+
+
+def _worker_main(conn, budgets_path, warm_cuda: bool = False) -> None:
+    """The worker process (checker "process"): per message (name, records, device, dump path,
+    dump meta) the verdict row, a failing item written as its dump, sent back as
+    ("row", row, dump or None), or ("error", why) for a failure of the worker's own."""
+    from harness.io.dumps import DumpError, write_dump
+    from harness.run import budgets as B
+    from harness.run import replay  # noqa: F401  (the reference and the diff engine, imported before the first item)
+    budgets = B.load(budgets_path)
+    if warm_cuda:
+        torch.zeros(1, device="cuda")          # the worker's CUDA context, made before the first item
+    conn.send(("ready",))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        name, records, device, path, meta = msg
+        try:
+            try:
+                row, _ = judge(records, name + ".safetensors", device, budgets)
+            except DumpError as e:
+                row = refused_row(name + ".safetensors", records, str(e), budgets)
+            dump = None if row["ok"] else write_dump(path, records, **meta)
+            conn.send(("row", row, dump))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
 class _null:
     def __enter__(self):
         return None
@@ -566,8 +684,11 @@ def from_env(*, model: str = "deepseek-v4-pro", source: str = "mxval shadow") ->
     ring = env.integer(ENV_RING, RING_DEFAULT, 1, 2 ** 16)
     seed = env.integer(ENV_SEED, 0, 0, 2 ** 63)
     device = env.text(ENV_DEVICE) or None
+    checker = env.text(ENV_CHECKER) or CHECKER_DEFAULT
+    if checker not in CHECKERS:
+        raise env.EnvError(f"{ENV_CHECKER}={env.show(checker)}: expected one of {', '.join(CHECKERS)}")
     return Shadow(directory, rate, ring=ring, seed=seed, device=device, budgets=env.text(ENV_BUDGETS) or None,
-                  model=model, source=source)
+                  model=model, source=source, checker=checker)
 
 
 def read_log(path) -> tuple[list[dict], list[str]]:

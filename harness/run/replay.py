@@ -29,12 +29,18 @@ from harness.io.dumps import Dump, DumpError, OpRecord, json_scalar, read_dump, 
 from reference.checks import NonFiniteInput
 
 
-def record_op(op: str, inputs: dict, scalars: dict, outputs: dict) -> OpRecord:
-    """An OpRecord of one op call, detached to the CPU and validated against OP_FIELDS
-    (ValueError naming the problem). Pass the pool as it was BEFORE the call in `inputs`."""
+def record_op(op: str, inputs: dict, scalars: dict, outputs: dict, host=None) -> OpRecord:
+    """An OpRecord of one op call, copied to the CPU and validated against OP_FIELDS
+    (ValueError naming the problem). Pass the pool as it was BEFORE the call in `inputs`.
+    `host(shape, dtype)`: where each copy goes (an empty CPU tensor; default torch.empty)."""
+    def copy(v):
+        if host is None:
+            return v.detach().to("cpu", copy=True)
+        out = host(tuple(v.shape), v.dtype)
+        out.copy_(v.detach())
+        return out
     rec = OpRecord(op, {k: json_scalar(v) for k, v in scalars.items()},
-                   {k: v.detach().to("cpu").clone() for k, v in inputs.items()},
-                   {k: v.detach().to("cpu").clone() for k, v in outputs.items()})
+                   {k: copy(v) for k, v in inputs.items()}, {k: copy(v) for k, v in outputs.items()})
     problem = record_problem(rec)
     if problem:
         raise ValueError(problem)
