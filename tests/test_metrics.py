@@ -134,3 +134,18 @@ def test_one_chain_prefix():
     from harness.diff.metrics import CHAIN, chain_key, is_chain
     assert chain_key("logits_diff") == f"{CHAIN}.logits_diff" and is_chain(chain_key("logits_diff"))
     assert not is_chain("paged_mxfp4_mqa_logits.logits_diff") and not is_chain("chainx.logits_diff")
+
+
+def test_a_replay_reproduces_a_logged_row_up_to_the_order_of_its_sums():
+    from harness.diff.metrics import REPRO_REL, not_reproduced
+    logged = {"paged_mxfp4_mqa_logits.logits_diff": 1e-20, "topk.topk_mass_kept_min": 0.75,
+              "k_norm_rope_mxfp4_cache.page_bytes_mismatched": 68, "paged_mxfp4_mqa_logits.logits_max_abs_err": 0.5}
+    again = dict(logged)
+    again["paged_mxfp4_mqa_logits.logits_diff"] = 1e-20 * (1 + REPRO_REL / 2)    # fp64 sums in another order
+    again["topk.topk_mass_kept_min"] = 0.75 * (1 - REPRO_REL / 2)
+    assert not_reproduced(logged, again) == {}
+    for key, value in (("paged_mxfp4_mqa_logits.logits_diff", 1e-20 * (1 + 4 * REPRO_REL)),
+                       ("k_norm_rope_mxfp4_cache.page_bytes_mismatched", 69),
+                       ("paged_mxfp4_mqa_logits.logits_max_abs_err", 0.5 + 2 ** -50)):     # maxima: exactly
+        assert set(not_reproduced(logged, {**again, key: value})) == {key}
+    assert set(not_reproduced(logged, {**again, "topk.topk_duplicates": 0})) == {"topk.topk_duplicates"}

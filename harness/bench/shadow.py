@@ -36,6 +36,7 @@ import harness.capture as capture
 from harness.bench.capture import RATIO, DecodeLoop, environ, make_wrappers, upstream_modules
 from harness.capture import shadow as S
 from harness.capture.shadow import jsonable
+from harness.diff.metrics import not_reproduced
 
 RATES = (1 / 1000, 1 / 100)
 OVERHEAD_TARGET = 3.0                     # % added per serving step at 1/1000
@@ -201,7 +202,7 @@ def fault(shape: dict, *, rate: float = 1 / 100, max_steps: int = 2000, mode: st
             d = read_dump(first["dump"])
             row = verdict(dump_row(first["dump"], replay_dump(d), "reference", 0.0), sh.budgets, S.SUITE)
             logged, again = first["row"]["metrics"], jsonable(row["metrics"])
-            differ = {k: (logged.get(k), again.get(k)) for k in sorted({*logged, *again}) if logged.get(k) != again.get(k)}
+            differ = not_reproduced(logged, again)       # sums to 1e-9 relative, all else exactly
             out.update(step=first["step"], reason=first["reason"], diff_status=row["status"],
                        diff_same=row["status"] == first["status"] and not differ, diff_metrics=differ,
                        dump_bytes=os.path.getsize(first["dump"]))

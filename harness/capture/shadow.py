@@ -40,12 +40,23 @@ work of the item being checked, if any, to finish (one item's copy or reference 
 captures at start-up, not while serving), and the checker starts no device work until the
 capture ends.
 
-Why a thread on the serving process and not a worker process: the recorded fields of a
-graph replay live in device buffers of the serving process (a ring allocated next to the
-graph); a worker process would need CUDA/HIP IPC handles for each of them or a host copy on
-the serving path. A thread reads them where they are, on its own low-priority stream, and
-the reference launches release the GIL while the GPU works. The cost of the checker's
-Python on the serving process's GIL is what `make bench-gpu`'s shadow rows measure.
+Where the checking runs (`checker`, MXVAL_SHADOW_CHECKER). The records are copied to the
+host by the checker thread in any case, on its low-priority stream (graph replays' ring
+buffers live in the serving process). Then:
+
+* "process": a worker process (spawned once, at start-up) replays them through the
+  reference, builds the row and writes a failing dump; the records travel as shared memory
+  (only their handles are pickled). The serving process's GIL then carries only the
+  copies and the log: the reference's Python does not compete with the serving thread's.
+  Its reference runs on the serving GPU in its own CUDA context, or on the host
+  (MXVAL_SHADOW_DEVICE=cpu: no GPU time at all). A killed worker switches the shadow off.
+* "thread": the checker thread does it all, the reference on the serving GPU on the
+  low-priority stream. Every Python line of the reference then holds the serving process's
+  GIL: a serving thread that launches a kernel waits for the checker's switch interval (5 ms)
+  when the checker takes the GIL back first, so each check costs serving several times its
+  own GPU time. Kept for debugging and for custom `check` functions.
+
+`make bench-gpu`'s shadow rows measure each.
 """
 from __future__ import annotations
 

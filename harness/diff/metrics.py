@@ -377,6 +377,28 @@ def judge(metrics: dict, limit_of: Callable[[str], Optional[Limit]]) -> list[dic
     return out
 
 
+REPRO_REL = 1e-9      # ratio and min metrics are fp64 sums: another device sums in another order
+
+
+def not_reproduced(logged: dict, again: dict) -> dict:
+    """{key: (logged, again)} for the metrics of a replay that differ from a logged row's
+    beyond what another device may change: counts and maxima exactly (elementwise, the
+    same on every device); the ratio and min kinds (fp64 sums over rows and entries, which
+    a GPU and a CPU add in different orders) to REPRO_REL relative. A key on one side only
+    differs; NaN equals NaN."""
+    out = {}
+    for key in sorted({*logged, *again}):
+        a, b = logged.get(key), again.get(key)
+        if a == b or (_num(a) and _num(b) and a != a and b != b):
+            continue
+        m = METRICS.get(bare(key))
+        if (m is not None and m.kind in ("ratio", "min") and _num(a) and _num(b)
+                and abs(a - b) <= REPRO_REL * max(abs(a), abs(b))):
+            continue
+        out[key] = (a, b)
+    return out
+
+
 def aggregate(name: str, values: list) -> float:
     """One case value from the per-step values of metric `name` (bare or `<stage>.<name>`):
     counts summed, max/ratio maxima, min minima. NaN in any step is NaN."""
