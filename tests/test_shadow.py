@@ -339,7 +339,7 @@ def test_a_recording_failure_switches_the_shadow_off(clean, layer):
 
 
 def test_a_stopped_checker_loses_no_recorded_verdict_and_serving_goes_on(clean, layer):
-    sh = S.Shadow(clean, 1.0, ring=16)
+    sh = S.Shadow(clean, 1.0, ring=16, checker="thread")      # the worker's kill: test_the_worker_process_...
     install([], quiet=True, shadow=sh)
     m = Serving(layer)
     for step in range(12):

@@ -53,7 +53,7 @@ def checker_text(checker: str, ref_device: Optional[str]) -> str:
 
 @contextlib.contextmanager
 def shadowed(directory: str, rate: float, *, layers: int, ring: int = 4, seed: int = 0, check=None,
-             checker: str = "thread", ref_device: Optional[str] = None):
+             checker: Optional[str] = None, ref_device: Optional[str] = None):
     """The hook installed in shadow mode on CHOSEN_LAYER (auto layer counting over `layers`
     indexer layers); yields the Shadow; uninstalled (the queue checked first) afterwards."""
     env = {capture.ENV_LAYERS: CHOSEN_LAYER, capture.ENV_AUTO: str(layers), capture.ENV_ANCHOR: "compress_pool"}

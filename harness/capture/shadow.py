@@ -82,7 +82,7 @@ ENV_DEVICE = "MXVAL_SHADOW_DEVICE"
 ENV_BUDGETS = "MXVAL_SHADOW_BUDGETS"
 ENV_CHECKER = "MXVAL_SHADOW_CHECKER"
 CHECKERS = ("process", "thread")    # where the reference and the diff run: a worker process, or a thread here
-CHECKER_DEFAULT = "thread"
+CHECKER_DEFAULT = "process"
 WORKER_START_S = 120.0              # the worker's imports (torch, the reference) and CUDA context at most
 RING_DEFAULT = 4
 PROM_EVERY = 1.0                   # seconds between rewrites of the counters file (when they changed)
@@ -170,11 +170,13 @@ class Shadow:
     def __init__(self, directory, rate: float, *, ring: int = RING_DEFAULT, seed: int = 0,
                  device: Optional[str] = None, budgets=None, model: str = "deepseek-v4-pro",
                  source: str = "mxval shadow", check=None, prom_every: float = PROM_EVERY,
-                 checker: str = CHECKER_DEFAULT):
+                 checker: Optional[str] = None):
         from harness.run import budgets as B
         if not (isinstance(rate, (int, float)) and 0 < rate <= 1) or not (isinstance(ring, int) and ring >= 1):
             raise ValueError(f"mxval shadow: rate must be in (0, 1] and ring a whole number >= 1 (got rate {rate!r}, "
                              f"ring {ring!r})")
+        if checker is None:                    # a check function runs where it was given: in the thread
+            checker = "thread" if check is not None else CHECKER_DEFAULT
         if checker not in CHECKERS:
             raise ValueError(f"mxval shadow: the checker is one of {', '.join(CHECKERS)} (got {checker!r})")
         if checker == "process" and check is not None:
