@@ -19,7 +19,7 @@ SHAPE = dict(layers=2, batch=16, context=2048, k=128)
 def test_correct_loop_no_alarm(mode):
     a = bench.alarms(SHAPE, sampled=24, mode=mode, device="cuda")
     c = a["counts"]
-    assert c["checked"] >= 24 and c["failed"] == 0 and c["skipped"] == 0, a["reasons"]
+    assert c["checked"] >= 24 and c["failed"] == 0 and c["skipped"] == 0, (c, a["reasons"])
 
 
 @needs_gpu
@@ -27,7 +27,7 @@ def test_correct_loop_no_alarm(mode):
 def test_catalogue_fault_flagged_and_reproduced_on_the_cpu(mode):
     f = bench.fault(SHAPE, rate=1 / 4, max_steps=200, mode=mode, device="cuda")
     assert f.get("step") is not None, f
-    assert f["sampled_until_flagged"] == f["expected_sampled"] and f["diff_status"] == "fail" and f["diff_same"]
+    assert f["sampled_until_flagged"] == f["expected_sampled"] and f["diff_status"] == "fail" and f["diff_same"], f
 
 
 @needs_gpu
