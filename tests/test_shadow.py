@@ -607,3 +607,20 @@ def test_a_checker_stopped_during_a_capture_drops_its_item(clean):
     assert hosts == [] and c["checked"] == 0 and c["skipped"] == 1
     sh.capture_ends()
     sh.close()
+
+
+def test_the_worker_does_not_run_the_serving_script_again(tmp_path):
+    """A spawned child imports its parent's __main__; a serving script without a
+    `__name__` guard must not start serving a second time inside the worker."""
+    import subprocess
+    import sys
+    script = tmp_path / "serve.py"
+    script.write_text("import sys\nprint('serving starts', flush=True)\n"
+                      "from harness.capture import shadow as S\n"
+                      "sh = S.Shadow(sys.argv[1], 0.5, checker='process')\n"
+                      "assert sh.ready.wait(60) and sh.worker.is_alive()\n"
+                      "sh.close()\nprint('serving ends', flush=True)\n")
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "shadow")], capture_output=True, text=True,
+                       timeout=120, cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.count("serving starts") == 1 and p.stdout.count("serving ends") == 1, p.stdout

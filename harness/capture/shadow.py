@@ -212,6 +212,9 @@ class Shadow:
         self._closed = threading.Event()
         self._prom_every = prom_every
         self._reporter = threading.Thread(target=self._report, name="mxval-shadow-counters", daemon=True)
+        self._starting = None
+        if self.checker == "process":
+            self._start_worker()
         self._append({"event": "start", "rate": self.rate, "ring": self.ring, "seed": self.seed,
                       "device": device or "records", "budgets": self.budgets.path, "pid": os.getpid()})
         self.thread.start()
@@ -403,27 +406,44 @@ class Shadow:
             row = refused_row(name + ".safetensors", records, str(e), self.budgets)
         return row, None
 
-    def _worker_conn(self):
-        """The pipe to the worker process, started on first use (spawned: a fresh
-        interpreter, no CUDA state inherited)."""
-        if self._conn is None:
-            import multiprocessing as mp
+    def _start_worker(self) -> None:
+        """Spawn the worker process (checker "process"), at construction, in the caller's
+        thread: a fresh interpreter, no CUDA state inherited. The spawned child would import
+        the parent's `__main__` (a script without a `__name__` guard would run again there);
+        it is given an empty one, for the moment of the start only."""
+        import multiprocessing as mp
+        import sys
+        import types
 
-            import torch.multiprocessing  # noqa: F401  (tensors travel as shared memory)
-            ctx = mp.get_context("spawn")
-            here, there = ctx.Pipe()
-            warm = torch.cuda.is_available() and (self.device or "cuda").startswith("cuda")
-            self.worker = ctx.Process(target=_worker_main, args=(there, self.budgets.path, warm), daemon=True,
-                                      name="mxval-shadow-worker")
+        import torch.multiprocessing  # noqa: F401  (tensors travel as shared memory)
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        warm = torch.cuda.is_available() and (self.device or "cuda").startswith("cuda")
+        self.worker = ctx.Process(target=_worker_main, args=(there, self.budgets.path, warm), daemon=True,
+                                  name="mxval-shadow-worker")
+        main = sys.modules.get("__main__")
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
             self.worker.start()
-            there.close()
+        finally:
+            sys.modules["__main__"] = main
+        there.close()
+        self._starting = here
+
+    def _worker_conn(self):
+        """The pipe to the worker, once it said it is ready (its imports and CUDA context done)."""
+        if self._conn is None:
+            here, self._starting = self._starting, None
+            if here is None:
+                raise RuntimeError("the worker process is gone")
             if not here.poll(WORKER_START_S) or here.recv() != ("ready",):
                 raise RuntimeError(f"the worker process did not start within {WORKER_START_S:g} s")
             self._conn = here
         return self._conn
 
     def _close_worker(self) -> None:
-        conn, self._conn = self._conn, None
+        conn, self._conn = self._conn or self._starting, None
+        self._starting = None
         if conn is None:
             return
         try:
