@@ -313,6 +313,26 @@ def _copy_if():
     return _S.kernels["copy_if"]
 
 
+def _warm_copy_if() -> None:
+    """The flagged copy compiled and loaded on the current device before a capture begins
+    (inside one, compiling would be a device call the capture forbids); where that fails,
+    the capture's recording copies are plain ones (they then run at every replay)."""
+    fast = _copy_if()
+    if fast is None or not torch.cuda.is_available():
+        return
+    dev = torch.cuda.current_device()
+    if ("warm", dev) in _S.kernels:
+        return
+    try:
+        from optimized.triton_kernels.copy_if import warm
+        warm(dev)
+        _S.kernels[("warm", dev)] = True
+    except Exception as e:
+        _S.kernels["copy_if"] = None
+        _warn_once("copy_if", f"flagged graph copies unavailable ({type(e).__name__}: {e}); "
+                   "recording copies run at every replay")
+
+
 def _stage_all(values: dict, rec: "_GraphRecord") -> dict:
     """Staging buffers holding `values` at this point of the graph, filled only on replays
     whose step is chosen (the record's flag). They come from the graph's memory pool, where
@@ -341,6 +361,8 @@ def _capture_begin(orig):
             _S.capture = _GraphRecord() if _S.config is not None else None
             _refresh()
             sh = _S.shadow
+        if _S.capture is not None:
+            _warm_copy_if()
         gated = _shadow_gate(sh, "capture_begins")   # no checker device call during the capture
         try:
             return orig(self, *args, **kwargs)

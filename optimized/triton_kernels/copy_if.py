@@ -17,6 +17,8 @@ cost every replay more launch time for nothing.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +40,13 @@ def _segment(src, dst, n, pid, nprog, BLOCK: tl.constexpr):
         tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
 
 
-@triton.jit
+_ARGS = ["flag"] + [f"{k}{i}" for i in range(SEGMENTS) for k in "sdn"]
+
+
+# not specialized on values or alignment: one compiled kernel for every field, so that the
+# launch `warm` makes before a capture is the only compilation (none inside a capture)
+@triton.jit(**{k: _ARGS for k in ("do_not_specialize", "do_not_specialize_on_alignment")
+               if k in inspect.signature(triton.jit).parameters})
 def _copy_if_kernel(flag, s0, d0, n0, s1, d1, n1, s2, d2, n2, s3, d3, n3,
                     s4, d4, n4, s5, d5, n5, s6, d6, n6, s7, d7, n7, BLOCK: tl.constexpr):
     if tl.load(flag) != 0:                       # the whole launch is this test when the flag is 0
@@ -78,3 +86,11 @@ def copy_if(flag: torch.Tensor, pairs: list) -> None:
         chunk += [(none, none, 0)] * (SEGMENTS - len(chunk))      # unused slots copy nothing
         args = [a for seg in chunk for a in seg]
         _copy_if_kernel[(PROGRAMS,)](flag, *args, BLOCK=BLOCK)
+
+
+def warm(device) -> None:
+    """Compile and load the kernel on `device` (one launch with the flag clear): called
+    before a graph capture, where a compilation would be a device call the capture forbids."""
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    buf = torch.zeros(3, dtype=torch.uint8, device=device)
+    copy_if(flag, [(buf, buf)])
