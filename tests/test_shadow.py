@@ -624,3 +624,26 @@ def test_the_worker_does_not_run_the_serving_script_again(tmp_path):
                        timeout=120, cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.count("serving starts") == 1 and p.stdout.count("serving ends") == 1, p.stdout
+
+
+def test_bench_alarms_under_graphs_check_every_step(interpreted, monkeypatch):
+    """The alarm loop under (host) graphs: the warm-up's items are checked before the loop
+    starts, so no sampled step finds the queue full, the rate never halves, and every
+    replay is checked (a halved rate silently checks half the steps)."""
+    from harness.bench.capture import DecodeLoop
+    fake_graphs(monkeypatch, hook)
+
+    def capture_on_the_host(self):              # the loop's warm-up step, then one captured step
+        self.step()
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin()
+        self.step()
+        g.capture_end()
+        return g
+    monkeypatch.setattr(DecodeLoop, "capture", capture_on_the_host)
+    a = interpreted.alarms(dict(BENCH_SHAPE, layers=2), sampled=8, mode="graph", device="cpu", ring=4,
+                           checker="thread")
+    c = a["counts"]
+    # the host graph replays only the recording copies (its kernels ran at capture), so the
+    # verdicts themselves say nothing here: the counts are what this checks
+    assert c["skipped"] == 0 and c["rate"] == 1.0 and c["sampled"] == c["checked"] == 8 + 2, c

@@ -227,6 +227,8 @@ def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cud
         with shadowed(tmp, 1.0, layers=shape["layers"], ring=ring, checker=checker) as sh:
             sh.ready.wait(120)
             run = _runner(loop, mode, device)
+            _sync(device)
+            sh.join(600)          # the warm-up's items checked first: a full queue would halve the rate
             ran = 0
             for i in range(sampled):
                 _step(loop, run)
