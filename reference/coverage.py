@@ -52,7 +52,9 @@ FACTS: dict[str, str] = {
     "k": "the top-k's k",
     "heads": "query heads of a call, and 'non-pow2' where the count is not a power of two (a head tile "
              "of 4, 16 or 64 left partial, a loop bound rounded to a power of two)",
-    "positions": "powers of two P with positions P-1 and P in one call; 0 when position 0 is in a call",
+    "positions": "powers of two P with positions P-1 and P in one call; 0 when position 0 is in a call; "
+                 "'table-end' when a token the op rotates by its own position sits on the cos/sin table's "
+                 "last row",
     "chunk_edges": "'starts-on-boundary', 'ends-on-boundary', 'window-before-call' (a boundary token's "
                    "pooling window reaches positions before the call's first token)",
     "seqs": "'empty' (a sequence of the batch with no row in the call), 'no-context' (a row that sees "
@@ -64,7 +66,8 @@ FACTS: dict[str, str] = {
     "dots": "'overflow' (a head's dot beyond fp32's range at more than 32 heads, where aiter's relu is "
             "x + |x|), 'overflow-any' (at any head count); measured, no case generates it yet",
     "entries": "where a writer's entries fall: 'group-edge' (entries e and e+1 across a shuffle group), "
-               "'page-edge' (across a page), 'pool-end' (the pool's last slot), 'high-2^15' (in a page "
+               "'page-edge' (across a page), 'pool-end' (the pool's last slot), 'skipped-boundary' (a "
+               "boundary token with slot -1), 'slot-2^24' (a page's last entry at a slot >= 2^24), 'high-2^15' (in a page "
                "id in [32768, 65536): int16's sign bit), 'high-2^16' (in a page id >= 65536, past 16 bits)",
     "norm": "a written K row's sum of squares (fp64, rounded to fp32 as the norm takes it) against the "
             "norm's eps: 'eps-dominant' (0 < sum / D <= eps: the eps term sets the row's scale), "
@@ -98,7 +101,8 @@ FACTS: dict[str, str] = {
     "amax": "an FP8 row's amax against the 1e-4 floor of its scale: 'under-floor' (a non-zero row, a K "
             "entry or a query head, whose amax is below it: its scale is the floor's, not its own)",
     "width": "'fills-width' (a top-k row longer than k whose length is the logits width: no column of "
-             "its own past its end, the next row's first column follows)",
+             "its own past its end, the next row's first column follows); 'k-past-width' (k larger than "
+             "the logits width: output places past the width are -1 padding)",
     "crowd": "most valid entries of one row sharing the first 12 bits of the order-preserving "
              "float key (one radix bin of the first pass)",
     "crowd_rows": "rows of one call whose largest first-pass bin holds 2048 entries or more",
@@ -226,10 +230,16 @@ def _structure(b: list) -> None:
     b.append(_B("topk.width.fills-width", TOPK, "lengths", "a row's length against the logits width", "width",
                 ("has", "fills-width"), _TK + "; a read of column len (col <= len, an unmasked tail) past a "
                 "row that fills the width lands in the next row"))
+    b.append(_B("topk.width.k-past-width", TOPK, "lengths", "k against the logits width", "width",
+                ("has", "k-past-width"), _TK + "; short-context batches size the logits to their longest row: "
+                "a kernel that loops its output places over the width leaves places width..k-1 unwritten"))
     for ops, stage in ((POOL, "pool"), (ROPE, "rope")):
         for p in (0, 2 ** 15, 2 ** 16, 2 ** 17):
             b.append(_B(f"{stage}.pos.{p}", ops, "positions", "positions (16-bit indices, RoPE tables)",
                         "positions", ("has", p), "int16 position and cos/sin indices; j = 0 windows"))
+    b.append(_B("rope.pos.table-end", QUANTS, "positions", "positions against the cos/sin table's rows",
+                "positions", ("has", "table-end"), "the RoPE table's last row (max_position - 1, a sequence at "
+                "the model's longest context): a load mask pos < rows - 1 leaves that token unrotated"))
     for tag in ("starts-on-boundary", "ends-on-boundary", "window-before-call"):
         b.append(_B(f"pool.chunk.{tag}", POOL, "positions", "chunk edges against pooling windows", "chunk_edges",
                     ("has", tag), "NUMERICS.md §1 overlapping windows across chunks"))
@@ -241,9 +251,16 @@ def _structure(b: list) -> None:
                 "head tiles: aiter's Q quant BLOCK_H 4/16/64, the scorers' head loop (tl.arange needs a power "
                 "of two: the count is masked, or wrongly rounded)"))
     # --- pages: tables, offsets, layouts
+    b.append(_B("k.entries.skipped-boundary", WRITERS, "slot_mapping", "a pooling-boundary token with slot -1",
+                "entries", ("has", "skipped-boundary"), "vLLM's PAD_SLOT_ID (-1) on padded tokens, whose stale "
+                "positions can sit on a boundary: a writer that clamps the slot for a safe address and masks "
+                "the store by the boundary alone writes slot 0"))
     for tag in ("group-edge", "page-edge", "pool-end", "high-2^15", "high-2^16"):
         b.append(_B(f"k.entries.{tag}", WRITERS, "slot_mapping", "entries across shuffle groups and pages",
                     "entries", ("has", tag), _PG + "; a bounds guard on the pool's slot count; " + _I16))
+    b.append(_B("k.entries.slot-2^24", WRITERS, "slot_mapping", "slots past fp32's integers", "entries",
+                ("has", "slot-2^24"), "a page's last entry at a slot >= 2^24, where fp32 stops holding every "
+                "integer (a page = slot / page_size taken in fp32 rounds it onto the next page)", "gpu"))
     for tag in ("permuted", "descending", "repeated", "high", "high-2^15", "high-2^16", "wide-table"):
         b.append(_B(f"scorer.pages.{tag}", READERS, "block_table", "block table page ids", "pages", ("has", tag),
                     _PG + "; prefix caching shares pages between sequences; " + _I16))
@@ -254,6 +271,11 @@ def _structure(b: list) -> None:
                 ("ge", 2 ** 31), "aiter-4244: int32 logits row offsets", "gpu"))
     every_layout = ("natural/16", "natural/32", "natural/64", "32,16,2/32", "32,16,2/64", "16,16,4/16",
                     "16,16,4/32", "16,16,4/64")
+    for ops, stage in ((K_FP8, "k_fp8"), (("paged_fp8_mqa_logits",), "scorer_fp8")):
+        for ps in (16, 32, 64):
+            b.append(_B(f"{stage}.layout.fp8/{ps}", ops, "kv_cache", "FP8 page size", "layout", ("has", f"fp8/{ps}"),
+                        "NUMERICS.md §5 FP8 pages: each page's scales follow its page_size * D value bytes (an "
+                        "offset written for one page size lands in the next page's values at another)"))
     for ops, stage, layouts in ((K_ROCM, "k", every_layout), (K_CUDA, "pool_k", every_layout[:3]),
                                 (SCORER_MX, "scorer", every_layout)):     # vLLM's fused K kernel: natural pages
         for lay in layouts:

@@ -118,6 +118,8 @@ class Case:
     page_size: Optional[int] = None      # None: the preset's kv_block // r
     layout: object = "shuffled"          # "natural" | "shuffled" | [N, Dt, L]
     page_stride_pad: int = 0
+    skip_writes: int = 0                 # per call, the first N tokens at a pooling boundary get slot
+                                         # -1 (vLLM's PAD_SLOT_ID: a padded token writes nothing)
     page_order: str = "permuted"         # PAGE_ORDERS: "permuted" | "sequential" | "top" (last pool
                                          # pages) | "reversed" (last pages, descending) | "shared"
     spare_pages: int = 2
@@ -355,6 +357,7 @@ CASE_SCHEMA = Table({
     "layout": Either((Choice(("natural", "shuffled")), List(Int(1, MAX_PAGE_SIZE + 1), 3, 4)),
                      '"natural", "shuffled" or [N, Dt, L]'),
     "page_stride_pad": Int(0, MAX_PAD + 1),
+    "skip_writes": Int(0, MAX_TOKENS + 1),
     "page_order": Choice(PAGE_ORDERS),
     "spare_pages": Int(0, MAX_POOL_PAGES + 1),
     "pool_pages": Int(1, MAX_POOL_PAGES + 1),

@@ -193,6 +193,8 @@ class _Facts:
             pos = ins["positions"].long()
             add("rows", {int(pos.numel())})
             self._positions(add, pos)
+            if stage == "q_quant" and pos.numel() and bool((pos == ins["cos_sin_cache"].shape[0] - 1).any()):
+                add("positions", {"table-end"})     # the Q side rotates by the token's own position
             if stage in ("pooling", "pool_k"):
                 self._chunk_edges(add, pos, ins["req_index"].long())
                 add("state_block", {int(ins["state_cache"].shape[1])})
@@ -266,6 +268,7 @@ class _Facts:
 
     def _layout(self, add, shuffle, page_size: int, stride: int, fmt: str) -> None:
         if fmt != "mxfp4":
+            add("layout", {f"fp8/{page_size}"})      # token-major values, then the page's scales
             return
         name = "natural" if shuffle is None else ",".join(str(v) for v in shuffle)
         add("layout", {f"{name}/{page_size}"})
@@ -278,6 +281,8 @@ class _Facts:
         pos, slots = ins["positions"].long(), ins[slot_key].long()
         sel = ((pos + 1) % r == 0) & (slots >= 0)
         written = slots[sel]
+        if bool((((pos + 1) % r == 0) & (slots < 0)).any()):
+            add("entries", {"skipped-boundary"})
         ps, stride = geo.page_size, out["kv_cache"].shape[1]
         fmt = DECLARED[op].format
         shuffle = scalars.get("shuffle")
@@ -300,6 +305,8 @@ class _Facts:
             edges.add("pool-end")
         if int(written.max()) // ps >= 1 << 16:
             edges.add("high-2^16")
+        if bool(((written >= 1 << 24) & (written % ps == ps - 1)).any()):
+            edges.add("slot-2^24")
         if bool(((written // ps >= 1 << 15) & (written // ps < 1 << 16)).any()):
             edges.add("high-2^15")
         add("entries", edges)
@@ -435,8 +442,8 @@ class _Facts:
         add("pages", tags)
         logits = out["logits"]
         add("logits_bytes", {int(logits.shape[0]) * int(logits.shape[1]) * 4})
+        self._layout(add, scalars.get("shuffle"), ps, ins["kv_cache"].shape[1], DECLARED[op].format)
         if DECLARED[op].format == "mxfp4":
-            self._layout(add, scalars.get("shuffle"), ps, ins["kv_cache"].shape[1], "mxfp4")
             if self.values:
                 self._visible(add, ins, scalars, _valid_norm(logits, ends))
 
@@ -511,6 +518,8 @@ class _Facts:
             add("seqs", {"no-context"})
         if bool(((lengths == logits.shape[1]) & (lengths > k)).any()):
             add("width", {"fills-width"})
+        if k > logits.shape[1]:
+            add("width", {"k-past-width"})
         if not self.values:
             return
         ties, crowd, crowded = set(), 0, 0

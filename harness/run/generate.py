@@ -304,8 +304,9 @@ def _edges(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     """Narrow edges of page ids, heads, top-k widths, scale codes and the FP8 scales: page ids
     across 2^15 (int16's sign bit), positions across 2^16 and 2^17 for the K writer and the Q
     quant, a heads count that is not a power of two, top-k rows that fill the logits width,
-    raw key codes 0 and 254 each carrying a call's logits, and FP8 rows under the norm's eps,
-    with sums of squares that underflow, and under the scale's 1e-4 amax floor. A family of its
+    raw key codes 0 and 254 each carrying a call's logits, FP8 rows under the norm's eps,
+    with sums of squares that underflow, and under the scale's 1e-4 amax floor, FP8 pages of
+    16 entries, and a top-k k past the logits width. A family of its
     own, last, so that the seeds of the families before it stay as they were."""
     if tier != "cpu":
         return []
@@ -343,6 +344,27 @@ def _edges(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             "ops": ["q_rope_fp8_quant", "paged_fp8_mqa_logits", "topk"],
             "seqs": [{"len": 40, "chunks": [24]}, {"len": 90, "decode": 2}],
             "description": "the FP8 Q quant (e4m3fn) on queries under the scale's 1e-4 amax floor"}),
+        ("edges-fp8-page-16", {
+            "heads": 4, "topk": 8, "page_size": 16, "history": "direct",
+            "ops": ["k_norm_rope_fp8_cache", "q_rope_fp8_quant", "paged_fp8_mqa_logits", "topk"],
+            "seqs": [{"len": 160, "chunks": [40]}, {"len": 70, "decode": 1}],
+            "description": "FP8 pages of 16 entries: each page's scales after 16 * D value bytes, entries "
+                           "written and read across several pages"}),
+        ("edges-k-skipped-writes", {
+            "heads": 4, "ops": ["k_norm_rope_mxfp4_cache"], "history": "direct", "skip_writes": 3,
+            "seqs": [{"len": 40, "chunks": [24]}, {"len": 30, "decode": 1}],
+            "description": "the first three boundary tokens of each K-writer call carry slot -1 (padded "
+                           "tokens): nothing of theirs is written, slot 0 included"}),
+        ("edges-k-skipped-writes-natural", {
+            "heads": 4, "ops": ["k_norm_rope_mxfp4_cache"], "history": "direct", "skip_writes": 1,
+            "layout": "natural", "page_size": 32, "page_order": "sequential",
+            "seqs": [{"len": 20, "chunks": [20]}],
+            "description": "a call whose first boundary token carries slot -1, on natural pages from page 0"}),
+        ("edges-topk-k-past-width", {
+            "heads": 4, "topk": 64, "ops": ["topk"], "history": "direct", "page_size": 16,
+            "seqs": _rows_at([20, 0, 7]),
+            "description": "k = 64 past a logits width of 32 (short contexts): places 32..63 of every row, "
+                           "and all of the empty row's, are -1 padding"}),
     ]
 
 

@@ -508,10 +508,12 @@ def structured_values(x: torch.Tensor, ctx: ValueContext, gen: torch.Generator, 
 # --- building the case ---------------------------------------------------------------
 
 def _tokens(case: Case, geo: Geometry, ranges: dict[int, tuple[int, int]],
-            k_bt: torch.Tensor, *, keep_empty: bool = True, no_write: Optional[list[int]] = None) -> Tokens:
+            k_bt: torch.Tensor, *, keep_empty: bool = True, no_write: Optional[list[int]] = None,
+            skip: int = 0) -> Tokens:
     """The batch of `ranges` (sequence -> [start, end) positions). A sequence with no tokens
     stays in the batch (its rows are empty: query_start_loc repeats) unless `keep_empty` is
-    off; `no_write[b]`: sequence b's entries below it get no slot (pages it reads, shared)."""
+    off; `no_write[b]`: sequence b's entries below it get no slot (pages it reads, shared);
+    `skip`: the first `skip` tokens at a pooling boundary get slot -1 (a padded token)."""
     r, ps = geo.ratio, geo.page_size
     pos, req, seqs, qsl, ctx = [], [], [], [0], []
     for b, (s, e) in sorted(ranges.items()):
@@ -530,6 +532,8 @@ def _tokens(case: Case, geo: Geometry, ranges: dict[int, tuple[int, int]],
     write = (positions + 1) % r == 0
     if no_write is not None:
         write &= j >= torch.tensor(no_write, dtype=torch.long)[req_index] * ps
+    if skip:
+        write[write.nonzero().flatten()[:skip]] = False
     slot = torch.where(write, slot, torch.full_like(slot, -1))
     return Tokens(positions, req_index, slot, seqs, torch.tensor(qsl, dtype=torch.int32),
                   torch.tensor(ctx, dtype=torch.int32), k_bt[seqs].clone(),
@@ -640,7 +644,7 @@ def _k_pool(case: Case, geo, gen: torch.Generator, device) -> tuple[torch.Tensor
 def _step(case: Case, geo, rng, k_bt, gen: torch.Generator, band, planted: list[str] | None):
     """One step's tokens with q, weights and K; `planted` (first step only) takes the q/weights plants."""
     h, d = geo.heads, geo.head_dim
-    t = _tokens(case, geo, rng, k_bt)
+    t = _tokens(case, geo, rng, k_bt, skip=case.skip_writes)
     ctx = value_context(case, geo)
     q = shape_values(torch.randn(t.n, h, d, generator=gen) * case.scale, case.dist, gen, kind="q",
                      ctx=ctx, req=t.req_index, pos=t.positions)
@@ -776,7 +780,9 @@ def build(case: Case, device: str | torch.device = "cpu") -> CaseInputs:
     d = geo.head_dim
     seqs = case.seqs
     state, state_bt, band, planted = _state(case, geo, gen)
-    cs = cos_sin_cache(max(s.len for s in seqs) + 1, geo.rope_dim, geo.preset.rope_base,
+    # exactly as many rows as the longest sequence has positions: its last token is rotated by
+    # the table's last row (coverage boundary rope.pos.table-end), as at a model's longest context
+    cs = cos_sin_cache(max(s.len for s in seqs), geo.rope_dim, geo.preset.rope_base,
                        yarn_factor=geo.preset.yarn_factor,
                        yarn_original_max_pos=geo.preset.yarn_original_max_pos)
     norm_weight = (1.0 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16)
