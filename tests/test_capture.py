@@ -628,3 +628,15 @@ def test_overhead_table_words_and_the_idle_target():
     assert "* graph, installed but idle: 0.5 % slower (target < 1 % slower: met)" in text
     slow = [("graph", "off", 100.0), ("graph", "installed, idle", 98.0)]
     assert "2.0 % slower (target < 1 % slower: NOT met)" in "\n".join(table(slow, layers=1, batch=1, context=1))
+
+
+def test_a_capture_without_a_gpu_loads_no_compiled_kernel(monkeypatch, graphs):
+    """The flagged copy is compiled before a capture only where a GPU is: on a host, loading
+    it would fix this process's Triton mode as compiled and refuse the interpreter later."""
+    import sys
+    monkeypatch.delitem(sys.modules, "optimized.triton_kernels.copy_if", raising=False)
+    monkeypatch.setattr(hook._S, "kernels", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    install([], quiet=True)
+    Model().capture()
+    assert "optimized.triton_kernels.copy_if" not in sys.modules

@@ -647,3 +647,16 @@ def test_bench_alarms_under_graphs_check_every_step(interpreted, monkeypatch):
     # the host graph replays only the recording copies (its kernels ran at capture), so the
     # verdicts themselves say nothing here: the counts are what this checks
     assert c["skipped"] == 0 and c["rate"] == 1.0 and c["sampled"] == c["checked"] == 8 + 2, c
+
+
+def test_a_worker_that_never_starts_switches_the_shadow_off_and_releases_its_waiters(clean, monkeypatch):
+    monkeypatch.setattr(S, "WORKER_START_S", 0.01)             # no worker is ready that fast
+    sh = S.Shadow(clean, 0.5, checker="process")
+    assert sh.ready.wait(20)                                    # a waiter is not left hanging
+    sh.thread.join(30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert not sh.enabled and "did not start" in [e for e in _log(clean) if e["event"] == "off"][0]["why"]
+    sh.worker.join(10)
+    assert not sh.worker.is_alive()                             # closed (or killed) with the checker
+    sh.close()

@@ -317,8 +317,7 @@ def _warm_copy_if() -> None:
     """The flagged copy compiled and loaded on the current device before a capture begins
     (inside one, compiling would be a device call the capture forbids); where that fails,
     the capture's recording copies are plain ones (they then run at every replay)."""
-    fast = _copy_if()
-    if fast is None or not torch.cuda.is_available():
+    if not torch.cuda.is_available() or _copy_if() is None:    # no import of the kernel without a GPU
         return
     dev = torch.cuda.current_device()
     if ("warm", dev) in _S.kernels:

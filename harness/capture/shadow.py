@@ -190,7 +190,8 @@ class Shadow:
         self.checker = checker
         self.worker = None                     # the worker process (checker "process"), started by the thread
         self._conn = None
-        self.ready = threading.Event()         # set once the checker can take an item (its worker started)
+        self.ready = threading.Event()         # set once the checker can take an item (its worker started),
+                                               # or once it has stopped
         self.enabled = True
         self.lock = threading.Lock()
         self._log_lock = threading.Lock()
@@ -346,6 +347,7 @@ class Shadow:
                 self._accepting = False            # under the lock: no item comes in after the drop
             self._drop()                           # what it will never check: counted as skipped
             self._close_worker()
+            self.ready.set()                       # a waiter for a checker that never started goes on
             self._safe_prom()
 
     def _on(self, device: str):
