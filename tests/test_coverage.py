@@ -236,20 +236,16 @@ def test_pooling_scores_past_exp_range_and_the_pool_end():
     assert "k.entries.pool-end" in end.reached() and "k.entries.pool-end" not in spare.reached()
     # page ids across 2^16: the decode entry's page is 65536 + 3, the chunk's pages below 2^16
     two = (SeqSpec(120, (24,), 0), SeqSpec(60, (), 1))
-    high = cov.measure(_case(seqs=two, page_size=4, layout="natural", pool_pages=(1 << 16) + 4, page_order="top"),
-                       "cpu").reached()
-    low = cov.measure(_case(seqs=two, page_size=4, layout="natural", pool_pages=(1 << 16) - 1, page_order="top"),
-                      "cpu").reached()
-    for name in ("k.entries.high-2^16", "scorer.pages.high-2^16"):
-        assert name in high and name not in low
-    # ids 32764 .. 32771: int16's sign bit, below 2^16; 32767 pages stop under it
-    mid = cov.measure(_case(seqs=two, page_size=4, layout="natural", pool_pages=(1 << 15) + 4, page_order="top"),
-                      "cpu").reached()
-    under = cov.measure(_case(seqs=two, page_size=4, layout="natural", pool_pages=(1 << 15) - 1, page_order="top"),
-                        "cpu").reached()
-    for name in ("k.entries.high-2^15", "scorer.pages.high-2^15"):
-        assert name in mid and name not in under
-    assert "k.entries.high-2^15" in low                         # ids 65523 .. 65534
+
+    def top_of(pages):                       # the pool's last pages, 4-entry pages
+        return cov.measure(_case(seqs=two, page_size=4, layout="natural", pool_pages=pages, page_order="top"),
+                           "cpu").reached()
+    # ids 32764 .. 32771 straddle int16's sign bit; 32767 pages stop under it
+    for bits in (16, 15):
+        above, below = top_of((1 << bits) + 4), top_of((1 << bits) - 1)
+        for name in (f"k.entries.high-2^{bits}", f"scorer.pages.high-2^{bits}"):
+            assert name in above and name not in below
+    assert "k.entries.high-2^15" in top_of((1 << 16) - 1)      # ids 65523 .. 65534
 
 
 def test_heads_width_and_fp8_rows():

@@ -289,24 +289,26 @@ def _stage_copies(flag: torch.Tensor, pairs: list) -> None:
                 stage.copy_(src)
         return
     fast = _copy_if()
-    ok = lambda src: fast is not None and src.is_contiguous() and src.device == flag.device
+    flagged = []
     for src, stage in pairs:
-        if not ok(src):
+        if fast is not None and src.is_contiguous() and src.device == flag.device:
+            flagged.append((src, stage))
+        else:
             stage.copy_(src)
-    if any(ok(src) for src, _ in pairs):
-        fast(flag, [(src, stage) for src, stage in pairs if ok(src)])
+    if flagged:
+        fast(flag, flagged)
 
 
 def _copy_if():
     """optimized.triton_kernels.copy_if.copy_if as a function of (flag, pairs), or None where
-    Triton is missing or this process runs the Triton interpreter."""
+    mxval's compiled Triton kernels cannot run (no triton, the interpreter, no GPU: importing
+    the kernel there would fix this process's Triton mode as compiled)."""
     if "copy_if" not in _S.kernels:
         fn = None
         try:
-            if os.environ.get("TRITON_INTERPRET", "0") != "1":
-                from optimized.triton_kernels import _kernels_mode
-                if _kernels_mode() != "interpret":
-                    from optimized.triton_kernels.copy_if import copy_if as fn
+            from optimized.triton_kernels import compiled_reason
+            if compiled_reason() is None:
+                from optimized.triton_kernels.copy_if import copy_if as fn
         except Exception:
             fn = None
         _S.kernels["copy_if"] = fn
@@ -317,7 +319,7 @@ def _warm_copy_if() -> None:
     """The flagged copy compiled and loaded on the current device before a capture begins
     (inside one, compiling would be a device call the capture forbids); where that fails,
     the capture's recording copies are plain ones (they then run at every replay)."""
-    if not torch.cuda.is_available() or _copy_if() is None:    # no import of the kernel without a GPU
+    if _copy_if() is None:
         return
     dev = torch.cuda.current_device()
     if ("warm", dev) in _S.kernels:

@@ -35,6 +35,7 @@ from reference.checks import NonFiniteInput
 from reference.coverage import _PLANTS, BOUNDARIES, Boundary
 from reference.formats import E2M1_MIDPOINTS, E8M0_BIAS, FP8_AMAX_FLOOR, MX_BLOCK
 from reference.op_table import DECLARED
+from reference.pooling import boundary_mask, gather_windows
 from reference.topk import packed_row_starts
 
 # A CPU measures the cases whose estimated footprint fits this; larger ones need a GPU (their
@@ -235,7 +236,6 @@ class _Facts:
 
     def _pool_scores(self, add, ins) -> None:
         """Each pooled window's largest valid score per channel against fp32 exp's range."""
-        from reference.pooling import boundary_mask, gather_windows
         pos = ins["positions"]
         sel = boundary_mask(pos, self.geo.ratio) & (ins["kv_slot_mapping"] >= 0)
         if not bool(sel.any()):
@@ -279,9 +279,10 @@ class _Facts:
         geo, r = self.geo, self.geo.ratio
         slot_key = "kv_slot_mapping" if "kv_slot_mapping" in ins else "slot_mapping"
         pos, slots = ins["positions"].long(), ins[slot_key].long()
-        sel = ((pos + 1) % r == 0) & (slots >= 0)
+        boundary = boundary_mask(pos, r)
+        sel = boundary & (slots >= 0)
         written = slots[sel]
-        if bool((((pos + 1) % r == 0) & (slots < 0)).any()):
+        if bool((boundary & (slots < 0)).any()):
             add("entries", {"skipped-boundary"})
         ps, stride = geo.page_size, out["kv_cache"].shape[1]
         fmt = DECLARED[op].format

@@ -49,7 +49,9 @@ def _kernel_like(fn):
     return op
 
 
-def _compiled_reason() -> str | None:
+def compiled_reason() -> str | None:
+    """Why mxval's compiled Triton kernels cannot run in this process (no triton, the
+    interpreter mode fixed, no GPU), or None."""
     try:
         import triton  # noqa: F401
     except ImportError as e:
@@ -69,7 +71,7 @@ def _fused(device: str) -> dict:
 
 def make_backend(name: str = "triton") -> Backend:
     desc = DECLARED[name].summary
-    reason = _compiled_reason()
+    reason = compiled_reason()
     if reason:
         return Backend(name, desc, reason=reason)
     import torch
