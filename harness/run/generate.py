@@ -306,7 +306,8 @@ def _edges(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
     quant, a heads count that is not a power of two, top-k rows that fill the logits width,
     raw key codes 0 and 254 each carrying a call's logits, FP8 rows under the norm's eps,
     with sums of squares that underflow, and under the scale's 1e-4 amax floor, FP8 pages of
-    16 entries, and a top-k k past the logits width. A family of its
+    16 entries, boundary tokens with slot -1 (padded) for the MXFP4 and FP8 writers, and a
+    top-k k past the logits width. A family of its
     own, last, so that the seeds of the families before it stay as they were."""
     if tier != "cpu":
         return []
@@ -360,6 +361,11 @@ def _edges(rng: random.Random, tier: str) -> list[tuple[str, dict]]:
             "layout": "natural", "page_size": 32, "page_order": "sequential",
             "seqs": [{"len": 20, "chunks": [20]}],
             "description": "a call whose first boundary token carries slot -1, on natural pages from page 0"}),
+        ("edges-k-fp8-skipped-writes", {
+            "heads": 4, "ops": ["k_norm_rope_fp8_cache"], "history": "direct", "skip_writes": 2,
+            "page_size": 32, "page_order": "sequential", "seqs": [{"len": 24, "chunks": [24]}],
+            "description": "the FP8 K writer with a call's first two boundary tokens at slot -1 (padded), "
+                           "the first of them on the pool's slot 0"}),
         ("edges-topk-k-past-width", {
             "heads": 4, "topk": 64, "ops": ["topk"], "history": "direct", "page_size": 16,
             "seqs": _rows_at([20, 0, 7]),
