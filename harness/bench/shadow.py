@@ -282,8 +282,10 @@ def table(rows: list[dict], fault_r: Optional[dict], alarm_r: Optional[dict], ki
           shape: dict, machine: str) -> list[str]:
     out = ["", "## Shadow mode (synthetic decode loop)", "",
            f"Machine: {machine}. {shape['layers']} indexer layers, {shape['batch']} sequences decoding from "
-           f"{shape['context']} tokens; layer {CHOSEN_LAYER} chosen, sampled steps checked by the checker thread "
-           f"(reference on the serving GPU, low-priority stream), ring of 4. Target: at most "
+           f"{shape['context']} tokens; layer {CHOSEN_LAYER} chosen, ring of 4. Checker `process`: a worker process "
+           f"judges each sampled step (reference on the serving GPU, or on the host where the row says `cpu`); "
+           f"`thread`: a thread of the serving process (reference on the serving GPU, low-priority stream). "
+           f"Target: at most "
            f"{OVERHEAD_TARGET:g} % added per step at 1/1000.", "",
            "| mode | checker | rate | ms/step | added per step | sampled | checked | skipped | rate at the end |",
            "|---|---|---|---|---|---|---|---|---|"]
