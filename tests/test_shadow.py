@@ -210,6 +210,35 @@ def test_adaptive_rate_under_a_slow_checker(clean, layer):
     assert "mxval_shadow_rate_halvings_total" in open(clean / S.PROM).read()
 
 
+def test_a_halved_rate_doubles_back_once_the_checker_keeps_up_never_above_the_rate_asked(clean, layer):
+    gate, seen = threading.Event(), []
+    sh = _blocked_shadow(clean, 2, gate, seen)
+    install([], quiet=True, shadow=sh)
+    m = Serving(layer)
+    step = 0
+    while sh.snapshot()["rate_halvings"] < 3:           # a burst: the checker is stuck, the rate halves
+        m.step(step, k_writer=False)
+        step += 1
+    assert sh.rate == 1 / 8 and sh.snapshot()["rate_raises"] == 0
+    gate.set()
+    assert sh.join(20)
+    rates, admitted = [], []
+    s0 = sh.snapshot()["sampled"]
+    for _ in range(400):                                # the checker keeps up: join after every step
+        m.step(step, k_writer=False)
+        step += 1
+        assert sh.join(20)
+        rates.append(sh.rate)
+        admitted.append(sh.snapshot()["sampled"] - s0)
+    c = sh.snapshot()
+    assert c["rate_raises"] == 3 and sh.rate == 1.0 and max(rates) == 1.0     # back to 1, never above
+    assert rates == sorted(rates)                                              # only raised, one step at a time
+    assert c["rate"] == 1.0 and _prom(clean)["mxval_shadow_rate_raises_total"] in (2, 3)   # the file lags by <= 1 s
+    # each raise comes at the RECOVER_AFTER-th step admitted at the rate before it
+    firsts = [rates.index(r) for r in (1 / 4, 1 / 2, 1.0)]
+    assert [admitted[i] for i in firsts] == [S.RECOVER_AFTER * n for n in (1, 2, 3)]
+
+
 # --- verdicts -------------------------------------------------------------------------------------
 
 def test_a_catalogue_fault_is_flagged_and_its_dump_reproduces_with_mxval_diff(clean, layer, tmp_path, capsys):

@@ -23,8 +23,10 @@ Sampling is deterministic: step S is sampled at rate r when a splitmix64 hash of
 is below r * 2^64 (the same steps on every rank and every run with the same seed; a halved
 rate keeps a subset of them). Bounds: a sampled step
 that finds the queue full is skipped (counted) and halves the rate (`rate_halvings`,
-`rate` in the counters; it never goes back up by itself); the serving thread never waits
-for the checker. Any exception inside the shadow path (recording, copying, checking,
+`rate` in the counters); once RECOVER_AFTER sampled steps in a row are admitted with the checker
+keeping up (at most half the ring waiting), a halved rate doubles back, never above the rate asked for
+(`rate_raises`): a burst, such as a warm-up that fills the queue, costs the rate for a
+while, not for good; the serving thread never waits for the checker. Any exception inside the shadow path (recording, copying, checking,
 writing) is logged once, recorded in the log, and switches the shadow off; serving goes on
 untouched. A checker that stops (killed, or `stop()`) leaves every verdict already counted
 in the log; later sampled steps are counted as skipped. A sampled step whose recorded inputs
@@ -85,6 +87,7 @@ CHECKERS = ("process", "thread")    # where the reference and the diff run: a wo
 CHECKER_DEFAULT = "process"
 WORKER_START_S = 120.0              # the worker's imports (torch, the reference) and CUDA context at most
 RING_DEFAULT = 4
+RECOVER_AFTER = 16                 # sampled steps in a row admitted with half the ring free before a halved rate doubles
 PROM_EVERY = 1.0                   # seconds between rewrites of the counters file (when they changed)
 LOG, PROM, FAILURES = "verdicts.jsonl", "metrics.prom", "failures"
 SUITE = "diff"                     # the budgets scope `mxval diff` judges a dump under
@@ -97,6 +100,7 @@ COUNTERS = (
     ("failed", "counter", "items that broke a budget (each kept as a dump)"),
     ("skipped", "counter", "sampled steps or items dropped for lack of budget (queue full)"),
     ("rate_halvings", "counter", "times the sampling rate was halved because the checker fell behind"),
+    ("rate_raises", "counter", "times a halved rate was doubled back because the checker kept up"),
     ("queued", "gauge", "items waiting for the checker"),
     ("rate", "gauge", "sampling rate now (steps checked per step served)"),
     ("enabled", "gauge", "1 while the shadow runs, 0 once switched off"),
@@ -184,6 +188,8 @@ class Shadow:
         self.directory = os.fspath(directory)
         os.makedirs(os.path.join(self.directory, FAILURES), exist_ok=True)
         self.rate, self.ring, self.seed, self.device = float(rate), int(ring), int(seed), device
+        self.rate_asked = self.rate
+        self._idle_run = 0                     # sampled steps in a row admitted with half the ring free
         self.budgets = budgets if isinstance(budgets, B.Budgets) else B.load(budgets)
         self.model, self.source = model, source
         self.check = check if check is not None else self._check
@@ -227,12 +233,20 @@ class Shadow:
 
     def admit(self) -> bool:
         """A sampled step: True when the checker has room for it (counted as sampled), else
-        counted as skipped and the rate halved."""
+        counted as skipped and the rate halved. A halved rate doubles back (at most to the rate
+        asked for) after RECOVER_AFTER steps in a row admitted with at most half the ring waiting:
+        the checker keeps up (a checker that falls behind fills the ring and resets the run)."""
         with self.lock:
             if not self._accepting or self.items.qsize() >= self.ring:
                 self._behind_locked()
                 return False
             self.counts["sampled"] += 1
+            self._idle_run = self._idle_run + 1 if self.items.qsize() <= self.ring // 2 else 0
+            if self._idle_run >= RECOVER_AFTER and self.rate < self.rate_asked:
+                self.rate = min(self.rate_asked, self.rate * 2)
+                self.counts["rate_raises"] += 1
+                self.counts["rate"] = self.rate
+                self._idle_run = 0
             return True
 
     def behind(self) -> None:
@@ -242,6 +256,7 @@ class Shadow:
 
     def _behind_locked(self) -> None:
         self.counts["skipped"] += 1
+        self._idle_run = 0
         if self._accepting:                    # a stopped checker is not slow: nothing to adapt
             self.rate /= 2
             self.counts["rate_halvings"] += 1
