@@ -20,6 +20,7 @@ from harness import capture
 from harness.capture import ArgMap, hook, install, set_context, uninstall, wrap
 from harness.capture import shadow as S
 from harness.commands import cli
+from harness.io import env
 from harness.io.dumps import read_dump
 from harness.run.replay import replay_dump
 
@@ -636,6 +637,23 @@ def test_a_checker_stopped_during_a_capture_drops_its_item(clean):
     assert hosts == [] and c["checked"] == 0 and c["skipped"] == 1
     sh.capture_ends()
     sh.close()
+
+
+def test_the_worker_runs_at_the_lowest_cpu_priority_with_few_threads(clean, monkeypatch):
+    # the worker competes with the serving thread for the host's cores only at nice 19, with
+    # the threads asked for (torch's default is one per core)
+    monkeypatch.setenv(S.ENV_RATE, "0.5")
+    monkeypatch.setenv(S.ENV_DIR, str(clean))
+    monkeypatch.setenv(S.ENV_THREADS, "3")
+    sh = S.from_env()
+    try:
+        assert sh.ready.wait(120) and sh.checker == "process"
+        assert sh.worker_info == {"nice": min(19, os.nice(0) + S.WORKER_NICE), "threads": 3}
+    finally:
+        sh.stop()
+    monkeypatch.setenv(S.ENV_THREADS, "0")
+    with pytest.raises(env.EnvError, match="MXVAL_SHADOW_THREADS"):
+        S.from_env()
 
 
 def test_the_worker_does_not_run_the_serving_script_again(tmp_path):

@@ -83,9 +83,15 @@ ENV_SEED = "MXVAL_SHADOW_SEED"
 ENV_DEVICE = "MXVAL_SHADOW_DEVICE"
 ENV_BUDGETS = "MXVAL_SHADOW_BUDGETS"
 ENV_CHECKER = "MXVAL_SHADOW_CHECKER"
+ENV_THREADS = "MXVAL_SHADOW_THREADS"
 CHECKERS = ("process", "thread")    # where the reference and the diff run: a worker process, or a thread here
 CHECKER_DEFAULT = "process"
 WORKER_START_S = 120.0              # the worker's imports (torch, the reference) and CUDA context at most
+# The worker competes with serving for the host's cores (the serving thread launches every
+# kernel: a step is host-bound under eager and short under graphs) only at the lowest CPU
+# priority, with few torch threads (torch's default is one per core).
+WORKER_NICE = 19
+WORKER_THREADS = 4
 RING_DEFAULT = 4
 RECOVER_AFTER = 16                 # sampled steps in a row admitted with half the ring free before a halved rate doubles
 PROM_EVERY = 1.0                   # seconds between rewrites of the counters file (when they changed)
@@ -169,16 +175,19 @@ class _Item:
 class Shadow:
     """The checker and its counters. `directory`: where the log, the counters and the failing
     dumps go; `rate`: the share of steps sampled; `ring`: items in flight at most;
-    `device`: where the reference runs (None: where the records are)."""
+    `device`: where the reference runs (None: where the records are); `threads`: the worker
+    process's torch threads (it runs at nice WORKER_NICE)."""
 
     def __init__(self, directory, rate: float, *, ring: int = RING_DEFAULT, seed: int = 0,
                  device: Optional[str] = None, budgets=None, model: str = "deepseek-v4-pro",
                  source: str = "mxval shadow", check=None, prom_every: float = PROM_EVERY,
-                 checker: Optional[str] = None):
+                 checker: Optional[str] = None, threads: int = WORKER_THREADS):
         from harness.run import budgets as B
         if not (isinstance(rate, (int, float)) and 0 < rate <= 1) or not (isinstance(ring, int) and ring >= 1):
             raise ValueError(f"mxval shadow: rate must be in (0, 1] and ring a whole number >= 1 (got rate {rate!r}, "
                              f"ring {ring!r})")
+        if not (isinstance(threads, int) and threads >= 1):
+            raise ValueError(f"mxval shadow: the worker's threads must be a whole number >= 1 (got {threads!r})")
         if checker is None:                    # a check function runs where it was given: in the thread
             checker = "thread" if check is not None else CHECKER_DEFAULT
         if checker not in CHECKERS:
@@ -195,6 +204,8 @@ class Shadow:
         self.check = check if check is not None else self._check
         self.checker = checker
         self.worker = None                     # the worker process (checker "process"), started by the thread
+        self.threads = int(threads)
+        self.worker_info: dict = {}            # what the worker reported when ready: its nice value and threads
         self._conn = None
         self.ready = threading.Event()         # set once the checker can take an item (its worker started),
                                                # or once it has stopped
@@ -436,7 +447,7 @@ class Shadow:
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()
         warm = torch.cuda.is_available() and (self.device or "cuda").startswith("cuda")
-        self.worker = ctx.Process(target=_worker_main, args=(there, self.budgets.path, warm), daemon=True,
+        self.worker = ctx.Process(target=_worker_main, args=(there, self.budgets.path, warm, self.threads), daemon=True,
                                   name="mxval-shadow-worker")
         main = sys.modules.get("__main__")
         sys.modules["__main__"] = types.ModuleType("__main__")
@@ -453,8 +464,10 @@ class Shadow:
             here, self._starting = self._starting, None
             if here is None:
                 raise RuntimeError("the worker process is gone")
-            if not here.poll(WORKER_START_S) or here.recv() != ("ready",):
+            msg = here.recv() if here.poll(WORKER_START_S) else None
+            if not (isinstance(msg, tuple) and msg[:1] == ("ready",)):
                 raise RuntimeError(f"the worker process did not start within {WORKER_START_S:g} s")
+            self.worker_info = msg[1]
             self._conn = here
         return self._conn
 
@@ -651,17 +664,23 @@ def refused_row(name: str, records: dict, why: str, budgets) -> dict:
                        reason=f"the recorded inputs are outside the ops' contract: {why}"), budgets, SUITE)
 
 
-def _worker_main(conn, budgets_path, warm_cuda: bool = False) -> None:
-    """The worker process (checker "process"): per message (name, records, device, dump path,
-    dump meta) the verdict row, a failing item written as its dump, sent back as
-    ("row", row, dump or None), or ("error", why) for a failure of the worker's own."""
+def _worker_main(conn, budgets_path, warm_cuda: bool = False, threads: int = WORKER_THREADS) -> None:
+    """The worker process (checker "process"): at nice WORKER_NICE with `threads` torch
+    threads; per message (name, records, device, dump path, dump meta) the verdict row, a
+    failing item written as its dump, sent back as ("row", row, dump or None), or ("error",
+    why) for a failure of the worker's own."""
+    try:
+        os.nice(WORKER_NICE)                   # capped at the system's lowest priority
+    except OSError:
+        pass
+    torch.set_num_threads(threads)
     from harness.io.dumps import DumpError, write_dump
     from harness.run import budgets as B
     from harness.run import replay  # noqa: F401  (the reference and the diff engine, imported before the first item)
     budgets = B.load(budgets_path)
     if warm_cuda:
         torch.zeros(1, device="cuda")          # the worker's CUDA context, made before the first item
-    conn.send(("ready",))
+    conn.send(("ready", {"nice": os.nice(0), "threads": torch.get_num_threads()}))
     while True:
         try:
             msg = conn.recv()
@@ -737,8 +756,9 @@ def from_env(*, model: str = "deepseek-v4-pro", source: str = "mxval shadow") ->
     checker = env.text(ENV_CHECKER) or CHECKER_DEFAULT
     if checker not in CHECKERS:
         raise env.EnvError(f"{ENV_CHECKER}={env.show(checker)}: expected one of {', '.join(CHECKERS)}")
+    threads = env.integer(ENV_THREADS, WORKER_THREADS, 1, 4096)
     return Shadow(directory, rate, ring=ring, seed=seed, device=device, budgets=env.text(ENV_BUDGETS) or None,
-                  model=model, source=source, checker=checker)
+                  model=model, source=source, checker=checker, threads=threads)
 
 
 def read_log(path) -> tuple[list[dict], list[str]]:
