@@ -115,8 +115,9 @@ COUNTERS = (
 
 
 def mix(seed: int, step: int) -> int:
-    """splitmix64 of seed ^ step: a 64-bit hash, the same on every machine."""
-    z = (seed ^ (step * 0x9E3779B97F4A7C15)) & MASK
+    """splitmix64's output for state seed ^ (step + 1) * gamma: a 64-bit hash, the same on
+    every machine (with step * gamma, step 0 of seed 0 hashed to 0 and was sampled at any rate)."""
+    z = (seed ^ ((step + 1) * 0x9E3779B97F4A7C15)) & MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
     return z ^ (z >> 31)
