@@ -519,10 +519,15 @@ def test_bench_stopped_checker_and_overhead_rows(interpreted):
     assert k["served"] == 8 and k["stopped_at"] and k["lost"] == 0 and k["logged"] >= 2
     rows = interpreted.overhead(BENCH_SHAPE, steps=2, rates=(1 / 1000,), modes=("eager",), device="cpu", repeats=1,
                                 checkers=(("thread", None), ("process", "cpu")))
-    assert [(r["rate"], r["checker"]) for r in rows] == [(None, None), (1 / 1000, "thread, reference on the serving GPU"),
+    idle = interpreted.IDLE_RATE
+    assert [(r["rate"], r["checker"]) for r in rows] == [(None, None), (idle, "thread, reference on the serving GPU"),
+                                                         (1 / 1000, "thread, reference on the serving GPU"),
+                                                         (idle, "process, reference on cpu"),
                                                          (1 / 1000, "process, reference on cpu")]
+    assert all(r["counts"]["sampled"] == 0 for r in rows if r["rate"] == idle)     # the hook's own cost
     text = "\n".join(interpreted.table(rows, None, None, k, shape=BENCH_SHAPE, machine="CPU"))
     assert "eager, process, reference on cpu, at 1/1000" in text and "(0 lost)" in text
+    assert "| eager | process, reference on cpu | none sampled |" in text
 
 
 def test_shadow_report_bad_input_is_one_line(tmp_path, capsys):

@@ -69,6 +69,15 @@ def shadowed(directory: str, rate: float, *, layers: int, ring: int = 4, seed: i
 REWIND = 1024                            # steps before the positions go back to the start
 
 
+# A rate at which no step is sampled (a step's hash would have to be 0): the installed hook's
+# own cost, the row that separates it from the checks' cost
+IDLE_RATE = 2.0 ** -64
+
+
+def _label(rate) -> str:
+    return "off" if rate is None else "none sampled" if rate == IDLE_RATE else f"1/{round(1 / rate)}"
+
+
 def _loop(shape: dict, device: str) -> DecodeLoop:
     """A decode loop with room for REWIND steps (and a few warm-up steps); `_step` takes it
     back to its start every REWIND steps it ran (the static position buffer a graph reads),
@@ -126,7 +135,9 @@ def overhead(shape: dict, *, steps: int, rates=RATES, modes=("eager", "graph"), 
     """[{mode, checker, rate, s_per_step, added_pct, counts}]: per mode, the median of
     `repeats` timings of `steps` steps with nothing installed (rate None), then per checker
     (kind, reference device) and rate the median of `repeats` timings with the shadow on (the
-    worker process started and ready before the timings: a serving process starts it once)."""
+    worker process started and ready before the timings: a serving process starts it once).
+    Each checker's first row is IDLE_RATE: the shadow installed and no step sampled, the cost
+    of the hook itself (and, under graphs, of the captured flagged copies) apart from checking."""
     rows = []
     with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-") as tmp:
         for mode in modes:
@@ -138,7 +149,7 @@ def overhead(shape: dict, *, steps: int, rates=RATES, modes=("eager", "graph"), 
             print(f"shadow overhead: {mode:5s} off {base * 1e3:9.3f} ms/step", flush=True)
             del run, loop
             for kind, ref_device in checkers:
-                for rate in rates:
+                for rate in (IDLE_RATE, *rates):
                     loop = _loop(shape, device)
                     d = os.path.join(tmp, f"{mode}-{kind}-{ref_device}-{rate}")
                     with shadowed(d, rate, layers=shape["layers"], checker=kind, ref_device=ref_device) as sh:
@@ -149,7 +160,7 @@ def overhead(shape: dict, *, steps: int, rates=RATES, modes=("eager", "graph"), 
                     t = times[repeats // 2]
                     rows.append({"mode": mode, "checker": checker_text(kind, ref_device), "rate": rate,
                                  "s_per_step": t, "added_pct": (t - base) / base * 100, "counts": counts})
-                    print(f"shadow overhead: {mode:5s} {checker_text(kind, ref_device):40s} rate {rate:g} "
+                    print(f"shadow overhead: {mode:5s} {checker_text(kind, ref_device):40s} rate {_label(rate)} "
                           f"{t * 1e3:9.3f} ms/step ({rows[-1]['added_pct']:+.2f} %, {counts.get('sampled', 0)} "
                           f"sampled, {counts.get('skipped', 0)} skipped)", flush=True)
                     del run, loop
@@ -292,7 +303,7 @@ def table(rows: list[dict], fault_r: Optional[dict], alarm_r: Optional[dict], ki
     for r in rows:
         c = r["counts"]
         added = "-" if r["rate"] is None else f"{r['added_pct']:+.2f} %"
-        label = "off" if r["rate"] is None else f"1/{round(1 / r['rate'])}"
+        label = _label(r["rate"])
         out.append(f"| {r['mode']} | {r.get('checker') or '-'} | {label} | "
                    f"{r['s_per_step'] * 1e3:.3f} | {added} | {c.get('sampled', '-')} | {c.get('checked', '-')} | "
                    f"{c.get('skipped', '-')} | {c.get('rate', '-') if c else '-'} |")
