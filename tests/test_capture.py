@@ -519,6 +519,47 @@ def test_graph_replays_record_the_chosen_steps_into_a_ring(monkeypatch, graphs):
         assert torch.equal(d.ops["topk"].inputs["lengths"], lengths)
 
 
+def test_a_computed_input_field_is_finished_when_the_ring_is_read_not_in_the_graph(monkeypatch, graphs):
+    # the pooling's state rows are a cat of two column ranges of vLLM's state pool: under a
+    # graph the capture stages the pool itself (its flagged copy), and the cat runs when a
+    # sampled replay is read, not at every replay
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from harness.capture.maps import _pool_rows
+    d, sw = 128, 256
+    state = torch.randn(4, 8, 4 * d + 16)                  # kv at 0, scores at sw, 16 columns past them
+    pooled = torch.zeros(4, d, dtype=torch.bfloat16)
+    meta = (torch.zeros(4, dtype=torch.int32), torch.arange(4, 8), torch.arange(4), torch.tensor([[0, 1], [2, 3]],
+                                                                                                     dtype=torch.int32))
+
+    def pool(state_cache, token_to_req_indices, positions, kv_slot_mapping, block_table, block_size, pooled_k,
+             state_width, compress_ratio, overlap):
+        emit(lambda: pooled_k.fill_(1))
+    pool = wrap(pool, "compress_pool", capture.VLLM_COMPRESS_POOL)
+    install(quiet=True)
+    done = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            done.append(str(func))
+            return func(*args, **(kwargs or {}))
+    set_context(layer=12, step=0)
+    g = torch.cuda.CUDAGraph()
+    g.capture_begin()
+    with Spy():
+        pool(state, meta[0], meta[1], meta[2], meta[3], 8, pooled, sw, 4, True)
+    g.capture_end()
+    assert not [f for f in done if "cat" in f or "_to_copy" in f], done        # nothing computed into the graph
+    (call,) = getattr(g, hook.GRAPH_ATTR).calls
+    assert call.inputs["state_cache"].shape == state.shape                      # the pool, staged as it is
+    state.copy_(torch.randn(state.shape))                  # the next step's state, then its replay
+    set_context(layer=12, step=1)
+    g.replay()
+    ins, _, _ = call.at(0)
+    assert torch.equal(ins["state_cache"], _pool_rows(state, d, sw))            # finished when read
+    assert ins["state_cache"].shape == (4, 8, 4 * d)
+
+
 def test_graph_capture_with_explicit_context_and_two_graphs_in_one_step(monkeypatch, graphs):
     monkeypatch.setenv("MXVAL_CAPTURE_LAYERS", "0")
     monkeypatch.setenv("MXVAL_CAPTURE_STEPS", "7")

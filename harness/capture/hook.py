@@ -23,7 +23,7 @@ from harness.run.replay import record_op
 from optimized import upstream
 
 from . import shadow as shadow_mode
-from .maps import CACHED_LOOKUPS, LAST, TARGETS, ArgMap, Selection, _get
+from .maps import CACHED_LOOKUPS, LAST, TARGETS, ArgMap, Selection, Staged, _get
 
 ENV_DIR = "MXVAL_CAPTURE_DIR"
 ENV_LAYERS = "MXVAL_CAPTURE_LAYERS"
@@ -74,6 +74,12 @@ class _GraphCall:
     outputs: dict
     ring_inputs: dict = field(default_factory=dict)     # name -> ring buffer
     ring_outputs: dict = field(default_factory=dict)
+    finish: dict = field(default_factory=dict)          # input name -> what makes the field of its staged view
+
+    def at(self, pos: int) -> tuple[dict, dict, dict]:
+        """(inputs, scalars, outputs) of ring position `pos`, each input finished (maps.Staged)."""
+        ins = {n: (self.finish[n](b[pos]) if n in self.finish else b[pos]) for n, b in self.ring_inputs.items()}
+        return ins, self.scalars, {n: b[pos] for n, b in self.ring_outputs.items()}
 
 
 @dataclass
@@ -539,8 +545,7 @@ def _shadow_submit(rec: _GraphRecord, pos: int, step) -> None:
             if c.op in calls:
                 items.append((layer, calls))
                 calls = {}
-            calls[c.op] = ({n: b[pos] for n, b in c.ring_inputs.items()}, c.scalars,
-                           {n: b[pos] for n, b in c.ring_outputs.items()})
+            calls[c.op] = c.at(pos)
         if calls:
             items.append((layer, calls))
     left = [len(items)]
@@ -573,8 +578,7 @@ def _drain_locked() -> None:
                     if c.op in calls:                 # a second call in the same (layer, step)
                         _write((layer, entry["step"]), calls)
                         calls = {}
-                    calls[c.op] = ({n: b[pos] for n, b in c.ring_inputs.items()}, c.scalars,
-                                   {n: b[pos] for n, b in c.ring_outputs.items()})
+                    calls[c.op] = c.at(pos)
                 if calls:
                     _write((layer, entry["step"]), calls)
 
@@ -637,8 +641,14 @@ def _capture_call(fn, op: str, arg_map: ArgMap, bind, args, kwargs, extra: Optio
         if why:
             _warn_once(f"skip:{op}:{why}", f"{op}: {why}; passed through, not recorded")
             return fn(*args, **kwargs)
+        finish = {}
         if mode == GRAPH:                      # copies captured into the graph, before the call
-            ins = _stage_all({name: _get(g, bound) for name, g in arg_map.inputs.items()}, _S.capture)
+            # a Staged input is staged as its view: its finishing work (a cat, a cast) runs
+            # when a sampled replay is read, not in the graph at every replay
+            finish = {name: (lambda t, f=g.finish, b=bound: f(t, b)) for name, g in arg_map.inputs.items()
+                      if isinstance(g, Staged)}
+            ins = _stage_all({name: g.view(bound) if isinstance(g, Staged) else _get(g, bound)
+                              for name, g in arg_map.inputs.items()}, _S.capture)
         else:
             ins = {name: _clone(_get(g, bound)) for name, g in arg_map.inputs.items()}
         scalars = {name: (_get(g, bound) if callable(g) or isinstance(g, str) and g in bound else g)
@@ -652,7 +662,7 @@ def _capture_call(fn, op: str, arg_map: ArgMap, bind, args, kwargs, extra: Optio
         with _S.lock:
             if mode == GRAPH:
                 outs = _stage_all(got, _S.capture)
-                _S.capture.calls.append(_GraphCall(op, where, scalars, ins, outs))
+                _S.capture.calls.append(_GraphCall(op, where, scalars, ins, outs, finish=finish))
             else:
                 outs = {name: _clone(v) for name, v in got.items()}
                 calls = _S.pending.setdefault(where, {})

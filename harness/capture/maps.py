@@ -57,7 +57,32 @@ class Selection:
 
 # --- argument maps -------------------------------------------------------------------------
 
-Getter = Union[str, Callable[[dict], Any]]
+@dataclass(frozen=True)
+class Staged:
+    """An input getter in two parts: `view(bound)`, the call's tensor as it is (no device
+    work), and `finish(tensor, bound)`, the dump's field made from it (a cat, a cast: device
+    work). Called, it is both, as any getter: an eager call is recorded that way. Under a
+    CUDA/HIP graph the capture stages the view alone and applies `finish` when a sampled
+    replay is read from the ring: a getter that computed would put its work into the graph,
+    to run at every replay."""
+    view: Callable[[dict], Any]
+    finish: Callable[[Any, dict], Any]
+
+    def __call__(self, bound: dict):
+        return self.finish(self.view(bound), bound)
+
+
+Getter = Union[str, Callable[[dict], Any], Staged]
+
+
+def _as_float(name: str) -> Staged:
+    """The parameter `name` as fp32 (a cast where it is not: a RoPE table in bf16)."""
+    return Staged(lambda b: b[name], lambda t, b: t.float())
+
+
+def _state_rows(name: str, head: Callable[[dict], int], width: Callable[[dict], int]) -> Staged:
+    """The state rows (`_pool_rows`) of the pool passed as `name`: staged as the pool is."""
+    return Staged(lambda b: b[name], lambda s, b: _pool_rows(s, head(b), width(b)))
 
 
 @dataclass
@@ -102,7 +127,7 @@ def _tokens(bound: dict) -> int:
 
 AITER_K_WRITER = ArgMap(
     inputs={"k": lambda b: b["k"][:_tokens(b)], "positions": lambda b: b["positions"][:_tokens(b)],
-            "cos_sin_cache": lambda b: b["cos_sin_cache"].float(), "norm_weight": "norm_weight",
+            "cos_sin_cache": _as_float("cos_sin_cache"), "norm_weight": "norm_weight",
             "slot_mapping": "slot_mapping", "kv_cache": lambda b: _pool_2d(b["kv_cache"])},
     outputs={"kv_cache": lambda b, r: _pool_2d(b["kv_cache"])},
     scalars={"norm_eps": lambda b: float(b["norm_eps"]), "compress_ratio": lambda b: int(b["compress_ratio"]),
@@ -110,7 +135,7 @@ AITER_K_WRITER = ArgMap(
              "shuffle": lambda b: None if b["shuffle"] is None else [int(v) for v in b["shuffle"]]})
 
 AITER_Q_QUANT = ArgMap(
-    inputs={"q": "q", "positions": "positions", "cos_sin_cache": lambda b: b["cos_sin_cache"].float(),
+    inputs={"q": "q", "positions": "positions", "cos_sin_cache": _as_float("cos_sin_cache"),
             "weights": "weights"},
     outputs={"q_fp4": _result(0), "q_scale": _result(1), "weights": _result(2)},
     scalars={"weights_scale": lambda b: float(b["weights_scale"])})
@@ -172,7 +197,7 @@ def _classify_scorer(bound: dict) -> Optional[str]:
 AITER_SCORER = ArgMap(
     inputs={"q_fp4": lambda b: b["q"].reshape(-1, *b["q"].shape[-2:]),
             "q_scale": lambda b: b["q_scales"].reshape(-1, *b["q_scales"].shape[-2:]),
-            "weights": lambda b: b["weights"].reshape(_scorer_rows(b), -1).float(),
+            "weights": Staged(lambda b: b["weights"].reshape(_scorer_rows(b), -1), lambda t, b: t.float()),
             "kv_cache": lambda b: _pool_2d(b["kv_cache"]), "query_start_loc": _scorer_qsl,
             "context_lens": "context_lens", "block_table": "block_table", "row_ends": _scorer_row_ends},
     outputs={"logits": _scorer_logits},
@@ -208,7 +233,8 @@ def _launch_params(key: str) -> list[str]:
 # block_table, block_size, pooled_k, state_width, compress_ratio, overlap), T = pooled_k rows
 VLLM_COMPRESS_POOL = ArgMap(
     params=_launch_params("vllm.rocm.compress_pool"),
-    inputs={"state_cache": lambda b: _pool_rows(b["state_cache"], b["pooled_k"].shape[1], int(b["state_width"])),
+    inputs={"state_cache": _state_rows("state_cache", lambda b: b["pooled_k"].shape[1],
+                                       lambda b: int(b["state_width"])),
             "block_table": "block_table",
             "positions": lambda b: b["positions"][:b["pooled_k"].shape[0]],
             "req_index": lambda b: b["token_to_req_indices"][:b["pooled_k"].shape[0]],
@@ -220,7 +246,8 @@ VLLM_COMPRESS_POOL = ArgMap(
 # 8e4f5df9: _compress_pool_kernel[(T,)](state_cache_ptr, ..., out_ptr, out_stride, HEAD_SIZE=, ...)
 VLLM_COMPRESS_POOL_KERNEL = ArgMap(
     params=_launch_params("vllm.rocm.compress_pool@8e4f5df9"),
-    inputs={"state_cache": lambda b: _pool_rows(b["state_cache_ptr"], int(b["HEAD_SIZE"]), int(b["STATE_WIDTH"])),
+    inputs={"state_cache": _state_rows("state_cache_ptr", lambda b: int(b["HEAD_SIZE"]),
+                                       lambda b: int(b["STATE_WIDTH"])),
             "block_table": "block_table_ptr",
             "positions": lambda b: b["positions_ptr"][:_grid_tokens(b)],
             "req_index": lambda b: b["token_to_req_indices_ptr"][:_grid_tokens(b)],
@@ -286,12 +313,13 @@ def _classify_fused(b: dict) -> Optional[str]:
 def _fused_map(key: str, fp8: bool) -> ArgMap:
     return ArgMap(
         params=_launch_params(key),
-        inputs={"state_cache": lambda b: _pool_rows(b["state_cache_ptr"], int(b["HEAD_SIZE"]), int(b["STATE_WIDTH"])),
+        inputs={"state_cache": _state_rows("state_cache_ptr", lambda b: int(b["HEAD_SIZE"]),
+                                           lambda b: int(b["STATE_WIDTH"])),
                 "block_table": "block_table_ptr",
                 "positions": lambda b: b["positions_ptr"][:_grid_tokens(b)],
                 "req_index": lambda b: b["token_to_req_indices_ptr"][:_grid_tokens(b)],
                 "kv_slot_mapping": _fused_slots,
-                "cos_sin_cache": lambda b: b["cos_sin_cache_ptr"].float(),
+                "cos_sin_cache": _as_float("cos_sin_cache_ptr"),
                 "norm_weight": "rms_norm_weight_ptr",
                 "kv_cache": lambda b: _bytes_2d(b["k_cache_ptr"])},
         outputs={"kv_cache": lambda b, r: _bytes_2d(b["k_cache_ptr"])},
