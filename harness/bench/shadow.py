@@ -258,10 +258,15 @@ def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cud
             "seconds": time.perf_counter() - t}
 
 
+KILL_AFTER = 2                 # verdicts counted before the checker is killed
+KILL_WAIT_S = 300.0            # at most this long for them (a loaded host starves a niced worker)
+
+
 def killed(shape: dict, *, steps: int = 64, mode: str = "graph", device: str = "cuda",
            checker: str = "process") -> dict:
-    """The checker killed after a few verdicts, mid-run (checker "process": its worker gets
-    SIGKILL; "thread": it is stopped): serving goes on; every verdict counted is in the log."""
+    """The checker killed mid-run (checker "process": its worker gets SIGKILL; "thread": it is
+    stopped) once KILL_AFTER verdicts are counted, in the first half of the run: the loop
+    waits for them there at the latest. Serving goes on; every verdict counted is in the log."""
     import signal
     with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-kill-") as tmp:
         loop = _loop(shape, device)
@@ -272,15 +277,17 @@ def killed(shape: dict, *, steps: int = 64, mode: str = "graph", device: str = "
             for i in range(steps):
                 _step(loop, run)
                 served += 1
-                if stopped_at == 0 and sh.snapshot()["checked"] >= 2:
-                    if checker == "process":       # mid-run: the serving loop does not wait for it
+                if stopped_at == 0 and (sh.snapshot()["checked"] >= KILL_AFTER or i + 1 >= steps // 2):
+                    _sync(device)
+                    end = time.perf_counter() + KILL_WAIT_S
+                    while (sh.snapshot()["checked"] < KILL_AFTER and sh.thread.is_alive()
+                           and time.perf_counter() < end):
+                        time.sleep(0.01)
+                    if checker == "process":       # mid-run: the serving loop goes on at once
                         os.kill(sh.worker.pid, signal.SIGKILL)
                     else:
                         sh.stop(wait=False)
                     stopped_at = i + 1
-                elif stopped_at == 0:
-                    _sync(device)
-                    time.sleep(0.01)
             _sync(device)
             sh.thread.join(300)
             counts = sh.snapshot()
