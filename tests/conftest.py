@@ -60,6 +60,11 @@ def pytest_configure(config):
     tests beside other mxval processes on one GPU)."""
     if os.environ.get(memory.FRACTION_ENV) and torch.cuda.is_available():
         memory.apply_fraction("cuda")
+    # The shadow's worker process runs at nice 19 by default: beside pytest-xdist workers that
+    # keep every core busy it would wait for CPU, and a test's bounded wait for its verdicts
+    # would measure the host's load. Tests run it at the serving process's priority
+    # (tests/test_shadow.py checks the default).
+    os.environ.setdefault("MXVAL_SHADOW_NICE", "0")
 
 
 @pytest.fixture

@@ -655,15 +655,20 @@ def test_the_worker_runs_at_the_lowest_cpu_priority_with_few_threads(clean, monk
     monkeypatch.setenv(S.ENV_RATE, "0.5")
     monkeypatch.setenv(S.ENV_DIR, str(clean))
     monkeypatch.setenv(S.ENV_THREADS, "3")
-    sh = S.from_env()
-    try:
-        assert sh.ready.wait(120) and sh.checker == "process"
-        assert sh.worker_info == {"nice": min(19, os.nice(0) + S.WORKER_NICE), "threads": 3}
-    finally:
-        sh.stop()
-    monkeypatch.setenv(S.ENV_THREADS, "0")
-    with pytest.raises(env.EnvError, match="MXVAL_SHADOW_THREADS"):
-        S.from_env()
+    monkeypatch.delenv(S.ENV_NICE)                  # the default (the tests' conftest sets 0)
+    for want in (S.WORKER_NICE, 7):
+        sh = S.from_env()
+        try:
+            assert sh.ready.wait(120) and sh.checker == "process"
+            assert sh.worker_info == {"nice": min(19, os.nice(0) + want), "threads": 3}
+        finally:
+            sh.stop()
+        monkeypatch.setenv(S.ENV_NICE, "7")
+    for name, bad in ((S.ENV_THREADS, "0"), (S.ENV_NICE, "20")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(env.EnvError, match=name):
+            S.from_env()
+        monkeypatch.setenv(name, "3")
 
 
 def test_the_worker_does_not_run_the_serving_script_again(tmp_path):

@@ -84,12 +84,14 @@ ENV_DEVICE = "MXVAL_SHADOW_DEVICE"
 ENV_BUDGETS = "MXVAL_SHADOW_BUDGETS"
 ENV_CHECKER = "MXVAL_SHADOW_CHECKER"
 ENV_THREADS = "MXVAL_SHADOW_THREADS"
+ENV_NICE = "MXVAL_SHADOW_NICE"
 CHECKERS = ("process", "thread")    # where the reference and the diff run: a worker process, or a thread here
 CHECKER_DEFAULT = "process"
 WORKER_START_S = 120.0              # the worker's imports (torch, the reference) and CUDA context at most
 # The worker competes with serving for the host's cores (the serving thread launches every
 # kernel: a step is host-bound under eager and short under graphs) only at the lowest CPU
-# priority, with few torch threads (torch's default is one per core).
+# priority, with few torch threads (torch's default is one per core). On a host loaded to
+# every core the worker then waits: its checks slow down and the rate adapts, serving does not.
 WORKER_NICE = 19
 WORKER_THREADS = 4
 RING_DEFAULT = 4
@@ -176,19 +178,24 @@ class _Item:
 class Shadow:
     """The checker and its counters. `directory`: where the log, the counters and the failing
     dumps go; `rate`: the share of steps sampled; `ring`: items in flight at most;
-    `device`: where the reference runs (None: where the records are); `threads`: the worker
-    process's torch threads (it runs at nice WORKER_NICE)."""
+    `device`: where the reference runs (None: where the records are); `threads`, `nice`: the
+    worker process's torch threads and the niceness it adds to its own (None:
+    MXVAL_SHADOW_NICE, else WORKER_NICE)."""
 
     def __init__(self, directory, rate: float, *, ring: int = RING_DEFAULT, seed: int = 0,
                  device: Optional[str] = None, budgets=None, model: str = "deepseek-v4-pro",
                  source: str = "mxval shadow", check=None, prom_every: float = PROM_EVERY,
-                 checker: Optional[str] = None, threads: int = WORKER_THREADS):
+                 checker: Optional[str] = None, threads: int = WORKER_THREADS, nice: Optional[int] = None):
         from harness.run import budgets as B
         if not (isinstance(rate, (int, float)) and 0 < rate <= 1) or not (isinstance(ring, int) and ring >= 1):
             raise ValueError(f"mxval shadow: rate must be in (0, 1] and ring a whole number >= 1 (got rate {rate!r}, "
                              f"ring {ring!r})")
         if not (isinstance(threads, int) and threads >= 1):
             raise ValueError(f"mxval shadow: the worker's threads must be a whole number >= 1 (got {threads!r})")
+        if nice is None:
+            nice = env.integer(ENV_NICE, WORKER_NICE, 0, 19)
+        if not (isinstance(nice, int) and 0 <= nice <= 19):
+            raise ValueError(f"mxval shadow: the worker's nice must be a whole number from 0 to 19 (got {nice!r})")
         if checker is None:                    # a check function runs where it was given: in the thread
             checker = "thread" if check is not None else CHECKER_DEFAULT
         if checker not in CHECKERS:
@@ -206,6 +213,7 @@ class Shadow:
         self.checker = checker
         self.worker = None                     # the worker process (checker "process"), started by the thread
         self.threads = int(threads)
+        self.nice = nice
         self.worker_info: dict = {}            # what the worker reported when ready: its nice value and threads
         self._conn = None
         self.ready = threading.Event()         # set once the checker can take an item (its worker started),
@@ -448,7 +456,8 @@ class Shadow:
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()
         warm = torch.cuda.is_available() and (self.device or "cuda").startswith("cuda")
-        self.worker = ctx.Process(target=_worker_main, args=(there, self.budgets.path, warm, self.threads), daemon=True,
+        self.worker = ctx.Process(target=_worker_main, args=(there, self.budgets.path, warm, self.threads, self.nice),
+                                  daemon=True,
                                   name="mxval-shadow-worker")
         main = sys.modules.get("__main__")
         sys.modules["__main__"] = types.ModuleType("__main__")
@@ -665,13 +674,14 @@ def refused_row(name: str, records: dict, why: str, budgets) -> dict:
                        reason=f"the recorded inputs are outside the ops' contract: {why}"), budgets, SUITE)
 
 
-def _worker_main(conn, budgets_path, warm_cuda: bool = False, threads: int = WORKER_THREADS) -> None:
-    """The worker process (checker "process"): at nice WORKER_NICE with `threads` torch
+def _worker_main(conn, budgets_path, warm_cuda: bool = False, threads: int = WORKER_THREADS,
+                 nice: int = WORKER_NICE) -> None:
+    """The worker process (checker "process"): `nice` added to its niceness, `threads` torch
     threads; per message (name, records, device, dump path, dump meta) the verdict row, a
     failing item written as its dump, sent back as ("row", row, dump or None), or ("error",
     why) for a failure of the worker's own."""
     try:
-        os.nice(WORKER_NICE)                   # capped at the system's lowest priority
+        os.nice(nice)                          # capped at the system's lowest priority
     except OSError:
         pass
     torch.set_num_threads(threads)
