@@ -507,8 +507,18 @@ def test_bench_flags_the_catalogue_fault_and_its_dump_reproduces(interpreted):
     assert f["diff_status"] == "fail" and f["diff_same"] and "k_norm_rope_mxfp4_cache" in f["reason"]
 
 
-def test_bench_correct_loop_gets_no_alarm(interpreted):
+def test_bench_correct_loop_gets_no_alarm(interpreted, monkeypatch):
+    from harness.bench.capture import D, DecodeLoop
+    loop = DecodeLoop(**BENCH_SHAPE, device="cpu")
+    before = (loop.q.clone(), loop.state.clone(), loop.weights.clone())
+    loop.refill(torch.Generator().manual_seed(1))
+    assert not any(torch.equal(a, b) for a, b in zip(before, (loop.q, loop.state, loop.weights)))
+    assert loop.state[..., 2 * D:].std() > 1.5 * loop.state[..., :2 * D].std()     # scores spread wider, as built
+    refills = []
+    real = DecodeLoop.refill
+    monkeypatch.setattr(DecodeLoop, "refill", lambda self, g: (refills.append(1), real(self, g)))
     a = interpreted.alarms(BENCH_SHAPE, sampled=4, mode="eager", device="cpu", ring=2)
+    assert len(refills) == a["ran"] == 4                   # new inputs for every checked step
     assert a["counts"]["checked"] >= 4 and a["counts"]["failed"] == 0 and a["counts"]["skipped"] == 0
     text = "\n".join(interpreted.table([], None, a, None, shape=BENCH_SHAPE, machine="CPU"))
     assert f"{a['counts']['checked']} sampled steps checked, 0 alarms" in text

@@ -139,8 +139,8 @@ class DecodeLoop:
         self.width = pps * PAGE
         # compressor state: two physical blocks per sequence, used in turn (a window of
         # 2 * RATIO tokens spans at most two blocks)
-        self.state = (torch.randn(batch * 2, STATE_BLOCK, 4 * D, generator=g) *
-                      torch.tensor([1.0] * (2 * D) + [2.0] * (2 * D))).to(dev)
+        self._state_scale = torch.tensor([1.0] * (2 * D) + [2.0] * (2 * D)).to(dev)    # scores spread wider
+        self.state = (torch.randn(batch * 2, STATE_BLOCK, 4 * D, generator=g) * self._state_scale.cpu()).to(dev)
         self.state_table = (2 * torch.arange(batch)[:, None] + torch.arange(nsb)[None] % 2).to(torch.int32).to(dev)
         self.req = torch.arange(batch, dtype=torch.int32, device=dev)
         self.positions = (context + torch.arange(batch)).to(dev)           # staggered: 1 in 4 writes per step
@@ -164,6 +164,14 @@ class DecodeLoop:
         self.ctx = torch.empty(batch, dtype=torch.int32, device=dev)
         self.logits = torch.empty(batch, self.width, device=dev)
         self.idx = torch.full((batch, k), -1, dtype=torch.int32, device=dev)
+
+    def refill(self, g: torch.Generator) -> None:
+        """New queries, head weights and compressor state, drawn as at construction, written
+        in place (the static buffers a captured step reads): a long run checks new inputs at
+        every step, not the same few again."""
+        self.state.normal_(generator=g).mul_(self._state_scale)
+        self.q.copy_(torch.randn(self.q.shape, generator=g, device=self.q.device))
+        self.weights.normal_(generator=g)
 
     def step(self) -> None:
         """One decode step of every layer, then the positions move on (all on the device)."""

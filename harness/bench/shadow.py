@@ -230,8 +230,10 @@ def _writes(loop: DecodeLoop, step: int) -> bool:
 def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cuda", ring: int = 4,
            checker: str = "process", seconds: Optional[float] = None) -> dict:
     """A correct loop, `sampled` steps each checked (rate 1; the loop waits for the checker
-    every `ring` steps, so nothing is skipped): the failing verdicts (target 0). `seconds`:
-    a time limit (the result says how many steps ran before it)."""
+    every `ring` steps, so nothing is skipped), each step on new queries, head weights and
+    compressor state (`DecodeLoop.refill`; the positions repeat every REWIND steps): the
+    failing verdicts (target 0). `seconds`: a time limit (the result says how many steps ran
+    before it)."""
     with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-alarms-") as tmp:
         loop = _loop(shape, device)
         t = time.perf_counter()
@@ -241,7 +243,9 @@ def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cud
             _sync(device)
             sh.join(600)          # the warm-up's items checked first: a full queue would halve the rate
             ran = 0
+            fresh = torch.Generator(device=device).manual_seed(1)
             for i in range(sampled):
+                loop.refill(fresh)           # after the last step's recording copies, in stream order
                 _step(loop, run)
                 ran += 1
                 if (i + 1) % ring == 0:
