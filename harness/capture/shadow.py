@@ -21,15 +21,15 @@ checker thread takes off the serving path:
 
 Sampling is deterministic: step S is sampled at rate r when a splitmix64 hash of (seed, S)
 is below r * 2^64 (the same steps on every rank and every run with the same seed; a halved
-rate keeps a subset of them). Bounds: a sampled step
-that finds the queue full is skipped (counted) and halves the rate (`rate_halvings`,
-`rate` in the counters); once RECOVER_AFTER sampled steps in a row are admitted with the checker
-keeping up (at most half the ring waiting), a halved rate doubles back, never above the rate asked for
-(`rate_raises`): a burst, such as a warm-up that fills the queue, costs the rate for a
-while, not for good; the serving thread never waits for the checker. Any exception inside the shadow path (recording, copying, checking,
-writing) is logged once, recorded in the log, and switches the shadow off; serving goes on
-untouched. A checker that stops (killed, or `stop()`) leaves every verdict already counted
-in the log; later sampled steps are counted as skipped. A sampled step whose recorded inputs
+rate keeps a subset of them). Bounds: a sampled step that finds the queue full is skipped
+(counted) and halves the rate (`rate_halvings`, `rate` in the counters); once RECOVER_AFTER
+sampled steps in a row are admitted with the checker keeping up (at most half the ring
+waiting), a halved rate doubles back, never above the rate asked for (`rate_raises`): a
+burst, such as a warm-up that fills the queue, costs the rate for a while, not for good.
+The serving thread never waits for the checker. Any exception inside the shadow path
+(recording, copying, checking, writing) is logged once, recorded in the log, and switches
+the shadow off; serving goes on untouched. A checker that stops (killed, or `stop()`)
+leaves every verdict already counted in the log; later sampled steps are counted as skipped. A sampled step whose recorded inputs
 the reference's op checks reject (a block table past the pool, a position past the RoPE
 table) is no shadow failure but a finding about the served inputs: a failing verdict
 (status `error`, the reason the checks give) with its dump kept, and the shadow goes on.
@@ -206,7 +206,7 @@ class Shadow:
         os.makedirs(os.path.join(self.directory, FAILURES), exist_ok=True)
         self.rate, self.ring, self.seed, self.device = float(rate), int(ring), int(seed), device
         self.rate_asked = self.rate
-        self._idle_run = 0                     # sampled steps in a row admitted with half the ring free
+        self._kept_up = 0                     # sampled steps in a row admitted with half the ring free
         self.budgets = budgets if isinstance(budgets, B.Budgets) else B.load(budgets)
         self.model, self.source = model, source
         self.check = check if check is not None else self._check
@@ -261,12 +261,12 @@ class Shadow:
                 self._behind_locked()
                 return False
             self.counts["sampled"] += 1
-            self._idle_run = self._idle_run + 1 if self.items.qsize() <= self.ring // 2 else 0
-            if self._idle_run >= RECOVER_AFTER and self.rate < self.rate_asked:
+            self._kept_up = self._kept_up + 1 if self.items.qsize() <= self.ring // 2 else 0
+            if self._kept_up >= RECOVER_AFTER and self.rate < self.rate_asked:
                 self.rate = min(self.rate_asked, self.rate * 2)
                 self.counts["rate_raises"] += 1
                 self.counts["rate"] = self.rate
-                self._idle_run = 0
+                self._kept_up = 0
             return True
 
     def behind(self) -> None:
@@ -276,7 +276,7 @@ class Shadow:
 
     def _behind_locked(self) -> None:
         self.counts["skipped"] += 1
-        self._idle_run = 0
+        self._kept_up = 0
         if self._accepting:                    # a stopped checker is not slow: nothing to adapt
             self.rate /= 2
             self.counts["rate_halvings"] += 1
@@ -457,8 +457,7 @@ class Shadow:
         here, there = ctx.Pipe()
         warm = torch.cuda.is_available() and (self.device or "cuda").startswith("cuda")
         self.worker = ctx.Process(target=_worker_main, args=(there, self.budgets.path, warm, self.threads, self.nice),
-                                  daemon=True,
-                                  name="mxval-shadow-worker")
+                                  daemon=True, name="mxval-shadow-worker")
         main = sys.modules.get("__main__")
         sys.modules["__main__"] = types.ModuleType("__main__")
         try:
