@@ -29,10 +29,11 @@ burst, such as a warm-up that fills the queue, costs the rate for a while, not f
 The serving thread never waits for the checker. Any exception inside the shadow path
 (recording, copying, checking, writing) is logged once, recorded in the log, and switches
 the shadow off; serving goes on untouched. A checker that stops (killed, or `stop()`)
-leaves every verdict already counted in the log; later sampled steps are counted as skipped. A sampled step whose recorded inputs
-the reference's op checks reject (a block table past the pool, a position past the RoPE
-table) is no shadow failure but a finding about the served inputs: a failing verdict
-(status `error`, the reason the checks give) with its dump kept, and the shadow goes on.
+leaves every verdict already counted in the log; later sampled steps are counted as skipped.
+A sampled step whose recorded inputs the reference's op checks reject (a block table past
+the pool, a position past the RoPE table) is no shadow failure but a finding about the
+served inputs: a failing verdict (status `error`, the reason the checks give) with its dump
+kept, and the shadow goes on.
 
 Graph captures: a CUDA graph captured in CUDA's global capture mode (torch's default, and
 vLLM's) fails when any other thread of the process makes a device call meanwhile. The hook
