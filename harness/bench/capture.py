@@ -139,8 +139,9 @@ class DecodeLoop:
         self.width = pps * PAGE
         # compressor state: two physical blocks per sequence, used in turn (a window of
         # 2 * RATIO tokens spans at most two blocks)
-        self._state_scale = torch.tensor([1.0] * (2 * D) + [2.0] * (2 * D)).to(dev)    # scores spread wider
-        self.state = (torch.randn(batch * 2, STATE_BLOCK, 4 * D, generator=g) * self._state_scale.cpu()).to(dev)
+        scale = torch.tensor([1.0] * (2 * D) + [2.0] * (2 * D))                          # scores spread wider
+        self.state = (torch.randn(batch * 2, STATE_BLOCK, 4 * D, generator=g) * scale).to(dev)
+        self._state_scale = scale.to(dev)                                                 # for refill
         self.state_table = (2 * torch.arange(batch)[:, None] + torch.arange(nsb)[None] % 2).to(torch.int32).to(dev)
         self.req = torch.arange(batch, dtype=torch.int32, device=dev)
         self.positions = (context + torch.arange(batch)).to(dev)           # staggered: 1 in 4 writes per step

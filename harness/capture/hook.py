@@ -645,10 +645,14 @@ def _capture_call(fn, op: str, arg_map: ArgMap, bind, args, kwargs, extra: Optio
         if mode == GRAPH:                      # copies captured into the graph, before the call
             # a Staged input is staged as its view: its finishing work (a cat, a cast) runs
             # when a sampled replay is read, not in the graph at every replay
-            finish = {name: (lambda t, f=g.finish, b=bound: f(t, b)) for name, g in arg_map.inputs.items()
-                      if isinstance(g, Staged)}
-            ins = _stage_all({name: g.view(bound) if isinstance(g, Staged) else _get(g, bound)
-                              for name, g in arg_map.inputs.items()}, _S.capture)
+            views = {}
+            for name, g in arg_map.inputs.items():
+                if isinstance(g, Staged):
+                    views[name] = g.view(bound)
+                    finish[name] = g.finisher(bound)
+                else:
+                    views[name] = _get(g, bound)
+            ins = _stage_all(views, _S.capture)
         else:
             ins = {name: _clone(_get(g, bound)) for name, g in arg_map.inputs.items()}
         scalars = {name: (_get(g, bound) if callable(g) or isinstance(g, str) and g in bound else g)

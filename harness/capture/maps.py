@@ -71,6 +71,10 @@ class Staged:
     def __call__(self, bound: dict):
         return self.finish(self.view(bound), bound)
 
+    def finisher(self, bound: dict) -> Callable[[Any], Any]:
+        """`finish` for the call `bound`, as a function of the staged view alone."""
+        return lambda view: self.finish(view, bound)
+
 
 Getter = Union[str, Callable[[dict], Any], Staged]
 

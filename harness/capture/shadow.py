@@ -181,20 +181,22 @@ class Shadow:
     dumps go; `rate`: the share of steps sampled; `ring`: items in flight at most;
     `device`: where the reference runs (None: where the records are); `threads`, `nice`: the
     worker process's torch threads and the niceness it adds to its own (None:
-    MXVAL_SHADOW_NICE, else WORKER_NICE)."""
+    MXVAL_SHADOW_THREADS / MXVAL_SHADOW_NICE, else WORKER_THREADS / WORKER_NICE)."""
 
     def __init__(self, directory, rate: float, *, ring: int = RING_DEFAULT, seed: int = 0,
                  device: Optional[str] = None, budgets=None, model: str = "deepseek-v4-pro",
                  source: str = "mxval shadow", check=None, prom_every: float = PROM_EVERY,
-                 checker: Optional[str] = None, threads: int = WORKER_THREADS, nice: Optional[int] = None):
+                 checker: Optional[str] = None, threads: Optional[int] = None, nice: Optional[int] = None):
         from harness.run import budgets as B
         if not (isinstance(rate, (int, float)) and 0 < rate <= 1) or not (isinstance(ring, int) and ring >= 1):
             raise ValueError(f"mxval shadow: rate must be in (0, 1] and ring a whole number >= 1 (got rate {rate!r}, "
                              f"ring {ring!r})")
-        if not (isinstance(threads, int) and threads >= 1):
-            raise ValueError(f"mxval shadow: the worker's threads must be a whole number >= 1 (got {threads!r})")
+        if threads is None:
+            threads = env.integer(ENV_THREADS, WORKER_THREADS, 1, 4096)
         if nice is None:
             nice = env.integer(ENV_NICE, WORKER_NICE, 0, 19)
+        if not (isinstance(threads, int) and threads >= 1):
+            raise ValueError(f"mxval shadow: the worker's threads must be a whole number >= 1 (got {threads!r})")
         if not (isinstance(nice, int) and 0 <= nice <= 19):
             raise ValueError(f"mxval shadow: the worker's nice must be a whole number from 0 to 19 (got {nice!r})")
         if checker is None:                    # a check function runs where it was given: in the thread
@@ -213,7 +215,7 @@ class Shadow:
         self.check = check if check is not None else self._check
         self.checker = checker
         self.worker = None                     # the worker process (checker "process"), started by the thread
-        self.threads = int(threads)
+        self.threads = threads
         self.nice = nice
         self.worker_info: dict = {}            # what the worker reported when ready: its nice value and threads
         self._conn = None
@@ -767,9 +769,8 @@ def from_env(*, model: str = "deepseek-v4-pro", source: str = "mxval shadow") ->
     checker = env.text(ENV_CHECKER) or CHECKER_DEFAULT
     if checker not in CHECKERS:
         raise env.EnvError(f"{ENV_CHECKER}={env.show(checker)}: expected one of {', '.join(CHECKERS)}")
-    threads = env.integer(ENV_THREADS, WORKER_THREADS, 1, 4096)
     return Shadow(directory, rate, ring=ring, seed=seed, device=device, budgets=env.text(ENV_BUDGETS) or None,
-                  model=model, source=source, checker=checker, threads=threads)
+                  model=model, source=source, checker=checker)
 
 
 def read_log(path) -> tuple[list[dict], list[str]]:
