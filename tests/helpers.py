@@ -492,6 +492,57 @@ class FakeGraph:
             w()
 
 
+class NodeGraph(FakeGraph):
+    """FakeGraph that keeps its graph on request (torch's keep_graph, `instantiate`,
+    `raw_cuda_graph_exec`) and whose work items are nodes the driver can disable in the
+    instantiated graph (FakeNodes): replay() skips a disabled one, and notes which were."""
+    execs: dict = {}
+
+    def __init__(self, keep_graph=False):
+        super().__init__()
+        self.keep, self.exec_, self.disabled, self.replays = keep_graph, None, set(), []
+
+    def capture_end(self):
+        super().capture_end()
+        if not self.keep:
+            self.instantiate()
+
+    def instantiate(self):
+        self.exec_ = 1000 + len(NodeGraph.execs)
+        NodeGraph.execs[self.exec_] = self
+
+    def raw_cuda_graph_exec(self):
+        if self.exec_ is None:
+            raise RuntimeError("not instantiated")
+        return self.exec_
+
+    def replay(self):
+        if self.exec_ is None:
+            self.instantiate()
+        self.replays.append(frozenset(self.disabled))
+        for i, w in enumerate(self.work):
+            if i not in self.disabled:
+                w()
+
+
+class FakeNodes:
+    """harness.capture.nodes.Nodes over NodeGraph: a node is the index of a work item; `fail`
+    makes set_enabled raise for the switches it names (True: on, False: off)."""
+
+    def __init__(self, fail=()):
+        self.calls, self.fail = [], set(fail)
+
+    def last(self, stream=None):
+        return len(FakeGraph.capturing.work) - 1
+
+    def set_enabled(self, exec_, node, on):
+        if bool(on) in self.fail:
+            raise RuntimeError(f"node switch {'on' if on else 'off'} refused")
+        self.calls.append((exec_, node, bool(on)))
+        g = NodeGraph.execs[exec_]
+        (g.disabled.discard if on else g.disabled.add)(node)
+
+
 def emit(work):
     if FakeGraph.capturing is not None:
         FakeGraph.capturing.work.append(work)
@@ -505,5 +556,10 @@ def fake_graphs(monkeypatch, hook) -> None:
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph, raising=False)
     monkeypatch.setattr(hook, "_graph_capturing", lambda: FakeGraph.capturing is not None)
     real = hook._stage_copies
-    monkeypatch.setattr(hook, "_stage_copies", lambda flag, pairs: emit(lambda: real(flag, pairs)))
+
+    def stage(flag, pairs, launched=None):           # one emitted work item: one launch
+        emit(lambda: real(flag, pairs))
+        if launched is not None:
+            launched()
+    monkeypatch.setattr(hook, "_stage_copies", stage)
     monkeypatch.setattr(FakeGraph, "capturing", None)

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import emit, fake_graphs, make_layer
+from helpers import FakeNodes, NodeGraph, emit, fake_graphs, make_layer
 
 import optimized
 import reference
@@ -436,6 +436,111 @@ def test_graph_replays_are_checked_and_the_ring_positions_come_back(clean, monke
     assert bad
     (r,) = replay_dump(read_dump(bad[0]["dump"]))
     assert not r.ok({"topk_below_threshold": 0, "topk_rows_not_exact_frac": 0})
+
+
+def _node_graph(monkeypatch, clean, rate, nodes):
+    """A graph (NodeGraph) of one recorded top-k call with a fault on long rows, the shadow
+    at `rate` with node switching faked by `nodes`; (graph, fault_acts(step))."""
+    fake_graphs(monkeypatch, hook)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", NodeGraph)
+    monkeypatch.setattr(NodeGraph, "execs", {})
+    monkeypatch.setattr(hook.graph_nodes, "api", lambda: nodes)
+    monkeypatch.setenv("MXVAL_CAPTURE_AUTO_LAYERS", "1")
+    monkeypatch.setenv("MXVAL_CAPTURE_ANCHOR", "topk")
+    install([], quiet=True, shadow=S.Shadow(clean, rate, ring=2))
+
+    def fault_topk(logits, lengths, out, k):
+        def work():
+            idx = reference.topk(logits=logits, lengths=lengths, k=k)["indices"]
+            if int(lengths[0]) > 30:
+                idx[0, -1] = logits[0, :int(lengths[0])].argmin()
+            out.copy_(idx)
+        emit(work)
+    topk = wrap(fault_topk, "topk", capture.VLLM_TOPK)
+    logits, lengths = torch.zeros(3, 40), torch.zeros(3, dtype=torch.int32)
+    out = torch.full((3, 7), -1, dtype=torch.int32)
+    g = torch.cuda.CUDAGraph()
+    g.capture_begin()
+    topk(logits, lengths, out[:, :5], 5)
+    g.capture_end()
+    gen, long = torch.Generator().manual_seed(0), []
+
+    def step():
+        logits.copy_(torch.randn(3, 40, generator=gen))
+        lengths.copy_(torch.randint(6, 41, (3,), generator=gen))
+        long.append(int(lengths[0]) > 30)
+        g.replay()
+        capture.current_shadow().join(20)
+    return g, step, long
+
+
+def test_graph_recording_copies_are_switched_off_in_the_graph_except_on_sampled_replays(clean, monkeypatch):
+    """The hook keeps the graph (keep_graph) and instantiates it, disables its recording
+    copies' nodes, and enables them for a sampled replay only: an unsampled replay launches
+    none, and every sampled one records the replay's own fields (the fault flagged exactly
+    where it acts; with the copies left off the staging would hold an earlier replay's)."""
+    nodes = FakeNodes()
+    g, step, long = _node_graph(monkeypatch, clean, 0.5, nodes)
+    rec = getattr(g, hook.GRAPH_ATTR)
+    assert g.keep and getattr(g, hook.KEPT_ATTR) and g.exec_ is not None
+    staged = [i for i in range(len(g.work)) if i != 1]           # 0: inputs, 1: the op, 2: outputs
+    assert rec.nodes == staged and g.disabled == set(staged)
+    for _ in range(40):
+        step()
+    sampled = {e["step"] for e in _verdicts(clean)}
+    assert 5 < len(sampled) < 35
+    assert [not d for d in g.replays] == [s in sampled for s in range(40)]
+    assert all(d in (frozenset(), frozenset(staged)) for d in g.replays)
+    for e in _verdicts(clean):
+        assert e["ok"] == (not long[e["step"]])
+    switches = len(nodes.calls)
+    assert switches == len(staged) * (1 + sum(a != b for a, b in zip(g.replays, g.replays[1:])) + (not g.replays[0]))
+
+
+def test_graph_nodes_that_cannot_be_switched_leave_the_copies_on_and_recording_right(clean, monkeypatch):
+    """A node switch refused when the capture ends: the copies stay in the graph at every
+    replay, their flag deciding; refused when a sampled replay needs them on: that step is
+    not recorded and the shadow goes off (serving goes on)."""
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        g, step, long = _node_graph(monkeypatch, clean, 0.5, FakeNodes(fail={False}))
+    rec = getattr(g, hook.GRAPH_ATTR)
+    assert rec.nodes is None and not g.disabled
+    assert any("recording copies left on" in str(x.message) for x in w)
+    for _ in range(20):
+        step()
+    v = _verdicts(clean)
+    assert v and all(e["ok"] == (not long[e["step"]]) for e in v)
+    uninstall()
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        g, step, long = _node_graph(monkeypatch, clean / "on", 1.0, FakeNodes(fail={True}))
+        step()
+        step()
+    assert g.disabled and all(d for d in g.replays)                 # never switched on
+    sh = capture.current_shadow()
+    assert not sh.enabled and "not armed" in _log(clean / "on")[-1]["why"]
+    assert not _verdicts(clean / "on")
+
+
+def test_graphs_the_hook_does_not_make_keep_are_not_switched(clean, monkeypatch):
+    """A graph made before install, or one its caller keeps itself (and so instantiates
+    itself), is left as made: its copies stay in the graph, their flag deciding; uninstall
+    gives CUDAGraph its own __init__ back."""
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", NodeGraph)
+    before = NodeGraph()
+    own = NodeGraph.__dict__["__init__"]
+    g, step, long = _node_graph(monkeypatch, clean, 1.0, FakeNodes())
+    assert NodeGraph.__init__ is not own
+    for mine in (before, NodeGraph(keep_graph=True)):
+        assert not getattr(mine, hook.KEPT_ATTR, False)
+    theirs = NodeGraph(keep_graph=True)
+    theirs.capture_begin()
+    theirs.capture_end()
+    assert theirs.exec_ is None                          # not instantiated for them
+    uninstall()
+    assert NodeGraph.__dict__["__init__"] is own
 
 
 KILLED = r"""

@@ -22,6 +22,7 @@ from harness.io.dumps import write_dump
 from harness.run.replay import record_op
 from optimized import upstream
 
+from . import nodes as graph_nodes
 from . import shadow as shadow_mode
 from .maps import CACHED_LOOKUPS, LAST, TARGETS, ArgMap, Selection, Staged, _get
 
@@ -34,6 +35,7 @@ ENV_MODEL = "MXVAL_CAPTURE_MODEL"
 ENV_RING = "MXVAL_CAPTURE_RING"
 RING_DEFAULT = 4
 GRAPH_ATTR = "_mxval_capture"          # a captured graph's record set, on the CUDAGraph object
+KEPT_ATTR = "_mxval_kept"              # on a CUDAGraph the hook made keep its graph (its nodes can be switched)
 
 
 # --- state --------------------------------------------------------------------------------
@@ -91,6 +93,11 @@ class _GraphRecord:
     busy: set = field(default_factory=set)              # shadow mode: ring positions not yet checked
     flag: Optional[torch.Tensor] = None                 # int32 on the device: the replay's step is chosen
     flag_on: Optional[bool] = None                      # what the flag holds now (None: not yet set)
+    # the recording copies' kernel nodes (harness.capture.nodes), switched on for chosen
+    # replays only; None: not switchable (the copies run at every replay, their flag decides)
+    nodes: Optional[list] = None
+    exec_: Optional[int] = None                         # the instantiated graph the nodes are switched in
+    nodes_on: bool = True                               # what the nodes are now (enabled when captured)
 
 
 class _State:
@@ -283,12 +290,13 @@ def _clone(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
-def _stage_copies(flag: torch.Tensor, pairs: list) -> None:
+def _stage_copies(flag: torch.Tensor, pairs: list, launched: Optional[Callable[[], None]] = None) -> None:
     """stage = src for every (src, stage) pair, on the device, when `flag` is set at the time
     the copies run (captured: the graph repeats this at every replay, and a replay whose
     step is not chosen, its flag clear, copies nothing). On a GPU one launch of
-    optimized.triton_kernels.copy_if per call; where that kernel cannot run (no compiled
-    Triton, a field that is not contiguous) plain copies that run at every replay."""
+    optimized.triton_kernels.copy_if per call, `launched()` called after each (the capture
+    notes its node); where that kernel cannot run (no compiled Triton, a field that is not
+    contiguous) plain copies that run at every replay."""
     if flag.device.type == "cpu":                 # read when it runs (graphs on the host: the tests')
         if int(flag):
             for src, stage in pairs:
@@ -302,7 +310,7 @@ def _stage_copies(flag: torch.Tensor, pairs: list) -> None:
         else:
             stage.copy_(src)
     if flagged:
-        fast(flag, flagged)
+        fast(flag, flagged, launched)
 
 
 def _copy_if():
@@ -355,8 +363,22 @@ def _stage_all(values: dict, rec: "_GraphRecord") -> dict:
         if rec.flag is None:                   # torch.empty launches nothing into the graph
             rec.flag = torch.empty(1, dtype=torch.int32, device=v.device)
     if pairs:
-        _stage_copies(rec.flag, pairs)
+        _stage_copies(rec.flag, pairs, None if rec.nodes is None else lambda: _note_node(rec))
     return stages
+
+
+def _note_node(rec: "_GraphRecord") -> None:
+    """The recording copy just captured noted as a node to switch (harness.capture.nodes);
+    where it cannot be told, the record's copies are not switched (they stay in the graph,
+    their flag deciding)."""
+    if rec.nodes is None:
+        return
+    try:
+        rec.nodes.append(graph_nodes.api().last())
+    except Exception as e:
+        rec.nodes = None
+        _warn_once("nodes", f"recording copies left on at every replay: their graph nodes are not known "
+                            f"({type(e).__name__}: {e})")
 
 
 # --- graphs: capture, replay, drain ----------------------------------------------------------
@@ -366,6 +388,8 @@ def _capture_begin(orig):
     def capture_begin(self, *args, **kwargs):
         with _S.lock:
             _S.capture = _GraphRecord() if _S.config is not None else None
+            if _S.capture is not None and getattr(self, KEPT_ATTR, False):
+                _S.capture.nodes = []          # its copies' nodes are noted, to be switched off
             _refresh()
             sh = _S.shadow
         if _S.capture is not None:
@@ -405,6 +429,8 @@ def _capture_end(orig):
     def capture_end(self, *args, **kwargs):
         try:
             out = orig(self, *args, **kwargs)
+            if getattr(self, KEPT_ATTR, False):
+                self.instantiate()            # what capture_end does for a graph not kept
         finally:
             with _S.lock:
                 rec, _S.capture = _S.capture, None
@@ -415,11 +441,43 @@ def _capture_end(orig):
             if rec is not None and rec.calls and _S.config is not None:
                 try:
                     _ring_buffers(rec, _S.config.ring)
-                    setattr(self, GRAPH_ATTR, rec)
                 except Exception as e:        # out of memory, say: the graph runs unrecorded
                     _warn_once("ring", f"graph not recorded: cannot allocate its ring ({type(e).__name__}: {e})")
+                    return out
+                if _switch_off(self, rec):
+                    setattr(self, GRAPH_ATTR, rec)
         return out
     return capture_end
+
+
+def _switch_off(graph, rec: _GraphRecord) -> bool:
+    """The record's copy nodes disabled in the instantiated graph (a replay whose step is
+    not chosen then launches none of them). False when the graph must run unrecorded: a
+    node left off by a failure could not be switched on again, and a chosen replay would
+    record stale staging buffers."""
+    if not rec.nodes:
+        rec.nodes = None
+        return True
+    done = []
+    try:
+        rec.exec_ = graph.raw_cuda_graph_exec()
+        for n in rec.nodes:
+            graph_nodes.api().set_enabled(rec.exec_, n, False)
+            done.append(n)
+        rec.nodes_on = False
+        return True
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"
+    try:
+        for n in done:
+            graph_nodes.api().set_enabled(rec.exec_, n, True)
+    except Exception as e:
+        _warn_once("nodes", f"graph not recorded: its recording copies cannot be switched on again "
+                            f"({why}; then {type(e).__name__}: {e})")
+        return False
+    rec.nodes = None
+    _warn_once("nodes", f"recording copies left on at every replay: their graph nodes cannot be switched ({why})")
+    return True
 
 
 def _replay(orig):
@@ -436,7 +494,7 @@ def _replay(orig):
                 raise
             _trouble("shadow:replay", f"shadow: replay not recorded ({type(e).__name__}: {e})")
             pos = None
-        if not _set_flag(rec, pos is not None) and pos is not None:
+        if not _arm(rec, pos is not None) and pos is not None:
             rec.busy.discard(pos[0] if isinstance(pos, tuple) else pos)   # the copies would not run
             pos = None
         out = orig(self, *args, **kwargs)
@@ -461,21 +519,32 @@ def _replay(orig):
     return replay
 
 
-def _set_flag(rec: _GraphRecord, on: bool) -> bool:
-    """The record's flag set for the coming replay (its recording copies run only when on),
-    written on the replay's stream before it, only when it changes; False when it could not
-    be set (in shadow mode: logged, the shadow switched off)."""
-    if rec.flag is None or rec.flag_on is on:
-        return True
+def _arm(rec: _GraphRecord, on: bool) -> bool:
+    """The record's recording copies armed for the coming replay (on) or not: their flag
+    written on the replay's stream before it, and their graph nodes switched (from the
+    graph's next launch), each only when it changes. False when the copies would not run
+    on a chosen replay (in shadow mode: logged, the shadow switched off); a failure to
+    switch the nodes off leaves them on (the flag still keeps them from copying)."""
     try:
-        rec.flag.fill_(int(on))
-        rec.flag_on = on
+        if rec.flag is not None and rec.flag_on is not on:
+            rec.flag_on = None
+            rec.flag.fill_(int(on))
+            rec.flag_on = on
+        if rec.nodes is not None and rec.nodes_on is not on:
+            try:
+                for n in rec.nodes:
+                    graph_nodes.api().set_enabled(rec.exec_, n, on)
+            except Exception as e:
+                if on:
+                    raise
+                rec.nodes = None                      # on for good: the flag decides
+                _warn_once("nodes", f"recording copies left on at every replay ({type(e).__name__}: {e})")
+            rec.nodes_on = on
         return True
     except Exception as e:
-        rec.flag_on = None
         if _S.shadow is None:
             raise
-        _trouble("shadow:replay", f"shadow: replay flag not set ({type(e).__name__}: {e})")
+        _trouble("shadow:replay", f"shadow: replay copies not armed ({type(e).__name__}: {e})")
         return False
 
 
@@ -755,11 +824,42 @@ def _rebind(mod, orig, new, prefixes) -> None:
                     _S.rebound.append((h, name, orig))
 
 
+def _graph_init(orig):
+    """CUDAGraph.__init__ that keeps the graph a capture builds (keep_graph=True) where the
+    caller did not ask to and graph nodes can be switched in this process: the recording
+    copies' nodes are handles into that graph (harness.capture.nodes). The hook's
+    capture_end instantiates such a graph, as torch's does for a graph not kept."""
+    def __init__(self, *args, **kwargs):
+        asked = bool(args[0] if args else kwargs.get("keep_graph", False))
+        if asked or len(args) + len(kwargs) > 1 or _S.config is None or graph_nodes.api() is None:
+            return orig(self, *args, **kwargs)
+        orig(self, True)
+        setattr(self, KEPT_ATTR, True)
+    return __init__
+
+
+def _wrap_graph_init(cls) -> None:
+    """Wrap cls.__init__ with _graph_init where the class keeps graphs on request (torch's
+    `instantiate` and `raw_cuda_graph_exec`, with its keep_graph argument); removed again
+    (or restored) by uninstall."""
+    orig = getattr(cls, "__init__", None)
+    if orig is None or getattr(orig, "__mxval_capture__", None) or \
+            not all(hasattr(cls, m) for m in ("instantiate", "raw_cuda_graph_exec")):
+        return
+    new = _graph_init(orig)
+    new.__mxval_capture__ = "__init__"
+    own = "__init__" in cls.__dict__
+    cls.__init__ = new
+    _S.installed.append((cls, "__init__", orig if own else INHERITED))
+
+
 def _wrap_graphs() -> None:
-    """Wrap torch.cuda.CUDAGraph's capture_begin, capture_end and replay (once)."""
+    """Wrap torch.cuda.CUDAGraph's capture_begin, capture_end and replay (once), and its
+    __init__ (harness.capture.nodes: graphs kept, their recording copies switched)."""
     cls = getattr(torch.cuda, "CUDAGraph", None)
     if cls is None:
         return
+    _wrap_graph_init(cls)
     for name, make in GRAPH_METHODS.items():
         orig = getattr(cls, name, None)
         if orig is None or getattr(orig, "__mxval_capture__", None):

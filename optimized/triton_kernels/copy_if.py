@@ -68,9 +68,10 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
 
 
-def copy_if(flag: torch.Tensor, pairs: list) -> None:
+def copy_if(flag: torch.Tensor, pairs: list, launched=None) -> None:
     """dst = src for every (src, dst) in `pairs` (same shape and dtype, both contiguous, on
-    flag's device) when flag[0] != 0 at the time the launch runs; nothing otherwise."""
+    flag's device) when flag[0] != 0 at the time the launch runs; nothing otherwise.
+    `launched()`, when given, is called after each launch (a graph capture notes the node)."""
     if flag.dtype != torch.int32 or flag.numel() != 1:
         raise ValueError("the flag is one int32 element")
     segs = []
@@ -86,6 +87,8 @@ def copy_if(flag: torch.Tensor, pairs: list) -> None:
         chunk += [(none, none, 0)] * (SEGMENTS - len(chunk))      # unused slots copy nothing
         args = [a for seg in chunk for a in seg]
         _copy_if_kernel[(PROGRAMS,)](flag, *args, BLOCK=BLOCK)
+        if launched is not None:
+            launched()
 
 
 def warm(device) -> None:
