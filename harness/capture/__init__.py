@@ -27,8 +27,11 @@ install() also wraps `torch.cuda.CUDAGraph.capture_begin`, `capture_end` and `re
 During a capture, a call on a chosen layer records device-to-device copies of its fields
 into staging buffers allocated then, so the copies are part of the graph; they run only on
 replays whose step is chosen (one launch per recorded call reads a device flag the hook
-sets before such a replay, optimized/triton_kernels/copy_if.py: other replays pay a
-near-empty kernel per recorded call, not the copies). When the capture ends, the hook preallocates a ring of RING buffers per field,
+sets before such a replay, optimized/triton_kernels/copy_if.py), and where the driver
+allows their graph nodes are switched off between chosen replays (harness.capture.nodes:
+graphs created while installed keep their template graph for it, and are instantiated
+at capture_end): other replays launch none of them, or where nodes cannot be switched a
+near-empty kernel per launch. When the capture ends, the hook preallocates a ring of RING buffers per field,
 outside the graph's memory pool (the graph lends a staging buffer's bytes to its earlier
 kernels, so a staged field lives only to the end of a replay). After a replay whose step
 is chosen, the hook copies the staged fields into the step's ring position (device to

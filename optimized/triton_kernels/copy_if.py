@@ -8,6 +8,9 @@ for up to SEGMENTS contiguous (source, destination) pairs that reads one int32 f
 the device first: 0, and the launch ends at once (a replay pays one near-empty kernel per
 recorded call, not the copies); non-zero, and every pair is copied byte for byte. The
 hook sets the flag before a chosen replay and clears it after (harness.capture.hook).
+Where the driver allows, the hook also switches these launches' graph nodes off between
+chosen replays (harness.capture.nodes), and a replay does not launch them at all; the
+flag is what holds where it cannot.
 
 Bytes, not elements: each pair is copied as uint8, so any dtype and shape copies exactly.
 The grid is small (PROGRAMS) on purpose: a sampled replay is rare, and a wide grid would
