@@ -641,12 +641,23 @@ def test_bench_stopped_checker_and_overhead_rows(interpreted):
     idle = interpreted.IDLE_RATE
     assert [(r["rate"], r["checker"]) for r in rows] == [(None, None), (idle, "thread, reference on the serving GPU"),
                                                          (1 / 1000, "thread, reference on the serving GPU"),
-                                                         (idle, "process, reference on cpu"),
-                                                         (1 / 1000, "process, reference on cpu")]
+                                                         (idle, "process, reference on the host"),
+                                                         (1 / 1000, "process, reference on the host")]
     assert all(r["counts"]["sampled"] == 0 for r in rows if r["rate"] == idle)     # the hook's own cost
+    assert all(r["base_s"] > 0 for r in rows)
     text = "\n".join(interpreted.table(rows, None, None, k, shape=BENCH_SHAPE, machine="CPU"))
-    assert "eager, process, reference on cpu, at 1/1000" in text and "(0 lost)" in text
-    assert "| eager | process, reference on cpu | none sampled |" in text
+    assert "eager, process, reference on the host, at 1/1000" in text and "(0 lost)" in text
+    assert "| eager | process, reference on the host | none sampled |" in text
+
+
+def test_bench_overhead_times_its_baseline_in_turns_with_the_shadow_unrecorded(interpreted):
+    """A row's baseline timings run the same loop beside the installed shadow but through
+    the ops found before install: at rate 1 only the shadow's own steps are sampled (its
+    warm-up step and `steps` per timing), none of the baseline's."""
+    rows = interpreted.overhead(BENCH_SHAPE, steps=2, rates=(1.0,), modes=("eager",), device="cpu", repeats=2,
+                                checkers=(("thread", None),))
+    c = rows[-1]["counts"]
+    assert rows[-1]["rate"] == 1.0 and c["sampled"] + c["skipped"] == 1 + 2 * 2
 
 
 def test_shadow_report_bad_input_is_one_line(tmp_path, capsys):

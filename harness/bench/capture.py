@@ -120,6 +120,11 @@ def _fn(key: str):
     return getattr(sys.modules[t.module], t.name)
 
 
+def ops() -> tuple:
+    """The decode loop's five ops (KEYS' order) as a caller finds them now."""
+    return tuple(_fn(k) for k in KEYS)
+
+
 # --- the decode loop --------------------------------------------------------------------------
 
 class DecodeLoop:
@@ -174,13 +179,15 @@ class DecodeLoop:
         self.q.copy_(torch.randn(self.q.shape, generator=g, device=self.q.device))
         self.weights.normal_(generator=g)
 
-    def step(self) -> None:
-        """One decode step of every layer, then the positions move on (all on the device)."""
+    def step(self, fns: Optional[tuple] = None) -> None:
+        """One decode step of every layer, then the positions move on (all on the device).
+        `fns`: the five ops (KEYS' order) to call; default: as a caller finds them now
+        (`ops()`, wrapped when the capture hook is installed)."""
         pos = self.positions
         boundary = (pos + 1) % RATIO == 0
         self.slots.copy_(torch.where(boundary, self.seq_base + pos // RATIO, -1))
         self.ctx.copy_((pos + 1) // RATIO)
-        pool, kw, qq, sc, tk = (_fn(k) for k in KEYS)
+        pool, kw, qq, sc, tk = fns if fns is not None else ops()
         for layer in range(self.layers):
             pool(self.state, self.req, pos, self.slots, self.state_table, STATE_BLOCK, self.pooled_k, 2 * D,
                  RATIO, True)

@@ -6,9 +6,10 @@ indexer layer, its sampled steps checked against the reference by the checker th
 measurements, each a function that also runs on the CPU at tiny sizes (eager only, through
 the Triton interpreter: the logic, not the figures):
 
-* `overhead`: steps/s with nothing installed against the shadow at each rate (1/1000 and
-  1/100 by default), the added time per step in %, and the counters at the end (a checker
-  that fell behind halves the rate: the row says so). Target: at most 3 % at 1/1000.
+* `overhead`: steps/s with the shadow at each rate (1/1000 and 1/100 by default) against
+  the same loop unrecorded, timed in turns with it (the host's speed drifts by more than the
+  target over a minute), the added time per step in %, and the counters at the end (a
+  checker that fell behind halves the rate: the row says so). Target: at most 3 % at 1/1000.
 * `fault`: the K writer with the OCP floor scale rule (the catalogue's `scale-ocp-floor`)
   put into the serving ops: the steps and sampled steps until the first failing verdict
   (expected: the first sampled step, since every step writes K entries), and its kept dump
@@ -33,7 +34,7 @@ from typing import Optional
 import torch
 
 import harness.capture as capture
-from harness.bench.capture import RATIO, DecodeLoop, environ, make_wrappers, upstream_modules
+from harness.bench.capture import RATIO, DecodeLoop, environ, make_wrappers, ops, upstream_modules
 from harness.capture import shadow as S
 from harness.capture.shadow import jsonable
 from harness.diff.metrics import not_reproduced
@@ -43,12 +44,13 @@ OVERHEAD_TARGET = 3.0                     # % added per serving step at 1/1000
 CHOSEN_LAYER = "0"
 ENV_KEYS = (capture.ENV_DIR, capture.ENV_LAYERS, capture.ENV_STEPS, capture.ENV_AUTO, capture.ENV_ANCHOR,
             capture.ENV_RING, S.ENV_RATE, S.ENV_DIR, S.ENV_CHECKER, S.ENV_DEVICE)
-# the checkers measured: (kind, where the reference runs; None: on the records' device, the serving GPU)
-CHECKERS = (("process", None), ("process", "cpu"), ("thread", None))
+# the checkers measured: (kind, where the reference runs; None: the kind's default, S.DEVICE_DEFAULT)
+CHECKERS = (("process", None), ("process", "cuda"), ("thread", None))
 
 
 def checker_text(checker: str, ref_device: Optional[str]) -> str:
-    return f"{checker}, reference on {'the serving GPU' if ref_device is None else ref_device}"
+    where = S.DEVICE_DEFAULT[checker] if ref_device is None else ref_device
+    return f"{checker}, reference on {'the host' if where == 'cpu' else 'the serving GPU'}"
 
 
 @contextlib.contextmanager
@@ -108,12 +110,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _runner(loop: DecodeLoop, mode: str, device: str):
-    """The step function of `mode` (compiled and warmed up)."""
+def _runner(loop: DecodeLoop, mode: str, device: str, fns: Optional[tuple] = None):
+    """The step function of `mode` (compiled and warmed up). `fns`: the ops an eager step
+    calls (default: as found at each step); a graph calls what was found at its capture."""
     if mode == "eager":
-        loop.step()
+        run = loop.step if fns is None else (lambda: loop.step(fns))
+        run()
         _rewind(loop)
-        return loop.step
+        return run
     g = loop.capture()
     g.replay()
     _rewind(loop)
@@ -132,38 +136,47 @@ def _time(loop, run, n: int, device: str) -> float:
 
 def overhead(shape: dict, *, steps: int, rates=RATES, modes=("eager", "graph"), device: str = "cuda",
              repeats: int = 3, checkers=CHECKERS) -> list[dict]:
-    """[{mode, checker, rate, s_per_step, added_pct, counts}]: per mode, the median of
-    `repeats` timings of `steps` steps with nothing installed (rate None), then per checker
-    (kind, reference device) and rate the median of `repeats` timings with the shadow on (the
-    worker process started and ready before the timings: a serving process starts it once).
-    Each checker's first row is IDLE_RATE: the shadow installed and no step sampled, the cost
-    of the hook itself (and, under graphs, of the captured flagged copies) apart from checking."""
+    """[{mode, checker, rate, s_per_step, base_s, added_pct, counts}]. Per mode one row with
+    nothing installed (rate None: the median of `repeats` timings of `steps` steps), then per
+    checker (kind, reference device) and rate a row with the shadow on (its worker started
+    and ready before the timings, as a serving process starts it once). A shadow row's
+    `repeats` timings alternate with as many of the same loop unrecorded: its steps with the
+    ops found before install (eager) or its graph captured before install (graph; a replay
+    of a graph that records nothing passes the hook untouched). `added_pct` compares the
+    two medians, so drift of the host's speed between rows (more than the target on a
+    shared host) cancels. Each checker's first row is IDLE_RATE: installed, no step sampled,
+    the cost of the hook itself (and, under graphs, of its switched-off copies)."""
     rows = []
     with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-") as tmp:
         for mode in modes:
             loop = _loop(shape, device)
             run = _runner(loop, mode, device)
             base = sorted(_time(loop, run, steps, device) for _ in range(repeats))[repeats // 2]
-            rows.append({"mode": mode, "checker": None, "rate": None, "s_per_step": base, "added_pct": None,
-                         "counts": {}})
+            rows.append({"mode": mode, "checker": None, "rate": None, "s_per_step": base, "base_s": base,
+                         "added_pct": None, "counts": {}})
             print(f"shadow overhead: {mode:5s} off {base * 1e3:9.3f} ms/step", flush=True)
             del run, loop
             for kind, ref_device in checkers:
                 for rate in (IDLE_RATE, *rates):
                     loop = _loop(shape, device)
+                    raw = ops()
+                    off = _runner(loop, mode, device, raw)          # before install: records nothing
                     d = os.path.join(tmp, f"{mode}-{kind}-{ref_device}-{rate}")
                     with shadowed(d, rate, layers=shape["layers"], checker=kind, ref_device=ref_device) as sh:
                         sh.ready.wait(120)
                         run = _runner(loop, mode, device)
-                        times = sorted(_time(loop, run, steps, device) for _ in range(repeats))
+                        offs, ons = [], []
+                        for _ in range(repeats):
+                            offs.append(_time(loop, off, steps, device))
+                            ons.append(_time(loop, run, steps, device))
                         counts = sh.snapshot()        # before the queue is checked at uninstall
-                    t = times[repeats // 2]
+                    t, b = sorted(ons)[repeats // 2], sorted(offs)[repeats // 2]
                     rows.append({"mode": mode, "checker": checker_text(kind, ref_device), "rate": rate,
-                                 "s_per_step": t, "added_pct": (t - base) / base * 100, "counts": counts})
-                    print(f"shadow overhead: {mode:5s} {checker_text(kind, ref_device):40s} rate {_label(rate)} "
-                          f"{t * 1e3:9.3f} ms/step ({rows[-1]['added_pct']:+.2f} %, {counts.get('sampled', 0)} "
-                          f"sampled, {counts.get('skipped', 0)} skipped)", flush=True)
-                    del run, loop
+                                 "s_per_step": t, "base_s": b, "added_pct": (t - b) / b * 100, "counts": counts})
+                    print(f"shadow overhead: {mode:5s} {checker_text(kind, ref_device):36s} rate {_label(rate)} "
+                          f"{t * 1e3:9.3f} ms/step against {b * 1e3:.3f} ({rows[-1]['added_pct']:+.2f} %, "
+                          f"{counts.get('sampled', 0)} sampled, {counts.get('skipped', 0)} skipped)", flush=True)
+                    del run, off, loop
                     if device.startswith("cuda"):
                         torch.cuda.empty_cache()
     return rows
@@ -308,19 +321,22 @@ def table(rows: list[dict], fault_r: Optional[dict], alarm_r: Optional[dict], ki
     out = ["", "## Shadow mode (synthetic decode loop)", "",
            f"Machine: {machine}. {shape['layers']} indexer layers, {shape['batch']} sequences decoding from "
            f"{shape['context']} tokens; layer {CHOSEN_LAYER} chosen, ring of 4. Checker `process`: a worker process "
-           f"judges each sampled step (reference on the serving GPU, or on the host where the row says `cpu`); "
+           f"judges each sampled step (reference on the host, or on the serving GPU where the row says so); "
            f"`thread`: a thread of the serving process (reference on the serving GPU, low-priority stream). "
-           f"Target: at most "
+           f"A shadow row's timings alternate with as many of the same loop unrecorded (`off, same run`); "
+           f"its added time compares the two medians. Target: at most "
            f"{OVERHEAD_TARGET:g} % added per step at 1/1000.", "",
-           "| mode | checker | rate | ms/step | added per step | sampled | checked | skipped | rate at the end |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| mode | checker | rate | ms/step | off, same run | added per step | sampled | checked | skipped | "
+           "rate at the end |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["counts"]
         added = "-" if r["rate"] is None else f"{r['added_pct']:+.2f} %"
         label = _label(r["rate"])
         out.append(f"| {r['mode']} | {r.get('checker') or '-'} | {label} | "
-                   f"{r['s_per_step'] * 1e3:.3f} | {added} | {c.get('sampled', '-')} | {c.get('checked', '-')} | "
-                   f"{c.get('skipped', '-')} | {c.get('rate', '-') if c else '-'} |")
+                   f"{r['s_per_step'] * 1e3:.3f} | {r.get('base_s', r['s_per_step']) * 1e3:.3f} | {added} | "
+                   f"{c.get('sampled', '-')} | {c.get('checked', '-')} | "
+                   f"{c.get('skipped', '-')} | {format(c['rate'], '.3g') if c.get('rate') is not None else '-'} |")
     for r in rows:
         if r["rate"] is not None and abs(r["rate"] - 1 / 1000) < 1e-12:
             ok = r["added_pct"] <= OVERHEAD_TARGET

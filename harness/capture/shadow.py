@@ -9,8 +9,8 @@ checker thread takes off the serving path:
 
 * it waits for the item's copies (a CUDA event recorded on the serving stream after them;
   the wait blocks the checker only) and moves them to the host on a low-priority side stream;
-* it replays every op through the reference (harness.run.replay, on the serving GPU by
-  default, `MXVAL_SHADOW_DEVICE=cpu` on the host), builds the row `mxval diff` builds
+* it replays every op through the reference (harness.run.replay; where: DEVICE_DEFAULT,
+  or `MXVAL_SHADOW_DEVICE`), builds the row `mxval diff` builds
   (harness.run.record.dump_row) and judges it with the same budgets (harness.run.budgets,
   suite "diff"), so a dump of the step replayed by `mxval diff` gives the same verdict;
 * it appends the verdict to `verdicts.jsonl` (one JSON line, flushed and fsync'd before the
@@ -51,8 +51,11 @@ buffers live in the serving process). Then:
   reference, builds the row and writes a failing dump; the records travel as shared memory
   (only their handles are pickled). The serving process's GIL then carries only the
   copies and the log: the reference's Python does not compete with the serving thread's.
-  Its reference runs on the serving GPU in its own CUDA context, or on the host
-  (MXVAL_SHADOW_DEVICE=cpu: no GPU time at all). A killed worker switches the shadow off.
+  Its reference runs on the host by default (no GPU time at all), or on the serving GPU in
+  its own CUDA context (MXVAL_SHADOW_DEVICE=cuda). On the GPU a check is faster, but the
+  worker's context shares the GPU with serving: under graphs a GPU-reference check cost
+  the serving loop about twice what a host-reference one did (harness.bench.shadow), and
+  the context takes about 600 MB of GPU memory. A killed worker switches the shadow off.
 * "thread": the checker thread does it all, the reference on the serving GPU on the
   low-priority stream. Every Python line of the reference then holds the serving process's
   GIL: a serving thread that launches a kernel waits for the checker's switch interval (5 ms)
@@ -88,6 +91,11 @@ ENV_THREADS = "MXVAL_SHADOW_THREADS"
 ENV_NICE = "MXVAL_SHADOW_NICE"
 CHECKERS = ("process", "thread")    # where the reference and the diff run: a worker process, or a thread here
 CHECKER_DEFAULT = "process"
+# where each checker kind runs the reference unless MXVAL_SHADOW_DEVICE says (None: the
+# records' device): the worker on the host, off the serving GPU (see "process" above); the
+# thread on the serving GPU's low-priority stream (on the host its reference's Python would
+# hold the serving process's GIL for the whole check)
+DEVICE_DEFAULT = {"process": "cpu", "thread": None}
 WORKER_START_S = 120.0              # the worker's imports (torch, the reference) and CUDA context at most
 # The worker competes with serving for the host's cores (the serving thread launches every
 # kernel: a step is host-bound under eager and short under graphs) only at the lowest CPU
@@ -205,6 +213,8 @@ class Shadow:
             raise ValueError(f"mxval shadow: the checker is one of {', '.join(CHECKERS)} (got {checker!r})")
         if checker == "process" and check is not None:
             raise ValueError("mxval shadow: a check function runs in the thread checker only")
+        if device is None:
+            device = DEVICE_DEFAULT[checker]
         self.directory = os.fspath(directory)
         os.makedirs(os.path.join(self.directory, FAILURES), exist_ok=True)
         self.rate, self.ring, self.seed, self.device = float(rate), int(ring), int(seed), device
