@@ -52,10 +52,11 @@ buffers live in the serving process). Then:
   (only their handles are pickled). The serving process's GIL then carries only the
   copies and the log: the reference's Python does not compete with the serving thread's.
   Its reference runs on the host by default (no GPU time at all), or on the serving GPU in
-  its own CUDA context (MXVAL_SHADOW_DEVICE=cuda). On the GPU a check is faster, but the
-  worker's context shares the GPU with serving: under graphs a GPU-reference check cost
-  the serving loop about twice what a host-reference one did (harness.bench.shadow), and
-  the context takes about 600 MB of GPU memory. A killed worker switches the shadow off.
+  its own CUDA context (MXVAL_SHADOW_DEVICE=cuda). That context shares the GPU with
+  serving: under graphs a GPU-reference check cost the serving loop about twice what a
+  host-reference one did (harness.bench.shadow), and it takes about 600 MB of GPU memory.
+  At large batches and contexts a host check takes longer, and the rate adapts down
+  sooner. A killed worker switches the shadow off.
 * "thread": the checker thread does it all, the reference on the serving GPU on the
   low-priority stream. Every Python line of the reference then holds the serving process's
   GIL: a serving thread that launches a kernel waits for the checker's switch interval (5 ms)
