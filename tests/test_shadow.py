@@ -21,7 +21,7 @@ from harness.capture import ArgMap, hook, install, set_context, uninstall, wrap
 from harness.capture import shadow as S
 from harness.commands import cli
 from harness.io import env
-from harness.io.dumps import read_dump
+from harness.io.dumps import OpRecord, read_dump
 from harness.run.replay import replay_dump
 
 K_FIELDS = ("k", "positions", "cos_sin_cache", "norm_weight", "slot_mapping", "kv_cache")
@@ -852,3 +852,49 @@ def test_a_worker_that_never_starts_switches_the_shadow_off_and_releases_its_wai
     sh.worker.join(10)
     assert not sh.worker.is_alive()                             # closed (or killed) with the checker
     sh.close()
+
+
+def test_worker_records_travel_as_one_reused_shared_segment_and_come_back_exact():
+    """Segment/_Attached: every field (any dtype, empty ones too) rebuilt on the worker's
+    side is the recorded bytes; the pipe carries only names and offsets (a few hundred
+    bytes for megabytes of fields); an item that fits reuses the segment, a larger one
+    gets a new segment and the old one is gone."""
+    import pickle
+
+    g = torch.Generator().manual_seed(0)
+    ins = {"k": torch.randn(300, 128, generator=g).to(torch.bfloat16),
+           "positions": torch.randint(0, 9000, (300,), generator=g),
+           "cos_sin_cache": torch.randn(9000, 64, generator=g),
+           "norm_weight": torch.randn(0),                                  # empty: no bytes
+           "slot_mapping": torch.randint(-1, 50, (300,), generator=g, dtype=torch.int32),
+           "kv_cache": torch.randint(0, 256, (64, 68 * 8), generator=g, dtype=torch.uint8)}
+    outs = {"kv_cache": torch.randint(0, 256, (64, 68 * 8), generator=g, dtype=torch.uint8),
+            "mask": torch.rand(33, generator=g) > 0.5}
+    calls = {"k_norm_rope_mxfp4_cache": (ins, {"norm_eps": 1e-6}, outs)}
+    seg, att = S.Segment(), S._Attached()
+    try:
+        host = seg.allocator(calls)
+        rec = {op: OpRecord(op, sc, {k: host(tuple(v.shape), v.dtype) for k, v in i.items()},
+                              {k: host(tuple(v.shape), v.dtype) for k, v in o.items()})
+               for op, (i, sc, o) in calls.items()}
+        for op, (i, _, o) in calls.items():
+            for d, src in ((rec[op].inputs, i), (rec[op].outputs, o)):
+                for k, v in d.items():
+                    v.copy_(src[k])
+        msg = seg.skeleton(rec)
+        assert len(pickle.dumps(msg)) < 2048
+        back = att.records(msg)["k_norm_rope_mxfp4_cache"]
+        for d, src in ((back.inputs, ins), (back.outputs, outs)):
+            assert d.keys() == src.keys()
+            for k, v in src.items():
+                assert d[k].dtype == v.dtype and d[k].shape == v.shape and torch.equal(d[k], v), k
+        name = seg.shm.name
+        seg.allocator(calls)
+        assert seg.shm.name == name                                      # fits: reused
+        big = {"topk": ({"logits": torch.zeros(4096, 1024)}, {}, {})}
+        seg.allocator(big)
+        assert seg.shm.name != name and not os.path.exists(f"/dev/shm/{name.lstrip('/')}")
+        del back, d
+    finally:
+        att.close()
+        seg.close()
