@@ -898,3 +898,32 @@ def test_worker_records_travel_as_one_reused_shared_segment_and_come_back_exact(
     finally:
         att.close()
         seg.close()
+
+
+@pytest.mark.parametrize("bad, line", [
+    ({S.ENV_RATE: "2"}, "mxval: MXVAL_SHADOW='2': "),
+    ({S.ENV_RATE: "0.01", S.ENV_NICE: "99"}, "mxval: MXVAL_SHADOW_NICE='99': "),
+    ({S.ENV_RATE: "0.01", S.ENV_CHECKER: "bogus"}, "mxval: MXVAL_SHADOW_CHECKER='bogus': "),
+    ({"MXVAL_CAPTURE_LAYERS": "bogus"}, "mxval: MXVAL_CAPTURE_LAYERS"),
+])
+def test_a_bad_variable_at_start_up_is_one_line_and_exit_2_before_serving(tmp_path, bad, line):
+    """boot() from a sitecustomize.py, as the serving recipe installs it: the process ends
+    with status 2 and one `mxval:` line naming the variable, no traceback, and the server's
+    own code (here a print) never runs."""
+    import subprocess
+    import sys
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import harness.capture; harness.capture.boot()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MXVAL_")}
+    e.update({"PYTHONPATH": os.pathsep.join([str(site), root]), S.ENV_DIR: str(tmp_path / "shadow"),
+              "MXVAL_CAPTURE_DIR": str(tmp_path / "dumps"), **bad})
+    p = subprocess.run([sys.executable, "-c", "print('serving')"], env=e, capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and "serving" not in p.stdout, (p.returncode, p.stdout, p.stderr)
+    assert len(lines) == 1 and lines[0].startswith(line) and "Traceback" not in p.stderr, p.stderr
+    e.pop(next(iter(bad)))                              # the first variable put right
+    e.pop(S.ENV_RATE, None)
+    p = subprocess.run([sys.executable, "-c", "print('serving')"], env=e, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "serving", p.stderr

@@ -16,7 +16,7 @@ Enable it (the environment is read at install() time):
     export MXVAL_CAPTURE_RING=4                    # graph steps held on the GPU between drains
     # then, before vLLM imports its model code, in every process that runs the model:
     #   a sitecustomize.py on PYTHONPATH holding
-    #       import harness.capture; harness.capture.install()
+    #       import harness.capture; harness.capture.boot()   # install(); a bad variable: one line, exit 2
     #   or for one process:
     python -c "import harness.capture as c; c.install(); from vllm.entrypoints.cli.main import main; main()" \\
         serve deepseek-ai/DeepSeek-V4-Pro --compilation-config '{"cudagraph_mode": "FULL_AND_PIECEWISE"}' ...
@@ -92,6 +92,7 @@ from .hook import (
     ENV_MODEL,
     ENV_RING,
     ENV_STEPS,
+    boot,
     context,
     current_shadow,
     drain,
@@ -122,7 +123,7 @@ from .maps import (
     Target,
 )
 
-__all__ = ["ENV_ANCHOR", "ENV_AUTO", "ENV_DIR", "ENV_LAYERS", "ENV_MODEL", "ENV_RING", "ENV_STEPS", "context",
+__all__ = ["ENV_ANCHOR", "ENV_AUTO", "ENV_DIR", "ENV_LAYERS", "ENV_MODEL", "ENV_RING", "ENV_STEPS", "boot", "context",
            "drain", "flush", "install", "set_context", "current_shadow", "uninstall", "wrap", "wrap_launcher", "written",
            "AITER_K_WRITER", "AITER_Q_QUANT", "AITER_SCORER", "AITER_TOPK", "CACHED_LOOKUPS", "HOOKS", "TARGETS",
            "VLLM_COMPRESS_POOL", "VLLM_COMPRESS_POOL_KERNEL", "VLLM_FUSED_K_FP8", "VLLM_FUSED_K_MXFP4", "VLLM_TOPK",

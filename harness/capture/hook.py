@@ -929,6 +929,27 @@ def install(targets: Optional[list] = None, *, quiet: bool = False,
     return done
 
 
+def boot() -> list[str]:
+    """install() from the environment, as a serving process's start-up calls it (a
+    sitecustomize.py). A variable it cannot use is one line on stderr, `mxval: <variable>:
+    <problem>`, and the process exits with status 2 at once: serving on while the check
+    the user asked for is off would be a silent pass, and from site's import of
+    sitecustomize a raised exception, SystemExit included, ends the interpreter with a
+    traceback (hence os._exit, before anything else has started)."""
+    try:
+        return install()
+    except (ValueError, OSError) as e:        # env.EnvError is a ValueError too
+        msg = " ".join(str(e).split())
+        for prefix in ("mxval shadow: ", "mxval capture: "):
+            msg = msg.removeprefix(prefix)
+        where = "" if msg.startswith("MXVAL_") else "capture: "
+        try:
+            sys.stderr.write(f"mxval: {where}{msg}\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(2)
+
+
 def _at_exit() -> None:
     flush()
     _close_shadow()
