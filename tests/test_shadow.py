@@ -927,3 +927,15 @@ def test_a_bad_variable_at_start_up_is_one_line_and_exit_2_before_serving(tmp_pa
     e.pop(S.ENV_RATE, None)
     p = subprocess.run([sys.executable, "-c", "print('serving')"], env=e, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "serving", p.stderr
+
+
+def test_uninstall_disarms_a_recording_graph_armed_for_a_sampled_replay(clean, monkeypatch):
+    """Uninstalled right after a sampled replay (its copies switched on, their flag set), a
+    recording graph replayed afterwards launches none of its copies and copies nothing."""
+    g, step, long = _node_graph(monkeypatch, clean, 1.0, FakeNodes())
+    rec = getattr(g, hook.GRAPH_ATTR)
+    step()
+    assert not g.disabled and rec.flag_on                  # armed for the sampled replay just run
+    uninstall()
+    g.replay()
+    assert g.replays[-1] == frozenset(rec.nodes) and int(rec.flag) == 0

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -84,7 +85,7 @@ class _GraphCall:
         return ins, self.scalars, {n: b[pos] for n, b in self.ring_outputs.items()}
 
 
-@dataclass
+@dataclass(eq=False)                   # a record is itself (hashable: the hook keeps a weak set of them)
 class _GraphRecord:
     """What one graph capture recorded."""
     calls: list = field(default_factory=list)
@@ -122,6 +123,7 @@ class _State:
         self.atexit = False
         self.shadow: Optional[shadow_mode.Shadow] = None   # shadow mode: records go to its checker
         self.kernels: dict = {}                        # device kernels the hook uses, looked up once
+        self.records = weakref.WeakSet()               # recording graphs' records (disarmed at uninstall)
 
 
 _S = _State()
@@ -446,6 +448,7 @@ def _capture_end(orig):
                     return out
                 if _switch_off(self, rec):
                     setattr(self, GRAPH_ATTR, rec)
+                    _S.records.add(rec)
         return out
     return capture_end
 
@@ -968,12 +971,19 @@ def current_shadow() -> Optional[shadow_mode.Shadow]:
 
 def uninstall() -> None:
     """Flush (the graph ring too), restore every wrapped attribute, and forget the context.
-    Graphs captured while installed keep their in-graph staging copies."""
+    Graphs captured while installed keep their in-graph staging copies, disarmed (flag
+    clear, nodes off): replayed afterwards they copy nothing."""
     with _S.lock:
         if _S.config is not None:
             _drain_locked()
             _flush_except(None)
         _close_shadow()
+        for rec in list(_S.records):          # a graph replayed after uninstall copies nothing
+            try:
+                _arm(rec, False)
+            except Exception:
+                pass
+        _S.records = weakref.WeakSet()
         for mod, name, orig in reversed(_S.rebound + _S.installed):
             if orig is INHERITED:
                 delattr(mod, name)
