@@ -794,10 +794,15 @@ def test_the_worker_runs_at_the_lowest_cpu_priority_with_few_threads(clean, monk
         finally:
             sh.stop()
         monkeypatch.setenv(S.ENV_NICE, "7")
-    for name, bad in ((S.ENV_THREADS, "0"), (S.ENV_NICE, "20")):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(env.EnvError, match=name):
-            S.from_env()
+    monkeypatch.setenv(S.ENV_CHECKER, "thread")            # no worker: the values' check alone
+    for name, low, top in ((S.ENV_THREADS, "1", "4096"), (S.ENV_NICE, "0", "19")):
+        for good in (low, top):                           # both ends of the documented range
+            monkeypatch.setenv(name, good)
+            S.from_env().stop()
+        for bad in (str(int(low) - 1), str(int(top) + 1)):
+            monkeypatch.setenv(name, bad)
+            with pytest.raises(env.EnvError, match=name):
+                S.from_env()
         monkeypatch.setenv(name, "3")
 
 

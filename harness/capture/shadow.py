@@ -202,9 +202,9 @@ class Shadow:
             raise ValueError(f"mxval shadow: rate must be in (0, 1] and ring a whole number >= 1 (got rate {rate!r}, "
                              f"ring {ring!r})")
         if threads is None:
-            threads = env.integer(ENV_THREADS, WORKER_THREADS, 1, 4096)
+            threads = env.integer(ENV_THREADS, WORKER_THREADS, 1, 4097)      # 1..4096
         if nice is None:
-            nice = env.integer(ENV_NICE, WORKER_NICE, 0, 19)
+            nice = env.integer(ENV_NICE, WORKER_NICE, 0, 20)                 # 0..19
         if not (isinstance(threads, int) and threads >= 1):
             raise ValueError(f"mxval shadow: the worker's threads must be a whole number >= 1 (got {threads!r})")
         if not (isinstance(nice, int) and 0 <= nice <= 19):
