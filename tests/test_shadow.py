@@ -944,3 +944,36 @@ def test_uninstall_disarms_a_recording_graph_armed_for_a_sampled_replay(clean, m
     uninstall()
     g.replay()
     assert g.replays[-1] == frozenset(rec.nodes) and int(rec.flag) == 0
+
+
+TRACKED = r"""
+import sys, tempfile
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from helpers import make_layer
+from harness.capture.shadow import Shadow
+small, big = make_layer(4, heads=32), make_layer(5, heads=32, page_size=128)
+calls = lambda layer: {op: (dict(r.inputs), dict(r.scalars), dict(r.outputs)) for op, r in layer.items()}
+with tempfile.TemporaryDirectory() as d:
+    sh = Shadow(d, 1.0, ring=8, checker="process", device="cpu")
+    for step, layer in enumerate((small, small, big, small)):   # reused, outgrown, reused
+        sh.submit(0, step, calls(layer))
+        assert sh.join(120)
+    assert sh.snapshot()["checked"] == 4, sh.snapshot()
+    sh.close()
+print("done")
+"""
+
+
+def test_the_worker_segment_leaves_no_resource_tracker_noise(tmp_path):
+    """Items through the worker's shared segment (reused, then outgrown and replaced), then
+    the shadow closed, in a process of its own: the resource tracker, which the worker
+    shares, says nothing at exit (no KeyError, no leaked segment)."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MXVAL_")}
+    e["MXVAL_SHADOW_NICE"] = "0"
+    p = subprocess.run([sys.executable, "-c", TRACKED, here, os.path.dirname(here)], env=e, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "done", p.stderr[-2000:]
+    assert not any(w in p.stderr for w in ("KeyError", "Traceback", "leaked")), p.stderr[-2000:]
