@@ -394,35 +394,47 @@ def test_a_stopped_checker_loses_no_recorded_verdict_and_serving_goes_on(clean, 
 
 # --- graph replays --------------------------------------------------------------------------------
 
+class FaultyTopk:
+    """A captured graph of one top-k call through the capture (wrap) with a fault on long
+    rows (a row 0 longer than LONG gets its last index wrong), and its inputs drawn anew
+    before each replay: `step()` draws them, notes whether the fault acts, replays."""
+    LONG = 30
+
+    def __init__(self):
+        def fault_topk(logits, lengths, out, k):
+            def work():
+                idx = reference.topk(logits=logits, lengths=lengths, k=k)["indices"]
+                if int(lengths[0]) > self.LONG:
+                    idx[0, -1] = logits[0, :int(lengths[0])].argmin()
+                out.copy_(idx)
+            emit(work)
+        topk = wrap(fault_topk, "topk", capture.VLLM_TOPK)
+        self.logits, self.lengths = torch.zeros(3, 40), torch.zeros(3, dtype=torch.int32)
+        out = torch.full((3, 7), -1, dtype=torch.int32)
+        self.g = torch.cuda.CUDAGraph()
+        self.g.capture_begin()
+        topk(self.logits, self.lengths, out[:, :5], 5)
+        self.g.capture_end()
+        self.gen, self.long = torch.Generator().manual_seed(0), []
+
+    def step(self):
+        self.logits.copy_(torch.randn(3, 40, generator=self.gen))
+        self.lengths.copy_(torch.randint(6, 41, (3,), generator=self.gen))
+        self.long.append(int(self.lengths[0]) > self.LONG)
+        self.g.replay()
+
+
 def test_graph_replays_are_checked_and_the_ring_positions_come_back(clean, monkeypatch):
     fake_graphs(monkeypatch, hook)
     monkeypatch.setenv("MXVAL_CAPTURE_AUTO_LAYERS", "1")
     monkeypatch.setenv("MXVAL_CAPTURE_ANCHOR", "topk")
     sh = S.Shadow(clean, 1.0, ring=2)
     install([], quiet=True, shadow=sh)
-
-    def fault_topk(logits, lengths, out, k):
-        def work():
-            idx = reference.topk(logits=logits, lengths=lengths, k=k)["indices"]
-            if int(lengths[0]) > 30:                # a fault on long rows only
-                idx[0, -1] = logits[0, :int(lengths[0])].argmin()
-            out.copy_(idx)
-        emit(work)
-    topk = wrap(fault_topk, "topk", capture.VLLM_TOPK)
-    g0 = torch.Generator().manual_seed(0)
-    logits, lengths = torch.zeros(3, 40), torch.zeros(3, dtype=torch.int32)
-    out = torch.full((3, 7), -1, dtype=torch.int32)
-    g = torch.cuda.CUDAGraph()
-    g.capture_begin()
-    topk(logits, lengths, out[:, :5], 5)
-    g.capture_end()
+    f = FaultyTopk()
+    g, long = f.g, f.long
     rec = getattr(g, hook.GRAPH_ATTR)
-    long = []
     for step in range(24):
-        logits.copy_(torch.randn(3, 40, generator=g0))
-        lengths.copy_(torch.randint(6, 41, (3,), generator=g0))
-        long.append(int(lengths[0]) > 30)
-        g.replay()
+        f.step()
         assert len(rec.busy) <= 2
         if step % 2:
             sh.join(20)
@@ -439,8 +451,8 @@ def test_graph_replays_are_checked_and_the_ring_positions_come_back(clean, monke
 
 
 def _node_graph(monkeypatch, clean, rate, nodes):
-    """A graph (NodeGraph) of one recorded top-k call with a fault on long rows, the shadow
-    at `rate` with node switching faked by `nodes`; (graph, fault_acts(step))."""
+    """FaultyTopk on a NodeGraph, the shadow at `rate` with node switching faked by `nodes`;
+    (graph, step(): one replay and its checks, fault_acts per step)."""
     fake_graphs(monkeypatch, hook)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", NodeGraph)
     monkeypatch.setattr(NodeGraph, "execs", {})
@@ -448,30 +460,12 @@ def _node_graph(monkeypatch, clean, rate, nodes):
     monkeypatch.setenv("MXVAL_CAPTURE_AUTO_LAYERS", "1")
     monkeypatch.setenv("MXVAL_CAPTURE_ANCHOR", "topk")
     install([], quiet=True, shadow=S.Shadow(clean, rate, ring=2))
-
-    def fault_topk(logits, lengths, out, k):
-        def work():
-            idx = reference.topk(logits=logits, lengths=lengths, k=k)["indices"]
-            if int(lengths[0]) > 30:
-                idx[0, -1] = logits[0, :int(lengths[0])].argmin()
-            out.copy_(idx)
-        emit(work)
-    topk = wrap(fault_topk, "topk", capture.VLLM_TOPK)
-    logits, lengths = torch.zeros(3, 40), torch.zeros(3, dtype=torch.int32)
-    out = torch.full((3, 7), -1, dtype=torch.int32)
-    g = torch.cuda.CUDAGraph()
-    g.capture_begin()
-    topk(logits, lengths, out[:, :5], 5)
-    g.capture_end()
-    gen, long = torch.Generator().manual_seed(0), []
+    f = FaultyTopk()
 
     def step():
-        logits.copy_(torch.randn(3, 40, generator=gen))
-        lengths.copy_(torch.randint(6, 41, (3,), generator=gen))
-        long.append(int(lengths[0]) > 30)
-        g.replay()
+        f.step()
         capture.current_shadow().join(20)
-    return g, step, long
+    return f.g, step, f.long
 
 
 def test_graph_recording_copies_are_switched_off_in_the_graph_except_on_sampled_replays(clean, monkeypatch):
@@ -541,6 +535,12 @@ def test_graphs_the_hook_does_not_make_keep_are_not_switched(clean, monkeypatch)
     assert theirs.exec_ is None                          # not instantiated for them
     uninstall()
     assert NodeGraph.__dict__["__init__"] is own
+    # on a GPU, a recording graph whose copies cannot be switched says so once, and why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hook.graph_nodes, "reason", lambda: "the driver has no cuGraphNodeSetEnabled")
+    hook._S.warned.discard("nodes-kept")
+    with pytest.warns(RuntimeWarning, match="stay in the graph at every replay.*no cuGraphNodeSetEnabled"):
+        assert hook._switch_off(before, hook._GraphRecord())
 
 
 KILLED = r"""

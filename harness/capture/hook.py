@@ -453,6 +453,12 @@ def _capture_end(orig):
     return capture_end
 
 
+def _set_nodes(rec: _GraphRecord, on: bool) -> None:
+    """Every recording copy node of `rec` enabled or disabled from the graph's next launch."""
+    for n in rec.nodes:
+        graph_nodes.api().set_enabled(rec.exec_, n, on)
+
+
 def _switch_off(graph, rec: _GraphRecord) -> bool:
     """The record's copy nodes disabled in the instantiated graph (a replay whose step is
     not chosen then launches none of them). False when the graph must run unrecorded: a
@@ -460,20 +466,19 @@ def _switch_off(graph, rec: _GraphRecord) -> bool:
     record stale staging buffers."""
     if not rec.nodes:
         rec.nodes = None
+        if torch.cuda.is_available() and not getattr(graph, KEPT_ATTR, False):
+            _warn_once("nodes-kept", "recording copies stay in the graph at every replay (a near-empty kernel "
+                                     f"each): {graph_nodes.reason() or 'the graph was not made by the hook'}")
         return True
-    done = []
     try:
         rec.exec_ = graph.raw_cuda_graph_exec()
-        for n in rec.nodes:
-            graph_nodes.api().set_enabled(rec.exec_, n, False)
-            done.append(n)
+        _set_nodes(rec, False)
         rec.nodes_on = False
         return True
     except Exception as e:
         why = f"{type(e).__name__}: {e}"
     try:
-        for n in done:
-            graph_nodes.api().set_enabled(rec.exec_, n, True)
+        _set_nodes(rec, True)                 # idempotent: the ones switched off come back on
     except Exception as e:
         _warn_once("nodes", f"graph not recorded: its recording copies cannot be switched on again "
                             f"({why}; then {type(e).__name__}: {e})")
@@ -535,8 +540,7 @@ def _arm(rec: _GraphRecord, on: bool) -> bool:
             rec.flag_on = on
         if rec.nodes is not None and rec.nodes_on is not on:
             try:
-                for n in rec.nodes:
-                    graph_nodes.api().set_enabled(rec.exec_, n, on)
+                _set_nodes(rec, on)
             except Exception as e:
                 if on:
                     raise

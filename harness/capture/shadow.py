@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 import threading
@@ -663,15 +664,16 @@ SEGMENT_ALIGN = 64                 # bytes: each field's copy starts on a cache 
 SEGMENT_GROWTH = 1.25              # a segment outgrown is made this much larger than the item that outgrew it
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SEGMENT_ALIGN) * SEGMENT_ALIGN
+
+
 def _field_view(buf, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of `shape` and `dtype` over `buf`'s bytes from `offset` (no copy)."""
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     if n == 0:
         return torch.empty(shape, dtype=dtype)
-    size = torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(buf, dtype=torch.uint8, count=n * size, offset=offset).view(dtype).view(shape)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=n * dtype.itemsize, offset=offset).view(dtype).view(shape)
 
 
 class Segment:
@@ -694,12 +696,8 @@ class Segment:
         """record_op's `host(shape, dtype)` for the item `calls` ({op: (inputs, scalars,
         outputs)}): each copy a view of the segment, in the order record_op asks."""
         from multiprocessing import shared_memory
-        fields = [t for _, (ins, _, outs) in calls.items() for t in (*ins.values(), *outs.values())]
-        need, sizes = 0, []
-        for t in fields:
-            nbytes = t.numel() * t.element_size()
-            sizes.append(nbytes)
-            need += -(-nbytes // SEGMENT_ALIGN) * SEGMENT_ALIGN
+        need = sum(_aligned(t.numel() * t.element_size())
+                   for ins, _, outs in calls.values() for t in (*ins.values(), *outs.values()))
         if self.shm is None or self.shm.size < need:
             self.close()
             self.shm = shared_memory.SharedMemory(create=True, size=max(SEGMENT_ALIGN, int(need * SEGMENT_GROWTH)))
@@ -707,11 +705,12 @@ class Segment:
         at = [0]
 
         def host(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+            end = at[0] + _aligned(math.prod(shape) * dtype.itemsize)
+            if end > self.shm.size:
+                raise RuntimeError("shadow: an item's fields outgrew their segment")
             v = _field_view(self.shm.buf, at[0], shape, dtype)
             self._fields[id(v)] = (at[0], tuple(shape), str(dtype).removeprefix("torch."))
-            at[0] += -(-(v.numel() * v.element_size()) // SEGMENT_ALIGN) * SEGMENT_ALIGN
-            if at[0] > self.shm.size:
-                raise RuntimeError("shadow: an item's fields outgrew their segment")
+            at[0] = end
             return v
         return host
 
