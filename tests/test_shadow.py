@@ -910,6 +910,8 @@ def test_worker_records_travel_as_one_reused_shared_segment_and_come_back_exact(
     ({S.ENV_RATE: "0.01", S.ENV_NICE: "99"}, "mxval: MXVAL_SHADOW_NICE='99': "),
     ({S.ENV_RATE: "0.01", S.ENV_CHECKER: "bogus"}, "mxval: MXVAL_SHADOW_CHECKER='bogus': "),
     ({"MXVAL_CAPTURE_LAYERS": "bogus"}, "mxval: MXVAL_CAPTURE_LAYERS"),
+    ({"MXVAL_CAPTURE_DIR": "/proc/mxval/dumps"}, "mxval: MXVAL_CAPTURE_DIR='/proc/mxval/dumps': cannot make"),
+    ({S.ENV_RATE: "0.01", S.ENV_DIR: "/proc/mxval/shadow"}, "mxval: MXVAL_SHADOW_DIR='/proc/mxval/shadow': cannot"),
 ])
 def test_a_bad_variable_at_start_up_is_one_line_and_exit_2_before_serving(tmp_path, bad, line):
     """boot() from a sitecustomize.py, as the serving recipe installs it: the process ends

@@ -896,7 +896,7 @@ def install(targets: Optional[list] = None, *, quiet: bool = False,
         cfg.steps = shadow_mode.Steps(shadow, cfg.steps)
         cfg.ring = shadow.ring
     else:
-        os.makedirs(cfg.directory, exist_ok=True)
+        env.directory(ENV_DIR, cfg.directory)
     done, skipped = [], []
     with _S.lock:
         _S.config = cfg

@@ -882,6 +882,7 @@ def from_env(*, model: str = "deepseek-v4-pro", source: str = "mxval shadow") ->
     directory = env.text(ENV_DIR) or env.text("MXVAL_CAPTURE_DIR")
     if not directory:
         raise env.EnvError(f"{ENV_RATE}={env.show(raw)}: set {ENV_DIR} (the verdict log, counters and failing dumps)")
+    env.directory(ENV_DIR if env.text(ENV_DIR) else "MXVAL_CAPTURE_DIR", directory)
     ring = env.integer(ENV_RING, RING_DEFAULT, 1, 2 ** 16)
     seed = env.integer(ENV_SEED, 0, 0, 2 ** 63)
     device = env.text(ENV_DEVICE) or None

@@ -9,6 +9,7 @@ the value shown in a message is cut short and stripped of control characters.
   - `integer(NAME, default, lo, hi)`: a whole number in [lo, hi).
   - `number(NAME, lo, hi)`: a finite number in (lo, hi] (a fraction), None when unset.
   - `text(NAME, default)`: the stripped text, bounded.
+  - `directory(NAME, path)`: `path` (NAME's value) made as a directory, or an error naming NAME.
 """
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ def text(name: str, default: str = "") -> str:
     if len(raw) > MAX_CHARS:
         raise EnvError(f"{name}: {len(raw)} characters, at most {MAX_CHARS}")
     return raw.strip()
+
+
+def directory(name: str, path: str) -> str:
+    """`path`, the value of `name`, made as a directory (with its parents) if it is not one;
+    EnvError naming `name` when it cannot be."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise EnvError(f"{name}={show(path)}: cannot make the directory ({e.strerror or e})") from None
+    return path
 
 
 def flag(name: str) -> bool:
