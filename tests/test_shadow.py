@@ -633,6 +633,35 @@ def test_bench_correct_loop_gets_no_alarm(interpreted, monkeypatch):
     assert f"{a['counts']['checked']} sampled steps checked, 0 alarms" in text
 
 
+def test_bench_alarms_share_their_steps_among_jobs_with_their_own_seeds(interpreted):
+    """Jobs > 1: each job a loop in its own process on its own inputs (seed + j), the steps
+    shared out, the counters summed (a gauge: the lowest)."""
+    a = interpreted.alarms(BENCH_SHAPE, sampled=3, mode="eager", device="cpu", ring=2, seed=5, jobs=2)
+    c = a["counts"]
+    assert a["jobs"] == 2 and a["seeds"] == [5, 6] and a["ran"] == 3
+    assert c["failed"] == 0 and c["skipped"] == 0 and c["checked"] >= 3 and c["rate"] == 1.0 and c["enabled"] == 1
+    text = "\n".join(interpreted.table([], None, a, None, shape=BENCH_SHAPE, machine="CPU"))
+    assert "2 loops at once, input seeds 5, 6" in text and f"{c['checked']} sampled steps checked, 0 alarms" in text
+    with pytest.raises(RuntimeError, match="2 of 2 alarm jobs failed"):
+        interpreted.alarms(BENCH_SHAPE, sampled=2, mode="no-such-mode", device="cpu", jobs=2)
+    with pytest.raises(ValueError, match="jobs must be"):
+        interpreted.alarms(BENCH_SHAPE, sampled=2, device="cpu", jobs=0)
+
+
+def test_in_turns_cancels_a_linear_drift_and_counts_a_sampled_steps_cost_in_full():
+    from harness.bench import shadow as bench
+    calls = []
+
+    def timer(loop, fn, n, device):              # s/step: the host slows by 1 % a block; "on" costs 2 % more
+        calls.append(fn)
+        spike = 0.5 / n if fn == "on" and calls.count("on") == 3 else 0.0     # one sampled step: 0.5 s
+        return (1.0 + 0.01 * len(calls)) * (1.02 if fn == "on" else 1.0) + spike
+    off, on = bench.in_turns(None, "off", "on", steps=20, repeats=3, device="cpu", timer=timer)
+    blocks = 20 * 3 // 2
+    assert calls.count("on") == calls.count("off") == blocks and calls[:4] == ["off", "on", "on", "off"]
+    assert on / off - 1 == pytest.approx(0.02 + 0.5 / (off * 2 * blocks), rel=1e-9)     # 2 steps a block
+
+
 def test_bench_stopped_checker_and_overhead_rows(interpreted):
     k = interpreted.killed(BENCH_SHAPE, steps=8, mode="eager", device="cpu")
     assert k["served"] == 8 and k["stopped_at"] and k["lost"] == 0 and k["logged"] >= 2

@@ -134,18 +134,38 @@ def _time(loop, run, n: int, device: str) -> float:
     return (time.perf_counter() - t) / n
 
 
+BLOCKS = 10          # a timing of N steps runs as blocks of N // BLOCKS, alternating with the baseline's
+
+
+def in_turns(loop, off, on, *, steps: int, repeats: int, device: str, timer=None) -> tuple[float, float]:
+    """(s/step of `off`, s/step of `on`): `repeats` x `steps` steps of each, run in blocks
+    of `steps // BLOCKS` that alternate off-on, on-off, off-on... (a drift of the host's
+    speed that is linear over two blocks cancels; the eager loop is bound by its host
+    thread, whose speed drifts by several % over seconds), each side's time summed: a
+    sampled step's cost counts in full, as in a mean, not dropped as by a median."""
+    timer = timer or _time
+    n = max(1, steps // BLOCKS)
+    blocks = max(1, round(steps * repeats / n))
+    total = {"off": 0.0, "on": 0.0}
+    for i in range(blocks):
+        for side in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            total[side] += timer(loop, off if side == "off" else on, n, device) * n
+    return total["off"] / (n * blocks), total["on"] / (n * blocks)
+
+
 def overhead(shape: dict, *, steps: int, rates=RATES, modes=("eager", "graph"), device: str = "cuda",
              repeats: int = 3, checkers=CHECKERS) -> list[dict]:
     """[{mode, checker, rate, s_per_step, base_s, added_pct, counts}]. Per mode one row with
     nothing installed (rate None: the median of `repeats` timings of `steps` steps), then per
     checker (kind, reference device) and rate a row with the shadow on (its worker started
-    and ready before the timings, as a serving process starts it once). A shadow row's
-    `repeats` timings alternate with as many of the same loop unrecorded: its steps with the
-    ops found before install (eager) or its graph captured before install (graph; a replay
-    of a graph that records nothing passes the hook untouched). `added_pct` compares the
-    two medians, so drift of the host's speed between rows (more than the target on a
-    shared host) cancels. Each checker's first row is IDLE_RATE: installed, no step sampled,
-    the cost of the hook itself (and, under graphs, of its switched-off copies)."""
+    and ready before the timings, as a serving process starts it once). A shadow row runs
+    `repeats` x `steps` steps in turns with as many of the same loop unrecorded
+    (`in_turns`): its steps with the ops found before install (eager) or its graph captured
+    before install (graph; a replay of a graph that records nothing passes the hook
+    untouched). `added_pct` compares the two, so drift of the host's speed between rows and
+    within a row (more than the target on a shared host) cancels. Each checker's first row
+    is IDLE_RATE: installed, no step sampled, the cost of the hook itself (and, under
+    graphs, of its switched-off copies)."""
     rows = []
     with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-") as tmp:
         for mode in modes:
@@ -165,12 +185,8 @@ def overhead(shape: dict, *, steps: int, rates=RATES, modes=("eager", "graph"), 
                     with shadowed(d, rate, layers=shape["layers"], checker=kind, ref_device=ref_device) as sh:
                         sh.ready.wait(120)
                         run = _runner(loop, mode, device)
-                        offs, ons = [], []
-                        for _ in range(repeats):
-                            offs.append(_time(loop, off, steps, device))
-                            ons.append(_time(loop, run, steps, device))
+                        b, t = in_turns(loop, off, run, steps=steps, repeats=repeats, device=device)
                         counts = sh.snapshot()        # before the queue is checked at uninstall
-                    t, b = sorted(ons)[repeats // 2], sorted(offs)[repeats // 2]
                     rows.append({"mode": mode, "checker": checker_text(kind, ref_device), "rate": rate,
                                  "s_per_step": t, "base_s": b, "added_pct": (t - b) / b * 100, "counts": counts})
                     print(f"shadow overhead: {mode:5s} {checker_text(kind, ref_device):36s} rate {_label(rate)} "
@@ -244,12 +260,20 @@ def _writes(loop: DecodeLoop, step: int) -> bool:
 
 
 def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cuda", ring: int = 4,
-           checker: str = "process", seconds: Optional[float] = None) -> dict:
+           checker: str = "process", seconds: Optional[float] = None, seed: int = 1, jobs: int = 1) -> dict:
     """A correct loop, `sampled` steps each checked (rate 1; the loop waits for the checker
     every `ring` steps, so nothing is skipped), each step on new queries, head weights and
-    compressor state (`DecodeLoop.refill`; the positions repeat every REWIND steps): the
-    failing verdicts (target 0). `seconds`: a time limit (the result says how many steps ran
-    before it)."""
+    compressor state drawn from `seed` (`DecodeLoop.refill`; the positions repeat every
+    REWIND steps): the failing verdicts (target 0). `seconds`: a time limit (the result
+    says how many steps ran before it). `jobs` > 1: that many loops at once, each in its own
+    process with its own checker and seed (seed + j), the steps shared out and the counts
+    summed (one check takes about 0.1 s of a worker's 4 threads; a many-core host checks
+    several at once)."""
+    if not (isinstance(jobs, int) and jobs >= 1):
+        raise ValueError(f"alarms: jobs must be a whole number >= 1 (got {jobs!r})")
+    if jobs > 1:
+        return _alarms_in_jobs(shape, sampled=sampled, mode=mode, device=device, ring=ring, checker=checker,
+                               seconds=seconds, seed=seed, jobs=jobs)
     with upstream_modules(make_wrappers()), tempfile.TemporaryDirectory(prefix="mxval-shadow-alarms-") as tmp:
         loop = _loop(shape, device)
         t = time.perf_counter()
@@ -259,7 +283,7 @@ def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cud
             _sync(device)
             sh.join(600)          # the warm-up's items checked first: a full queue would halve the rate
             ran = 0
-            fresh = torch.Generator(device=device).manual_seed(1)
+            fresh = torch.Generator(device=device).manual_seed(seed)
             for i in range(sampled):
                 loop.refill(fresh)           # after the last step's recording copies, in stream order
                 _step(loop, run)
@@ -275,7 +299,55 @@ def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cud
         reasons = [e["reason"] for e in S.read_log(os.path.join(tmp, S.LOG))[0]
                    if e.get("event") == "verdict" and not e["ok"]]
     return {"mode": mode, "checker": checker, "sampled": sampled, "ran": ran, "counts": counts, "reasons": reasons[:3],
-            "seconds": time.perf_counter() - t}
+            "seconds": time.perf_counter() - t, "jobs": 1, "seeds": [seed]}
+
+
+def _alarm_job(conn, shape: dict, kw: dict) -> None:
+    """One of `alarms`' jobs, in a spawned process: its result (or its failure) through `conn`."""
+    try:
+        if kw["device"] == "cpu":
+            import optimized
+            optimized.get_backend("triton-interpret")     # the kernel modules as the parent had them
+        conn.send(("ok", alarms(shape, **kw)))
+    except BaseException as e:                            # reported by the parent, which goes on
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _alarms_in_jobs(shape: dict, *, sampled: int, jobs: int, seed: int, **kw) -> dict:
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    t = time.perf_counter()
+    shares = [sampled // jobs + (j < sampled % jobs) for j in range(jobs)]
+    procs = []
+    for j, share in enumerate(shares):
+        here, there = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_alarm_job, args=(there, shape, dict(kw, sampled=share, seed=seed + j)),
+                        name=f"mxval-shadow-alarms-{j}")
+        p.start()
+        there.close()
+        procs.append((p, here))
+    results, errors = [], []
+    for p, here in procs:
+        try:
+            kind, value = here.recv()
+        except EOFError:                   # died without a word (killed, out of memory)
+            p.join(30)
+            kind, value = "error", f"job {p.name} ended with exit code {p.exitcode}"
+        p.join(60)
+        (results if kind == "ok" else errors).append(value)
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {jobs} alarm jobs failed: {errors[0]}")
+    kinds = {name: kind for name, kind, _ in S.COUNTERS}
+    counts = {name: (sum if kind == "counter" else min)(r["counts"][name] for r in results)
+              for name, kind in kinds.items()}          # a gauge: its lowest (rate, enabled, alive)
+    return {"mode": kw["mode"], "checker": kw["checker"], "sampled": sampled, "ran": sum(r["ran"] for r in results),
+            "counts": counts, "reasons": [x for r in results for x in r["reasons"]][:3],
+            "seconds": time.perf_counter() - t, "jobs": jobs, "seeds": [s for r in results for s in r["seeds"]]}
+
+
+def default_alarm_jobs() -> int:
+    """One alarm loop per S.WORKER_THREADS host cores (each checker's worker uses that many), at most 4."""
+    return max(1, min(4, (os.cpu_count() or 1) // S.WORKER_THREADS))
 
 
 KILL_AFTER = 2                 # verdicts counted before the checker is killed
@@ -323,8 +395,8 @@ def table(rows: list[dict], fault_r: Optional[dict], alarm_r: Optional[dict], ki
            f"{shape['context']} tokens; layer {CHOSEN_LAYER} chosen, ring of 4. Checker `process`: a worker process "
            f"judges each sampled step (reference on the host, or on the serving GPU where the row says so); "
            f"`thread`: a thread of the serving process (reference on the serving GPU, low-priority stream). "
-           f"A shadow row's timings alternate with as many of the same loop unrecorded (`off, same run`); "
-           f"its added time compares the two medians. Target: at most "
+           f"A shadow row's steps run in blocks alternating with as many of the same loop unrecorded "
+           f"(`off, same run`); its added time compares the two totals. Target: at most "
            f"{OVERHEAD_TARGET:g} % added per step at 1/1000.", "",
            "| mode | checker | rate | ms/step | off, same run | added per step | sampled | checked | skipped | "
            "rate at the end |",
@@ -351,7 +423,9 @@ def table(rows: list[dict], fault_r: Optional[dict], alarm_r: Optional[dict], ki
                       if f.get("step") is not None else f"NOT flagged in {f['steps']} steps ({f['counts']})"))
     if alarm_r is not None:
         a = alarm_r
-        out.append(f"* correct loop ({a['mode']}, {a.get('checker')} checker): {a['counts']['checked']} sampled steps checked"
+        jobs = a.get("jobs", 1)
+        how = "" if jobs == 1 else f", {jobs} loops at once, input seeds {', '.join(map(str, a['seeds']))}"
+        out.append(f"* correct loop ({a['mode']}, {a.get('checker')} checker{how}): {a['counts']['checked']} sampled steps checked"
                    + ("" if a.get("ran", a["sampled"]) >= a["sampled"] else
                       f" (stopped at the time limit after {a['ran']} of {a['sampled']} steps)") + ", "
                    f"{a['counts']['failed']} alarms (target 0), {a['counts']['skipped']} skipped, "
@@ -373,12 +447,13 @@ def section_for(lines: list, **kw):
 
 
 def run_all(*, layers=4, batch=32, context=8192, steps=5000, alarm_steps=10000, device="cuda",
-            modes=("eager", "graph"), repeats=3) -> list[str]:
+            modes=("eager", "graph"), repeats=3, alarm_jobs: Optional[int] = None) -> list[str]:
     shape = dict(layers=layers, batch=batch, context=context)
     graph = "graph" if "graph" in modes else modes[0]
     rows = overhead(shape, steps=steps, modes=modes, device=device, repeats=repeats)
     f = fault(shape, mode=graph, device=device)
-    a = alarms(shape, sampled=alarm_steps, mode=graph, device=device)
+    a = alarms(shape, sampled=alarm_steps, mode=graph, device=device,
+               jobs=alarm_jobs if alarm_jobs is not None else default_alarm_jobs())
     k = killed(shape, mode=graph, device=device)
     machine = (f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}" if device.startswith("cuda")
                else f"CPU (Triton interpreter); torch {torch.__version__}")
@@ -389,15 +464,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5000, help="steps per timing (1/1000 samples about 5 of 5000)")
     ap.add_argument("--alarm-steps", type=int, default=10000, help="sampled steps of the correct loop")
+    ap.add_argument("--alarm-jobs", type=int, default=None,
+                    help="correct loops checked at once, one process each (default: one per 4 host cores, at most 4)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--out", default=None, help="append the table to this Markdown file")
     a = ap.parse_args(argv)
+    for name in ("steps", "alarm_steps", "alarm_jobs", "layers", "batch", "context"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            print(f"mxval: bench shadow: --{name.replace('_', '-')} must be at least 1 (got {v})", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("mxval: bench shadow: no CUDA/ROCm GPU visible to torch", file=sys.stderr)
         return 2
-    lines = run_all(layers=a.layers, batch=a.batch, context=a.context, steps=a.steps, alarm_steps=a.alarm_steps)
+    lines = run_all(layers=a.layers, batch=a.batch, context=a.context, steps=a.steps, alarm_steps=a.alarm_steps,
+                    alarm_jobs=a.alarm_jobs)
     print("\n".join(lines))
     if a.out:
         from harness.io import atomic
