@@ -36,7 +36,7 @@ from ..common import on_device, reject_hadamard, scale_rule_code
 from .interp import LAUNCH, bf16_bits, bf16_round, exp_f32, tile
 from .k_writer import write_entries
 from .numerics import ROUNDING_CODES, SCALE_RULE_CODES, writing_tokens
-from .pooling import _check_windows, pool_window, softmax_pool_f64, window_offsets
+from .pooling import _check_windows, pool_window, softmax_pool_f64, window_rows
 
 # (tokens per program, uncertain values recomputed in fp64 at once, warps): compiled, one
 # token per program as vLLM's fused CUDA-path kernel (the 3 in 4 that write nothing exit at
@@ -97,12 +97,13 @@ def pool_bf16(state_ptr, off, m3, D: tl.constexpr):
 
 
 @triton.jit
-def refine_f64(state_ptr, table_ptr, req_ptr, pos_ptr, first, unc, out, block_size, table_stride, row_stride,
-               block_stride, D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr, SPAN2: tl.constexpr,
-               BT: tl.constexpr, U: tl.constexpr):
-    """`out` [BT, D] (tokens first.., channels) with the values `unc` marks replaced by the
-    split pooling's own fp64 code (`pooling.softmax_pool_f64`) on those (token, channel)
-    windows alone, U of them at a time: the fp64 work is per undecided value, not per row."""
+def refine_f64(state_ptr, base, valid, unc, out, D: tl.constexpr, BT: tl.constexpr, U: tl.constexpr):
+    """`out` [BT, D] (the program's tokens, channels) with the values `unc` marks replaced by
+    the split pooling's own fp64 code (`pooling.softmax_pool_f64`) on those (token, channel)
+    windows alone, U of them at a time: the fp64 work is per undecided value, not per row.
+    `base`, `valid` [WP, BT]: the windows' row offsets as the fp32 pass found them (in
+    registers: a round is one load from the lines that pass just read, not the block-table
+    lookups again)."""
     N: tl.constexpr = BT * D
     flag = tl.reshape(unc.to(tl.int32), (N,))
     bits = tl.reshape(out, (N,)).to(tl.int32, bitcast=True)
@@ -110,16 +111,16 @@ def refine_f64(state_ptr, table_ptr, req_ptr, pos_ptr, first, unc, out, block_si
     rank = tl.cumsum(flag, axis=0) - 1
     n = tl.sum(flag, axis=0)
     ui = tl.arange(0, U)
-    c1 = tl.zeros([1], tl.int32)                  # one channel: the window's row offsets
+    bt = tl.arange(0, BT)
     for j in range(0, n, U):
         match = (flag[None, :] != 0) & (rank[None, :] == (j + ui)[:, None])         # [U, N]
         at = tl.sum(tl.where(match, idx[None, :], 0), axis=1)                       # [U]
         ok = (j + ui) < n
-        tok = first + at // D
-        gpos = tl.load(pos_ptr + tok, mask=ok, other=0).to(tl.int64)
-        off, m3 = window_offsets(table_ptr, req_ptr, tok, gpos, ok, c1, c1 == 0, block_size, table_stride,
-                                 row_stride, block_stride, D, RATIO, WP, SPAN2)     # [WP, U, 1]
-        v = bf16_round(softmax_pool_f64(state_ptr, off + (at % D)[None, :, None], m3, D, False))
+        mine = (bt[None, None, :] == (at // D)[None, :, None])                      # [1, U, BT]: its token
+        row = tl.sum(tl.where(mine, base[:, None, :], 0), axis=2)                   # [WP, U]
+        m = (tl.sum(tl.where(mine, valid[:, None, :].to(tl.int32), 0), axis=2) != 0) & ok[None, :]
+        off = row + (at % D)[None, :]
+        v = bf16_round(softmax_pool_f64(state_ptr, off[:, :, None], m[:, :, None], D, False))
         vb = tl.reshape(v, (U,)).to(tl.int32, bitcast=True)
         # scattered as bits: a -0.0 keeps its sign
         hit = tl.max(match.to(tl.int32), axis=0) != 0
@@ -161,14 +162,15 @@ def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_
         else:
             # rocm / deepseek: bf16(c), the value the scratch buffer holds, in fp32 where the
             # bound decides it; CERTIFY = 2 (measurement only) skips the fp64 refinement
-            off, m3 = window_offsets(table_ptr, req_ptr, toks, pos, act, d, dm, block_size, table_stride,
-                                     row_stride, block_stride, D, RATIO, WP, SPAN2)
+            base, valid = window_rows(table_ptr, req_ptr, toks, pos, act, block_size, table_stride, row_stride,
+                                      block_stride, D, RATIO, WP, SPAN2)
+            off = base[:, :, None] + d[None, None, :]
+            m3 = valid[:, :, None] & dm[None, None, :]
             c, certain = pool_bf16(state_ptr, off, m3, D)
             if CERTIFY == 1:
                 unc = act[:, None] & (certain == 0)
                 if tl.max(tl.max(unc.to(tl.int32), axis=1), axis=0) != 0:
-                    c = refine_f64(state_ptr, table_ptr, req_ptr, pos_ptr, first, unc, c, block_size, table_stride,
-                                   row_stride, block_stride, D, RATIO, WP, SPAN2, BT, U)
+                    c = refine_f64(state_ptr, base, valid, unc, c, D, BT, U)
         if STORE_POOLED:
             if ROUNDING == 1:
                 tl.store(pooled_ptr + orow, c, mask=act[:, None])

@@ -30,11 +30,11 @@ def _exp(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def window_offsets(table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride, row_stride, block_stride,
-                   D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr, SPAN2: tl.constexpr):
-    """The state-cache offsets [WP, G, channels] of the `_a`/`_b` kv values of the windows of
-    tokens `tok` at positions `gpos` (the scores lie 2D further), and their mask (window slot
-    valid, row `ok`, channel in range)."""
+def window_rows(table_ptr, req_ptr, tok, gpos, ok, block_size, table_stride, row_stride, block_stride,
+                D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr, SPAN2: tl.constexpr):
+    """The state-cache offsets [WP, G] of channel 0 of the `_a`/`_b` kv values of the windows
+    of tokens `tok` at positions `gpos` (channel d lies d further, the scores 2D further), and
+    which are valid (window slot valid, row `ok`)."""
     i = tl.arange(0, WP)
     req = tl.load(req_ptr + tok, mask=ok, other=0).to(tl.int64)
     tbase = table_ptr + req * table_stride
@@ -56,7 +56,18 @@ def window_offsets(table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_s
         blk = tl.load(tbase[None, :] + qp // block_size, mask=valid, other=0).to(tl.int64)
         row = blk * block_stride + (qp % block_size) * row_stride
     half = tl.where(i >= RATIO, D, 0)[:, None]                          # i < r: `_a`, else `_b`
-    off = (row + half)[:, :, None] + d[None, None, :]                   # [WP, G, D]
+    return row + half, valid
+
+
+@triton.jit
+def window_offsets(table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_stride, row_stride, block_stride,
+                   D: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr, SPAN2: tl.constexpr):
+    """The state-cache offsets [WP, G, channels] of the `_a`/`_b` kv values of the windows of
+    tokens `tok` at positions `gpos` (the scores lie 2D further), and their mask (window slot
+    valid, row `ok`, channel in range)."""
+    base, valid = window_rows(table_ptr, req_ptr, tok, gpos, ok, block_size, table_stride, row_stride,
+                              block_stride, D, RATIO, WP, SPAN2)
+    off = base[:, :, None] + d[None, None, :]                           # [WP, G, D]
     m3 = valid[:, :, None] & dm[None, None, :]
     return off, m3
 
