@@ -48,10 +48,12 @@ def test_fused_other_rounding_paths(be, rounding):
     assert torch.equal(got["kv_cache"], pages)
 
 
-@pytest.mark.parametrize("tile", [(1, 8, 1), (16, 1, 2), (8, 2, 4), (64, 8, 4)])
+@pytest.mark.parametrize("tile", [(4, 1, 4, 1), (1, 1, 8, 1), (16, 16, 1, 2), (8, 8, 2, 4), (64, 64, 8, 4),
+                                  (16, 4, 2, 1), (64, 16, 4, 4)])
 def test_fused_tilings_and_no_scratch_row(be, tile):
-    """The compiled tilings (interpreted) and the production form (no pooled row stored)
-    write the same pages; bytes the call does not own keep their values."""
+    """The compiled tilings (interpreted), among them the writing tokens of a program
+    compacted into fewer at once, and the production form (no pooled row stored) write the
+    same pages; bytes the call does not own keep their values."""
     from optimized.triton_kernels import fused_k
     kw, wk = fused_k_case(5, [32, 16, 2], 64)
     _, pages = _split(kw, wk)
@@ -60,6 +62,25 @@ def test_fused_tilings_and_no_scratch_row(be, tile):
     fused_k.launch(*args, wk["cos_sin_cache"], wk["norm_weight"], out, compress_ratio=4, norm_eps=1e-6,
                    page_size=64, shuffle=[32, 16, 2], tile=tile)
     assert torch.equal(out, pages)
+
+
+@pytest.mark.parametrize("tile", [(16, 4, 2, 1), (8, 1, 4, 1)])
+def test_fused_program_of_writing_tokens_only(be, tile):
+    """A decode step's shape: every token is at its group's end (11 of 12 with a slot), so a
+    program holds more writing tokens than it pools at once and takes them in turns."""
+    from optimized.triton_kernels import fused_k
+    kw, wk = fused_k_case(6, [32, 16, 2], 64)
+    sel = (kw["positions"] + 1) % 4 == 0
+    kw = dict(kw, **{n: kw[n][sel] for n in ("positions", "req_index", "kv_slot_mapping")})
+    assert int((kw["kv_slot_mapping"] >= 0).sum()) == 11
+    pooled, pages = _split(kw, wk)
+    args = [kw[n] for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
+    out, p = wk["kv_cache"].clone(), torch.empty_like(pooled)
+    fused_k.launch(*args, wk["cos_sin_cache"], wk["norm_weight"], out, compress_ratio=4, norm_eps=1e-6,
+                   page_size=64, shuffle=[32, 16, 2], tile=tile, pooled=p)
+    assert torch.equal(out, pages)
+    written = kw["kv_slot_mapping"] >= 0
+    assert same_bits(p[written], pooled[written]) and bool(p[~written].isnan().all())
 
 
 def test_fused_rejects_what_the_split_ops_reject(be):

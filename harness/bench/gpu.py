@@ -408,7 +408,8 @@ def _k_path(b: Bench):
 
 
 INDEXER_LAYERS = 30          # V4-Pro's ratio-4 layers, each with one indexer K path per step
-FUSED_TILES = [(1, 4, 1), (1, 8, 1), (1, 16, 1), (1, 8, 2), (2, 8, 1)]      # (tokens per program, refined at once, warps)
+# (tokens per program, writing tokens pooled at once, undecided values refined at once, warps)
+FUSED_TILES = [(4, 1, 4, 1), (1, 1, 4, 1), (2, 1, 4, 1), (8, 1, 4, 1), (4, 1, 8, 1), (1, 1, 8, 1)]
 
 
 def _vllm_fused_k(pool_kw, k_kw):

@@ -38,10 +38,11 @@ from .k_writer import write_entries
 from .numerics import ROUNDING_CODES, SCALE_RULE_CODES, writing_tokens
 from .pooling import _check_windows, pool_window, softmax_pool_f64, window_rows
 
-# (tokens per program, uncertain values recomputed in fp64 at once, warps): compiled, one
-# token per program as vLLM's fused CUDA-path kernel (the 3 in 4 that write nothing exit at
-# once; see `make bench-gpu`'s sweep); the interpreter's wide tile (few programs)
-TILE = tile((1, 4, 1), (256, 32, 4))
+# (tokens per program, writing tokens pooled at once, undecided values recomputed in fp64 at
+# once, warps): compiled, RATIO tokens per program, so that a prefill chunk's programs each
+# write about one entry, one at a time (see `make bench-gpu`'s sweep); the interpreter's wide
+# tile (few programs)
+TILE = tile((4, 1, 4, 1), (1024, 256, 32, 4))
 
 # The certified fp32 pooling (`pool_bf16`). With u = 2**-24, the kernel computes, in fp32,
 # a_i = s_i - max, e_i = expf(a_i) (within 2 ulp), S = sum e, 1/S and w_i = e_i * (1/S)
@@ -128,62 +129,87 @@ def refine_f64(state_ptr, base, valid, unc, out, D: tl.constexpr, BT: tl.constex
     return tl.reshape(bits.to(tl.float32, bitcast=True), (BT, D))
 
 
+@triton.jit
+def _pool_and_write(state_ptr, table_ptr, req_ptr, slot_ptr, cs_ptr, w_ptr, cache_ptr, pooled_ptr, toks, pos, act,
+                    block_size, table_stride, row_stride, block_stride, page_stride, cs_stride, eps,
+                    D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr,
+                    PAGE: tl.constexpr, SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
+                    ROUNDING: tl.constexpr, RULE: tl.constexpr, STORE_POOLED: tl.constexpr,
+                    BT: tl.constexpr, U: tl.constexpr, SPAN2: tl.constexpr, CERTIFY: tl.constexpr):
+    """The entries of BT writing tokens `toks` (rows masked by `act`) at positions `pos`."""
+    TB: tl.constexpr = D // 2
+    d = tl.arange(0, D)
+    dm = d < D
+    # 1. pooling: the row the split pooling stores (window slots in registers)
+    if CERTIFY == 0:
+        # every value by the split pooling's fp64 code: the cuda path (its fp32 row) and
+        # the measurement of what the certified pooling saves
+        c = pool_window(state_ptr, table_ptr, req_ptr, toks, pos, act, d, dm, block_size, table_stride,
+                        row_stride, block_stride, D, RATIO, WP, SPAN2, False)
+        if ROUNDING != 1:
+            c = bf16_round(c)
+    else:
+        # rocm / deepseek: bf16(c), the value the scratch buffer holds, in fp32 where the
+        # bound decides it; CERTIFY = 2 (measurement only) skips the fp64 refinement
+        base, valid = window_rows(table_ptr, req_ptr, toks, pos, act, block_size, table_stride, row_stride,
+                                  block_stride, D, RATIO, WP, SPAN2)
+        off = base[:, :, None] + d[None, None, :]
+        m3 = valid[:, :, None] & dm[None, None, :]
+        c, certain = pool_bf16(state_ptr, off, m3, D)
+        if CERTIFY == 1:
+            unc = act[:, None] & (certain == 0)
+            if tl.max(tl.max(unc.to(tl.int32), axis=1), axis=0) != 0:
+                c = refine_f64(state_ptr, base, valid, unc, c, D, BT, U)
+    if STORE_POOLED:
+        orow = toks.to(tl.int64)[:, None] * D + d[None, :]
+        if ROUNDING == 1:
+            tl.store(pooled_ptr + orow, c, mask=act[:, None])
+        else:
+            tl.store(pooled_ptr + orow, bf16_bits(c), mask=act[:, None])
+    # 2. the row as the K writer reads it: (even, odd) channel pairs; on the rocm and
+    # deepseek paths already bf16(c), the value the scratch buffer holds
+    e, o = tl.split(tl.reshape(c, (BT, TB, 2)))
+    # 3. norm -> RoPE -> MXFP4 -> store: the split K writer's own device function
+    slot = tl.load(slot_ptr + toks, mask=act, other=0).to(tl.int64)
+    write_entries(e, o, pos, slot, act[:, None], tl.arange(0, TB), cs_ptr, w_ptr, cache_ptr, page_stride,
+                  cs_stride, eps, D, R, RATIO, PAGE, SHUF_N, SHUF_DT, SHUF_L, ROUNDING, False, False, 0.0, RULE,
+                  BT, False)
+
+
 @triton.jit(do_not_specialize=["T", "table_stride"])     # one compile for every token count
 def _fused_k_kernel(state_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, cs_ptr, w_ptr, cache_ptr, pooled_ptr,
                     T, block_size, table_stride, row_stride, block_stride, page_stride, cs_stride, eps,
                     D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, WP: tl.constexpr,
                     PAGE: tl.constexpr, SHUF_N: tl.constexpr, SHUF_DT: tl.constexpr, SHUF_L: tl.constexpr,
                     ROUNDING: tl.constexpr, RULE: tl.constexpr, STORE_POOLED: tl.constexpr,
-                    BT: tl.constexpr, U: tl.constexpr, SPAN2: tl.constexpr, CERTIFY: tl.constexpr):
-    TB: tl.constexpr = D // 2
-    first = tl.program_id(0) * BT
-    toks = first + tl.arange(0, BT)
-    inr, pos, act = writing_tokens(pos_ptr, slot_ptr, toks, T, RATIO)
-    d = tl.arange(0, D)
-    dm = d < D
-    orow = toks.to(tl.int64)[:, None] * D + d[None, :]          # the scratch row's offsets
+                    TPP: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, SPAN2: tl.constexpr,
+                    CERTIFY: tl.constexpr):
+    # the program's TPP tokens; the ones that write (1 in RATIO of a prefill chunk) are
+    # compacted by rank into groups of BT, so no lane works for a token that writes nothing
+    toks_all = tl.program_id(0) * TPP + tl.arange(0, TPP)
+    inr, pos_all, act_all = writing_tokens(pos_ptr, slot_ptr, toks_all, T, RATIO)
     if STORE_POOLED:
         # the scratch rows of the tokens that write nothing are NaN (compress_pool's contract)
-        nan = tl.full([BT, D], float("nan"), tl.float32)
-        nmask = (inr & (act == 0))[:, None]
+        d = tl.arange(0, D)
+        orow = toks_all.to(tl.int64)[:, None] * D + d[None, :]
+        nan = tl.full([TPP, D], float("nan"), tl.float32)
+        nmask = (inr & (act_all == 0))[:, None]
         if ROUNDING == 1:
             tl.store(pooled_ptr + orow, nan, mask=nmask)
         else:
             tl.store(pooled_ptr + orow, bf16_bits(nan), mask=nmask)
-    if tl.max(act.to(tl.int32), axis=0) != 0:       # 3 in 4 programs of a prefill chunk end here
-        # 1. pooling: the row the split pooling stores (window slots in registers)
-        if CERTIFY == 0:
-            # every value by the split pooling's fp64 code: the cuda path (its fp32 row) and
-            # the measurement of what the certified pooling saves
-            c = pool_window(state_ptr, table_ptr, req_ptr, toks, pos, act, d, dm, block_size, table_stride,
-                            row_stride, block_stride, D, RATIO, WP, SPAN2, False)
-            if ROUNDING != 1:
-                c = bf16_round(c)
-        else:
-            # rocm / deepseek: bf16(c), the value the scratch buffer holds, in fp32 where the
-            # bound decides it; CERTIFY = 2 (measurement only) skips the fp64 refinement
-            base, valid = window_rows(table_ptr, req_ptr, toks, pos, act, block_size, table_stride, row_stride,
-                                      block_stride, D, RATIO, WP, SPAN2)
-            off = base[:, :, None] + d[None, None, :]
-            m3 = valid[:, :, None] & dm[None, None, :]
-            c, certain = pool_bf16(state_ptr, off, m3, D)
-            if CERTIFY == 1:
-                unc = act[:, None] & (certain == 0)
-                if tl.max(tl.max(unc.to(tl.int32), axis=1), axis=0) != 0:
-                    c = refine_f64(state_ptr, base, valid, unc, c, D, BT, U)
-        if STORE_POOLED:
-            if ROUNDING == 1:
-                tl.store(pooled_ptr + orow, c, mask=act[:, None])
-            else:
-                tl.store(pooled_ptr + orow, bf16_bits(c), mask=act[:, None])
-        # 2. the row as the K writer reads it: (even, odd) channel pairs; on the rocm and
-        # deepseek paths already bf16(c), the value the scratch buffer holds
-        e, o = tl.split(tl.reshape(c, (BT, TB, 2)))
-        # 3. norm -> RoPE -> MXFP4 -> store: the split K writer's own device function
-        slot = tl.load(slot_ptr + toks, mask=act, other=0).to(tl.int64)
-        write_entries(e, o, pos, slot, act[:, None], tl.arange(0, TB), cs_ptr, w_ptr, cache_ptr, page_stride,
-                      cs_stride, eps, D, R, RATIO, PAGE, SHUF_N, SHUF_DT, SHUF_L, ROUNDING, False, False, 0.0, RULE,
-                      BT, False)
+    rank = tl.cumsum(act_all.to(tl.int32), axis=0) - 1
+    n_act = tl.sum(act_all.to(tl.int32), axis=0)
+    gi = tl.arange(0, BT)
+    for g0 in range(0, n_act, BT):                  # most programs of a prefill chunk: once
+        pick = act_all[None, :] & (rank[None, :] == (g0 + gi)[:, None])             # [BT, TPP]
+        toks = tl.sum(tl.where(pick, toks_all[None, :], 0), axis=1)
+        pos = tl.sum(tl.where(pick, pos_all[None, :], 0), axis=1)
+        act = (g0 + gi) < n_act
+        _pool_and_write(state_ptr, table_ptr, req_ptr, slot_ptr, cs_ptr, w_ptr, cache_ptr, pooled_ptr, toks, pos,
+                        act, block_size, table_stride, row_stride, block_stride, page_stride, cs_stride, eps,
+                        D, R, RATIO, WP, PAGE, SHUF_N, SHUF_DT, SHUF_L, ROUNDING, RULE, STORE_POOLED, BT, U,
+                        SPAN2, CERTIFY)
 
 
 def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight,
@@ -192,15 +218,18 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_
     """Write the entries of every boundary token with a slot into `out_cache` in place (all
     tensors on the kernel's device, checked by the caller). `pooled`: an optional [T, D]
     output (bf16; fp32 for rounding="cuda") that receives the scratch rows the split path
-    would store. `tile` (measurement only): (tokens per program, undecided values refined at
-    once, warps); `certify` (measurement only): False pools every value in fp64 (the same
+    would store. `tile` (measurement only): (tokens per program, writing tokens pooled at
+    once, undecided values refined at once, warps); `certify` (measurement only): False pools every value in fp64 (the same
     bytes, slower), "unchecked" in fp32 without the fp64 refinement (not the split path's bytes)."""
     t = positions.shape[0]
     d = state_cache.shape[-1] // 4
     if t == 0:
         return out_cache
     shuf = layout.as_shuffle(shuffle)
-    bt, u, warps = tile or TILE
+    tpp, bt, u, warps = tile or TILE
+    if tpp % bt or tpp & (tpp - 1) or bt & (bt - 1):
+        raise ValueError(f"fused K tile: tokens per program and tokens at once are powers of two, the first a "
+                         f"multiple of the second (got {tpp}, {bt})")
     if tile is None:
         warps = max(warps, d // 128)                # a 256-channel row in one warp spills
     sc = state_cache
@@ -209,14 +238,14 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_
         pooled_arg = pooled.view(torch.int16) if pooled.dtype == torch.bfloat16 else pooled
     else:
         pooled_arg = out_cache                      # never written (STORE_POOLED is off)
-    _fused_k_kernel[(triton.cdiv(t, bt),)](
+    _fused_k_kernel[(triton.cdiv(t, tpp),)](
         sc, block_table, positions, req_index, kv_slot_mapping, cos_sin_cache, norm_weight.float().contiguous(),
         out_cache, pooled_arg, t, sc.shape[1], block_table.stride(0), sc.stride(1), sc.stride(0),
         out_cache.shape[1], cos_sin_cache.stride(0), float(norm_eps),
         D=d, R=cos_sin_cache.shape[1], RATIO=compress_ratio, WP=triton.next_power_of_2(2 * compress_ratio),
         PAGE=page_size, SHUF_N=shuf.n if shuf else 0, SHUF_DT=shuf.dt if shuf else 1,
         SHUF_L=shuf.l if shuf else 1, ROUNDING=ROUNDING_CODES[rounding], RULE=SCALE_RULE_CODES[scale_rule],
-        STORE_POOLED=store, BT=bt, U=u, SPAN2=sc.shape[1] >= 2 * compress_ratio - 1,
+        STORE_POOLED=store, TPP=tpp, BT=bt, U=u, SPAN2=sc.shape[1] >= 2 * compress_ratio - 1,
         CERTIFY=0 if rounding == "cuda" else {True: 1, False: 0, "unchecked": 2}[certify], num_warps=warps,
         **LAUNCH)
     return out_cache
