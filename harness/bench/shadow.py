@@ -7,19 +7,20 @@ measurements, each a function that also runs on the CPU at tiny sizes (eager onl
 the Triton interpreter: the logic, not the figures):
 
 * `overhead`: steps/s with the shadow at each rate (1/1000 and 1/100 by default) against
-  the same loop unrecorded, timed in turns with it (the host's speed drifts by more than the
-  target over a minute), the added time per step in %, and the counters at the end (a
+  the same loop unrecorded, run in alternating blocks with it (`in_turns`: the host's speed
+  drifts by more than the target over a minute), the added time per step in %, and the counters at the end (a
   checker that fell behind halves the rate: the row says so). Target: at most 3 % at 1/1000.
 * `fault`: the K writer with the OCP floor scale rule (the catalogue's `scale-ocp-floor`)
   put into the serving ops: the steps and sampled steps until the first failing verdict
   (expected: the first sampled step, since every step writes K entries), and its kept dump
   replayed through the reference on the CPU (`mxval diff`'s verdict) against the logged one.
 * `alarms`: a correct loop checked on N sampled steps (rate 1, the loop waiting for the
-  checker every ring's worth of steps, so none is skipped): failing verdicts (target 0).
+  checker every ring's worth of steps, so none is skipped): failing verdicts (target 0);
+  several loops at once, each in its own process (`jobs`).
 * `killed`: the checker stopped mid-run: serving goes on, every counted verdict is in the
   log, later sampled steps are counted as skipped.
 
-    python -m harness.bench.shadow [--steps N] [--alarm-steps N] [--layers L] [--batch B] [--context T]
+    python -m harness.bench.shadow [--steps N] [--alarm-steps N] [--alarm-jobs J] [--layers L] [--batch B] [--context T]
 """
 from __future__ import annotations
 
