@@ -835,6 +835,20 @@ def test_the_worker_runs_at_the_lowest_cpu_priority_with_few_threads(clean, monk
         monkeypatch.setenv(name, "3")
 
 
+def test_a_spawned_process_does_not_run_the_parent_script_again(tmp_path):
+    """`shadow.spawned` (the worker, the bench's alarm jobs) from a script without a
+    `__name__` guard: the child does not import the script as its `__main__`."""
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text("import time\nfrom harness.capture import shadow\nprint('parent runs', flush=True)\n"
+                      "p = shadow.spawned(time.sleep, (0,), name='child')\np.join(60)\nprint('exit', p.exitcode)\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=os.getcwd(),
+                       env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.count("parent runs") == 1 and "exit 0" in p.stdout, p.stdout + p.stderr[-2000:]
+
+
 def test_the_worker_does_not_run_the_serving_script_again(tmp_path):
     """A spawned child imports its parent's __main__; a serving script without a
     `__name__` guard must not start serving a second time inside the worker."""

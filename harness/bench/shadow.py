@@ -322,9 +322,8 @@ def _alarms_in_jobs(shape: dict, *, sampled: int, jobs: int, seed: int, **kw) ->
     procs = []
     for j, share in enumerate(shares):
         here, there = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_alarm_job, args=(there, shape, dict(kw, sampled=share, seed=seed + j)),
-                        name=f"mxval-shadow-alarms-{j}")
-        p.start()
+        p = S.spawned(_alarm_job, (there, shape, dict(kw, sampled=share, seed=seed + j)),
+                      name=f"mxval-shadow-alarms-{j}")
         there.close()
         procs.append((p, here))
     results, errors = [], []

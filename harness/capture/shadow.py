@@ -466,20 +466,11 @@ class Shadow:
         the parent's `__main__` (a script without a `__name__` guard would run again there);
         it is given an empty one, for the moment of the start only."""
         import multiprocessing as mp
-        import sys
-        import types
 
-        ctx = mp.get_context("spawn")
-        here, there = ctx.Pipe()
+        here, there = mp.get_context("spawn").Pipe()
         warm = torch.cuda.is_available() and (self.device or "cuda").startswith("cuda")
-        self.worker = ctx.Process(target=_worker_main, args=(there, self.budgets.path, warm, self.threads, self.nice),
-                                  daemon=True, name="mxval-shadow-worker")
-        main = sys.modules.get("__main__")
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            self.worker.start()
-        finally:
-            sys.modules["__main__"] = main
+        self.worker = spawned(_worker_main, (there, self.budgets.path, warm, self.threads, self.nice),
+                              name="mxval-shadow-worker", daemon=True)
         there.close()
         self._starting = here
 
@@ -830,6 +821,24 @@ def _worker_main(conn, budgets_path, warm_cuda: bool = False, threads: int = WOR
             conn.send(("row", row, dump))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def spawned(target, args: tuple, *, name: str, daemon: bool = False):
+    """A started process (the spawn method: a fresh interpreter, no CUDA state inherited)
+    running target(*args). The child would import the parent's `__main__` (a script without
+    a `__name__` guard would run again there): it is given an empty one, for the moment of
+    the start only."""
+    import multiprocessing as mp
+    import sys
+    import types
+    p = mp.get_context("spawn").Process(target=target, args=args, name=name, daemon=daemon)
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        p.start()
+    finally:
+        sys.modules["__main__"] = main
+    return p
 
 
 class _null:
