@@ -10,10 +10,11 @@ reads it (rocm and deepseek rounding; the cuda rounding keeps fp32, as vLLM's CU
 Page order is the case's: aiter's preshuffle `[N, Dt, L]` for any page size it accepts
 (`page_size % N == 0`), or natural.
 
-One program per token, as vLLM's fused CUDA-path kernel (the tokens that write nothing, 3 in 4
-of a prefill chunk, end at once; the interpreter takes BT tokens per program). A writing
-token's whole row (all D channels) is in its program, as the norm's sum needs; the window
-tile is [2r, BT, D], its slot axis in registers. The pooled row is computed in fp32 with a
+A program scans TPP tokens (RATIO compiled: about one writing token each in a prefill
+chunk) and pools its writing tokens BT at a time, compacted by rank, so no lane works for
+a token that writes nothing (3 in 4 of a chunk). A writing token's whole row (all D
+channels) is in its program, as the norm's sum needs; the window tile is [2r, BT, D], its
+slot axis in registers. The pooled row is computed in fp32 with a
 certified error bound, and only the values the bound cannot decide (about 1 in 200 on normal
 data) are recomputed, gathered U at a time, with the split pooling's own fp64 code: the row
 is always the split path's bf16 row. `STORE_POOLED` additionally stores the scratch row (NaN
