@@ -323,6 +323,22 @@ def test_auto_layer_counting(monkeypatch, env, layer):
     assert [p.rsplit("/", 1)[1] for p in capture.written()] == ["layer1_step1.safetensors"]
 
 
+def test_auto_layer_counting_over_many_steps(monkeypatch, env, layer):
+    """Anchor calls of layers not chosen, and of chosen layers on steps not chosen, take the
+    idle path (`_idle_anchor`); the count, the context and the chosen (layer, step)s are
+    those of the full path, steps past the first few included."""
+    monkeypatch.setenv("MXVAL_CAPTURE_AUTO_LAYERS", "3")
+    monkeypatch.setenv("MXVAL_CAPTURE_LAYERS", "1")
+    monkeypatch.setenv("MXVAL_CAPTURE_STEPS", "3,5")
+    fk.install(monkeypatch, V033, ROW_ENDS)
+    install(quiet=True)
+    for call in range(3 * 7 + 2):                     # 23 anchor calls: the last at (1, 7)
+        vllm_step(layer)
+        assert capture.context() == (call % 3, call // 3)
+    capture.flush()
+    assert [p.rsplit("/", 1)[1] for p in capture.written()] == ["layer1_step3.safetensors", "layer1_step5.safetensors"]
+
+
 def test_custom_targets_and_the_kernel_launch_map(monkeypatch, env, layer):
     """install() takes Targets of the caller's own; a Triton launch records with its map."""
     fk.install(monkeypatch, V8E4F, CU_ENDS)

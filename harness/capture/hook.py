@@ -275,6 +275,23 @@ def _active(op: str) -> Optional[tuple]:
     return EAGER, (_S.layer, _S.step)
 
 
+def _idle_anchor() -> bool:
+    """An anchor call while nothing is recorded (not busy), counted here when the (layer,
+    step) it moves to is not chosen and no record is pending: True, the call passes
+    untouched. False: `_active` counts it. The idle path of every serving step, so it stays
+    this short (a wrapped call runs cold, between the launches of the ops around it)."""
+    cfg = _S.config
+    if cfg is None or not cfg.auto_layers:            # uninstalled meanwhile: _active decides
+        return False
+    c = _S.anchor_calls
+    layer, step = c % cfg.auto_layers, c // cfg.auto_layers
+    if _S.pending or layer in cfg.layers and step in cfg.steps:
+        return False                                  # chosen: _active asks again (a shadow's
+    _S.anchor_calls = c + 1                           # Steps answers a step once)
+    _S.layer, _S.step, _S.selected = layer, step, False
+    return True
+
+
 def _graph_layer(op: str, cfg: _Config, rec: _GraphRecord) -> Optional[tuple]:
     """Inside a capture the layer is set_context's, or counted from the anchor calls of this
     capture (every capture is one whole forward); steps are chosen at replay."""
@@ -763,7 +780,7 @@ def wrap(fn: Callable, op: str, arg_map: ArgMap, *, extra: Optional[Callable[[],
     bind = _binder(fn, arg_map)
 
     def wrapper(*args, **kwargs):
-        if not _S.busy and op != _S.counted:          # the idle path: nothing to look at
+        if not _S.busy and (op != _S.counted or _idle_anchor()):    # the idle path: nothing to look at
             return fn(*args, **kwargs)
         return _capture_call(fn, op, arg_map, bind, args, kwargs, extra() if extra is not None else None)
 
