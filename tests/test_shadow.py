@@ -889,6 +889,27 @@ def test_bench_alarms_under_graphs_check_every_step(interpreted, monkeypatch):
     assert c["skipped"] == 0 and c["rate"] == 1.0 and c["sampled"] == c["checked"] == 8 + 2, c
 
 
+def test_an_idle_checker_waits_without_waking_and_a_stop_wakes_it(clean):
+    """The checker thread waits on its queue, looking at its stop flag once a second (each
+    look takes the serving process's GIL); a stop wakes it at once."""
+    sh = S.Shadow(clean, 0.5, checker="thread")
+    assert sh.ready.wait(20)
+    gets = []
+    real = sh.items.get
+    sh.items.get = lambda *a, **k: (gets.append(time.perf_counter()), real(*a, **k))[1]
+    end = time.perf_counter() + 5
+    while not gets and time.perf_counter() < end:     # the checker's next wait has begun
+        time.sleep(0.005)
+    assert gets
+    time.sleep(0.5)
+    assert len(gets) == 1                              # no look at the flag for half a second
+    t = time.perf_counter()
+    sh.stop()                                          # in the middle of a wait
+    assert time.perf_counter() - t < 0.25 and not sh.thread.is_alive()
+    assert sh.items.unfinished_tasks == 0
+    sh.close()
+
+
 def test_a_worker_that_never_starts_switches_the_shadow_off_and_releases_its_waiters(clean, monkeypatch):
     monkeypatch.setattr(S, "WORKER_START_S", 0.01)             # no worker is ready that fast
     sh = S.Shadow(clean, 0.5, checker="process")

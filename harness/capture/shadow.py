@@ -179,6 +179,12 @@ class Steps:
             return False
 
 
+_WAKE = object()                   # put in the queue by a stop: a checker waiting for an item wakes
+# An idle checker waits this long between looks at its stop flag: each look takes the serving
+# process's GIL from the serving thread, so rarely (a stop wakes it at once through _WAKE)
+CHECKER_IDLE_S = 1.0
+
+
 class _Item:
     __slots__ = ("layer", "step", "calls", "event", "release", "mode")
 
@@ -379,9 +385,12 @@ class Shadow:
                 self._worker_conn()                # started before any item: its imports off the first check
             self.ready.set()
             while not self._stop.is_set():
-                try:
-                    item = self.items.get(timeout=0.05)
+                try:                               # a stop sends _WAKE (a stop that drops the queue
+                    item = self.items.get(timeout=CHECKER_IDLE_S)     # may take it first: then the timeout)
                 except queue.Empty:
+                    continue
+                if item is _WAKE:
+                    self.items.task_done()
                     continue
                 try:
                     self._one(item)
@@ -573,12 +582,21 @@ class Shadow:
         except Exception:
             pass
 
+    def _stop_checker(self) -> None:
+        """Ask the checker to stop after the item it is checking: a checker waiting for an
+        item gets _WAKE (a full queue has a checker at work, which sees the stop next)."""
+        self._stop.set()
+        try:
+            self.items.put_nowait(_WAKE)
+        except queue.Full:
+            pass
+
     def fail(self, why: str, trace: str = "") -> None:
         """Switch the shadow off: logged once (a warning and a log entry); never raises."""
         with self.lock:
             was, self.enabled = self.enabled, False
             self.counts["enabled"] = 0
-        self._stop.set()
+        self._stop_checker()
         if not was:
             return
         try:
@@ -599,6 +617,8 @@ class Shadow:
             except queue.Empty:
                 return
             self.items.task_done()
+            if item is _WAKE:
+                continue
             with self.lock:
                 self.counts["skipped"] += 1
                 self.counts["queued"] = self.items.qsize()
@@ -622,7 +642,7 @@ class Shadow:
     def stop(self, *, wait: bool = True) -> None:
         """Stop the checker (after the item it is checking; queued items are dropped and
         released). The log keeps every verdict counted."""
-        self._stop.set()
+        self._stop_checker()
         if wait and self.thread is not threading.current_thread():
             self.thread.join()
         self._drop()
