@@ -79,6 +79,7 @@ selftest: $(ENV_STAMP)
 
 bench: $(ENV_STAMP)
 	$(PY) -m harness.bench.reference
+	$(PY) -m harness.bench.resources --out reports/bench-resources.md
 
 # GPU benchmark of the Triton kernels at V4-Pro shapes -> reports/bench-gpu.md
 BENCH_GPU_OUT ?= reports/bench-gpu.md

@@ -408,8 +408,13 @@ def _k_path(b: Bench):
 
 
 INDEXER_LAYERS = 30          # V4-Pro's ratio-4 layers, each with one indexer K path per step
-# (tokens per program, writing tokens pooled at once, undecided values refined at once, warps)
-FUSED_TILES = [(4, 1, 4, 1), (1, 1, 4, 1), (2, 1, 4, 1), (8, 1, 4, 1), (4, 1, 8, 1), (1, 1, 8, 1)]
+# (tokens per program, writing tokens pooled at once, undecided values refined at once, warps[,
+# registers per thread at most]). Compiled for sm_90 the default takes 159 registers (fp32
+# only: 128), so 12 one-warp programs fit an SM's 64k registers: a 16k-token chunk's 4,096
+# programs run in 3 waves on 132 SMs; capped at 128 (12 bytes spilled) 16 fit, 2 waves; at 64
+# (332 bytes) 32, one wave
+FUSED_TILES = [(4, 1, 4, 1), (1, 1, 4, 1), (2, 1, 4, 1), (8, 1, 4, 1), (4, 1, 2, 1), (4, 1, 8, 1),
+               (4, 1, 4, 1, 128), (8, 1, 4, 1, 128), (4, 1, 4, 1, 96), (4, 1, 4, 1, 64), (8, 1, 2, 1, 128)]
 
 
 def _vllm_fused_k(pool_kw, k_kw):

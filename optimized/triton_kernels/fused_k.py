@@ -34,7 +34,7 @@ from reference.k_writer import check_mxfp4_k_writer
 from reference.pooling import check_pool_args
 
 from ..common import on_device, reject_hadamard, scale_rule_code
-from .interp import LAUNCH, bf16_bits, bf16_round, exp_f32, tile
+from .interp import INTERPRETED, LAUNCH, bf16_bits, bf16_round, exp_f32, tile
 from .k_writer import write_entries
 from .numerics import ROUNDING_CODES, SCALE_RULE_CODES, writing_tokens
 from .pooling import _check_windows, pool_window, softmax_pool_f64, window_rows
@@ -220,14 +220,17 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_
     tensors on the kernel's device, checked by the caller). `pooled`: an optional [T, D]
     output (bf16; fp32 for rounding="cuda") that receives the scratch rows the split path
     would store. `tile` (measurement only): (tokens per program, writing tokens pooled at
-    once, undecided values refined at once, warps); `certify` (measurement only): False pools every value in fp64 (the same
+    once, undecided values refined at once, warps[, registers per thread at most (CUDA)]); `certify` (measurement only): False pools every value in fp64 (the same
     bytes, slower), "unchecked" in fp32 without the fp64 refinement (not the split path's bytes)."""
     t = positions.shape[0]
     d = state_cache.shape[-1] // 4
     if t == 0:
         return out_cache
     shuf = layout.as_shuffle(shuffle)
-    tpp, bt, u, warps = tile or TILE
+    tpp, bt, u, warps, *rest = tile or TILE
+    # a register cap (CUDA, measurement): more one-warp programs resident per SM; spills do
+    # not change a result bit (ptxas allocates registers for the same instructions)
+    cap = {"maxnreg": rest[0]} if rest and rest[0] and not INTERPRETED and torch.version.hip is None else {}
     if tpp % bt or tpp & (tpp - 1) or bt & (bt - 1):
         raise ValueError(f"fused K tile: tokens per program and tokens at once are powers of two, the first a "
                          f"multiple of the second (got {tpp}, {bt})")
@@ -248,7 +251,7 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_
         SHUF_L=shuf.l if shuf else 1, ROUNDING=ROUNDING_CODES[rounding], RULE=SCALE_RULE_CODES[scale_rule],
         STORE_POOLED=store, TPP=tpp, BT=bt, U=u, SPAN2=sc.shape[1] >= 2 * compress_ratio - 1,
         CERTIFY=0 if rounding == "cuda" else {True: 1, False: 0, "unchecked": 2}[certify], num_warps=warps,
-        **LAUNCH)
+        **LAUNCH, **cap)
     return out_cache
 
 

@@ -1,0 +1,131 @@
+"""What a Triton kernel costs an NVIDIA SM, on any machine: compiled for a CUDA target with
+Triton's own compiler and its bundled `ptxas`, no GPU needed.
+
+A short, latency-bound kernel of one-warp programs (the fused K path) runs as fast as its
+programs are resident: an SM holds 64k registers, so a kernel that takes R registers per
+thread fits floor(65536 / (ceil(R * 32 / 256) * 256 * warps)) programs (at most 32), and a
+launch of P programs on S SMs takes ceil(P / (that * S)) waves. `ptxas -v` says R and the
+bytes spilled; a register cap (`maxnreg`) trades spills for residency.
+
+    python -m harness.bench.resources          # the fused K path's tilings, sm_90 (H100)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+REGS_PER_SM = 65536
+ALLOC_UNIT = 256                  # registers are given to a warp in units of this many
+MAX_PROGRAMS_PER_SM = 32          # resident thread blocks per SM (sm_80 .. sm_90)
+H100_SMS = 132
+CHUNK_TOKENS = 16384              # make bench-gpu's fused-k chunk
+
+
+def ptxas() -> str:
+    import triton
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(path):
+        raise RuntimeError(f"no ptxas in this Triton ({path}): install Triton with its NVIDIA backend")
+    return path
+
+
+def compile_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, maxnreg: Optional[int] = None,
+                      arch: int = 90, options: Optional[dict] = None) -> dict:
+    """{registers, spill_stores, spill_loads} of `fn` (a @triton.jit function, not in
+    interpreter mode) compiled for sm_`arch` with these argument types and constexprs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = dict(signature)
+    sig.update({k: "constexpr" for k in constexprs})
+    opts = {"num_warps": num_warps, **(options or {})}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    k = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32), options=opts)
+    with tempfile.TemporaryDirectory(prefix="mxval-ptxas-") as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(k.asm["ptx"])
+        out = subprocess.run([ptxas(), "-v", "--gpu-name", f"sm_{arch}a" if arch == 90 else f"sm_{arch}", src,
+                              "-o", os.path.join(tmp, "k.o")], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {out.stderr.strip()[-500:]}")
+    found = lambda pat: int(re.findall(pat, out.stderr)[-1]) if re.findall(pat, out.stderr) else 0
+    return {"registers": found(r"Used (\d+) registers"), "spill_stores": found(r"(\d+) bytes spill stores"),
+            "spill_loads": found(r"(\d+) bytes spill loads")}
+
+
+def programs_per_sm(registers: int, num_warps: int) -> int:
+    per_warp = math.ceil(registers * 32 / ALLOC_UNIT) * ALLOC_UNIT
+    return max(0, min(MAX_PROGRAMS_PER_SM, REGS_PER_SM // (per_warp * num_warps)))
+
+
+def waves(programs: int, per_sm: int, sms: int = H100_SMS) -> int:
+    return math.ceil(programs / (per_sm * sms)) if per_sm else 0
+
+
+# the fused K kernel's argument types as the harness launches it (fp32 state and RoPE table,
+# int32 tables, int64 positions and slots, byte pages) and its V4-Pro constexprs
+FUSED_K_SIGNATURE = dict(state_ptr="*fp32", table_ptr="*i32", pos_ptr="*i64", req_ptr="*i32", slot_ptr="*i64",
+                         cs_ptr="*fp32", w_ptr="*fp32", cache_ptr="*u8", pooled_ptr="*u8", T="i32",
+                         block_size="i32", table_stride="i32", row_stride="i32", block_stride="i32",
+                         page_stride="i32", cs_stride="i32", eps="fp32")
+FUSED_K_CONSTEXPRS = dict(D=128, R=64, RATIO=4, WP=8, PAGE=64, SHUF_N=32, SHUF_DT=16, SHUF_L=2, ROUNDING=0, RULE=0,
+                          STORE_POOLED=False, SPAN2=True)
+
+
+def fused_k_rows(tiles, *, certify: int = 1, arch: int = 90) -> list[dict]:
+    """Per tile (tokens per program, pooled at once, refined at once, warps[, maxnreg]) of
+    the fused K kernel: its registers, spills, programs per SM and waves for the chunk."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1: the kernels are in interpreter mode; compile without it")
+    from optimized.triton_kernels import fused_k
+    rows = []
+    for tile in tiles:
+        tpp, bt, u, warps, *rest = tile
+        cap = rest[0] if rest else None
+        r = compile_resources(fused_k._fused_k_kernel, FUSED_K_SIGNATURE,
+                              dict(FUSED_K_CONSTEXPRS, TPP=tpp, BT=bt, U=u, CERTIFY=certify),
+                              num_warps=warps, maxnreg=cap, arch=arch, options={"enable_fp_fusion": False})
+        per_sm = programs_per_sm(r["registers"], warps)
+        rows.append({"tile": tile, "certify": certify, **r, "programs_per_sm": per_sm,
+                     "waves": waves(-(-CHUNK_TOKENS // tpp), per_sm)})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="the CUDA compute capability compiled for (90: H100)")
+    ap.add_argument("--out", default=None, help="also write the table to this Markdown file")
+    a = ap.parse_args(argv)
+    from harness.bench.gpu import FUSED_TILES
+    try:
+        rows = fused_k_rows(FUSED_TILES, arch=a.arch) + fused_k_rows([(4, 1, 4, 1)], certify=2, arch=a.arch)
+    except RuntimeError as e:
+        print(f"mxval: bench resources: {e}", file=sys.stderr)
+        return 2
+    import triton
+    lines = [f"## Fused K kernel resources (sm_{a.arch})", "",
+             f"Compiled with Triton {triton.__version__} and its ptxas for sm_{a.arch} (no GPU needed); a "
+             f"{CHUNK_TOKENS}-token prefill chunk on {H100_SMS} SMs (an H100). Tile: tokens per program, writing "
+             f"tokens pooled at once, undecided values refined at once, warps[, register cap].", "",
+             "| tile | pooling | registers | spilled (stores/loads, bytes) | programs per SM | waves |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tile']} | {'certified' if r['certify'] == 1 else 'fp32 only'} | {r['registers']} | "
+                     f"{r['spill_stores']}/{r['spill_loads']} | {r['programs_per_sm']} | {r['waves']} |")
+    print("\n".join(lines))
+    if a.out:
+        from harness.io import atomic
+        atomic.write_text(a.out, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""harness.bench.resources: a kernel's registers, spills and residency on an NVIDIA SM, from a
+compile on any machine (Triton's ptxas)."""
+import json
+import os
+import subprocess
+import sys
+
+from harness.bench import resources as R
+
+
+def test_residency_arithmetic():
+    # registers go to a warp in units of 256 (170 * 32 = 5440 -> 5632: 11 per 64k, not 12); at most 32 programs
+    assert [R.programs_per_sm(r, 1) for r in (159, 170, 128, 96, 64, 32)] == [12, 11, 16, 21, 32, 32]
+    assert R.programs_per_sm(128, 2) == 8 and R.programs_per_sm(255, 8) == 1
+    assert [R.waves(4096, n) for n in (12, 16, 32)] == [3, 2, 1] and R.waves(4224, 32) == 1 and R.waves(4225, 32) == 2
+
+
+def test_the_fused_kernel_compiles_for_sm90_and_a_cap_holds():
+    """In a fresh interpreter (this one may hold the kernels in interpreter mode)."""
+    code = ("import json; from harness.bench.resources import fused_k_rows; "
+            "print(json.dumps(fused_k_rows([(4, 1, 4, 1), (4, 1, 4, 1, 96)])))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=os.getcwd(),
+                       env={**env, "PYTHONPATH": os.getcwd()})
+    assert p.returncode == 0, p.stderr[-2000:]
+    free, capped = json.loads(p.stdout.strip().splitlines()[-1])
+    assert 96 < free["registers"] <= 255 and free["spill_stores"] == 0
+    assert capped["registers"] <= 96 and capped["spill_stores"] > 0          # the cap is what ptxas obeyed
+    assert capped["programs_per_sm"] > free["programs_per_sm"]
