@@ -414,7 +414,8 @@ INDEXER_LAYERS = 30          # V4-Pro's ratio-4 layers, each with one indexer K 
 # programs run in 3 waves on 132 SMs; capped at 128 (12 bytes spilled) 16 fit, 2 waves; at 64
 # (332 bytes) 32, one wave
 FUSED_TILES = [(4, 1, 4, 1), (1, 1, 4, 1), (2, 1, 4, 1), (8, 1, 4, 1), (4, 1, 2, 1), (4, 1, 8, 1),
-               (4, 1, 4, 1, 128), (8, 1, 4, 1, 128), (4, 1, 4, 1, 96), (4, 1, 4, 1, 64), (8, 1, 2, 1, 128)]
+               (4, 1, 4, 1, 128), (8, 1, 4, 1, 128), (4, 1, 4, 1, 96), (4, 1, 4, 1, 64), (8, 1, 2, 1, 128),
+               (4, 1, 1, 1), (4, 1, 1, 1, 128)]
 
 
 def _vllm_fused_k(pool_kw, k_kw):

@@ -110,10 +110,23 @@ def refine_f64(state_ptr, base, valid, unc, out, D: tl.constexpr, BT: tl.constex
     flag = tl.reshape(unc.to(tl.int32), (N,))
     bits = tl.reshape(out, (N,)).to(tl.int32, bitcast=True)
     idx = tl.arange(0, N)
-    rank = tl.cumsum(flag, axis=0) - 1
     n = tl.sum(flag, axis=0)
-    ui = tl.arange(0, U)
     bt = tl.arange(0, BT)
+    if U == 1:
+        # one value a round, the first still flagged: no rank scan and no [U, N] matches (the
+        # fewest live registers, which the whole kernel pays for, refined or not)
+        for _ in range(0, n):
+            at = tl.min(tl.where(flag != 0, idx, N), axis=0)
+            flag = tl.where(idx == at, 0, flag)
+            mine = bt == at // D                                                    # [BT]: its token
+            row = tl.sum(tl.where(mine[None, :], base, 0), axis=1)                  # [WP]
+            m = tl.sum(tl.where(mine[None, :], valid.to(tl.int32), 0), axis=1) != 0
+            v = bf16_round(softmax_pool_f64(state_ptr, (row + at % D)[:, None, None], m[:, None, None], D, False))
+            vb = tl.sum(tl.sum(v.to(tl.int32, bitcast=True), axis=1), axis=0)       # the one value's bits
+            bits = tl.where(idx == at, vb, bits)
+        return tl.reshape(bits.to(tl.float32, bitcast=True), (BT, D))
+    rank = tl.cumsum(flag, axis=0) - 1
+    ui = tl.arange(0, U)
     for j in range(0, n, U):
         match = (flag[None, :] != 0) & (rank[None, :] == (j + ui)[:, None])         # [U, N]
         at = tl.sum(tl.where(match, idx[None, :], 0), axis=1)                       # [U]
