@@ -141,7 +141,7 @@ BLOCKS = 10          # a timing of N steps runs as blocks of N // BLOCKS, altern
 def in_turns(loop, off, on, *, steps: int, repeats: int, device: str, timer=None) -> tuple[float, float]:
     """(s/step of `off`, s/step of `on`): `repeats` x `steps` steps of each, run in blocks
     of `steps // BLOCKS` that alternate off-on, on-off, off-on... (a drift of the host's
-    speed that is linear over two blocks cancels; the eager loop is bound by its host
+    speed that is linear over four blocks cancels; the eager loop is bound by its host
     thread, whose speed drifts by several % over seconds), each side's time summed: a
     sampled step's cost counts in full, as in a mean, not dropped as by a median."""
     timer = timer or _time
