@@ -8,8 +8,9 @@ the Triton interpreter: the logic, not the figures):
 
 * `overhead`: steps/s with the shadow at each rate (1/1000 and 1/100 by default) against
   the same loop unrecorded, run in alternating blocks with it (`in_turns`: the host's speed
-  drifts by more than the target over a minute), the added time per step in %, and the counters at the end (a
-  checker that fell behind halves the rate: the row says so). Target: at most 3 % at 1/1000.
+  drifts by more than the target over a minute), the added time per step in %, and the
+  counters at the end (a checker that fell behind halves the rate: the row says so).
+  Target: at most 3 % at 1/1000.
 * `fault`: the K writer with the OCP floor scale rule (the catalogue's `scale-ocp-floor`)
   put into the serving ops: the steps and sampled steps until the first failing verdict
   (expected: the first sampled step, since every step writes K entries), and its kept dump
