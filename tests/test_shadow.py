@@ -628,7 +628,8 @@ def test_bench_correct_loop_gets_no_alarm(interpreted, monkeypatch):
     monkeypatch.setattr(DecodeLoop, "refill", lambda self, g: (refills.append(1), real(self, g)))
     a = interpreted.alarms(BENCH_SHAPE, sampled=4, mode="eager", device="cpu", ring=2)
     assert len(refills) == a["ran"] == 4                   # new inputs for every checked step
-    assert a["counts"]["checked"] >= 4 and a["counts"]["failed"] == 0 and a["counts"]["skipped"] == 0
+    c = a["counts"]
+    assert c["checked"] == c["sampled"] == 4 + 1 and c["failed"] == 0 and c["skipped"] == 0    # and the warm-up
     text = "\n".join(interpreted.table([], None, a, None, shape=BENCH_SHAPE, machine="CPU"))
     assert f"{a['counts']['checked']} sampled steps checked, 0 alarms" in text
 
@@ -639,7 +640,8 @@ def test_bench_alarms_share_their_steps_among_jobs_with_their_own_seeds(interpre
     a = interpreted.alarms(BENCH_SHAPE, sampled=3, mode="eager", device="cpu", ring=2, seed=5, jobs=2)
     c = a["counts"]
     assert a["jobs"] == 2 and a["seeds"] == [5, 6] and a["ran"] == 3
-    assert c["failed"] == 0 and c["skipped"] == 0 and c["checked"] >= 3 and c["rate"] == 1.0 and c["enabled"] == 1
+    assert c["failed"] == 0 and c["skipped"] == 0 and c["rate"] == 1.0 and c["enabled"] == 1
+    assert c["checked"] == c["sampled"] >= 3          # each job's warm-up step is sampled too
     text = "\n".join(interpreted.table([], None, a, None, shape=BENCH_SHAPE, machine="CPU"))
     assert "2 loops at once, input seeds 5, 6" in text and f"{c['checked']} sampled steps checked, 0 alarms" in text
     with pytest.raises(RuntimeError, match="2 of 2 alarm jobs failed"):
@@ -657,9 +659,10 @@ def test_in_turns_cancels_a_linear_drift_and_counts_a_sampled_steps_cost_in_full
         spike = 0.5 / n if fn == "on" and calls.count("on") == 3 else 0.0     # one sampled step: 0.5 s
         return (1.0 + 0.01 * len(calls)) * (1.02 if fn == "on" else 1.0) + spike
     off, on = bench.in_turns(None, "off", "on", steps=20, repeats=3, device="cpu", timer=timer)
-    blocks = 20 * 3 // 2
+    n = 20 // bench.BLOCKS                       # steps a block
+    blocks = 20 * 3 // n
     assert calls.count("on") == calls.count("off") == blocks and calls[:4] == ["off", "on", "on", "off"]
-    assert on / off - 1 == pytest.approx(0.02 + 0.5 / (off * 2 * blocks), rel=1e-9)     # 2 steps a block
+    assert on / off - 1 == pytest.approx(0.02 + 0.5 / (off * n * blocks), rel=1e-9)
 
 
 def test_bench_stopped_checker_and_overhead_rows(interpreted):

@@ -296,6 +296,7 @@ def alarms(shape: dict, *, sampled: int, mode: str = "graph", device: str = "cud
                     if seconds is not None and time.perf_counter() - t > seconds:
                         break
             _sync(device)
+            capture.flush()       # eager: the last step's records, pending until the next anchor call
             sh.join(600)
             counts = sh.snapshot()
         reasons = [e["reason"] for e in S.read_log(os.path.join(tmp, S.LOG))[0]
