@@ -37,7 +37,7 @@ from ..common import on_device, reject_hadamard, scale_rule_code
 from .interp import INTERPRETED, LAUNCH, bf16_bits, bf16_round, exp_f32, tile
 from .k_writer import write_entries
 from .numerics import ROUNDING_CODES, SCALE_RULE_CODES, writing_tokens
-from .pooling import _check_windows, pool_window, softmax_pool_f64, window_rows
+from .pooling import _check_windows, pool_window, softmax_pool_f64, window_rows, window_tile
 
 # (tokens per program, writing tokens pooled at once, undecided values recomputed in fp64 at
 # once, warps): compiled, RATIO tokens per program, so that a prefill chunk's programs each
@@ -167,8 +167,7 @@ def _pool_and_write(state_ptr, table_ptr, req_ptr, slot_ptr, cs_ptr, w_ptr, cach
         # bound decides it; CERTIFY = 2 (measurement only) skips the fp64 refinement
         base, valid = window_rows(table_ptr, req_ptr, toks, pos, act, block_size, table_stride, row_stride,
                                   block_stride, D, RATIO, WP, SPAN2)
-        off = base[:, :, None] + d[None, None, :]
-        m3 = valid[:, :, None] & dm[None, None, :]
+        off, m3 = window_tile(base, valid, d, dm)
         c, certain = pool_bf16(state_ptr, off, m3, D)
         if CERTIFY == 1:
             unc = act[:, None] & (certain == 0)
@@ -233,14 +232,17 @@ def launch(state_cache, block_table, positions, req_index, kv_slot_mapping, cos_
     tensors on the kernel's device, checked by the caller). `pooled`: an optional [T, D]
     output (bf16; fp32 for rounding="cuda") that receives the scratch rows the split path
     would store. `tile` (measurement only): (tokens per program, writing tokens pooled at
-    once, undecided values refined at once, warps[, registers per thread at most (CUDA)]); `certify` (measurement only): False pools every value in fp64 (the same
-    bytes, slower), "unchecked" in fp32 without the fp64 refinement (not the split path's bytes)."""
+    once, undecided values refined at once, warps[, registers per thread at most (CUDA)]);
+    `certify` (measurement only): False pools every value in fp64 (the same bytes, slower),
+    "unchecked" in fp32 without the fp64 refinement (not the split path's bytes)."""
     t = positions.shape[0]
     d = state_cache.shape[-1] // 4
     if t == 0:
         return out_cache
     shuf = layout.as_shuffle(shuffle)
     tpp, bt, u, warps, *rest = tile or TILE
+    if len(rest) > 1:
+        raise ValueError(f"fused K tile: 4 or 5 numbers, got {tile}")
     # a register cap (CUDA, measurement): more one-warp programs resident per SM; spills do
     # not change a result bit (ptxas allocates registers for the same instructions)
     cap = {"maxnreg": rest[0]} if rest and rest[0] and not INTERPRETED and torch.version.hip is None else {}

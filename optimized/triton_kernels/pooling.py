@@ -67,9 +67,14 @@ def window_offsets(table_ptr, req_ptr, tok, gpos, ok, d, dm, block_size, table_s
     valid, row `ok`, channel in range)."""
     base, valid = window_rows(table_ptr, req_ptr, tok, gpos, ok, block_size, table_stride, row_stride,
                               block_stride, D, RATIO, WP, SPAN2)
-    off = base[:, :, None] + d[None, None, :]                           # [WP, G, D]
-    m3 = valid[:, :, None] & dm[None, None, :]
-    return off, m3
+    return window_tile(base, valid, d, dm)
+
+
+@triton.jit
+def window_tile(base, valid, d, dm):
+    """The offsets [WP, G, channels] and mask of channels `d` (masked by `dm`) of the windows
+    whose channel-0 offsets and validity `window_rows` gave."""
+    return base[:, :, None] + d[None, None, :], valid[:, :, None] & dm[None, None, :]
 
 
 @triton.jit
