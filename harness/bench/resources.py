@@ -24,6 +24,7 @@ REGS_PER_SM = 65536
 ALLOC_UNIT = 256                  # registers are given to a warp in units of this many
 MAX_PROGRAMS_PER_SM = 32          # resident thread blocks per SM (sm_80 .. sm_90)
 H100_SMS = 132
+ARCHS = (80, 86, 89, 90)          # NVIDIA targets compiled for here (sm_90: its `a` form, as Triton does)
 CHUNK_TOKENS = 16384              # make bench-gpu's fused-k chunk
 
 
@@ -38,7 +39,10 @@ def ptxas() -> str:
 def compile_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, maxnreg: Optional[int] = None,
                       arch: int = 90, options: Optional[dict] = None) -> dict:
     """{registers, spill_stores, spill_loads} of `fn` (a @triton.jit function, not in
-    interpreter mode) compiled for sm_`arch` with these argument types and constexprs."""
+    interpreter mode) compiled for sm_`arch` (one of ARCHS) with these argument types and
+    constexprs."""
+    if arch not in ARCHS:
+        raise RuntimeError(f"sm_{arch}: not a target compiled for here ({', '.join(map(str, ARCHS))})")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -104,6 +108,10 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="the CUDA compute capability compiled for (90: H100)")
     ap.add_argument("--out", default=None, help="also write the table to this Markdown file")
     a = ap.parse_args(argv)
+    if a.arch not in ARCHS:                       # an unknown target aborts inside LLVM
+        print(f"mxval: bench resources: --arch {a.arch}: not a target compiled for here "
+              f"({', '.join(map(str, ARCHS))})", file=sys.stderr)
+        return 2
     from harness.bench.gpu import FUSED_TILES
     try:
         rows = fused_k_rows(FUSED_TILES, arch=a.arch) + fused_k_rows([(4, 1, 4, 1)], certify=2, arch=a.arch)
