@@ -470,10 +470,8 @@ class Shadow:
         return row, None
 
     def _start_worker(self) -> None:
-        """Spawn the worker process (checker "process"), at construction, in the caller's
-        thread: a fresh interpreter, no CUDA state inherited. The spawned child would import
-        the parent's `__main__` (a script without a `__name__` guard would run again there);
-        it is given an empty one, for the moment of the start only."""
+        """Spawn the worker process (checker "process", `spawned`), at construction, in the
+        caller's thread."""
         import multiprocessing as mp
 
         here, there = mp.get_context("spawn").Pipe()
