@@ -49,7 +49,7 @@ def test_fused_other_rounding_paths(be, rounding):
 
 
 @pytest.mark.parametrize("tile", [(4, 1, 4, 1), (1, 1, 8, 1), (16, 16, 1, 2), (8, 8, 2, 4), (64, 64, 8, 4),
-                                  (16, 4, 2, 1), (64, 16, 4, 4), (4, 1, 4, 1, 128)])
+                                  (16, 4, 2, 1), (64, 16, 4, 4), (8, 1, 2, 1, 128)])
 def test_fused_tilings_and_no_scratch_row(be, tile):
     """The compiled tilings (interpreted), among them the writing tokens of a program
     compacted into fewer at once, and the production form (no pooled row stored) write the

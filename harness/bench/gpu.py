@@ -409,13 +409,15 @@ def _k_path(b: Bench):
 
 INDEXER_LAYERS = 30          # V4-Pro's ratio-4 layers, each with one indexer K path per step
 # (tokens per program, writing tokens pooled at once, undecided values refined at once, warps[,
-# registers per thread at most]). Compiled for sm_90 the default takes 159 registers (fp32
-# only: 128), so 12 one-warp programs fit an SM's 64k registers: a 16k-token chunk's 4,096
-# programs run in 3 waves on 132 SMs; capped at 128 (12 bytes spilled) 16 fit, 2 waves; at 64
-# (332 bytes) 32, one wave
-FUSED_TILES = [(4, 1, 4, 1), (1, 1, 4, 1), (2, 1, 4, 1), (8, 1, 4, 1), (4, 1, 2, 1), (4, 1, 8, 1),
-               (4, 1, 4, 1, 128), (8, 1, 4, 1, 128), (4, 1, 4, 1, 96), (4, 1, 4, 1, 64), (8, 1, 2, 1, 128),
-               (4, 1, 1, 1), (4, 1, 1, 1, 128)]
+# registers per thread at most]), the default first. What sets the time is residency: a
+# 16k-token chunk has 16384 / TPP one-warp programs, an SM's 64k registers hold 65536 // (32 x
+# registers, in units of 256) of them, on 132 SMs. The certified pooling takes about 200
+# registers (Triton 3.6 on an H100; 3.7.1's ptxas, `python -m harness.bench.resources`, says
+# 159), so 4 tokens per program run in 3 or 4 waves; capped at 128 (a few bytes spilled) 16
+# fit, and 8 tokens per program are one wave. Caps below 128 spill hundreds of bytes (measured
+# 2 to 3x slower)
+FUSED_TILES = [(8, 1, 2, 1, 128), (8, 1, 4, 1, 128), (8, 1, 1, 1, 128), (8, 1, 2, 1), (8, 1, 4, 1),
+               (16, 1, 2, 1, 128), (4, 1, 4, 1), (4, 1, 2, 1), (4, 1, 1, 1), (4, 1, 4, 1, 128), (1, 1, 4, 1)]
 
 
 def _vllm_fused_k(pool_kw, k_kw):
@@ -480,6 +482,10 @@ def _fused_k(b: Bench):
             sweep["default, every value pooled in fp64"] = _bench(lambda: fused(None, out, False), graph=True)
             b.note("Bytes", f"fused, every value pooled in fp64: {differing_elements(out, split_out)} pool bytes differ "
                    f"from the split path's")
+            out = k_kw["kv_cache"].clone()
+            fused(None, out, "unchecked")
+            sweep["default, fp32 pooling without the fp64 refinement (measurement only)"] = _bench(
+                lambda: fused(None, out, "unchecked"), graph=True)
             b.sweeps["fused K path"] = (fused_k.TILE, sweep)
     state_bytes = pool_kw["state_cache"].numel() * 4
     floor = (state_bytes + 4096 * ENTRY) / b.bw * 1e3          # no pooled row through memory

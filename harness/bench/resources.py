@@ -114,7 +114,8 @@ def main(argv=None) -> int:
         return 2
     from harness.bench.gpu import FUSED_TILES
     try:
-        rows = fused_k_rows(FUSED_TILES, arch=a.arch) + fused_k_rows([(4, 1, 4, 1)], certify=2, arch=a.arch)
+        rows = fused_k_rows(FUSED_TILES, arch=a.arch) + fused_k_rows([(8, 1, 2, 1, 128), (4, 1, 4, 1)], certify=2,
+                                                                     arch=a.arch)
     except RuntimeError as e:
         print(f"mxval: bench resources: {e}", file=sys.stderr)
         return 2

@@ -40,10 +40,14 @@ from .numerics import ROUNDING_CODES, SCALE_RULE_CODES, writing_tokens
 from .pooling import _check_windows, pool_window, softmax_pool_f64, window_rows, window_tile
 
 # (tokens per program, writing tokens pooled at once, undecided values recomputed in fp64 at
-# once, warps): compiled, RATIO tokens per program, so that a prefill chunk's programs each
-# write about one entry, one at a time (see `make bench-gpu`'s sweep); the interpreter's wide
-# tile (few programs)
-TILE = tile((4, 1, 4, 1), (1024, 256, 32, 4))
+# once, warps[, registers per thread at most]): compiled, 2 x RATIO tokens per program (a
+# prefill chunk's programs each write about two entries, one at a time) capped at 128
+# registers, so that a 16k-token chunk's 2,048 one-warp programs are resident at once on an
+# H100's 132 SMs (16 per SM; uncapped, the certified pooling takes about 200 and 10 fit: two
+# waves), at the price of a few spilled bytes; `make bench-gpu`'s sweep times the others
+# (docs/fused-k.md). The cap is CUDA's (`maxnreg`); elsewhere the compiler's own allocation.
+# The interpreter's wide tile: few programs.
+TILE = tile((8, 1, 2, 1, 128), (1024, 256, 32, 4))
 
 # The certified fp32 pooling (`pool_bf16`). With u = 2**-24, the kernel computes, in fp32,
 # a_i = s_i - max, e_i = expf(a_i) (within 2 ulp), S = sum e, 1/S and w_i = e_i * (1/S)
