@@ -10,7 +10,7 @@ reads it (rocm and deepseek rounding; the cuda rounding keeps fp32, as vLLM's CU
 Page order is the case's: aiter's preshuffle `[N, Dt, L]` for any page size it accepts
 (`page_size % N == 0`), or natural.
 
-A program scans TPP tokens (RATIO compiled: about one writing token each in a prefill
+A program scans TPP tokens (2 x RATIO compiled: about two writing tokens in a prefill
 chunk) and pools its writing tokens BT at a time, compacted by rank, so no lane works for
 a token that writes nothing (3 in 4 of a chunk). A writing token's whole row (all D
 channels) is in its program, as the norm's sum needs; the window tile is [2r, BT, D], its
