@@ -658,11 +658,37 @@ def test_in_turns_cancels_a_linear_drift_and_counts_a_sampled_steps_cost_in_full
         calls.append(fn)
         spike = 0.5 / n if fn == "on" and calls.count("on") == 3 else 0.0     # one sampled step: 0.5 s
         return (1.0 + 0.01 * len(calls)) * (1.02 if fn == "on" else 1.0) + spike
-    off, on = bench.in_turns(None, "off", "on", steps=20, repeats=3, device="cpu", timer=timer)
+    t = bench.in_turns(None, "off", "on", steps=20, repeats=3, device="cpu", timer=timer)
+    off, on = t.off, t.on
     n = 20 // bench.BLOCKS                       # steps a block
     blocks = 20 * 3 // n
     assert calls.count("on") == calls.count("off") == blocks and calls[:4] == ["off", "on", "on", "off"]
     assert on / off - 1 == pytest.approx(0.02 + 0.5 / (off * n * blocks), rel=1e-9)
+    assert t.added_pct == pytest.approx((on / off - 1) * 100, rel=1e-12)
+
+
+def test_in_turns_spread_is_two_standard_errors_of_the_block_differences():
+    from harness.bench import shadow as bench
+    diffs = [0.01, 0.03, 0.02, 0.04, 0.00, 0.02]           # on - off, block by block
+    seq = []
+    for i, dd in enumerate(diffs):
+        seq += [("off", 1.0), ("on", 1.0 + dd)] if i % 2 == 0 else [("on", 1.0 + dd), ("off", 1.0)]
+    it = iter(seq)
+
+    def timer(loop, fn, n, device):
+        side, v = next(it)
+        assert side == fn
+        return v
+    t = bench.in_turns(None, "off", "on", steps=1, repeats=len(diffs), device="cpu", timer=timer)
+    mean = sum(diffs) / 6
+    se = (sum((x - mean) ** 2 for x in diffs) / 5 / 6) ** 0.5
+    assert t.added_pct == pytest.approx(mean * 100) and t.spread_pct == pytest.approx(2 * se * 100)
+    same = bench.in_turns(None, "a", "a", steps=1, repeats=4, device="cpu",
+                          timer=lambda loop, fn, n, device: 2.0)
+    assert same.added_pct == 0 and same.spread_pct == 0               # nothing added, no noise: 0 +- 0
+    one = bench.in_turns(None, "a", "a", steps=1, repeats=1, device="cpu",
+                         timer=lambda loop, fn, n, device: 2.0)
+    assert one.spread_pct == float("inf")                             # one pair says nothing of the noise
 
 
 def test_bench_stopped_checker_and_overhead_rows(interpreted):
@@ -671,7 +697,8 @@ def test_bench_stopped_checker_and_overhead_rows(interpreted):
     rows = interpreted.overhead(BENCH_SHAPE, steps=2, rates=(1 / 1000,), modes=("eager",), device="cpu", repeats=1,
                                 checkers=(("thread", None), ("process", "cpu")))
     idle = interpreted.IDLE_RATE
-    assert [(r["rate"], r["checker"]) for r in rows] == [(None, None), (idle, "thread, reference on the serving GPU"),
+    assert [(r["rate"], r["checker"]) for r in rows] == [(None, None), (None, interpreted.CONTROL),
+                                                         (idle, "thread, reference on the serving GPU"),
                                                          (1 / 1000, "thread, reference on the serving GPU"),
                                                          (idle, "process, reference on the host"),
                                                          (1 / 1000, "process, reference on the host")]
@@ -680,6 +707,7 @@ def test_bench_stopped_checker_and_overhead_rows(interpreted):
     text = "\n".join(interpreted.table(rows, None, None, k, shape=BENCH_SHAPE, machine="CPU"))
     assert "eager, process, reference on the host, at 1/1000" in text and "(0 lost)" in text
     assert "| eager | process, reference on the host | none sampled |" in text
+    assert f"| eager | {interpreted.CONTROL} | off |" in text and all(r["spread_pct"] >= 0 for r in rows[1:])
 
 
 def test_bench_overhead_times_its_baseline_in_turns_with_the_shadow_unrecorded(interpreted):
