@@ -1371,9 +1371,11 @@ def test_study_interrupted_twice_ends_without_a_traceback(tmp_path, gap):
     import subprocess
     import sys
     import time
+    # 40 seeds: a study that runs well past the first interrupt on a fast host (with 3 it ended
+    # before it, and the Ctrl-C met a finished process)
     (tmp_path / "s.toml").write_text('[distribution.normal]\n[distribution.wide]\nhead_scale_spread = 1.0\n[study.s]\n'
                                      'variants = ["exact", "mxfp4"]\ncontext_tokens = [8192, 16384]\nrows = 2\n'
-                                     'seeds = 3\nneedle_depths = []\nneedle_margins = []\nheads = 4\n')
+                                     'seeds = 40\nneedle_depths = []\nneedle_margins = []\nheads = 4\n')
     d = tmp_path / "r"
     p = subprocess.Popen([sys.executable, "-m", "harness", "study", "--study", "s", "--study-file", str(tmp_path / "s.toml"),
                           "--device", "cpu", "--jobs", "2", "--report-dir", str(d)], cwd=ROOT,
