@@ -15,7 +15,6 @@ a chosen layer on steps that are not chosen (the in-graph staging copies still r
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -27,6 +26,7 @@ from typing import Optional
 import torch
 
 import harness.capture as capture
+from harness.errors import Parser, count, parse_or_exit
 from optimized import upstream
 from reference import layout, rope
 from reference.layout import choose_shuffle
@@ -330,12 +330,12 @@ def section_for(lines: list, **kw):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--context", type=int, default=8192)
-    a = ap.parse_args(argv)
+    ap = Parser(prog="python -m harness.bench.capture", description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=count, default=200)
+    ap.add_argument("--layers", type=count, default=4)
+    ap.add_argument("--batch", type=count, default=32)
+    ap.add_argument("--context", type=count, default=8192)
+    a = parse_or_exit(ap, argv, "bench capture")
     if not torch.cuda.is_available():
         print("mxval: bench capture: no CUDA/ROCm GPU visible to torch", file=sys.stderr)
         return 2

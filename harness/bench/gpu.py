@@ -21,7 +21,6 @@ its wall clock and each case's GPU peak against its tensors.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import pathlib
 import sys
@@ -30,7 +29,7 @@ import torch
 
 from harness.bench import capture as capture_bench
 from harness.bench import shadow as shadow_bench
-from harness.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+from harness.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE, Parser, parse_or_exit
 from harness.io import atomic
 from reference import layout
 from reference.formats import E2M1_SIGNED
@@ -217,22 +216,22 @@ def measure_pool_fast_exp(tokens=16384, seeds=4):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m harness.bench.gpu", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="reports/bench-gpu.md")
     ap.add_argument("--quick", action="store_true", help="skip the wide-scale reference rows")
     ap.add_argument("--shortcuts", action="store_true",
                     help="also measure how often upstream-style shortcuts change bytes (docs/triton-notes.md)")
     ap.add_argument("--skip", action="append", default=[], choices=sorted(PARTS),
                     help="leave a part out (the report says so); may be repeated")
-    a = ap.parse_args(argv)
+    a = parse_or_exit(ap, argv, "bench gpu")
     if not torch.cuda.is_available():
-        print("bench-gpu: no CUDA/ROCm GPU visible to torch", file=sys.stderr)
+        print("mxval: bench gpu: no CUDA/ROCm GPU visible to torch", file=sys.stderr)
         return EXIT_USAGE
     from optimized import BackendUnavailable, get_backend
     try:
         get_backend("triton")
     except BackendUnavailable as e:
-        print(f"bench-gpu: {e}", file=sys.stderr)
+        print(f"mxval: bench gpu: {e}", file=sys.stderr)
         return EXIT_USAGE
     bench = Bench(copy_bandwidth(), a.quick)
     for name, part in PARTS.items():

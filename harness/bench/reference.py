@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from harness.bench import startup
+from harness.errors import Parser, count, parse_or_exit
 from harness.io import atomic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -396,13 +397,13 @@ def table(info: dict, results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.bench.reference", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m harness.bench.reference", description=__doc__.splitlines()[0])
     ap.add_argument("--worker", choices=("k_path", "scoring", "scoring_wide", "user_waits"), help=argparse.SUPPRESS)
     ap.add_argument("--skip-waits", action="store_true", help="skip timing `make validate` and `mxval diff`")
     ap.add_argument("--device", default=None, help="cpu, cuda, or all present (default)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=count, default=5)
     ap.add_argument("--out", type=Path, default=REPORT)
-    args = ap.parse_args(argv)
+    args = parse_or_exit(ap, argv, "bench reference")
     if args.worker:
         print(json.dumps(worker(args.worker, args.device or "cpu", args.repeats)))
         return 0

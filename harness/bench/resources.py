@@ -11,7 +11,6 @@ bytes spilled; a register cap (`maxnreg`) trades spills for residency.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -19,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 from typing import Optional
+
+from harness.errors import Parser, parse_or_exit
 
 REGS_PER_SM = 65536
 ALLOC_UNIT = 256                  # registers are given to a warp in units of this many
@@ -104,10 +105,10 @@ def fused_k_rows(tiles, *, certify: int = 1, arch: int = 90) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m harness.bench.resources", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="the CUDA compute capability compiled for (90: H100)")
     ap.add_argument("--out", default=None, help="also write the table to this Markdown file")
-    a = ap.parse_args(argv)
+    a = parse_or_exit(ap, argv, "bench resources")
     if a.arch not in ARCHS:                       # an unknown target aborts inside LLVM
         print(f"mxval: bench resources: --arch {a.arch}: not a target compiled for here "
               f"({', '.join(map(str, ARCHS))})", file=sys.stderr)

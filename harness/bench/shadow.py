@@ -25,7 +25,6 @@ the Triton interpreter: the logic, not the figures):
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -40,6 +39,7 @@ from harness.bench.capture import RATIO, DecodeLoop, environ, make_wrappers, ops
 from harness.capture import shadow as S
 from harness.capture.shadow import jsonable
 from harness.diff.metrics import not_reproduced
+from harness.errors import Parser, count, parse_or_exit
 
 RATES = (1 / 1000, 1 / 100)
 OVERHEAD_TARGET = 3.0                     # % added per serving step at 1/1000
@@ -500,21 +500,16 @@ def run_all(*, layers=4, batch=32, context=8192, steps=5000, alarm_steps=10000, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5000, help="steps per timing (1/1000 samples about 5 of 5000)")
-    ap.add_argument("--alarm-steps", type=int, default=10000, help="sampled steps of the correct loop")
-    ap.add_argument("--alarm-jobs", type=int, default=None,
+    ap = Parser(prog="python -m harness.bench.shadow", description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=count, default=5000, help="steps per timing (1/1000 samples about 5 of 5000)")
+    ap.add_argument("--alarm-steps", type=count, default=10000, help="sampled steps of the correct loop")
+    ap.add_argument("--alarm-jobs", type=count, default=None,
                     help="correct loops checked at once, one process each (default: one per 4 host cores, at most 4)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--layers", type=count, default=4)
+    ap.add_argument("--batch", type=count, default=32)
+    ap.add_argument("--context", type=count, default=8192)
     ap.add_argument("--out", default=None, help="append the table to this Markdown file")
-    a = ap.parse_args(argv)
-    for name in ("steps", "alarm_steps", "alarm_jobs", "layers", "batch", "context"):
-        v = getattr(a, name)
-        if v is not None and v < 1:
-            print(f"mxval: bench shadow: --{name.replace('_', '-')} must be at least 1 (got {v})", file=sys.stderr)
-            return 2
+    a = parse_or_exit(ap, argv, "bench shadow")
     if not torch.cuda.is_available():
         print("mxval: bench shadow: no CUDA/ROCm GPU visible to torch", file=sys.stderr)
         return 2

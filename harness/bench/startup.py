@@ -9,13 +9,12 @@ ever adds time). Target: at most 0.3x the torch import for each (none of them lo
 """
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from harness.errors import EXIT_OK, EXIT_USAGE
+from harness.errors import EXIT_OK, EXIT_USAGE, Parser, count, parse_or_exit
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = 0.3
@@ -73,9 +72,9 @@ def section(repeats: int = 5) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.bench.startup", description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    print(section(ap.parse_args(argv).repeats))
+    ap = Parser(prog="python -m harness.bench.startup", description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=count, default=5)
+    print(section(parse_or_exit(ap, argv, "bench startup").repeats))
     return EXIT_OK
 
 

@@ -7,20 +7,9 @@ Imports nothing heavy: `mxval --help` and usage errors must not wait for torch.
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
-from harness.errors import UsageError
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        """One line `<option>: <problem>` (argparse says "argument -j/--jobs: ..."; the option's
-        long name is what the user typed more often and what every other usage error names)."""
-        m = re.match(r"argument (\S+): (.*)", message, re.S)
-        if m:
-            message = f"{m.group(1).split('/')[-1]}: {m.group(2)}"
-        raise UsageError(message)
+from harness.errors import Parser, UsageError  # noqa: F401  (Parser: every command's parser)
 
 
 def add_force(p) -> None:
