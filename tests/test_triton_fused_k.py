@@ -39,6 +39,25 @@ def test_fused_pages_are_the_split_chains(be, shuffle, page_size):
     assert bool(got["pooled"][~sel].isnan().all())
 
 
+@pytest.mark.parametrize("shuffle,page_size,rounding", [(None, 8, "rocm"), ([16, 16, 4], 48, "rocm"),
+                                                        ([32, 16, 2], 128, "deepseek"), (None, 16, "cuda")])
+def test_compiled_default_tile_interpreted(be, shuffle, page_size, rounding):
+    """The tile a GPU launch takes by default (tokens per program, values refined a round),
+    run by the interpreter on other layouts, page sizes and rounding paths than the tilings
+    test's: the same pages and scratch rows as the split chain (the register cap is CUDA's
+    alone and changes no instruction)."""
+    from optimized.triton_kernels import fused_k
+    kw, wk = fused_k_case(page_size + 1, shuffle, page_size, rounding)
+    pooled, pages = _split(kw, wk)
+    args = [kw[n] for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
+    out, p = wk["kv_cache"].clone(), torch.empty_like(pooled)
+    fused_k.launch(*args, wk["cos_sin_cache"], wk["norm_weight"], out, compress_ratio=4, norm_eps=1e-6,
+                   page_size=page_size, shuffle=shuffle, rounding=rounding, tile=fused_k.COMPILED_TILE, pooled=p)
+    assert torch.equal(out, pages)
+    sel = ((kw["positions"] + 1) % 4 == 0) & (kw["kv_slot_mapping"] >= 0)
+    assert same_bits(p[sel], pooled[sel])
+
+
 @pytest.mark.parametrize("rounding", ["deepseek", "cuda"])
 def test_fused_other_rounding_paths(be, rounding):
     kw, wk = fused_k_case(3, None, 16, rounding)
@@ -49,7 +68,7 @@ def test_fused_other_rounding_paths(be, rounding):
 
 
 @pytest.mark.parametrize("tile", [(4, 1, 4, 1), (1, 1, 8, 1), (16, 16, 1, 2), (8, 8, 2, 4), (64, 64, 8, 4),
-                                  (16, 4, 2, 1), (64, 16, 4, 4), (8, 1, 2, 1, 128)])
+                                  (16, 4, 2, 1), (64, 16, 4, 4), (4, 1, 4, 1, 128)])
 def test_fused_tilings_and_no_scratch_row(be, tile):
     """The compiled tilings (interpreted), among them the writing tokens of a program
     compacted into fewer at once, and the production form (no pooled row stored) write the
@@ -64,7 +83,7 @@ def test_fused_tilings_and_no_scratch_row(be, tile):
     assert torch.equal(out, pages)
 
 
-@pytest.mark.parametrize("tile", [(16, 4, 2, 1), (8, 1, 4, 1), (8, 1, 1, 1), (16, 4, 1, 1)])
+@pytest.mark.parametrize("tile", [(16, 4, 2, 1), (8, 1, 4, 1), (8, 1, 1, 1), (16, 4, 1, 1), (8, 1, 2, 1, 128)])
 def test_fused_program_of_writing_tokens_only(be, tile):
     """A decode step's shape: every token is at its group's end (11 of 12 with a slot), so a
     program holds more writing tokens than it pools at once and takes them in turns. With

@@ -47,7 +47,8 @@ from .pooling import _check_windows, pool_window, softmax_pool_f64, window_rows,
 # waves), at the price of a few spilled bytes; `make bench-gpu`'s sweep times the others
 # (docs/fused-k.md). The cap is CUDA's (`maxnreg`); elsewhere the compiler's own allocation.
 # The interpreter's wide tile: few programs.
-TILE = tile((8, 1, 2, 1, 128), (1024, 256, 32, 4))
+COMPILED_TILE = (8, 1, 2, 1, 128)
+TILE = tile(COMPILED_TILE, (1024, 256, 32, 4))
 
 # The certified fp32 pooling (`pool_bf16`). With u = 2**-24, the kernel computes, in fp32,
 # a_i = s_i - max, e_i = expf(a_i) (within 2 ulp), S = sum e, 1/S and w_i = e_i * (1/S)
