@@ -124,7 +124,10 @@ def main(argv=None) -> int:
     lines = [f"## Fused K kernel resources (sm_{a.arch})", "",
              f"Compiled with Triton {triton.__version__} and its ptxas for sm_{a.arch} (no GPU needed); a "
              f"{CHUNK_TOKENS}-token prefill chunk on {H100_SMS} SMs (an H100). Tile: tokens per program, writing "
-             f"tokens pooled at once, undecided values refined at once, warps[, register cap].", "",
+             f"tokens pooled at once, undecided values refined at once, warps[, register cap]. The counts are "
+             f"this Triton's: another version allocates differently (Triton 3.6 on an H100 compiled `(4, 1, 4, 1)` "
+             f"to 205 registers, 3.7.1's ptxas here to 159), so a wave count is a prediction for this compiler; "
+             f"the times are `make bench-gpu`'s.", "",
              "| tile | pooling | registers | spilled (stores/loads, bytes) | programs per SM | waves |",
              "|---|---|---|---|---|---|"]
     for r in rows:
