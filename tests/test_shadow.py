@@ -691,6 +691,20 @@ def test_in_turns_spread_is_two_standard_errors_of_the_block_differences():
     assert one.spread_pct == float("inf")                             # one pair says nothing of the noise
 
 
+def test_overhead_verdict_reads_the_spread():
+    from harness.bench import shadow as bench
+
+    def line(added, spread):
+        row = {"mode": "eager", "checker": "process, reference on the host", "rate": 1 / 1000, "s_per_step": 1.0,
+               "base_s": 1.0, "added_pct": added, "spread_pct": spread, "counts": {}}
+        return [x for x in bench.table([row], None, None, None, shape=BENCH_SHAPE, machine="CPU")
+                if x.startswith("* eager")][0]
+    assert line(2.5, 1.0).endswith("(target <= 3 %: met, the target within the spread)")
+    assert line(2.5, 0.2).endswith("(target <= 3 %: met)")
+    assert line(5.0, 0.5).endswith("(target <= 3 %: NOT met)") and "+5.00 % ± 0.50 per step" in line(5.0, 0.5)
+    assert line(3.5, 1.0).endswith("(target <= 3 %: NOT met, the target within the spread)")
+
+
 def test_bench_stopped_checker_and_overhead_rows(interpreted):
     k = interpreted.killed(BENCH_SHAPE, steps=8, mode="eager", device="cpu")
     assert k["served"] == 8 and k["stopped_at"] and k["lost"] == 0 and k["logged"] >= 2
