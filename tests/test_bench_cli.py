@@ -5,6 +5,7 @@ import importlib
 import pytest
 
 BAD = [("reference", ["--nonsense"]), ("resources", ["--arch", "x"]), ("resources", ["--arch", "75"]),
+       ("resources", ["--rocm-arch", "gfx1100"]),
        ("startup", ["--repeats", "x"]), ("gpu", ["--skip", "no-such-part"]), ("shadow", ["--steps", "x"]),
        ("shadow", ["--alarm-jobs", "0"]), ("capture", ["--nonsense"]), ("capture", ["--steps", "0"]),
        ("reference", ["--repeats", "-1"]), ("startup", ["--repeats", "0"])]

@@ -1,5 +1,5 @@
-"""harness.bench.resources: a kernel's registers, spills and residency on an NVIDIA SM, from a
-compile on any machine (Triton's ptxas)."""
+"""harness.bench.resources: a kernel's registers, spills and residency on an NVIDIA SM or an
+AMD CU, from a compile on any machine (Triton's ptxas; Triton's AMD backend)."""
 import json
 import os
 import subprocess
@@ -27,3 +27,30 @@ def test_the_fused_kernel_compiles_for_sm90_and_a_cap_holds():
     assert 96 < free["registers"] <= 255 and free["spill_stores"] == 0
     assert capped["registers"] <= 96 and capped["spill_stores"] > 0          # the cap is what ptxas obeyed
     assert capped["programs_per_sm"] > free["programs_per_sm"]
+
+
+def _fresh(code: str):
+    """The last stdout line of `code` (JSON) run in a fresh interpreter without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=os.getcwd(),
+                       env={**env, "PYTHONPATH": os.getcwd()})
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_fused_kernel_compiles_for_gfx950_and_waves_per_eu_holds():
+    """The ROCm path's target: LLVM's own counts; asking 4 waves a SIMD of a kernel that
+    holds 3 trades VGPRs spilled to scratch for the fourth."""
+    free, asked = _fresh("import json; from harness.bench.resources import fused_k_rows_rocm; "
+                         "print(json.dumps(fused_k_rows_rocm([((8, 1, 2, 1), None), ((8, 1, 2, 1), 4)])))")
+    assert free["device"] == "MI355X" and 64 < free["vgprs"] <= 512 and free["scratch_bytes"] == 0
+    assert free["occupancy"] == 512 // (-(-(free["vgprs"] + free["agprs"]) // 8) * 8)      # VGPRs bind here
+    assert free["resident"] == free["occupancy"] * 4 * 256 and free["waves"] == -(-2048 // free["resident"])
+    assert asked["occupancy"] >= 4 > free["occupancy"] and asked["vgprs"] <= 128 < free["vgprs"]
+    assert asked["vgpr_spills"] > 0 and asked["scratch_bytes"] > 0
+
+
+def test_an_unknown_amd_target_is_refused():
+    import pytest
+    with pytest.raises(RuntimeError, match="not an AMD target compiled for here"):
+        R.compile_resources_rocm(None, {}, {}, num_warps=1, arch="gfx1100")

@@ -1,13 +1,17 @@
-"""What a Triton kernel costs an NVIDIA SM, on any machine: compiled for a CUDA target with
-Triton's own compiler and its bundled `ptxas`, no GPU needed.
+"""What a Triton kernel costs an NVIDIA SM or an AMD CU, on any machine: compiled for the
+target with Triton's own compiler (and, for CUDA, its bundled `ptxas`), no GPU needed.
 
 A short, latency-bound kernel of one-warp programs (the fused K path) runs as fast as its
-programs are resident: an SM holds 64k registers, so a kernel that takes R registers per
-thread fits floor(65536 / (ceil(R * 32 / 256) * 256 * warps)) programs (at most 32), and a
-launch of P programs on S SMs takes ceil(P / (that * S)) waves. `ptxas -v` says R and the
-bytes spilled; a register cap (`maxnreg`) trades spills for residency.
+programs are resident. NVIDIA: an SM holds 64k registers, so a kernel that takes R registers
+per thread fits floor(65536 / (ceil(R * 32 / 256) * 256 * warps)) programs (at most 32), and
+a launch of P programs on S SMs takes ceil(P / (that * S)) waves; `ptxas -v` says R and the
+bytes spilled; a register cap (`maxnreg`) trades spills for residency. AMD (CDNA, wave64):
+LLVM's AMDGPU backend reports the waves a SIMD holds of this kernel (its occupancy, from
+VGPRs, AGPRs, SGPRs and LDS), 4 SIMDs a CU; `waves_per_eu` asks it for more, trading spills
+(to scratch) for residency. That is the ROCm path's own target: the fused K kernel is meant
+for aiter on gfx950.
 
-    python -m harness.bench.resources          # the fused K path's tilings, sm_90 (H100)
+    python -m harness.bench.resources          # the fused K path's tilings, sm_90 (H100) and gfx950 (MI355X)
 """
 from __future__ import annotations
 
@@ -27,6 +31,12 @@ MAX_PROGRAMS_PER_SM = 32          # resident thread blocks per SM (sm_80 .. sm_9
 H100_SMS = 132
 ARCHS = (80, 86, 89, 90)          # NVIDIA targets compiled for here (sm_90: its `a` form, as Triton does)
 CHUNK_TOKENS = 16384              # make bench-gpu's fused-k chunk
+# AMD targets compiled for here: (device, compute units); wave64, 4 SIMDs a CU
+ROCM_TARGETS = {"gfx950": ("MI355X", 256), "gfx942": ("MI300X", 304)}
+SIMDS_PER_CU = 4
+# the fused K kernel's ROCm rows: (tile without CUDA's register cap, waves_per_eu asked or None)
+ROCM_TILES = [((8, 1, 2, 1), None), ((8, 1, 2, 1), 4), ((8, 1, 2, 2), None), ((4, 1, 4, 1), None),
+              ((4, 1, 1, 1), None), ((16, 1, 2, 1), None)]
 
 
 def ptxas() -> str:
@@ -64,6 +74,39 @@ def compile_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, 
     found = lambda pat: int(re.findall(pat, out.stderr)[-1]) if re.findall(pat, out.stderr) else 0
     return {"registers": found(r"Used (\d+) registers"), "spill_stores": found(r"(\d+) bytes spill stores"),
             "spill_loads": found(r"(\d+) bytes spill loads")}
+
+
+def compile_resources_rocm(fn, signature: dict, constexprs: dict, *, num_warps: int, arch: str = "gfx950",
+                           waves_per_eu: Optional[int] = None, options: Optional[dict] = None) -> dict:
+    """{vgprs, agprs, sgprs, vgpr_spills, sgpr_spills, scratch_bytes, occupancy} of `fn`
+    compiled for AMD `arch` (one of ROCM_TARGETS), as the AMDGPU backend reports them in the
+    kernel's assembly: registers per lane, registers spilled (VGPRs to scratch memory; SGPRs
+    mostly to VGPR lanes), scratch bytes per lane, waves a SIMD holds."""
+    if arch not in ROCM_TARGETS:
+        raise RuntimeError(f"{arch}: not an AMD target compiled for here ({', '.join(ROCM_TARGETS)})")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = dict(signature)
+    sig.update({k: "constexpr" for k in constexprs})
+    opts = {"num_warps": num_warps, **(options or {})}
+    if waves_per_eu:
+        opts["waves_per_eu"] = waves_per_eu
+    try:
+        k = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("hip", arch, 64), options=opts)
+    except Exception as e:            # noqa: BLE001 - no AMD backend in this Triton, or it failed
+        raise RuntimeError(f"compiling for {arch}: {type(e).__name__}: {str(e).strip()[-300:]}") from None
+    asm = k.asm.get("amdgcn", "")
+
+    def field(pattern: str) -> int:
+        found = re.findall(pattern, asm)
+        if not found:
+            raise RuntimeError(f"the {arch} assembly has no {pattern!r}")
+        return int(found[-1])
+    return {"vgprs": field(r"\.vgpr_count:\s*(\d+)"), "agprs": field(r"\.agpr_count:\s*(\d+)"),
+            "sgprs": field(r"\.sgpr_count:\s*(\d+)"), "vgpr_spills": field(r"\.vgpr_spill_count:\s*(\d+)"),
+            "sgpr_spills": field(r"\.sgpr_spill_count:\s*(\d+)"), "scratch_bytes": field(r"; ScratchSize:\s*(\d+)"),
+            "occupancy": field(r"; Occupancy:\s*(\d+)")}
 
 
 def programs_per_sm(registers: int, num_warps: int) -> int:
@@ -104,10 +147,32 @@ def fused_k_rows(tiles, *, certify: int = 1, arch: int = 90) -> list[dict]:
     return rows
 
 
+def fused_k_rows_rocm(tiles, *, certify: int = 1, arch: str = "gfx950") -> list[dict]:
+    """Per (tile, waves_per_eu) of ROCM_TILES' form: the fused K kernel's registers, spills and
+    occupancy on `arch`, the programs (one per `warps` waves) resident on the device at once,
+    and the waves a 16k-token chunk takes."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1: the kernels are in interpreter mode; compile without it")
+    from optimized.triton_kernels import fused_k
+    device, cus = ROCM_TARGETS.get(arch, (arch, 0))
+    rows = []
+    for tile, wpe in tiles:
+        tpp, bt, u, warps = tile[:4]
+        r = compile_resources_rocm(fused_k._fused_k_kernel, FUSED_K_SIGNATURE,
+                                   dict(FUSED_K_CONSTEXPRS, TPP=tpp, BT=bt, U=u, CERTIFY=certify),
+                                   num_warps=warps, arch=arch, waves_per_eu=wpe, options={"enable_fp_fusion": False})
+        resident = r["occupancy"] * SIMDS_PER_CU * cus // warps
+        rows.append({"tile": tile, "waves_per_eu": wpe, "certify": certify, "arch": arch, "device": device, **r,
+                     "resident": resident, "waves": math.ceil(-(-CHUNK_TOKENS // tpp) / resident) if resident else 0})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = Parser(prog="python -m harness.bench.resources", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="the CUDA compute capability compiled for (90: H100)")
-    ap.add_argument("--out", default=None, help="also write the table to this Markdown file")
+    ap.add_argument("--rocm-arch", default="gfx950", choices=sorted(ROCM_TARGETS),
+                    help="the AMD target compiled for (gfx950: MI355X, the ROCm path's)")
+    ap.add_argument("--out", default=None, help="also write the tables to this Markdown file")
     a = parse_or_exit(ap, argv, "bench resources")
     if a.arch not in ARCHS:                       # an unknown target aborts inside LLVM
         print(f"mxval: bench resources: --arch {a.arch}: not a target compiled for here "
@@ -117,6 +182,8 @@ def main(argv=None) -> int:
     try:
         rows = fused_k_rows(FUSED_TILES, arch=a.arch) + fused_k_rows([(8, 1, 2, 1, 128), (4, 1, 4, 1)], certify=2,
                                                                      arch=a.arch)
+        amd = (fused_k_rows_rocm(ROCM_TILES, arch=a.rocm_arch)
+               + fused_k_rows_rocm([((8, 1, 2, 1), None), ((4, 1, 4, 1), None)], certify=2, arch=a.rocm_arch))
     except RuntimeError as e:
         print(f"mxval: bench resources: {e}", file=sys.stderr)
         return 2
@@ -133,6 +200,23 @@ def main(argv=None) -> int:
     for r in rows:
         lines.append(f"| {r['tile']} | {'certified' if r['certify'] == 1 else 'fp32 only'} | {r['registers']} | "
                      f"{r['spill_stores']}/{r['spill_loads']} | {r['programs_per_sm']} | {r['waves']} |")
+    device, cus = ROCM_TARGETS[a.rocm_arch]
+    lines += ["", f"## Fused K kernel resources ({a.rocm_arch}, {device})", "",
+              f"Compiled with Triton {triton.__version__}'s AMD backend for {a.rocm_arch} (wave64; no GPU needed), "
+              f"the counts as LLVM's AMDGPU backend reports them; a {CHUNK_TOKENS}-token prefill chunk on {cus} CUs "
+              f"of {SIMDS_PER_CU} SIMDs. Occupancy: the waves one SIMD holds of this kernel (VGPRs, AGPRs, SGPRs and "
+              f"LDS counted); a program is `warps` waves. `waves_per_eu`: the occupancy asked of the register "
+              f"allocator (ROCm's counterpart of a register cap; the launch does not ask it). SGPR spills go to "
+              f"VGPR lanes, VGPR spills to scratch memory. Programs resident: occupancy x SIMDs / warps, by registers "
+              f"and LDS alone (a CU's cap on resident workgroups may bind first for one-wave programs at a high "
+              f"occupancy). Not timed: no AMD GPU here.", "",
+              "| tile | waves_per_eu | pooling | VGPRs | SGPRs | spilled VGPRs / SGPRs | scratch (bytes per lane) | "
+              "occupancy (waves per SIMD) | programs resident | waves |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in amd:
+        lines.append(f"| {r['tile']} | {r['waves_per_eu'] or '-'} | {'certified' if r['certify'] == 1 else 'fp32 only'} | "
+                     f"{r['vgprs'] + r['agprs']} | {r['sgprs']} | {r['vgpr_spills']} / {r['sgpr_spills']} | "
+                     f"{r['scratch_bytes']} | {r['occupancy']} | {r['resident']} | {r['waves']} |")
     print("\n".join(lines))
     if a.out:
         from harness.io import atomic
