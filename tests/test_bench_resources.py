@@ -54,3 +54,18 @@ def test_an_unknown_amd_target_is_refused():
     import pytest
     with pytest.raises(RuntimeError, match="not an AMD target compiled for here"):
         R.compile_resources_rocm(None, {}, {}, num_warps=1, arch="gfx1100")
+
+
+def test_a_triton_without_its_amd_backend_keeps_the_cuda_table(tmp_path, monkeypatch):
+    row = {"tile": (8, 1, 2, 1, 128), "certify": 1, "registers": 128, "spill_stores": 0, "spill_loads": 0,
+           "programs_per_sm": 16, "waves": 1}
+    monkeypatch.setattr(R, "fused_k_rows", lambda tiles, certify=1, arch=90: [dict(row, certify=certify)])
+
+    def no_amd(*a, **k):
+        raise RuntimeError("compiling for gfx950: no AMD backend")
+    monkeypatch.setattr(R, "fused_k_rows_rocm", no_amd)
+    out = tmp_path / "r.md"
+    assert R.main(["--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| (8, 1, 2, 1, 128) | certified | 128 |" in text
+    assert "## Fused K kernel resources (gfx950, MI355X)\n\nNot compiled: compiling for gfx950: no AMD backend" in text

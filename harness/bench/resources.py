@@ -182,11 +182,15 @@ def main(argv=None) -> int:
     try:
         rows = fused_k_rows(FUSED_TILES, arch=a.arch) + fused_k_rows([(8, 1, 2, 1, 128), (4, 1, 4, 1)], certify=2,
                                                                      arch=a.arch)
-        amd = (fused_k_rows_rocm(ROCM_TILES, arch=a.rocm_arch)
-               + fused_k_rows_rocm([((8, 1, 2, 1), None), ((4, 1, 4, 1), None)], certify=2, arch=a.rocm_arch))
     except RuntimeError as e:
         print(f"mxval: bench resources: {e}", file=sys.stderr)
         return 2
+    try:                                          # a Triton without its AMD backend keeps the CUDA table
+        amd, amd_missing = (fused_k_rows_rocm(ROCM_TILES, arch=a.rocm_arch)
+                            + fused_k_rows_rocm([((8, 1, 2, 1), None), ((4, 1, 4, 1), None)], certify=2,
+                                                arch=a.rocm_arch)), None
+    except RuntimeError as e:
+        amd, amd_missing = [], str(e)
     import triton
     lines = [f"## Fused K kernel resources (sm_{a.arch})", "",
              f"Compiled with Triton {triton.__version__} and its ptxas for sm_{a.arch} (no GPU needed); a "
@@ -201,22 +205,26 @@ def main(argv=None) -> int:
         lines.append(f"| {r['tile']} | {'certified' if r['certify'] == 1 else 'fp32 only'} | {r['registers']} | "
                      f"{r['spill_stores']}/{r['spill_loads']} | {r['programs_per_sm']} | {r['waves']} |")
     device, cus = ROCM_TARGETS[a.rocm_arch]
-    lines += ["", f"## Fused K kernel resources ({a.rocm_arch}, {device})", "",
-              f"Compiled with Triton {triton.__version__}'s AMD backend for {a.rocm_arch} (wave64; no GPU needed), "
-              f"the counts as LLVM's AMDGPU backend reports them; a {CHUNK_TOKENS}-token prefill chunk on {cus} CUs "
-              f"of {SIMDS_PER_CU} SIMDs. Occupancy: the waves one SIMD holds of this kernel (VGPRs, AGPRs, SGPRs and "
-              f"LDS counted); a program is `warps` waves. `waves_per_eu`: the occupancy asked of the register "
-              f"allocator (ROCm's counterpart of a register cap; the launch does not ask it). SGPR spills go to "
-              f"VGPR lanes, VGPR spills to scratch memory. Programs resident: occupancy x SIMDs / warps, by registers "
-              f"and LDS alone (a CU's cap on resident workgroups may bind first for one-wave programs at a high "
-              f"occupancy). Not timed: no AMD GPU here.", "",
-              "| tile | waves_per_eu | pooling | VGPRs | SGPRs | spilled VGPRs / SGPRs | scratch (bytes per lane) | "
-              "occupancy (waves per SIMD) | programs resident | waves |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in amd:
-        lines.append(f"| {r['tile']} | {r['waves_per_eu'] or '-'} | {'certified' if r['certify'] == 1 else 'fp32 only'} | "
-                     f"{r['vgprs'] + r['agprs']} | {r['sgprs']} | {r['vgpr_spills']} / {r['sgpr_spills']} | "
-                     f"{r['scratch_bytes']} | {r['occupancy']} | {r['resident']} | {r['waves']} |")
+    lines += ["", f"## Fused K kernel resources ({a.rocm_arch}, {device})", ""]
+    if amd_missing is not None:
+        lines.append(f"Not compiled: {amd_missing}")
+    else:
+        lines += [f"Compiled with Triton {triton.__version__}'s AMD backend for {a.rocm_arch} (wave64; no GPU "
+                  f"needed), the counts as LLVM's AMDGPU backend reports them; a {CHUNK_TOKENS}-token prefill chunk "
+                  f"on {cus} CUs of {SIMDS_PER_CU} SIMDs. Occupancy: the waves one SIMD holds of this kernel (VGPRs, "
+                  f"AGPRs, SGPRs and LDS counted); a program is `warps` waves. `waves_per_eu`: the occupancy asked of "
+                  f"the register allocator (ROCm's counterpart of a register cap; the launch does not ask it). SGPR "
+                  f"spills go to VGPR lanes, VGPR spills to scratch memory. Programs resident: occupancy x SIMDs / "
+                  f"warps, by registers and LDS alone (a CU's cap on resident workgroups may bind first for one-wave "
+                  f"programs at a high occupancy). Not timed: no AMD GPU here.", "",
+                  "| tile | waves_per_eu | pooling | VGPRs | SGPRs | spilled VGPRs / SGPRs | scratch (bytes per lane) | "
+                  "occupancy (waves per SIMD) | programs resident | waves |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in amd:
+            lines.append(f"| {r['tile']} | {r['waves_per_eu'] or '-'} | "
+                         f"{'certified' if r['certify'] == 1 else 'fp32 only'} | {r['vgprs'] + r['agprs']} | "
+                         f"{r['sgprs']} | {r['vgpr_spills']} / {r['sgpr_spills']} | {r['scratch_bytes']} | "
+                         f"{r['occupancy']} | {r['resident']} | {r['waves']} |")
     print("\n".join(lines))
     if a.out:
         from harness.io import atomic
