@@ -412,7 +412,7 @@ INDEXER_LAYERS = 30          # V4-Pro's ratio-4 layers, each with one indexer K 
 # 16k-token chunk has 16384 / TPP one-warp programs, an SM's 64k registers hold 65536 // (32 x
 # registers, in units of 256) of them, on 132 SMs. The certified pooling takes about 200
 # registers (Triton 3.6 on an H100; 3.7.1's ptxas, `python -m harness.bench.resources`, says
-# 159), so 4 tokens per program run in 3 or 4 waves; capped at 128 (a few bytes spilled) 16
+# 159), so 4 tokens per program run in 3 or 4 waves; capped at 128 (about 100 bytes a thread spilled) 16
 # fit, and 8 tokens per program are one wave. Caps below 128 spill hundreds of bytes (measured
 # 2 to 3x slower)
 FUSED_TILES = [(8, 1, 2, 1, 128), (8, 1, 4, 1, 128), (8, 1, 1, 1, 128), (8, 1, 2, 1), (8, 1, 4, 1),

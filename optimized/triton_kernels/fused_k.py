@@ -44,7 +44,7 @@ from .pooling import _check_windows, pool_window, softmax_pool_f64, window_rows,
 # prefill chunk's programs each write about two entries, one at a time) capped at 128
 # registers, so that a 16k-token chunk's 2,048 one-warp programs are resident at once on an
 # H100's 132 SMs (16 per SM; uncapped, the certified pooling takes about 200 and 10 fit: two
-# waves), at the price of a few spilled bytes; `make bench-gpu`'s sweep times the others
+# waves), at the price of about 100 bytes a thread spilled; `make bench-gpu`'s sweep times the others
 # (docs/fused-k.md). The cap is CUDA's (`maxnreg`); elsewhere the compiler's own allocation.
 # The interpreter's wide tile: few programs.
 COMPILED_TILE = (8, 1, 2, 1, 128)
