@@ -69,3 +69,26 @@ def test_a_triton_without_its_amd_backend_keeps_the_cuda_table(tmp_path, monkeyp
     text = out.read_text()
     assert "| (8, 1, 2, 1, 128) | certified | 128 |" in text
     assert "## Fused K kernel resources (gfx950, MI355X)\n\nNot compiled: compiling for gfx950: no AMD backend" in text
+
+
+def test_bench_gpu_notes_the_sweeps_registers_as_its_gpu_compiles_them(monkeypatch):
+    import torch
+
+    from harness.bench import gpu
+    notes = []
+    b = type("B", (), {"note": lambda self, h, t: notes.append(t)})()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    seen = []
+
+    def rows(tiles, certify=1, arch=90):
+        seen.append((list(tiles), arch))
+        return [{"tile": t, "registers": 128, "spill_stores": 56, "programs_per_sm": 16, "waves": 1} for t in tiles]
+    monkeypatch.setattr(R, "fused_k_rows", rows)
+    gpu._fused_k_residency(b, "h")
+    assert seen == [(gpu.FUSED_TILES, 90)]
+    assert notes[-1].startswith("registers per tiling, as this Triton compiles them for sm_90")
+    assert f"{gpu.FUSED_TILES[0]}: 128, 56 B, 16, 1" in notes[-1]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    gpu._fused_k_residency(b, "h")
+    assert "not compiled for this GPU (sm_100" in notes[-1] and len(seen) == 1

@@ -486,6 +486,7 @@ def _fused_k(b: Bench):
             sweep["default, fp32 pooling without the fp64 refinement (measurement only)"] = _bench(
                 lambda: fused(None, out, "unchecked"), graph=True)
             b.sweeps["fused K path"] = (fused_k.TILE, sweep)
+            _fused_k_residency(b, heading)
     state_bytes = pool_kw["state_cache"].numel() * 4
     floor = (state_bytes + 4096 * ENTRY) / b.bw * 1e3          # no pooled row through memory
     for name in ("preshuffled", "natural"):
@@ -508,6 +509,27 @@ def _fused_k(b: Bench):
                f"(other rounding points, docs/paths.md): {differing_elements(out_v, pages['natural'][1])} of "
                f"{out_v.numel()} bytes differ")
     _fused_k_small(b, heading)
+
+
+def _fused_k_residency(b: Bench, heading: str):
+    """The sweep's tilings as this GPU's Triton compiles them (`harness.bench.resources`): the
+    registers and spills that set how many programs an SM holds, which the times follow."""
+    from harness.bench import resources
+    major, minor = torch.cuda.get_device_capability()
+    arch = major * 10 + minor
+    if torch.version.hip is not None or arch not in resources.ARCHS:
+        b.note(heading, f"registers per tiling: not compiled for this GPU (sm_{arch}; compiled for "
+                        f"{', '.join(f'sm_{a}' for a in resources.ARCHS)})")
+        return
+    try:
+        rows = resources.fused_k_rows(FUSED_TILES, arch=arch)
+    except RuntimeError as e:
+        b.note(heading, f"registers per tiling: not compiled ({e})")
+        return
+    b.note(heading, f"registers per tiling, as this Triton compiles them for sm_{arch} (tile: registers, spilled "
+                    f"bytes a thread, programs per SM, waves of the 16k chunk on {resources.H100_SMS} SMs): "
+                    + "; ".join(f"{r['tile']}: {r['registers']}, {r['spill_stores']} B, {r['programs_per_sm']}, "
+                                f"{r['waves']}" for r in rows))
 
 
 def _fused_k_small(b: Bench, heading: str):
