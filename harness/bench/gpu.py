@@ -28,7 +28,9 @@ import sys
 import torch
 
 from harness.bench import capture as capture_bench
+from harness.bench import resources
 from harness.bench import shadow as shadow_bench
+from harness.bench.resources import FUSED_TILES
 from harness.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE, Parser, parse_or_exit
 from harness.io import atomic
 from reference import layout
@@ -407,18 +409,6 @@ def _k_path(b: Bench):
 
 
 INDEXER_LAYERS = 30          # V4-Pro's ratio-4 layers, each with one indexer K path per step
-# (tokens per program, writing tokens pooled at once, undecided values refined at once, warps[,
-# registers per thread at most]), the default first. What sets the time is residency: a
-# 16k-token chunk has 16384 / TPP one-warp programs, an SM's 64k registers hold 65536 // (32 x
-# registers, in units of 256) of them, on 132 SMs. The certified pooling takes about 200
-# registers (Triton 3.6 on an H100; 3.7.1's ptxas, `python -m harness.bench.resources`, says
-# 159), so 4 tokens per program run in 3 or 4 waves; capped at 128 (about 100 bytes a thread spilled) 16
-# fit, and 8 tokens per program are one wave. Caps below 128 spill hundreds of bytes (measured
-# 2 to 3x slower)
-FUSED_TILES = [(8, 1, 2, 1, 128), (8, 1, 4, 1, 128), (8, 1, 1, 1, 128), (8, 1, 2, 1), (8, 1, 4, 1),
-               (16, 1, 2, 1, 128), (4, 1, 4, 1), (4, 1, 2, 1), (4, 1, 1, 1), (4, 1, 4, 1, 128), (1, 1, 4, 1)]
-
-
 def _vllm_fused_k(pool_kw, k_kw):
     """vLLM's fused CUDA-path K kernel on these inputs: (launch, its pool), or (None, why)."""
     from optimized import BackendUnavailable, get_backend
@@ -514,7 +504,6 @@ def _fused_k(b: Bench):
 def _fused_k_residency(b: Bench, heading: str):
     """The sweep's tilings as this GPU's Triton compiles them (`harness.bench.resources`): the
     registers and spills that set how many programs an SM holds, which the times follow."""
-    from harness.bench import resources
     major, minor = torch.cuda.get_device_capability()
     arch = major * 10 + minor
     if torch.version.hip is not None or arch not in resources.ARCHS:

@@ -31,6 +31,16 @@ MAX_PROGRAMS_PER_SM = 32          # resident thread blocks per SM (sm_80 .. sm_9
 H100_SMS = 132
 ARCHS = (80, 86, 89, 90)          # NVIDIA targets compiled for here (sm_90: its `a` form, as Triton does)
 CHUNK_TOKENS = 16384              # make bench-gpu's fused-k chunk
+# The fused K path's tilings, the default first: `make bench-gpu` times them, `main` compiles
+# them. (tokens per program, writing tokens pooled at once, undecided values refined at once,
+# warps[, registers per thread at most]). What sets the time is residency: a 16k-token chunk
+# has 16384 / TPP one-warp programs, an SM's 64k registers hold 65536 // (32 x registers, in
+# units of 256) of them, on 132 SMs. The certified pooling takes about 200 registers (Triton
+# 3.6 on an H100; 3.7.1's ptxas here: 159), so 4 tokens per program run in 3 or 4 waves;
+# capped at 128 (about 100 bytes a thread spilled) 16 fit, and 8 tokens per program are one
+# wave. Caps below 128 spill hundreds of bytes (measured 2 to 3.5x slower)
+FUSED_TILES = [(8, 1, 2, 1, 128), (8, 1, 4, 1, 128), (8, 1, 1, 1, 128), (8, 1, 2, 1), (8, 1, 4, 1),
+               (16, 1, 2, 1, 128), (4, 1, 4, 1), (4, 1, 2, 1), (4, 1, 1, 1), (4, 1, 4, 1, 128), (1, 1, 4, 1)]
 # AMD targets compiled for here: (device, compute units); wave64, 4 SIMDs a CU
 ROCM_TARGETS = {"gfx950": ("MI355X", 256), "gfx942": ("MI300X", 304)}
 SIMDS_PER_CU = 4
@@ -178,7 +188,6 @@ def main(argv=None) -> int:
         print(f"mxval: bench resources: --arch {a.arch}: not a target compiled for here "
               f"({', '.join(map(str, ARCHS))})", file=sys.stderr)
         return 2
-    from harness.bench.gpu import FUSED_TILES
     try:
         rows = fused_k_rows(FUSED_TILES, arch=a.arch) + fused_k_rows([(8, 1, 2, 1, 128), (4, 1, 4, 1)], certify=2,
                                                                      arch=a.arch)
