@@ -15,20 +15,6 @@ def test_residency_arithmetic():
     assert [R.waves(4096, n) for n in (12, 16, 32)] == [3, 2, 1] and R.waves(4224, 32) == 1 and R.waves(4225, 32) == 2
 
 
-def test_the_fused_kernel_compiles_for_sm90_and_a_cap_holds():
-    """In a fresh interpreter (this one may hold the kernels in interpreter mode)."""
-    code = ("import json; from harness.bench.resources import fused_k_rows; "
-            "print(json.dumps(fused_k_rows([(4, 1, 4, 1), (4, 1, 4, 1, 96)])))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=os.getcwd(),
-                       env={**env, "PYTHONPATH": os.getcwd()})
-    assert p.returncode == 0, p.stderr[-2000:]
-    free, capped = json.loads(p.stdout.strip().splitlines()[-1])
-    assert 96 < free["registers"] <= 255 and free["spill_stores"] == 0
-    assert capped["registers"] <= 96 and capped["spill_stores"] > 0          # the cap is what ptxas obeyed
-    assert capped["programs_per_sm"] > free["programs_per_sm"]
-
-
 def _fresh(code: str):
     """The last stdout line of `code` (JSON) run in a fresh interpreter without TRITON_INTERPRET."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -36,6 +22,15 @@ def _fresh(code: str):
                        env={**env, "PYTHONPATH": os.getcwd()})
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_fused_kernel_compiles_for_sm90_and_a_cap_holds():
+    """In a fresh interpreter (this one may hold the kernels in interpreter mode)."""
+    free, capped = _fresh("import json; from harness.bench.resources import fused_k_rows; "
+                          "print(json.dumps(fused_k_rows([(4, 1, 4, 1), (4, 1, 4, 1, 96)])))")
+    assert 96 < free["registers"] <= 255 and free["spill_stores"] == 0
+    assert capped["registers"] <= 96 and capped["spill_stores"] > 0          # the cap is what ptxas obeyed
+    assert capped["programs_per_sm"] > free["programs_per_sm"]
 
 
 def test_the_fused_kernel_compiles_for_gfx950_and_waves_per_eu_holds():
@@ -78,17 +73,25 @@ def test_bench_gpu_notes_the_sweeps_registers_as_its_gpu_compiles_them(monkeypat
     notes = []
     b = type("B", (), {"note": lambda self, h, t: notes.append(t)})()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 114}))
     monkeypatch.setattr(torch.version, "hip", None)
     seen = []
 
-    def rows(tiles, certify=1, arch=90):
-        seen.append((list(tiles), arch))
+    def rows(tiles, certify=1, arch=90, sms=0):
+        seen.append((list(tiles), arch, sms))
         return [{"tile": t, "registers": 128, "spill_stores": 56, "programs_per_sm": 16, "waves": 1} for t in tiles]
     monkeypatch.setattr(R, "fused_k_rows", rows)
     gpu._fused_k_residency(b, "h")
-    assert seen == [(gpu.FUSED_TILES, 90)]
+    assert seen == [(gpu.FUSED_TILES, 90, 114)] and "on this GPU's 114 SMs" in notes[-1]
     assert notes[-1].startswith("registers per tiling, as this Triton compiles them for sm_90")
     assert f"{gpu.FUSED_TILES[0]}: 128, 56 B, 16, 1" in notes[-1]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
     gpu._fused_k_residency(b, "h")
     assert "not compiled for this GPU (sm_100" in notes[-1] and len(seen) == 1
+
+
+def test_a_compiler_report_without_a_count_is_an_error_not_a_zero():
+    import pytest
+    assert R._field("ptxas info: Used 128 registers, 56 bytes spill stores", r"Used (\d+) registers", "x") == 128
+    with pytest.raises(RuntimeError, match="says nothing matching"):
+        R._field("ptxas info: 0 bytes stack frame", r"Used (\d+) registers", "ptxas -v for sm_90")

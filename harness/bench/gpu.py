@@ -409,6 +409,8 @@ def _k_path(b: Bench):
 
 
 INDEXER_LAYERS = 30          # V4-Pro's ratio-4 layers, each with one indexer K path per step
+
+
 def _vllm_fused_k(pool_kw, k_kw):
     """vLLM's fused CUDA-path K kernel on these inputs: (launch, its pool), or (None, why)."""
     from optimized import BackendUnavailable, get_backend
@@ -510,13 +512,14 @@ def _fused_k_residency(b: Bench, heading: str):
         b.note(heading, f"registers per tiling: not compiled for this GPU (sm_{arch}; compiled for "
                         f"{', '.join(f'sm_{a}' for a in resources.ARCHS)})")
         return
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     try:
-        rows = resources.fused_k_rows(FUSED_TILES, arch=arch)
+        rows = resources.fused_k_rows(FUSED_TILES, arch=arch, sms=sms)
     except RuntimeError as e:
         b.note(heading, f"registers per tiling: not compiled ({e})")
         return
     b.note(heading, f"registers per tiling, as this Triton compiles them for sm_{arch} (tile: registers, spilled "
-                    f"bytes a thread, programs per SM, waves of the 16k chunk on {resources.H100_SMS} SMs): "
+                    f"bytes a thread, programs per SM, waves of the 16k chunk on this GPU's {sms} SMs): "
                     + "; ".join(f"{r['tile']}: {r['registers']}, {r['spill_stores']} B, {r['programs_per_sm']}, "
                                 f"{r['waves']}" for r in rows))
 

@@ -57,6 +57,15 @@ def ptxas() -> str:
     return path
 
 
+def _compiled(fn, signature: dict, constexprs: dict, target, options: dict):
+    """`fn` compiled by Triton for `target` with these argument types, constexprs and options."""
+    import triton
+    from triton.compiler import ASTSource
+    sig = dict(signature)
+    sig.update({k: "constexpr" for k in constexprs})
+    return triton.compile(ASTSource(fn, sig, constexprs), target=target, options=options)
+
+
 def compile_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, maxnreg: Optional[int] = None,
                       arch: int = 90, options: Optional[dict] = None) -> dict:
     """{registers, spill_stores, spill_loads} of `fn` (a @triton.jit function, not in
@@ -64,15 +73,9 @@ def compile_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, 
     constexprs."""
     if arch not in ARCHS:
         raise RuntimeError(f"sm_{arch}: not a target compiled for here ({', '.join(map(str, ARCHS))})")
-    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    sig = dict(signature)
-    sig.update({k: "constexpr" for k in constexprs})
-    opts = {"num_warps": num_warps, **(options or {})}
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
-    k = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32), options=opts)
+    opts = {"num_warps": num_warps, **(options or {}), **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = _compiled(fn, signature, constexprs, GPUTarget("cuda", arch, 32), opts)
     with tempfile.TemporaryDirectory(prefix="mxval-ptxas-") as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
@@ -81,9 +84,17 @@ def compile_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, 
                               "-o", os.path.join(tmp, "k.o")], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"ptxas failed: {out.stderr.strip()[-500:]}")
-    found = lambda pat: int(re.findall(pat, out.stderr)[-1]) if re.findall(pat, out.stderr) else 0
-    return {"registers": found(r"Used (\d+) registers"), "spill_stores": found(r"(\d+) bytes spill stores"),
-            "spill_loads": found(r"(\d+) bytes spill loads")}
+    return {"registers": _field(out.stderr, r"Used (\d+) registers", f"ptxas -v for sm_{arch}"),
+            "spill_stores": _field(out.stderr, r"(\d+) bytes spill stores", f"ptxas -v for sm_{arch}"),
+            "spill_loads": _field(out.stderr, r"(\d+) bytes spill loads", f"ptxas -v for sm_{arch}")}
+
+
+def _field(text: str, pattern: str, where: str) -> int:
+    """The last number `pattern` finds in `text`; a report without it is an error, not a 0."""
+    found = re.findall(pattern, text)
+    if not found:
+        raise RuntimeError(f"{where} says nothing matching {pattern!r}")
+    return int(found[-1])
 
 
 def compile_resources_rocm(fn, signature: dict, constexprs: dict, *, num_warps: int, arch: str = "gfx950",
@@ -94,29 +105,17 @@ def compile_resources_rocm(fn, signature: dict, constexprs: dict, *, num_warps: 
     mostly to VGPR lanes), scratch bytes per lane, waves a SIMD holds."""
     if arch not in ROCM_TARGETS:
         raise RuntimeError(f"{arch}: not an AMD target compiled for here ({', '.join(ROCM_TARGETS)})")
-    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    sig = dict(signature)
-    sig.update({k: "constexpr" for k in constexprs})
-    opts = {"num_warps": num_warps, **(options or {})}
-    if waves_per_eu:
-        opts["waves_per_eu"] = waves_per_eu
+    opts = {"num_warps": num_warps, **(options or {}), **({"waves_per_eu": waves_per_eu} if waves_per_eu else {})}
     try:
-        k = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("hip", arch, 64), options=opts)
+        k = _compiled(fn, signature, constexprs, GPUTarget("hip", arch, 64), opts)
     except Exception as e:            # noqa: BLE001 - no AMD backend in this Triton, or it failed
         raise RuntimeError(f"compiling for {arch}: {type(e).__name__}: {str(e).strip()[-300:]}") from None
-    asm = k.asm.get("amdgcn", "")
-
-    def field(pattern: str) -> int:
-        found = re.findall(pattern, asm)
-        if not found:
-            raise RuntimeError(f"the {arch} assembly has no {pattern!r}")
-        return int(found[-1])
-    return {"vgprs": field(r"\.vgpr_count:\s*(\d+)"), "agprs": field(r"\.agpr_count:\s*(\d+)"),
-            "sgprs": field(r"\.sgpr_count:\s*(\d+)"), "vgpr_spills": field(r"\.vgpr_spill_count:\s*(\d+)"),
-            "sgpr_spills": field(r"\.sgpr_spill_count:\s*(\d+)"), "scratch_bytes": field(r"; ScratchSize:\s*(\d+)"),
-            "occupancy": field(r"; Occupancy:\s*(\d+)")}
+    asm, where = k.asm.get("amdgcn", ""), f"the {arch} assembly"
+    fields = {"vgprs": r"\.vgpr_count:\s*(\d+)", "agprs": r"\.agpr_count:\s*(\d+)", "sgprs": r"\.sgpr_count:\s*(\d+)",
+              "vgpr_spills": r"\.vgpr_spill_count:\s*(\d+)", "sgpr_spills": r"\.sgpr_spill_count:\s*(\d+)",
+              "scratch_bytes": r"; ScratchSize:\s*(\d+)", "occupancy": r"; Occupancy:\s*(\d+)"}
+    return {name: _field(asm, pattern, where) for name, pattern in fields.items()}
 
 
 def programs_per_sm(registers: int, num_warps: int) -> int:
@@ -138,22 +137,28 @@ FUSED_K_CONSTEXPRS = dict(D=128, R=64, RATIO=4, WP=8, PAGE=64, SHUF_N=32, SHUF_D
                           STORE_POOLED=False, SPAN2=True)
 
 
-def fused_k_rows(tiles, *, certify: int = 1, arch: int = 90) -> list[dict]:
-    """Per tile (tokens per program, pooled at once, refined at once, warps[, maxnreg]) of
-    the fused K kernel: its registers, spills, programs per SM and waves for the chunk."""
+def _fused_k_constexprs(tile, certify: int) -> dict:
+    """The fused K kernel's constexprs for a tile (its first three numbers); refused in
+    interpreter mode, where its @triton.jit functions cannot be compiled."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1: the kernels are in interpreter mode; compile without it")
+    tpp, bt, u = tile[:3]
+    return dict(FUSED_K_CONSTEXPRS, TPP=tpp, BT=bt, U=u, CERTIFY=certify)
+
+
+def fused_k_rows(tiles, *, certify: int = 1, arch: int = 90, sms: int = H100_SMS) -> list[dict]:
+    """Per tile (tokens per program, pooled at once, refined at once, warps[, maxnreg]) of
+    the fused K kernel: its registers, spills, programs per SM and waves for the chunk on
+    `sms` SMs."""
     from optimized.triton_kernels import fused_k
     rows = []
     for tile in tiles:
-        tpp, bt, u, warps, *rest = tile
-        cap = rest[0] if rest else None
-        r = compile_resources(fused_k._fused_k_kernel, FUSED_K_SIGNATURE,
-                              dict(FUSED_K_CONSTEXPRS, TPP=tpp, BT=bt, U=u, CERTIFY=certify),
+        warps, cap = tile[3], (tile[4] if len(tile) > 4 else None)
+        r = compile_resources(fused_k._fused_k_kernel, FUSED_K_SIGNATURE, _fused_k_constexprs(tile, certify),
                               num_warps=warps, maxnreg=cap, arch=arch, options={"enable_fp_fusion": False})
         per_sm = programs_per_sm(r["registers"], warps)
         rows.append({"tile": tile, "certify": certify, **r, "programs_per_sm": per_sm,
-                     "waves": waves(-(-CHUNK_TOKENS // tpp), per_sm)})
+                     "waves": waves(-(-CHUNK_TOKENS // tile[0]), per_sm, sms)})
     return rows
 
 
@@ -161,19 +166,18 @@ def fused_k_rows_rocm(tiles, *, certify: int = 1, arch: str = "gfx950") -> list[
     """Per (tile, waves_per_eu) of ROCM_TILES' form: the fused K kernel's registers, spills and
     occupancy on `arch`, the programs (one per `warps` waves) resident on the device at once,
     and the waves a 16k-token chunk takes."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("TRITON_INTERPRET=1: the kernels are in interpreter mode; compile without it")
     from optimized.triton_kernels import fused_k
-    device, cus = ROCM_TARGETS.get(arch, (arch, 0))
+    if arch not in ROCM_TARGETS:
+        raise RuntimeError(f"{arch}: not an AMD target compiled for here ({', '.join(ROCM_TARGETS)})")
+    device, cus = ROCM_TARGETS[arch]
     rows = []
     for tile, wpe in tiles:
-        tpp, bt, u, warps = tile[:4]
-        r = compile_resources_rocm(fused_k._fused_k_kernel, FUSED_K_SIGNATURE,
-                                   dict(FUSED_K_CONSTEXPRS, TPP=tpp, BT=bt, U=u, CERTIFY=certify),
+        warps = tile[3]
+        r = compile_resources_rocm(fused_k._fused_k_kernel, FUSED_K_SIGNATURE, _fused_k_constexprs(tile, certify),
                                    num_warps=warps, arch=arch, waves_per_eu=wpe, options={"enable_fp_fusion": False})
         resident = r["occupancy"] * SIMDS_PER_CU * cus // warps
         rows.append({"tile": tile, "waves_per_eu": wpe, "certify": certify, "arch": arch, "device": device, **r,
-                     "resident": resident, "waves": math.ceil(-(-CHUNK_TOKENS // tpp) / resident) if resident else 0})
+                     "resident": resident, "waves": waves(-(-CHUNK_TOKENS // tile[0]), resident, 1)})
     return rows
 
 
@@ -206,8 +210,8 @@ def main(argv=None) -> int:
              f"{CHUNK_TOKENS}-token prefill chunk on {H100_SMS} SMs (an H100). Tile: tokens per program, writing "
              f"tokens pooled at once, undecided values refined at once, warps[, register cap]. The counts are "
              f"this Triton's: another version allocates differently (Triton 3.6 on an H100 compiled `(4, 1, 4, 1)` "
-             f"to 205 registers, 3.7.1's ptxas here to 159), so a wave count is a prediction for this compiler; "
-             f"the times are `make bench-gpu`'s.", "",
+             f"to 205 registers), so a wave count is a prediction for this compiler; the times are "
+             f"`make bench-gpu`'s.", "",
              "| tile | pooling | registers | spilled (stores/loads, bytes) | programs per SM | waves |",
              "|---|---|---|---|---|---|"]
     for r in rows:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from harness.errors import Parser, UsageError  # noqa: F401  (Parser: every command's parser)
+from harness.errors import UsageError
 
 
 def add_force(p) -> None:

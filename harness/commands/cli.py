@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Optional
 
 from harness.commands.args import (
-    Parser,
     add_case_timeout,
     add_common,
     add_force,
@@ -42,6 +41,7 @@ from harness.errors import (
     EXIT_OK,
     EXIT_USAGE,
     InputError,
+    Parser,
     UsageError,
 )
 from harness.io import atomic, console, env, escape
