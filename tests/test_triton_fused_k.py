@@ -25,6 +25,17 @@ def _split(kw, wk):
     return pooled, pages
 
 
+def _launch(kw, wk, tile, pooled_like=None):
+    """fused_k.launch at `tile` on a case's inputs: (its pages, its scratch rows or None)."""
+    from optimized.triton_kernels import fused_k
+    args = [kw[n] for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
+    out = wk["kv_cache"].clone()
+    p = None if pooled_like is None else torch.empty_like(pooled_like)
+    fused_k.launch(*args, wk["cos_sin_cache"], wk["norm_weight"], out, compress_ratio=4, norm_eps=wk["norm_eps"],
+                   page_size=wk["page_size"], shuffle=wk["shuffle"], rounding=wk["rounding"], tile=tile, pooled=p)
+    return out, p
+
+
 # every page size aiter accepts for each layout it picks (page_size % N == 0 and a multiple of
 # min(64, page_size)), and the natural layout
 @pytest.mark.parametrize("shuffle,page_size", [([32, 16, 2], 64), ([32, 16, 2], 32), ([32, 16, 2], 128),
@@ -49,10 +60,7 @@ def test_compiled_default_tile_interpreted(be, shuffle, page_size, rounding):
     from optimized.triton_kernels import fused_k
     kw, wk = fused_k_case(page_size + 1, shuffle, page_size, rounding)
     pooled, pages = _split(kw, wk)
-    args = [kw[n] for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
-    out, p = wk["kv_cache"].clone(), torch.empty_like(pooled)
-    fused_k.launch(*args, wk["cos_sin_cache"], wk["norm_weight"], out, compress_ratio=4, norm_eps=1e-6,
-                   page_size=page_size, shuffle=shuffle, rounding=rounding, tile=fused_k.COMPILED_TILE, pooled=p)
+    out, p = _launch(kw, wk, fused_k.COMPILED_TILE, pooled)
     assert torch.equal(out, pages)
     sel = ((kw["positions"] + 1) % 4 == 0) & (kw["kv_slot_mapping"] >= 0)
     assert same_bits(p[sel], pooled[sel])
@@ -73,14 +81,9 @@ def test_fused_tilings_and_no_scratch_row(be, tile):
     """The compiled tilings (interpreted), among them the writing tokens of a program
     compacted into fewer at once, and the production form (no pooled row stored) write the
     same pages; bytes the call does not own keep their values."""
-    from optimized.triton_kernels import fused_k
     kw, wk = fused_k_case(5, [32, 16, 2], 64)
     _, pages = _split(kw, wk)
-    args = [kw[n] for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
-    out = wk["kv_cache"].clone()
-    fused_k.launch(*args, wk["cos_sin_cache"], wk["norm_weight"], out, compress_ratio=4, norm_eps=1e-6,
-                   page_size=64, shuffle=[32, 16, 2], tile=tile)
-    assert torch.equal(out, pages)
+    assert torch.equal(_launch(kw, wk, tile)[0], pages)
 
 
 @pytest.mark.parametrize("tile", [(16, 4, 2, 1), (8, 1, 4, 1), (8, 1, 1, 1), (16, 4, 1, 1), (8, 1, 2, 1, 128)])
@@ -88,7 +91,6 @@ def test_fused_program_of_writing_tokens_only(be, tile):
     """A decode step's shape: every token is at its group's end (11 of 12 with a slot), so a
     program holds more writing tokens than it pools at once and takes them in turns. With
     one value refined a round, each pooled value on a bf16 midpoint (all of them refined)."""
-    from optimized.triton_kernels import fused_k
     kw, wk = fused_k_case(6, [32, 16, 2], 64)
     sel = (kw["positions"] + 1) % 4 == 0
     kw = dict(kw, **{n: kw[n][sel] for n in ("positions", "req_index", "kv_slot_mapping")})
@@ -97,10 +99,7 @@ def test_fused_program_of_writing_tokens_only(be, tile):
         from helpers import on_bf16_midpoints
         kw = on_bf16_midpoints(kw)
     pooled, pages = _split(kw, wk)
-    args = [kw[n] for n in ("state_cache", "block_table", "positions", "req_index", "kv_slot_mapping")]
-    out, p = wk["kv_cache"].clone(), torch.empty_like(pooled)
-    fused_k.launch(*args, wk["cos_sin_cache"], wk["norm_weight"], out, compress_ratio=4, norm_eps=1e-6,
-                   page_size=64, shuffle=[32, 16, 2], tile=tile, pooled=p)
+    out, p = _launch(kw, wk, tile, pooled)
     assert torch.equal(out, pages)
     written = kw["kv_slot_mapping"] >= 0
     assert same_bits(p[written], pooled[written]) and bool(p[~written].isnan().all())
