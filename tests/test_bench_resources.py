@@ -33,6 +33,25 @@ def test_the_fused_kernel_compiles_for_sm90_and_a_cap_holds():
     assert capped["programs_per_sm"] > free["programs_per_sm"]
 
 
+def test_the_compile_takes_the_launchs_alignment():
+    """A launch passes 16-byte-aligned pointers and strides, and Triton specializes on them:
+    the state rows are then read four floats a load. Compiled without saying so, every float is
+    its own load and the register counts are not the launch's."""
+    got = _fresh("""
+import json, re
+from harness.bench import resources as R
+from triton.backends.compiler import GPUTarget
+from optimized.triton_kernels import fused_k
+cx = R._fused_k_constexprs((8, 1, 2), 1)
+def v4(aligned):
+    k = R._compiled(fused_k._fused_k_kernel, R.FUSED_K_SIGNATURE, cx, GPUTarget("cuda", 90, 32),
+                    {"num_warps": 1, "enable_fp_fusion": False}, aligned)
+    return len(re.findall(r"ld\\.global(?:\\.\\w+)*\\.v4\\.b32", k.asm["ptx"]))
+print(json.dumps([v4(R.FUSED_K_ALIGNED), v4(())]))
+""")
+    assert got[0] >= 16 and got[1] == 0      # the [8, 128] kv and score tiles: 8 x 4 floats a lane each
+
+
 def test_the_fused_kernel_compiles_for_gfx950_and_waves_per_eu_holds():
     """The ROCm path's target: LLVM's own counts; asking 4 waves a SIMD of a kernel that
     holds 3 trades VGPRs spilled to scratch for the fourth."""

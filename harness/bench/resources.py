@@ -36,7 +36,7 @@ CHUNK_TOKENS = 16384              # make bench-gpu's fused-k chunk
 # warps[, registers per thread at most]). What sets the time is residency: a 16k-token chunk
 # has 16384 / TPP one-warp programs, an SM's 64k registers hold 65536 // (32 x registers, in
 # units of 256) of them, on 132 SMs. The certified pooling takes about 200 registers (Triton
-# 3.6 on an H100; 3.7.1's ptxas here: 159), so 4 tokens per program run in 3 or 4 waves;
+# 3.6 on an H100: 205; 3.7.1's ptxas here: 209), so 4 tokens per program run in 4 waves;
 # capped at 128 (about 100 bytes a thread spilled) 16 fit, and 8 tokens per program are one
 # wave. Caps below 128 spill hundreds of bytes (measured 2 to 3.5x slower)
 FUSED_TILES = [(8, 1, 2, 1, 128), (8, 1, 4, 1, 128), (8, 1, 1, 1, 128), (8, 1, 2, 1), (8, 1, 4, 1),
@@ -57,25 +57,30 @@ def ptxas() -> str:
     return path
 
 
-def _compiled(fn, signature: dict, constexprs: dict, target, options: dict):
-    """`fn` compiled by Triton for `target` with these argument types, constexprs and options."""
+def _compiled(fn, signature: dict, constexprs: dict, target, options: dict, aligned=()):
+    """`fn` compiled by Triton for `target` with these argument types, constexprs and options.
+    `aligned`: the arguments a launch passes as multiples of 16 (pointers from allocations,
+    strides): Triton's launcher specializes on that, and its vector loads (so its register
+    counts) follow from it, so a compile that is to predict a launch says so too."""
     import triton
     from triton.compiler import ASTSource
     sig = dict(signature)
     sig.update({k: "constexpr" for k in constexprs})
-    return triton.compile(ASTSource(fn, sig, constexprs), target=target, options=options)
+    names = list(signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target, options=options)
 
 
 def compile_resources(fn, signature: dict, constexprs: dict, *, num_warps: int, maxnreg: Optional[int] = None,
-                      arch: int = 90, options: Optional[dict] = None) -> dict:
+                      arch: int = 90, options: Optional[dict] = None, aligned=()) -> dict:
     """{registers, spill_stores, spill_loads} of `fn` (a @triton.jit function, not in
     interpreter mode) compiled for sm_`arch` (one of ARCHS) with these argument types and
-    constexprs."""
+    constexprs, the `aligned` ones multiples of 16 (`_compiled`)."""
     if arch not in ARCHS:
         raise RuntimeError(f"sm_{arch}: not a target compiled for here ({', '.join(map(str, ARCHS))})")
     from triton.backends.compiler import GPUTarget
     opts = {"num_warps": num_warps, **(options or {}), **({"maxnreg": maxnreg} if maxnreg else {})}
-    k = _compiled(fn, signature, constexprs, GPUTarget("cuda", arch, 32), opts)
+    k = _compiled(fn, signature, constexprs, GPUTarget("cuda", arch, 32), opts, aligned)
     with tempfile.TemporaryDirectory(prefix="mxval-ptxas-") as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
@@ -98,7 +103,7 @@ def _field(text: str, pattern: str, where: str) -> int:
 
 
 def compile_resources_rocm(fn, signature: dict, constexprs: dict, *, num_warps: int, arch: str = "gfx950",
-                           waves_per_eu: Optional[int] = None, options: Optional[dict] = None) -> dict:
+                           waves_per_eu: Optional[int] = None, options: Optional[dict] = None, aligned=()) -> dict:
     """{vgprs, agprs, sgprs, vgpr_spills, sgpr_spills, scratch_bytes, occupancy} of `fn`
     compiled for AMD `arch` (one of ROCM_TARGETS), as the AMDGPU backend reports them in the
     kernel's assembly: registers per lane, registers spilled (VGPRs to scratch memory; SGPRs
@@ -108,7 +113,7 @@ def compile_resources_rocm(fn, signature: dict, constexprs: dict, *, num_warps: 
     from triton.backends.compiler import GPUTarget
     opts = {"num_warps": num_warps, **(options or {}), **({"waves_per_eu": waves_per_eu} if waves_per_eu else {})}
     try:
-        k = _compiled(fn, signature, constexprs, GPUTarget("hip", arch, 64), opts)
+        k = _compiled(fn, signature, constexprs, GPUTarget("hip", arch, 64), opts, aligned)
     except Exception as e:            # noqa: BLE001 - no AMD backend in this Triton, or it failed
         raise RuntimeError(f"compiling for {arch}: {type(e).__name__}: {str(e).strip()[-300:]}") from None
     asm, where = k.asm.get("amdgcn", ""), f"the {arch} assembly"
@@ -133,6 +138,12 @@ FUSED_K_SIGNATURE = dict(state_ptr="*fp32", table_ptr="*i32", pos_ptr="*i64", re
                          cs_ptr="*fp32", w_ptr="*fp32", cache_ptr="*u8", pooled_ptr="*u8", T="i32",
                          block_size="i32", table_stride="i32", row_stride="i32", block_stride="i32",
                          page_stride="i32", cs_stride="i32", eps="fp32")
+# what the chunk's launch passes as multiples of 16, which Triton's launcher specializes on
+# (every pointer; the state cache's 256-row blocks of 512 floats, the 4,352-byte pages, the
+# 64-float RoPE rows): without it the state rows are read one float at a time, not four, and
+# the register counts are not the launch's
+FUSED_K_ALIGNED = ("state_ptr", "table_ptr", "pos_ptr", "req_ptr", "slot_ptr", "cs_ptr", "w_ptr", "cache_ptr",
+                   "pooled_ptr", "block_size", "row_stride", "block_stride", "page_stride", "cs_stride")
 FUSED_K_CONSTEXPRS = dict(D=128, R=64, RATIO=4, WP=8, PAGE=64, SHUF_N=32, SHUF_DT=16, SHUF_L=2, ROUNDING=0, RULE=0,
                           STORE_POOLED=False, SPAN2=True)
 
@@ -155,7 +166,8 @@ def fused_k_rows(tiles, *, certify: int = 1, arch: int = 90, sms: int = H100_SMS
     for tile in tiles:
         warps, cap = tile[3], (tile[4] if len(tile) > 4 else None)
         r = compile_resources(fused_k._fused_k_kernel, FUSED_K_SIGNATURE, _fused_k_constexprs(tile, certify),
-                              num_warps=warps, maxnreg=cap, arch=arch, options={"enable_fp_fusion": False})
+                              num_warps=warps, maxnreg=cap, arch=arch, options={"enable_fp_fusion": False},
+                              aligned=FUSED_K_ALIGNED)
         per_sm = programs_per_sm(r["registers"], warps)
         rows.append({"tile": tile, "certify": certify, **r, "programs_per_sm": per_sm,
                      "waves": waves(-(-CHUNK_TOKENS // tile[0]), per_sm, sms)})
@@ -174,7 +186,8 @@ def fused_k_rows_rocm(tiles, *, certify: int = 1, arch: str = "gfx950") -> list[
     for tile, wpe in tiles:
         warps = tile[3]
         r = compile_resources_rocm(fused_k._fused_k_kernel, FUSED_K_SIGNATURE, _fused_k_constexprs(tile, certify),
-                                   num_warps=warps, arch=arch, waves_per_eu=wpe, options={"enable_fp_fusion": False})
+                                   num_warps=warps, arch=arch, waves_per_eu=wpe, options={"enable_fp_fusion": False},
+                                   aligned=FUSED_K_ALIGNED)
         resident = r["occupancy"] * SIMDS_PER_CU * cus // warps
         rows.append({"tile": tile, "waves_per_eu": wpe, "certify": certify, "arch": arch, "device": device, **r,
                      "resident": resident, "waves": waves(-(-CHUNK_TOKENS // tile[0]), resident, 1)})
@@ -208,9 +221,10 @@ def main(argv=None) -> int:
     lines = [f"## Fused K kernel resources (sm_{a.arch})", "",
              f"Compiled with Triton {triton.__version__} and its ptxas for sm_{a.arch} (no GPU needed); a "
              f"{CHUNK_TOKENS}-token prefill chunk on {H100_SMS} SMs (an H100). Tile: tokens per program, writing "
-             f"tokens pooled at once, undecided values refined at once, warps[, register cap]. The counts are "
-             f"this Triton's: another version allocates differently (Triton 3.6 on an H100 compiled `(4, 1, 4, 1)` "
-             f"to 205 registers), so a wave count is a prediction for this compiler; the times are "
+             f"tokens pooled at once, undecided values refined at once, warps[, register cap]. Compiled as the "
+             f"chunk's launch specializes it (its pointers and strides multiples of 16: four-float loads of the "
+             f"state rows); the counts are this Triton's, so a wave count is a prediction for this compiler "
+             f"(Triton 3.6 on an H100 compiled `(4, 1, 4, 1)` to 205 registers); the times are "
              f"`make bench-gpu`'s.", "",
              "| tile | pooling | registers | spilled (stores/loads, bytes) | programs per SM | waves |",
              "|---|---|---|---|---|---|"]
