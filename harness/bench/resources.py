@@ -35,18 +35,18 @@ CHUNK_TOKENS = 16384              # make bench-gpu's fused-k chunk
 # them. (tokens per program, writing tokens pooled at once, undecided values refined at once,
 # warps[, registers per thread at most]). What sets the time is residency: a 16k-token chunk
 # has 16384 / TPP one-warp programs, an SM's 64k registers hold 65536 // (32 x registers, in
-# units of 256) of them, on 132 SMs. The certified pooling takes about 200 registers (Triton
-# 3.6 on an H100: 205; 3.7.1's ptxas here: 209), so 4 tokens per program run in 4 waves;
-# capped at 128 (about 100 bytes a thread spilled) 16 fit, and 8 tokens per program are one
-# wave. Caps below 128 spill hundreds of bytes (measured 2 to 3.5x slower)
-FUSED_TILES = [(8, 1, 2, 1, 128), (8, 1, 4, 1, 128), (8, 1, 1, 1, 128), (8, 1, 2, 1), (8, 1, 4, 1),
-               (16, 1, 2, 1, 128), (4, 1, 4, 1), (4, 1, 2, 1), (4, 1, 1, 1), (4, 1, 4, 1, 128), (1, 1, 4, 1)]
+# units of 256) of them, on 132 SMs. The certified kernel fits 128 registers (Triton 3.6 on an
+# H200: no spill; 3.7.1: 4 bytes), so 16 programs a SM and 8 tokens per program are one wave; uncapped,
+# some tilings take 150 to 170 and run in two or three. Caps below 128 spill hundreds of
+# bytes (measured 2 to 3.5x slower with an earlier form of the kernel)
+FUSED_TILES = [(8, 1, 1, 1, 128), (8, 1, 2, 1, 128), (8, 1, 4, 1, 128), (8, 1, 1, 1), (8, 1, 2, 1), (8, 1, 4, 1),
+               (16, 1, 1, 1, 128), (4, 1, 1, 1, 128), (4, 1, 4, 1), (4, 1, 1, 1), (1, 1, 4, 1)]
 # AMD targets compiled for here: (device, compute units); wave64, 4 SIMDs a CU
 ROCM_TARGETS = {"gfx950": ("MI355X", 256), "gfx942": ("MI300X", 304)}
 SIMDS_PER_CU = 4
 # the fused K kernel's ROCm rows: (tile without CUDA's register cap, waves_per_eu asked or None)
-ROCM_TILES = [((8, 1, 2, 1), None), ((8, 1, 2, 1), 4), ((8, 1, 2, 2), None), ((4, 1, 4, 1), None),
-              ((4, 1, 1, 1), None), ((16, 1, 2, 1), None)]
+ROCM_TILES = [((8, 1, 1, 1), None), ((8, 1, 2, 1), None), ((8, 1, 1, 1), 4), ((8, 1, 1, 2), None),
+              ((4, 1, 1, 1), None), ((16, 1, 1, 1), None)]
 
 
 def ptxas() -> str:
@@ -206,14 +206,14 @@ def main(argv=None) -> int:
               f"({', '.join(map(str, ARCHS))})", file=sys.stderr)
         return 2
     try:
-        rows = fused_k_rows(FUSED_TILES, arch=a.arch) + fused_k_rows([(8, 1, 2, 1, 128), (4, 1, 4, 1)], certify=2,
+        rows = fused_k_rows(FUSED_TILES, arch=a.arch) + fused_k_rows([(8, 1, 1, 1, 128), (4, 1, 4, 1)], certify=2,
                                                                      arch=a.arch)
     except RuntimeError as e:
         print(f"mxval: bench resources: {e}", file=sys.stderr)
         return 2
     try:                                          # a Triton without its AMD backend keeps the CUDA table
         amd, amd_missing = (fused_k_rows_rocm(ROCM_TILES, arch=a.rocm_arch)
-                            + fused_k_rows_rocm([((8, 1, 2, 1), None), ((4, 1, 4, 1), None)], certify=2,
+                            + fused_k_rows_rocm([((8, 1, 1, 1), None), ((4, 1, 4, 1), None)], certify=2,
                                                 arch=a.rocm_arch)), None
     except RuntimeError as e:
         amd, amd_missing = [], str(e)

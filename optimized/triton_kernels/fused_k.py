@@ -34,7 +34,7 @@ from reference.k_writer import check_mxfp4_k_writer
 from reference.pooling import check_pool_args
 
 from ..common import on_device, reject_hadamard, scale_rule_code
-from .interp import INTERPRETED, LAUNCH, bf16_bits, bf16_round, exp_f32, tile
+from .interp import INTERPRETED, LAUNCH, bf16_bits, bf16_round, tile
 from .k_writer import write_entries
 from .numerics import ROUNDING_CODES, SCALE_RULE_CODES, writing_tokens
 from .pooling import _check_windows, pool_window, softmax_pool_f64, window_rows, window_tile
@@ -43,35 +43,45 @@ from .pooling import _check_windows, pool_window, softmax_pool_f64, window_rows,
 # once, warps[, registers per thread at most]): compiled, 2 x RATIO tokens per program (a
 # prefill chunk's programs each write about two entries, one at a time) capped at 128
 # registers, so that a 16k-token chunk's 2,048 one-warp programs are resident at once on an
-# H100's 132 SMs (16 per SM; uncapped, the certified pooling takes about 200 and 10 fit: two
-# waves), at the price of about 100 bytes a thread spilled; `make bench-gpu`'s sweep times the others
-# (docs/fused-k.md). The cap is CUDA's (`maxnreg`); elsewhere the compiler's own allocation.
-# The interpreter's wide tile: few programs.
-COMPILED_TILE = (8, 1, 2, 1, 128)
+# H100's or H200's 132 SMs (16 per SM: one wave; the kernel fits the cap, a few bytes spilled at most),
+# and one undecided value refined a round (the refinement's shortest chain: a row rarely
+# has more than one). `make bench-gpu`'s sweep times the others (docs/fused-k.md). The cap
+# is CUDA's (`maxnreg`); elsewhere the compiler's own allocation. The interpreter's wide
+# tile: few programs.
+COMPILED_TILE = (8, 1, 1, 1, 128)
 TILE = tile(COMPILED_TILE, (1024, 256, 32, 4))
 
 # The certified fp32 pooling (`pool_bf16`). With u = 2**-24, the kernel computes, in fp32,
-# a_i = s_i - max, e_i = expf(a_i) (within 2 ulp), S = sum e, 1/S and w_i = e_i * (1/S)
-# correctly rounded, t_i = w_i * kv_i and c = sum t (any order). To first order, with E_i, S*,
-# t*_i, c* the exact values: e_i = E_i (1 + eta_i), |eta_i| <= 4u + u |a_i| (the exp and
-# the rounding of its argument); S = sum_i E_i (1 + eta_i + theta_i), |theta_i| <= 7u (8
-# positive terms); so every t_i carries the same factor S*/S (1 + rho), whose error is at most
-# u + sum_i w*_i (11u + u |a_i|) <= 13.1u (the softmax-weighted mean of |a| is below 1.1 for 8
-# slots: at most 0.98, with 7 slots 2.1 below the max), and its own errors eta_i and two
-# roundings (the weight, the product): 6u + u |a_i|; the sum of the terms adds 7u sum |t_i|.
-# So |c - c*| <= sum_i |t_i| (13u + u |a_i|) + 13.1u |c|: the error common to every term
-# scales with |c|, and only the per-term errors with sum |t| (large where the terms cancel).
-# Plus 2**-126 |kv_i| where an exp underflows and at most 2**-126 per operation in the
-# subnormal range (were it flushed to zero). The bound below takes 16u and 2u per term,
-# 16u |c| and |c| 2**-22 for the rounding of c -+ bound itself, 2**-125 |kv_i| and 2**-120.
-# (On the CPU, over 8 million random windows with scores spread 0.1 to 50 and kv from 1e-20
-# to 1e20, the fp32 error reached at most 0.24 of this bound; the bound leaves 0.2 % to 0.6 %
-# of the values of normal data undecided.)
+# a_i = s_i - max, e_i = exp2(a_i * log2 e) (the hardware's exp2: 2 ulp at most, CUDA's
+# exp2f and ROCm's v_exp_f32; ex2.approx.ftz.f32 measured over every input <= 0 on an H200:
+# 2.42u relative at most, results below 2**-126 flushed to 0), S = sum e, 1/S within 2 ulp
+# (the full-range divide Triton emits for `/`: PTX's div.full.f32, documented at 2 ulp at
+# most, 1.65u measured over every S in [1, 8] on an H200; ROCm's is tighter; a correctly
+# rounded divide is a subroutine whose registers spill at the register cap), w_i = e_i *
+# (1/S) and t_i = w_i * kv_i rounded, and c = sum t (any order). To first order, with E_i,
+# S*, t*_i, c* the exact values: e_i = E_i (1 + eta_i), |eta_i| <= 4u + 3u |a_i| (the exp2,
+# and the three roundings of its argument: s_i - max, log2 e, the product); S = sum_i E_i
+# (1 + eta_i + theta_i), |theta_i| <= 7u (8 positive terms); so every t_i carries the same
+# factor S*/S (1 + rho), whose error is at most 4u (the reciprocal) + sum_i w*_i (11u + 3u
+# |a_i|) <= 18u (the softmax-weighted mean of |a| is below 1 for 8 slots: at most 0.98,
+# with 7 slots 2.1 below the max), and its own errors eta_i and two roundings (the weight,
+# the product): 6u + 3u |a_i|; the sum of the terms adds 7u sum |t_i|. So |c - c*| <=
+# sum_i |t_i| (13u + 3u |a_i|) + 18u |c|: the error common to every term scales with |c|,
+# and only the per-term errors with sum |t| (large where the terms cancel). Plus 2**-126
+# |kv_i| / S where an exp2 underflows or is flushed (S is about 1 or more) and at most 2**-126 per
+# operation in the subnormal range. The bound below takes 16u and 4u per term (one FMA
+# each), 20u |c| and |c| 2**-22 for the rounding of c -+ bound itself, 2**-125 |kv_i| and
+# 2**-120. (Over 5 million random windows on the CPU, scores spread 0.1 to 50, kv from 1e-20
+# to 1e20, with numpy's exp2 and divide, tighter than the hardware's: the fp32 error reached
+# at most 0.21 of the bound. It leaves 0.14 % to 0.54 % of the values of normal data
+# undecided, for score spreads 8 to 0.5: a tenth more than a bound with expf and a correctly
+# rounded reciprocal.)
 _B_TERM: tl.constexpr = tl.constexpr(2.0 ** -20)
-_B_ARG: tl.constexpr = tl.constexpr(2.0 ** -23)
+_B_ARG: tl.constexpr = tl.constexpr(2.0 ** -22)
 _B_KV: tl.constexpr = tl.constexpr(2.0 ** -125)
-_B_C: tl.constexpr = tl.constexpr(2.0 ** -20 + 2.0 ** -22)
+_B_C: tl.constexpr = tl.constexpr(2.0 ** -20 + 2.0 ** -21)
 _B_TINY: tl.constexpr = tl.constexpr(2.0 ** -120)
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -88,13 +98,13 @@ def pool_bf16(state_ptr, off, m3, D: tl.constexpr):
     kv = tl.load(state_ptr + off, mask=m3, other=0.0)
     mx = tl.max(s, axis=0)
     a = s - mx[None, :, :]
-    e = exp_f32(a)
+    e = tl.math.exp2(a * _LOG2E)
     total = tl.sum(e, axis=0)
-    inv = tl.div_rn(tl.full(total.shape, 1.0, tl.float32), total)
+    inv = 1.0 / total
     t = (e * inv[None, :, :]) * kv
     c = tl.sum(t, axis=0)
-    arg = tl.where(m3, tl.abs(a), 0.0)
-    bound = (tl.sum(tl.abs(t) * (_B_TERM + _B_ARG * arg) + tl.abs(kv) * _B_KV, axis=0)
+    arg = tl.where(m3, tl.abs(a), 0.0)                   # a masked slot's -inf weighs nothing
+    bound = (tl.sum(tl.fma(tl.abs(t), tl.fma(arg, _B_ARG, _B_TERM), tl.abs(kv) * _B_KV), axis=0)
              + tl.abs(c) * _B_C + _B_TINY)
     lo = bf16_bits(c - bound)
     hi = bf16_bits(c + bound)

@@ -10,7 +10,7 @@ compiled, it is the plain primitive. Faults handled (seen with triton 3.6/3.7):
 * fp32 -> fp8 casts are wrong in ~2% of cases                       -> fp8 is encoded by bit
   arithmetic in numerics.py in both modes (no cast anywhere)
 * tl.dot on bf16 operands gives garbage                             -> `mma_operand` (fp32)
-* libdevice / inline_asm do not run                                 -> `exp_f64`, `exp_f32`,
+* libdevice / inline_asm do not run                                 -> `exp_f64`,
   `e2m1_pair_operands` (inline PTX when compiled for NVIDIA; plain Triton elsewhere)
 * launch options such as enable_fp_fusion are compile options       -> `LAUNCH`
 * triton's own library (tl.sum, tl.cdiv...) is decorated at import: triton imported before
@@ -92,15 +92,6 @@ def mma_operand(x):
 @triton.jit
 def exp_f64(x):
     """exp in fp64 (libdevice when compiled; numpy in the interpreter)."""
-    if INTERPRETED:
-        return tl.exp(x)
-    else:
-        return _libdevice.exp(x)
-
-
-@triton.jit
-def exp_f32(x):
-    """exp in fp32 within 2 ulp (libdevice's expf when compiled; numpy in the interpreter)."""
     if INTERPRETED:
         return tl.exp(x)
     else:
