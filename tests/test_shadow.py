@@ -705,6 +705,50 @@ def test_overhead_verdict_reads_the_spread():
     assert line(3.5, 1.0).endswith("(target <= 3 %: NOT met, the target within the spread)")
 
 
+def test_hook_cost_is_measured_without_the_device_and_is_not_zero():
+    """The installed hook's own cost per eager step, on the CPU with ops that do nothing:
+    positive beyond its spread (the step's calls through the wrappers' idle path), nothing
+    sampled, and a raw step's time beside it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    # in a fresh interpreter: the stubs' signatures come with the kernels imported compiled,
+    # which would keep this process's later tests from the interpreter
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from harness.bench import shadow as b; "
+            "print(json.dumps(b.hook_cost(dict(layers=2, batch=4, context=64), steps=4000, blocks=20)))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=os.getcwd(),
+                       env={**env, "PYTHONPATH": os.getcwd()})
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["sampled"] == 0 and r["raw_us"] > 0
+    assert r["us"] > r["spread_us"] > 0, r
+
+
+def test_by_parts_takes_the_sampled_steps_cost_from_the_row_that_sampled_most():
+    from harness.bench import shadow as bench
+    ck = "process, reference on the host"
+    row = lambda rate, added, spread, sampled, checker=ck: {
+        "mode": "eager", "checker": checker, "rate": rate, "s_per_step": 2e-3, "base_s": 2e-3, "added_pct": added,
+        "spread_pct": spread, "steps": 6000, "counts": {"sampled": sampled}}
+    rows = [row(bench.IDLE_RATE, 0.5, 1.0, 0), row(1 / 1000, 9.0, 8.0, 5), row(1 / 100, 11.0, 6.0, 60),
+            row(1 / 100, 90.0, 6.0, 600, "thread, reference on the serving GPU")]
+    p = bench.by_parts(rows, 10.0, ck)
+    # the 1/100 row: 11 % of 2 ms over 6000 steps, less the hook's 10 us a step, over 60 samples
+    sample = (0.11 * 2e-3 * 6000 - 10e-6 * 6000) / 60
+    assert p["from_rate"] == 1 / 100 and p["sample_ms"] == pytest.approx(sample * 1e3)
+    assert p["pct"] == pytest.approx((10e-6 + sample / 1000) / 2e-3 * 100)
+    assert p["sample_lo_ms"] == pytest.approx((0.05 * 2e-3 * 6000 - 10e-6 * 6000) / 60 * 1e3)
+    assert p["lo_pct"] < p["pct"] < p["hi_pct"]
+    assert bench.by_parts(rows[:1], 10.0, ck) is None and bench.by_parts(rows, 10.0, "nobody") is None
+    text = "\n".join(bench.table(rows, None, None, None, shape=BENCH_SHAPE, machine="CPU",
+                                 hook={"us": 10.0, "spread_us": 1.0}))
+    assert "own cost, nothing sampled, measured without the device" in text and "10.0 µs ± 1.0 a step" in text
+    assert f"{ck}, at 1/1000 by parts: the hook's 10.0 µs + 1/1000 of a sampled step's {sample * 1e3:.1f} ms" in text
+    assert "target <= 3 %: met)" in text.split("by parts")[1].splitlines()[0]
+
+
 def test_bench_stopped_checker_and_overhead_rows(interpreted):
     k = interpreted.killed(BENCH_SHAPE, steps=8, mode="eager", device="cpu")
     assert k["served"] == 8 and k["stopped_at"] and k["lost"] == 0 and k["logged"] >= 2
