@@ -52,11 +52,12 @@ COMPILED_TILE = (8, 1, 1, 1, 128)
 TILE = tile(COMPILED_TILE, (1024, 256, 32, 4))
 
 # The certified fp32 pooling (`pool_bf16`). With u = 2**-24, the kernel computes, in fp32,
-# a_i = s_i - max, e_i = exp2(a_i * log2 e) (the hardware's exp2: 2 ulp at most, CUDA's
-# exp2f and ROCm's v_exp_f32; ex2.approx.ftz.f32 measured over every input <= 0 on an H200:
-# 2.42u relative at most, results below 2**-126 flushed to 0), S = sum e, 1/S within 2 ulp
-# (the full-range divide Triton emits for `/`: PTX's div.full.f32, documented at 2 ulp at
-# most, 1.65u measured over every S in [1, 8] on an H200; ROCm's is tighter; a correctly
+# a_i = s_i - max, e_i = exp2(a_i * log2 e) (the hardware's exp2, taken as 2 ulp at most:
+# CUDA documents exp2f so; ex2.approx.ftz.f32 measured over every input <= 0 on an H200:
+# 2.42u relative at most, results below 2**-126 flushed to 0; ROCm's v_exp_f32 is assumed
+# within it, not measured here), S = sum e, 1/S within 2 ulp (the full-range divide Triton
+# emits for `/`: PTX's div.full.f32, documented at 2 ulp at most, 1.65u measured over every
+# S in [1, 8] on an H200; ROCm's divide assumed within it, not measured here; a correctly
 # rounded divide is a subroutine whose registers spill at the register cap), w_i = e_i *
 # (1/S) and t_i = w_i * kv_i rounded, and c = sum t (any order). To first order, with E_i,
 # S*, t*_i, c* the exact values: e_i = E_i (1 + eta_i), |eta_i| <= 4u + 3u |a_i| (the exp2,
