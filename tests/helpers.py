@@ -22,6 +22,21 @@ DATA = Path(__file__).resolve().parent / "data"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 
 
+def fresh_json(code: str):
+    """The last stdout line (JSON) of `code` run in a fresh interpreter without
+    TRITON_INTERPRET, from the repository root: for what compiles the kernels, which a test
+    process that already holds them in interpreter mode (or must keep them there) cannot."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root,
+                       env={**env, "PYTHONPATH": root})
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit, NaN payloads and signed zeros included."""
     if a.dtype != b.dtype or a.shape != b.shape:

@@ -1,9 +1,6 @@
 """harness.bench.resources: a kernel's registers, spills and residency on an NVIDIA SM or an
 AMD CU, from a compile on any machine (Triton's ptxas; Triton's AMD backend)."""
-import json
-import os
-import subprocess
-import sys
+from helpers import fresh_json
 
 from harness.bench import resources as R
 
@@ -15,18 +12,9 @@ def test_residency_arithmetic():
     assert [R.waves(4096, n) for n in (12, 16, 32)] == [3, 2, 1] and R.waves(4224, 32) == 1 and R.waves(4225, 32) == 2
 
 
-def _fresh(code: str):
-    """The last stdout line of `code` (JSON) run in a fresh interpreter without TRITON_INTERPRET."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=os.getcwd(),
-                       env={**env, "PYTHONPATH": os.getcwd()})
-    assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 def test_the_fused_kernel_compiles_for_sm90_and_a_cap_holds():
     """In a fresh interpreter (this one may hold the kernels in interpreter mode)."""
-    free, capped = _fresh("import json; from harness.bench.resources import fused_k_rows; "
+    free, capped = fresh_json("import json; from harness.bench.resources import fused_k_rows; "
                           "print(json.dumps(fused_k_rows([(4, 1, 4, 1), (4, 1, 4, 1, 96)])))")
     assert 96 < free["registers"] <= 255 and free["spill_stores"] == 0
     assert capped["registers"] <= 96 and capped["spill_stores"] > 0          # the cap is what ptxas obeyed
@@ -37,7 +25,7 @@ def test_the_compile_takes_the_launchs_alignment():
     """A launch passes 16-byte-aligned pointers and strides, and Triton specializes on them:
     the state rows are then read four floats a load. Compiled without saying so, every float is
     its own load and the register counts are not the launch's."""
-    got = _fresh("""
+    got = fresh_json("""
 import json, re
 from harness.bench import resources as R
 from triton.backends.compiler import GPUTarget
@@ -55,7 +43,7 @@ print(json.dumps([v4(R.FUSED_K_ALIGNED), v4(())]))
 def test_the_fused_kernel_compiles_for_gfx950_and_waves_per_eu_holds():
     """The ROCm path's target: LLVM's own counts; asking 4 waves a SIMD of a kernel that
     holds 3 trades VGPRs spilled to scratch for the fourth."""
-    free, asked = _fresh("import json; from harness.bench.resources import fused_k_rows_rocm; "
+    free, asked = fresh_json("import json; from harness.bench.resources import fused_k_rows_rocm; "
                          "print(json.dumps(fused_k_rows_rocm([((8, 1, 2, 1), None), ((8, 1, 2, 1), 4)])))")
     assert free["device"] == "MI355X" and 64 < free["vgprs"] <= 512 and free["scratch_bytes"] == 0
     assert free["occupancy"] == 512 // (-(-(free["vgprs"] + free["agprs"]) // 8) * 8)      # VGPRs bind here

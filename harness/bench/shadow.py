@@ -189,12 +189,12 @@ def _stubs() -> dict:
 def hook_cost(shape: dict, *, steps: int = 20000, blocks: int = 40) -> dict:
     """The installed shadow's own cost per eager step, nothing sampled, without the device:
     the decode loop's step on the CPU with ops that do nothing (`_stubs`), raw against found
-    through the installed hook, as `overhead`'s eager rows call them. What is left is host
-    work alone (a step's calls through the wrappers' idle path, the anchor op's step count,
-    the ops looked up at each step), which an eager serving step, bound by its host thread,
-    pays in full. {us: microseconds per step (mean of the paired blocks' differences),
-    spread_us: two standard errors, raw_us: a step with raw stubs}."""
-    steps_per = max(1, steps // blocks)
+    through the installed hook, as `overhead`'s eager rows call them, `steps` of each in
+    `blocks` alternating blocks (`in_turns`). What is left is host work alone (a step's calls
+    through the wrappers' idle path, the anchor op's step count, the ops looked up at each
+    step), which an eager serving step, bound by its host thread, pays in full. {us:
+    microseconds per step, spread_us: two standard errors of the blocks' differences,
+    raw_us: a step with raw stubs, sampled}."""
     with upstream_modules(_stubs()), tempfile.TemporaryDirectory(prefix="mxval-hook-") as tmp:
         loop = _loop(shape, "cpu")
         raw = ops()
@@ -202,20 +202,13 @@ def hook_cost(shape: dict, *, steps: int = 20000, blocks: int = 40) -> dict:
         with shadowed(tmp, IDLE_RATE, layers=shape["layers"], checker="thread") as sh:
             sh.ready.wait(120)
             on = loop.step
-            for run in (off, on):
+            for run in (off, on):                              # warm: first calls bind and cache
                 for _ in range(64):
                     _step(loop, run)
-            diffs, base = [], []
-            for i in range(blocks):
-                t = {}
-                for side, run in (("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off)):
-                    t[side] = _time(loop, run, steps_per, "cpu")
-                diffs.append(t["on"] - t["off"])
-                base.append(t["off"])
+            per_block = max(1, steps // blocks)
+            tt = in_turns(loop, off, on, steps=per_block * BLOCKS, repeats=max(1, blocks // BLOCKS), device="cpu")
             counts = sh.snapshot()
-    mean = sum(diffs) / blocks
-    se = (sum((d - mean) ** 2 for d in diffs) / (blocks - 1) / blocks) ** 0.5
-    return {"us": mean * 1e6, "spread_us": 2 * se * 1e6, "raw_us": sorted(base)[blocks // 2] * 1e6,
+    return {"us": (tt.on - tt.off) * 1e6, "spread_us": tt.spread_pct / 100 * tt.off * 1e6, "raw_us": tt.off * 1e6,
             "sampled": counts.get("sampled", 0)}
 
 
