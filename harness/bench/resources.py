@@ -35,8 +35,8 @@ CHUNK_TOKENS = 16384              # make bench-gpu's fused-k chunk
 # them. (tokens per program, writing tokens pooled at once, undecided values refined at once,
 # warps[, registers per thread at most]). What sets the time is residency: a 16k-token chunk
 # has 16384 / TPP one-warp programs, an SM's 64k registers hold 65536 // (32 x registers, in
-# units of 256) of them, on 132 SMs. The certified kernel fits 128 registers (Triton 3.6 on an
-# H200: no spill; 3.7.1: 4 bytes), so 16 programs a SM and 8 tokens per program are one wave; uncapped,
+# units of 256) of them, on 132 SMs. The certified kernel fits 128 registers (Triton 3.7.1: 4
+# bytes spilled at the default), so 16 programs a SM and 8 tokens per program are one wave; uncapped,
 # some tilings take 150 to 170 and run in two or three. Caps below 128 spill hundreds of
 # bytes (measured 2 to 3.5x slower with an earlier form of the kernel)
 FUSED_TILES = [(8, 1, 1, 1, 128), (8, 1, 2, 1, 128), (8, 1, 4, 1, 128), (8, 1, 1, 1), (8, 1, 2, 1), (8, 1, 4, 1),
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
              f"tokens pooled at once, undecided values refined at once, warps[, register cap]. Compiled as the "
              f"chunk's launch specializes it (its pointers and strides multiples of 16: four-float loads of the "
              f"state rows); the counts are this Triton's, so a wave count is a prediction for this compiler "
-             f"(Triton 3.6 on an H100 compiled `(4, 1, 4, 1)` to 205 registers); the times are "
+             f"(`make bench-gpu` notes what the GPU's own Triton compiles); the times are "
              f"`make bench-gpu`'s.", "",
              "| tile | pooling | registers | spilled (stores/loads, bytes) | programs per SM | waves |",
              "|---|---|---|---|---|---|"]
